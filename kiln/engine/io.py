@@ -1,0 +1,92 @@
+"""Messages between the API side (tokenizer, detokenizer, HTTP) and the scheduler.
+
+They are plain dataclasses: pickled over ZMQ between processes, passed as objects in-process
+(the offline `Engine`). Token ids only: no text ever reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kiln.engine.request import SamplingParams
+
+# One logprob entry: (logprob of the token, [(token_id, logprob), ...] top alternatives).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class GenerateReq:
+    """A tokenized request. `n > 1` in params is expanded by the sender into `n` GenerateReqs
+    whose rids are `f"{rid}-{i}"`; the scheduler always sees n == 1."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_routed_experts: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class StatsReq:
+    """Ask the scheduler for a `SchedulerStats` snapshot."""
+
+
+@dataclass
+class ReqOutput:
+    """What one request produced in one scheduler step (incremental)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None  # FinishReason value
+    # The stop token id / matched stop that ended the request, when finish_reason == "stop"
+    matched_stop: Optional[int] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent once, when complete
+    error: Optional[str] = None  # set when the scheduler rejected the request
+
+
+@dataclass
+class BatchOutput:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class FlushCacheResult:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges and counters the server exports on /metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    prompt_tokens_total: int = 0  # counters since start
+    cached_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_retractions_total: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / max(1, self.kv_total_tokens)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / max(1, self.prompt_tokens_total)

@@ -1,0 +1,161 @@
+"""Requests as the engine sees them: sampling parameters, finish reasons, and `Req`.
+
+`SamplingParams` is the user-facing contract (OpenAI / SGLang / vLLM names). `Req` is one
+sequence inside the scheduler; a request with `n > 1` becomes `n` `Req`s that share their prompt
+through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class SamplingParamsError(ValueError):
+    """A user-supplied sampling parameter is out of range; the message names the fix."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Defaults follow vLLM/SGLang (temperature 1, no filtering)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    # Logprobs: None = off; an int k >= 0 returns the chosen token's logprob plus the top k.
+    logprobs: Optional[int] = None
+    # Prompt logprobs: None = off; an int k >= 0 as above, for every prompt position after the first.
+    prompt_logprobs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: Optional[int] = None, max_logprobs: int = 20) -> None:
+        """Raise `SamplingParamsError` naming the offending field and its allowed range."""
+
+        def bad(msg: str) -> None:
+            raise SamplingParamsError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < -1):
+            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _finite(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        if not _finite(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= max_logprobs):
+                bad(f"{name} must be an integer in [0, {max_logprobs}], got {v!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop must be a string or a list of non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped; the values are OpenAI's `finish_reason` strings."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client disconnect, explicit abort, or flush
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or retracted and waiting to recompute)
+    RUNNING = "running"  # holds a request slot and KV pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence inside the scheduler.
+
+    KV bookkeeping: `num_computed` tokens of `all_ids` have K/V in the pool; `pages` are the pages
+    holding them in order (the first `num_cached_pages` are shared with the prefix cache and locked
+    through `cache_node`). `all_ids = prompt_ids + output_ids`.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    return_routed_experts: bool = False
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: Optional[FinishReason] = None
+    # KV state
+    slot: int = -1  # row in ReqToTokenPool
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_pages: int = 0  # leading pages owned by the prefix cache (locked)
+    cache_node: object = None  # radix node locked on our behalf
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_retractions: int = 0
+    # Sampling state, kept across retraction so seeded streams stay reproducible.
+    generator: object = None
+    # Logprob results accumulated until sent
+    output_logprobs: list = field(default_factory=list)  # per output token: (logprob, top list)
+    prompt_logprobs: Optional[list] = None  # per prompt position: None for 0, else (logprob, top)
+    prompt_logprobs_done: int = 0  # prompt positions whose logprobs were computed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == ReqStatus.FINISHED
+
+    def remaining_prefill(self) -> int:
+        """Tokens that still need a forward before this request can sample."""
+        return self.seq_len - self.num_computed
