@@ -1,0 +1,131 @@
+"""Incremental detokenization with stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE (a character may span tokens) and for
+sentencepiece (a token's leading space depends on its neighbour). We follow vLLM: keep a
+`prefix_offset` and a `read_offset` into the token list, decode `ids[prefix:]` and
+`ids[prefix:read]`, and emit only the difference, and only once it no longer ends in an
+incomplete character (U+FFFD).
+
+Stop strings are checked on the output text. While streaming, a suffix that could still become a
+stop string is held back, so no fragment of a stop string is ever emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from kiln.engine.request import SamplingParams
+
+# Prompt tokens decoded as left context, so the first output token gets its leading space right.
+INITIAL_CONTEXT = 5
+# A character is at most 4 UTF-8 bytes, so a window still ending in U+FFFD after this many tokens
+# holds a real replacement character (or invalid bytes); emit it instead of waiting forever.
+MAX_PENDING_TOKENS = 6
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into text deltas for one sequence.
+
+    `add(ids)` returns the new text that is safe to show. Once a stop string appears,
+    `stopped` is True, `matched_stop` holds it, `text` is cut before it (after it with
+    `include_stop_str_in_output`) and later tokens are ignored. `token_ids` are the output tokens
+    consumed up to and including the one that completed the stop string.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop: list[str] = [s for s in params.stop if s]
+        self.include_stop = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._ids: list[int] = list(prompt_ids[-INITIAL_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # output text so far (cut at the stop string once stopped)
+        self.token_ids: list[int] = []
+        self.stopped = False
+        self.matched_stop: Optional[str] = None
+        self._emitted = 0  # characters of `text` already returned
+
+    # ---- public ---------------------------------------------------------------------------
+    def add(self, token_ids: Sequence[int], finished: bool = False, hidden: Sequence[int] = ()) -> str:
+        """Consume new output tokens; return the text delta safe to emit now.
+
+        `finished`: the sequence ended, so flush held-back text and any incomplete character.
+        `hidden`: tokens that count as output but add no text (a stop token id when the stop is
+        not to be included in the output).
+        """
+        for tid in token_ids:
+            if self.stopped:
+                break
+            self.token_ids.append(tid)
+            self._append_text(self._decode_next(tid))
+        if not self.stopped:
+            self.token_ids.extend(hidden)
+            if finished:
+                self._append_text(self._flush_pending())
+        return self._take(final=finished or self.stopped)
+
+    # ---- decoding -------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def _decode_next(self, tid: int) -> str:
+        self._ids.append(tid)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        pending = len(self._ids) - self._read_offset
+        if len(full) > len(prefix) and (not full.endswith(REPLACEMENT) or pending >= MAX_PENDING_TOKENS):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full[len(prefix):]
+        return ""
+
+    def _flush_pending(self) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix):]
+
+    # ---- stop strings ---------------------------------------------------------------------
+    def _append_text(self, delta: str) -> None:
+        if not delta:
+            return
+        old_len = len(self.text)
+        self.text += delta
+        if self.stop:
+            self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> None:
+        # Text before `start` was already searched; a match must end in the new text.
+        start = max(0, old_len - self._max_stop_len + 1)
+        best: Optional[tuple[int, str]] = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped = True
+        self.matched_stop = s
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._held_back())
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,117 @@
+"""IncrementalDetokenizer: unicode across tokens, stop strings across token boundaries, streaming."""
+
+import functools
+
+import pytest
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.request import SamplingParams
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    import os
+    if os.environ.get("KILN_TEST_TOKENIZER"):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(os.environ["KILN_TEST_TOKENIZER"])
+    from kiln.loader import load_tokenizer, resolve_model
+
+    from kiln.config import EngineConfig
+
+    return load_tokenizer(resolve_model(EngineConfig()).model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+TEXTS = [
+    "Hello 世界 ☃ café 🙂  two  spaces\nnew line\ttab",
+    "Ünïcödé: 日本語のテキスト, emoji 👩‍👩‍👧 and ∑ maths",
+    "plain ascii text with punctuation!?",
+]
+
+
+def stream(tok, ids, params, prompt=(), chunk=1):
+    d = IncrementalDetokenizer(tok, list(prompt), params)
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        deltas.append(d.add(ids[i:i + chunk], finished=last))
+    return d, deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streaming_deltas_equal_full_decode(tok, text, chunk):
+    ids = tok.encode(text, add_special_tokens=False)
+    d, deltas = stream(tok, ids, SamplingParams(), prompt=tok.encode("Say:"), chunk=chunk)
+    assert "".join(deltas) == d.text == tok.decode(ids, skip_special_tokens=True)
+    # No delta ever carries a half character.
+    assert all("\ufffd" not in x for x in deltas)
+
+
+def test_multibyte_character_waits_for_all_bytes(tok):
+    ids = tok.encode("世", add_special_tokens=False)
+    assert len(ids) > 1, "the test needs a character split over tokens"
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert d.add(ids[:-1]) == ""
+    assert d.add(ids[-1:]) == "世"
+
+
+def test_skip_special_tokens(tok):
+    eos = tok.eos_token_id
+    ids = tok.encode("hi", add_special_tokens=False) + [eos]
+    d, deltas = stream(tok, ids, SamplingParams())
+    assert "".join(deltas) == "hi"
+    d, deltas = stream(tok, ids, SamplingParams(skip_special_tokens=False))
+    assert "".join(deltas) == "hi" + tok.eos_token
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stop_string_across_tokens(tok, include, chunk):
+    text = "The answer is 42. STOP here and more text after"
+    ids = tok.encode(text, add_special_tokens=False)
+    params = SamplingParams(stop=["STOP here"], include_stop_str_in_output=include)
+    d = IncrementalDetokenizer(tok, [], params)
+    out = ""
+    for i in range(0, len(ids), chunk):
+        out += d.add(ids[i:i + chunk])
+        # Never a fragment of the stop string while it is not complete.
+        if not d.stopped:
+            assert not out.endswith(("S", "ST", "STO", "STOP", "STOP ", "STOP h"))
+        if d.stopped:
+            break
+    expected = "The answer is 42. " + ("STOP here" if include else "")
+    assert d.stopped and d.matched_stop == "STOP here"
+    assert out == d.text == expected
+    # Tokens after the one that completed the stop string are not consumed.
+    assert tok.decode(d.token_ids).endswith("here")
+    assert d.add(tok.encode(" more", add_special_tokens=False)) == ""
+
+
+def test_earliest_stop_wins_and_unmatched_prefix_is_released(tok):
+    params = SamplingParams(stop=["world", "lo w"])
+    ids = tok.encode("hello world", add_special_tokens=False)
+    d, deltas = stream(tok, ids, params)
+    assert d.matched_stop == "lo w" and "".join(deltas) == "hel"
+    # A held-back partial match is released when the sequence finishes without stopping.
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["wor!"]))
+    assert d.add(tok.encode("hello wor", add_special_tokens=False)) == "hello "
+    assert d.add([], finished=True) == "wor"
+    assert not d.stopped
+
+
+def test_stop_string_with_unicode(tok):
+    ids = tok.encode("数学: ∑ 世界 end", add_special_tokens=False)
+    d, deltas = stream(tok, ids, SamplingParams(stop=["世界"]))
+    assert "".join(deltas) == d.text == "数学: ∑ " and d.stopped
+
+
+def test_hidden_stop_token(tok):
+    ids = tok.encode("abc", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert d.add(ids[:-1]) + d.add(ids[-1:], finished=True, hidden=[7]) == "abc"
+    assert d.token_ids == ids + [7]
