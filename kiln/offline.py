@@ -1,0 +1,312 @@
+"""The offline API: `kiln.Engine` drives the engine core in-process (scripts, RL rollouts).
+
+    with Engine() as llm:
+        outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=16))
+
+One lock guards the core; whoever holds it steps it and routes every output to its request, so
+synchronous `generate` calls and concurrent `async_generate` calls (driven by one background
+thread) all batch together in the same scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+from kiln.config import EngineConfig
+from kiln.engine.frontend import RequestError, RequestState, expand_request, parse_sub_rid, validate_request
+from kiln.engine.io import GenerateReq
+from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.request import SamplingParams
+
+Prompts = Union[str, list[str], list[int], list[list[int]]]
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+
+__all__ = ["Engine", "RequestOutput", "CompletionOutput", "SamplingParams"]
+
+
+class _Tracked:
+    """A request in flight: its state, and a callback run (under the core lock) on each update."""
+
+    def __init__(self, state: RequestState, reqs: list[GenerateReq],
+                 on_update: Optional[Callable[["_Tracked"], None]] = None):
+        self.state = state
+        self.reqs = reqs
+        self.on_update = on_update
+        self.text_deltas: list[str] = []  # for streaming callers
+
+
+class Engine:
+    """An LLM engine in this process. Options are `EngineConfig` fields (see `kiln serve --help`)."""
+
+    def __init__(self, model_path: Optional[str] = None, **options: Any):
+        config = EngineConfig.from_kwargs(model_path=model_path, **options)
+        from kiln.engine.core import EngineCore
+
+        self._setup(config, EngineCore(config))
+
+    @classmethod
+    def from_core(cls, core: Any, config: Optional[EngineConfig] = None, tokenizer: Any = None) -> "Engine":
+        """Wrap an existing core (tests, or code that built the core itself)."""
+        self = cls.__new__(cls)
+        self._setup(config or EngineConfig(), core, tokenizer)
+        return self
+
+    def _setup(self, config: EngineConfig, core: Any, tokenizer: Any = None) -> None:
+        self.config = config
+        self.core = core
+        self.info = core.info
+        if tokenizer is None and not config.skip_tokenizer_init:
+            from kiln.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(self.info.model_dir, config.tokenizer_path, config.chat_template)
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._tracked: dict[str, tuple[_Tracked, int]] = {}  # scheduler rid -> (request, index)
+        self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._driver: Optional[threading.Thread] = None
+        self._closed = False
+        self._ids = itertools.count()
+
+    # ---- public API ----------------------------------------------------------------------
+    def generate(self, prompts: Prompts, sampling_params: ParamsArg = None, return_routed_experts: bool = False,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; returns one `RequestOutput` per prompt, in order."""
+        tracked = self._prepare(prompts, sampling_params, return_routed_experts)
+        bar = None
+        if use_tqdm and len(tracked) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tracked), desc="Generating", unit="req")
+        for t in tracked:
+            self._inbox.put(("add", t))
+        try:
+            self._drive_until(lambda: all(t.state.done for t in tracked), bar, tracked)
+        except BaseException:
+            self._abort(tracked)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._result(t) for t in tracked]
+
+    async def async_generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
+                             return_routed_experts: bool = False) -> list[RequestOutput]:
+        """Awaitable `generate`; concurrent calls are batched together by one driver thread."""
+        tracked = self._prepare(prompts, sampling_params, return_routed_experts)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        remaining = [len(tracked)]
+
+        def on_update(t: _Tracked) -> None:  # runs on the driver thread
+            if t.state.done:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        for t in tracked:
+            t.on_update = on_update
+        self._ensure_driver()
+        for t in tracked:
+            self._inbox.put(("add", t))
+        self._wake.set()
+        try:
+            await done
+        except BaseException:  # cancelled: free the scheduler's pages
+            self._abort(tracked)
+            raise
+        return [self._result(t) for t in tracked]
+
+    def generate_stream(self, prompt: Union[str, list[int]], sampling_params: Optional[SamplingParams] = None
+                        ) -> Iterator[str]:
+        """Yield the text of one prompt (n == 1) as it is generated."""
+        (t,) = self._prepare(prompt if isinstance(prompt, str) else [prompt], sampling_params, False)
+        if t.state.params.n != 1:
+            raise ValueError("generate_stream streams one sequence; use n=1 or generate().")
+        self._inbox.put(("add", t))
+        try:
+            while True:
+                self._drive_until(lambda: t.state.done or bool(t.text_deltas))
+                while t.text_deltas:
+                    yield t.text_deltas.pop(0)
+                if t.state.done:
+                    break
+        finally:
+            self._abort([t])
+        self._result(t)  # raise a scheduler-side error, if any
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: ParamsArg = None,
+             use_tqdm: bool = True, tools: Optional[list[dict]] = None, **template_kwargs: Any
+             ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then `generate`."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this engine was started with skip_tokenizer_init.")
+        if not messages:
+            raise ValueError("messages is empty; pass a list of {'role': ..., 'content': ...} dicts.")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, tools=tools, **template_kwargs) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, **kwargs: Any) -> list[int]:
+        """Token ids of a conversation followed by the assistant's generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False while requests are running."""
+        with self._lock:
+            return self.core.flush_cache()
+
+    def stats(self) -> Any:
+        with self._lock:
+            return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stop the driver thread and release the core."""
+        self._closed = True
+        self._wake.set()
+        if self._driver is not None:
+            self._driver.join(timeout=10)
+            self._driver = None
+        close = getattr(self.core, "shutdown", None)
+        if callable(close):
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- preparing requests --------------------------------------------------------------
+    def _prepare(self, prompts: Prompts, sampling_params: ParamsArg, return_routed_experts: bool) -> list[_Tracked]:
+        """Tokenize and validate everything first, so a bad prompt queues nothing."""
+        if self._closed:
+            raise RuntimeError("This Engine was shut down; create a new one.")
+        batch = _as_batch(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"Got {len(sampling_params)} sampling_params for {len(batch)} prompts; "
+                                 "pass one SamplingParams, or one per prompt.")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(batch)
+        tracked = []
+        for prompt, params in zip(batch, params_list):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("Text prompts need a tokenizer; pass token ids (skip_tokenizer_init is set).")
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, ids = None, list(prompt)
+            validate_request(ids, params, self.info.vocab_size, self.info.context_length, self.config.max_logprobs)
+            rid = f"offline-{next(self._ids)}"
+            state = RequestState(rid, text, ids, params, self.tokenizer, self.info.eos_token_ids)
+            tracked.append(_Tracked(state, expand_request(rid, ids, params, return_routed_experts)))
+        return tracked
+
+    @staticmethod
+    def _result(t: _Tracked) -> RequestOutput:
+        if t.state.error is not None:
+            raise RequestError(t.state.error)
+        return t.state.to_output()
+
+    # ---- driving the core (all under self._lock) -----------------------------------------
+    def _drive_until(self, cond: Callable[[], bool], bar: Any = None, tracked: Sequence[_Tracked] = ()) -> None:
+        idle = 0
+        while not cond():
+            with self._lock:
+                if cond():
+                    break
+                stepped = self._step_locked()
+            if bar is not None:  # updated on this thread only: tqdm is not thread-safe
+                bar.update(sum(t.state.done for t in tracked) - bar.n)
+            idle = 0 if stepped else idle + 1
+            if idle > 3:
+                raise RuntimeError("The engine core went idle with requests unfinished; this is a bug in "
+                                   "the core (has_work() returned False too early).")
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+
+    def _step_locked(self) -> bool:
+        """Add queued requests, run one scheduler step and route its outputs; False if idle."""
+        self._drain_inbox_locked()
+        if not self.core.has_work():
+            return False
+        for out in self.core.step():
+            entry = self._tracked.get(out.rid)
+            if entry is None:
+                continue  # e.g. the abort notice of a sequence already cut at a stop string
+            t, index = entry
+            delta = t.state.update(index, out)
+            if delta is not None and delta.text:
+                t.text_deltas.append(delta.text)
+            seq = t.state.seqs[index]
+            if seq.needs_abort:
+                seq.needs_abort = False
+                self.core.abort(out.rid)
+            if seq.finished or out.finished:
+                self._tracked.pop(out.rid, None)
+            if t.state.done:
+                for rid in t.state.unfinished_rids():  # an error ends every sibling
+                    self._tracked.pop(rid, None)
+                    self.core.abort(rid)
+            if t.on_update is not None:
+                t.on_update(t)
+        return True
+
+    def _drain_inbox_locked(self) -> None:
+        while True:
+            try:
+                kind, t = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                for req in t.reqs:
+                    self._tracked[req.rid] = (t, parse_sub_rid(req.rid)[1])
+                    self.core.add_request(req)
+            else:  # abort
+                for rid in t.state.sub_rids():
+                    if self._tracked.pop(rid, None) is not None:
+                        self.core.abort(rid)
+
+    def _abort(self, tracked: list[_Tracked]) -> None:
+        for t in tracked:
+            if not t.state.done:
+                self._inbox.put(("abort", t))
+        self._wake.set()
+
+    def _ensure_driver(self) -> None:
+        if self._driver is None or not self._driver.is_alive():
+            self._driver = threading.Thread(target=self._driver_loop, name="kiln-engine-driver", daemon=True)
+            self._driver.start()
+
+    def _driver_loop(self) -> None:
+        while not self._closed:
+            with self._lock:
+                self._step_locked()
+                busy = self.core.has_work()
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+
+def _as_batch(prompts: Prompts) -> list[Union[str, list[int]]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts must be a string, a list of strings, a list of token ids, or a list "
+                         f"of token-id lists; got {type(prompts).__name__} {prompts!r:.80}")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    if all(isinstance(p, str) for p in prompts):
+        return list(prompts)
+    if all(isinstance(p, (list, tuple)) for p in prompts):
+        return [list(p) for p in prompts]
+    raise ValueError("prompts must not mix strings and token ids; pass a list of strings or a list of "
+                     "token-id lists.")
