@@ -1,0 +1,291 @@
+"""Token sampling: penalties, filtering, seeded per-row draws and logprobs, for a whole batch.
+
+The scheduler builds a `SamplingBatch` once per step (`SamplingBatch.from_reqs`) and calls
+`Sampler(logits, batch)` with the float32 logits `[B, V]` of the rows that sample.
+
+Order of operations, per row:
+
+1. Penalties on the raw logits.
+   - repetition (HF / vLLM rule): every token seen in the prompt or the output has its logit
+     divided by `r` when positive and multiplied by `r` otherwise;
+   - frequency (OpenAI): subtract `f * count`, count = occurrences of the token in the output;
+   - presence (OpenAI): subtract `p * (count > 0)`, output only.
+2. `suppress_ids` are set to -inf (EOS / stop ids while the output is shorter than min_tokens).
+3. Greedy rows (temperature == 0, or top_k == 1) take the argmax; ties go to the lowest token id.
+4. Other rows: divide by the temperature, softmax, then
+   - top-k: keep the k most probable tokens (0 = disabled);
+   - top-p: on the top-k renormalised distribution (as HF and vLLM chain them), keep the
+     smallest set of most probable tokens whose mass is >= top_p, always at least one;
+   - min-p: drop tokens with p < min_p * p_max (a ratio, so renormalising does not change it);
+   renormalise, and sample. Ties in probability are ordered by token id (stable sort), so the
+   kept set never depends on the batch.
+
+Sampling is an exponential race: with `e ~ Exp(1)^V`, `argmax(probs / e)` is an exact draw from
+`probs`. A row with its own generator draws its `e` as `torch.empty(V).exponential_(generator=g)`
+on the logits' device, exactly once per step, so a seeded stream is the same whatever else is in
+the batch, wherever the row sits, and whether the request was retracted and recomputed (the
+generator lives on the `Req`). Rows without a generator draw from the sampler's shared generator.
+Greedy rows draw nothing.
+
+Logprobs are those of the *raw* model distribution: `log_softmax(logits / T)` of the logits
+before penalties, suppression and filtering, with T = temperature and T = 0 treated as 1. This is
+what an RL trainer recomputes from the same weights. The sampler returns the chosen token's
+logprob and the top-Kmax (Kmax = the largest k asked by any row; rows asking fewer ignore the extra
+columns); nothing is computed when no row asks.
+
+`processed_probs` gives the distribution each row actually samples from (one-hot for greedy rows);
+the sampler and speculative decoding use the same steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kiln.engine.request import Req
+
+
+def make_generator(seed: int, device) -> torch.Generator:
+    """A torch generator on `device` seeded with `seed` (one per seeded request)."""
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, 0 = disabled
+    min_ps: torch.Tensor  # [B] float32
+    repetition_penalties: torch.Tensor  # [B] float32, 1 = off
+    frequency_penalties: torch.Tensor  # [B] float32, 0 = off
+    presence_penalties: torch.Tensor  # [B] float32, 0 = off
+    generators: list[Optional[torch.Generator]]  # None = the sampler's shared generator
+    prompt_token_ids: list[list[int]]  # repetition penalty only
+    output_token_ids: list[list[int]]  # all three penalties
+    suppress_ids: list[list[int]]  # masked to -inf
+    num_top_logprobs: list[int]  # -1 = no logprobs, k >= 0 = chosen + top k
+    # Host copy of "temperature == 0 or top_k == 1" per row, so the sampler knows which rows draw
+    # without a device -> host sync. None: derived from the tensors (one small sync).
+    greedy: Optional[list[bool]] = None
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
+        """Gather the sampling state of `reqs` (in row order) into tensors on `device`.
+
+        Token-id lists are left empty for rows whose penalties are neutral (they would be an
+        identity anyway), so long prompts are not copied every step for nothing. A request with a
+        seed but no generator yet gets one here, stored on the `Req` so it survives retraction.
+        """
+        temps, top_ps, top_ks, min_ps, reps, freqs, press = [], [], [], [], [], [], []
+        gens, prompts, outputs, suppress, num_top, greedy = [], [], [], [], [], []
+        for req in reqs:
+            p = req.params
+            if req.generator is None and p.seed is not None:
+                req.generator = make_generator(p.seed, device)
+            temps.append(float(p.temperature))
+            top_ps.append(float(p.top_p))
+            top_ks.append(max(int(p.top_k), 0))
+            min_ps.append(float(p.min_p))
+            reps.append(float(p.repetition_penalty))
+            freqs.append(float(p.frequency_penalty))
+            press.append(float(p.presence_penalty))
+            gens.append(req.generator)
+            has_rep = p.repetition_penalty != 1.0
+            has_out = has_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            prompts.append(req.prompt_ids if has_rep else [])
+            outputs.append(req.output_ids if has_out else [])
+            if len(req.output_ids) < p.min_tokens:
+                suppress.append(list(req.eos_token_ids) + list(p.stop_token_ids))
+            else:
+                suppress.append([])
+            num_top.append(p.logprobs if p.logprobs is not None else -1)
+            greedy.append(p.greedy)
+
+        def f32(xs):
+            return torch.tensor(xs, dtype=torch.float32).to(device, non_blocking=True)
+
+        return cls(
+            temperatures=f32(temps),
+            top_ps=f32(top_ps),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
+            min_ps=f32(min_ps),
+            repetition_penalties=f32(reps),
+            frequency_penalties=f32(freqs),
+            presence_penalties=f32(press),
+            generators=gens,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            suppress_ids=suppress,
+            num_top_logprobs=num_top,
+            greedy=greedy,
+        )
+
+
+@dataclass
+class SampleOutput:
+    """What the sampler chose for each row, plus logprobs when any row asked for them."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: Optional[torch.Tensor] = None  # [B] float32, chosen token
+    top_ids: Optional[torch.Tensor] = None  # [B, Kmax] int64, most probable first
+    top_logprobs: Optional[torch.Tensor] = None  # [B, Kmax] float32
+
+
+def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits / T)` per row, `[N, V]` float32, with T = 0 (greedy) treated as 1."""
+    t = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    return torch.log_softmax(logits.float() / t.unsqueeze(1).float(), dim=-1)
+
+
+def _flat_ids(lists: list[list[int]], vocab: int, device) -> Optional[torch.Tensor]:
+    """Flat indices `row * V + id` of every id in `lists`, or None when all lists are empty."""
+    lengths = [len(x) for x in lists]
+    if sum(lengths) == 0:
+        return None
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lengths))
+    return (rows * vocab + ids).to(device, non_blocking=True)
+
+
+def _counts(flat: torch.Tensor, shape, device) -> torch.Tensor:
+    """`[B, V]` float32 count of each token per row; counts are integers so atomics stay exact."""
+    counts = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(shape)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output) penalties; out of place."""
+    B, V = logits.shape
+    dev = logits.device
+    out_flat = _flat_ids(batch.output_token_ids, V, dev)
+    prompt_flat = _flat_ids(batch.prompt_token_ids, V, dev)
+    if out_flat is None and prompt_flat is None:
+        return logits
+    out_counts = _counts(out_flat, (B, V), dev) if out_flat is not None else None
+    # Rows with neutral penalties go through the same math: it is an exact identity for them.
+    seen = torch.zeros(B * V, dtype=torch.bool, device=dev)
+    if prompt_flat is not None:
+        seen.index_fill_(0, prompt_flat, True)
+    seen = seen.view(B, V)
+    if out_counts is not None:
+        seen |= out_counts > 0
+    r = batch.repetition_penalties.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if out_counts is not None:
+        logits = logits - batch.frequency_penalties.unsqueeze(1) * out_counts
+        logits = logits - batch.presence_penalties.unsqueeze(1) * (out_counts > 0).float()
+    return logits
+
+
+def apply_suppression(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set `suppress_ids` to -inf; out of place."""
+    B, V = logits.shape
+    flat = _flat_ids(batch.suppress_ids, V, logits.device)
+    if flat is None:
+        return logits
+    return logits.reshape(-1).index_fill(0, flat, float("-inf")).view(B, V)
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties then suppression: the logits greedy rows take the argmax of."""
+    return apply_suppression(apply_penalties(logits.float(), batch), batch)
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> torch.Tensor:
+    """Temperature, softmax, top-k, top-p, min-p and renormalise, `[N, V]` (no greedy rows;
+    a temperature of 0 is treated as 1 here)."""
+    N, V = logits.shape
+    t = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    probs = torch.softmax(logits / t.unsqueeze(1), dim=-1)
+    # One stable sort serves all three filters; equal probabilities stay in token-id order.
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=logits.device).unsqueeze(0)
+    k = torch.where((top_ks <= 0) | (top_ks > V), torch.full_like(top_ks, V), top_ks)
+    keep = rank < k.unsqueeze(1)
+    in_k = sorted_p * keep
+    # Top-p on the top-k renormalised distribution: mass before token < top_p * (top-k mass).
+    mass_before = torch.cumsum(in_k, dim=-1) - in_k
+    # top_p >= 1 skips the test: float rounding of the cumsum would otherwise cut the tiny tail.
+    top_p_mass = top_ps.unsqueeze(1) * in_k.sum(dim=-1, keepdim=True)
+    keep &= (mass_before < top_p_mass) | (top_ps >= 1).unsqueeze(1)
+    keep &= sorted_p >= min_ps.unsqueeze(1) * sorted_p[:, :1]
+    keep[:, 0] = True  # the most probable token always survives
+    kept = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _greedy_mask(batch: SamplingBatch) -> torch.Tensor:
+    return (batch.temperatures == 0) | (batch.top_ks == 1)
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from, `[B, V]`: one-hot at the argmax for greedy rows."""
+    x = processed_logits(logits, batch)
+    probs = filtered_probs(x, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
+    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(_greedy_mask(batch).unsqueeze(1), one_hot, probs)
+
+
+class Sampler:
+    """Samples one token per row from a batch of logits (see the module docstring)."""
+
+    def __init__(self, seed: int = 0, device="cpu"):
+        # Shared by every row without its own generator (unseeded requests).
+        self.generator = make_generator(seed, device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        B, V = logits.shape
+        dev = logits.device
+        x = processed_logits(logits, batch)
+        token_ids = x.argmax(dim=-1)  # final for greedy rows
+        greedy = batch.greedy if batch.greedy is not None else _greedy_mask(batch).tolist()
+        rows = [i for i in range(B) if not greedy[i]]
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+            probs = filtered_probs(
+                x.index_select(0, idx),
+                batch.temperatures.index_select(0, idx),
+                batch.top_ks.index_select(0, idx),
+                batch.top_ps.index_select(0, idx),
+                batch.min_ps.index_select(0, idx),
+            )
+            e = self._exponentials([batch.generators[i] for i in rows], V, dev)
+            # Exp(1) can round to 0 on some backends; a 0 would turn 0/0 into a NaN argmax.
+            e = e.clamp_min(torch.finfo(e.dtype).tiny)
+            token_ids = token_ids.index_copy(0, idx, (probs / e).argmax(dim=-1))
+        out = SampleOutput(token_ids=token_ids)
+        kmax = max(batch.num_top_logprobs, default=-1)
+        if kmax >= 0:
+            lp = compute_logprobs(logits, batch.temperatures)
+            out.logprobs = lp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            out.top_logprobs, out.top_ids = torch.topk(lp, min(kmax, V), dim=-1)
+        return out
+
+    def _exponentials(self, gens: list, V: int, dev) -> torch.Tensor:
+        """`[S, V]` Exp(1) noise: one draw of V from each row's own generator; the rows without
+        one share a single draw from the shared generator (their stream needs no stability)."""
+        e = torch.empty(len(gens), V, dtype=torch.float32, device=dev)
+        shared = [j for j, g in enumerate(gens) if g is None]
+        if shared:
+            noise = torch.empty(len(shared), V, device=dev).exponential_(generator=self.generator)
+            if len(shared) == len(gens):
+                return noise
+            e[shared] = noise
+        for j, g in enumerate(gens):
+            if g is not None:
+                e[j] = torch.empty(V, device=dev).exponential_(generator=g)
+        return e
