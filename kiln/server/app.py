@@ -1,0 +1,198 @@
+"""The FastAPI app: routes, API-key check, errors in OpenAI's shape, and Prometheus metrics.
+
+The event loop never runs model work: handlers go through the TokenizerManager to the engine
+process. Every error a client can cause comes back as 400 with
+{"error": {"message", "type", "param", "code"}} and a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Iterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln import __version__
+from kiln.config import EngineConfig
+from kiln.engine.io import SchedulerStats
+from kiln.engine.request import SamplingParams
+from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest, CompletionRequest,
+                                  GenerateRequest, validation_message)
+from kiln.server.serving import Serving
+from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
+
+OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key (probes, scrapers)
+
+
+def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set[str]] = None) -> FastAPI:
+    """Build the app around a TokenizerManager (whose sockets open on startup)."""
+    info = tm.info
+    serving = Serving(tm, info.name, set(aliases or ()) | {info.model_dir})
+    metrics = EngineMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await tm.start()
+        try:
+            yield
+        finally:
+            await tm.stop()
+
+    app = FastAPI(title="Kiln", version=__version__, lifespan=lifespan)
+
+    # ---- errors --------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(e.errors()))
+        return JSONResponse(APIError(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path not in OPEN_PATHS:
+            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>' with the "
+                               "key given to --api-key.", status=401)
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    # ---- OpenAI and native generation ----------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(req, raw)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(req, raw)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        return await serving.generate(req, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": info.name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
+            "root": info.model_dir, "max_model_len": info.context_length}]}
+
+    # ---- health, metrics, control --------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead:
+            return JSONResponse(APIError(tm.dead, status=503, type="service_unavailable").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Generate one token end to end: proves the engine loop is alive, not just the process."""
+        try:
+            handle = tm.submit([0], SamplingParams(max_tokens=1, temperature=0.0))
+            async for _ in tm.stream([handle]):
+                pass
+        except (EngineDeadError, ValueError) as e:
+            return JSONResponse(APIError(str(e), status=503, type="service_unavailable").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        try:
+            metrics.update(await tm.get_stats())
+        except EngineDeadError:
+            pass  # still export the last snapshot; /health reports the failure
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def flush() -> JSONResponse:
+        try:
+            result = await tm.flush_cache()
+        except EngineDeadError as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from e
+        msg = "Cache flushed." if result.success else (result.message or "Cache not flushed.")
+        return JSONResponse({"success": result.success, "message": msg}, status_code=200 if result.success else 400)
+
+    app.add_api_route("/flush_cache", flush, methods=["POST", "GET"])
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest) -> dict:
+        return {"success": tm.abort(req.rid)}
+
+    async def server_info() -> dict:
+        stats = await tm.get_stats() if not tm.dead else SchedulerStats()
+        return {"version": __version__, "config": dataclasses.asdict(config), "model": dataclasses.asdict(info),
+                "stats": dataclasses.asdict(stats), "num_api_requests": len(tm.handles)}
+
+    async def model_info() -> dict:
+        return {"model_path": info.model_dir, "served_model_name": info.name, "context_length": info.context_length,
+                "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids), "is_generation": True}
+
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    app.add_api_route("/model_info", model_info, methods=["GET"])
+    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    return app
+
+
+class EngineMetrics:
+    """Prometheus view of the engine's `SchedulerStats` (fetched on each scrape)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        self.stats = SchedulerStats()
+        self.gen_throughput = 0.0
+        self._last: Optional[tuple[float, int]] = None
+        self.registry.register(self)
+
+    def update(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        if self._last is None:
+            self._last = (now, stats.generation_tokens_total)
+        elif now - self._last[0] >= 0.5:  # throughput over the interval since the last scrape
+            t0, g0 = self._last
+            self.gen_throughput = (stats.generation_tokens_total - g0) / (now - t0)
+            self._last = (now, stats.generation_tokens_total)
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats
+        gauges = [
+            ("kiln_num_running_reqs", "Requests in the running batch.", s.num_running),
+            ("kiln_num_queue_reqs", "Requests waiting for admission.", s.num_waiting),
+            ("kiln_kv_usage", "Fraction of the KV pool in use.", s.kv_usage),
+            ("kiln_kv_used_tokens", "KV pool slots in use.", s.kv_used_tokens),
+            ("kiln_kv_total_tokens", "KV pool size in tokens.", s.kv_total_tokens),
+            ("kiln_cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens.",
+             s.cache_hit_rate),
+            ("kiln_gen_throughput", "Generated tokens per second since the previous scrape.", self.gen_throughput),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("kiln_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
+            ("kiln_cached_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens_total),
+            ("kiln_generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            ("kiln_retractions", "Requests retracted under memory pressure.", s.num_retractions_total),
+        ]
+        for name, doc, value in counters:  # exported as <name>_total
+            yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,207 @@
+"""Request bodies of the HTTP API (pydantic), and their mapping onto `SamplingParams`.
+
+OpenAI's /v1/chat/completions and /v1/completions, plus SGLang's native /generate. Responses are
+built as plain dicts in `serving.py` (the OpenAI client parses them into its own types). Unknown
+fields are ignored, as OpenAI-compatible servers commonly do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.engine.request import SamplingParams
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type = message, status, param, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+    def to_template(self, index: int) -> dict[str, Any]:
+        """The dict a chat template expects: content joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{index}].content has a part of type {part.type!r}; this "
+                                   "model accepts text parts only ({'type': 'text', 'text': ...}).",
+                                   param=f"messages.{index}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Lenient):
+    """Sampling fields shared by chat and completions (OpenAI names plus vLLM/SGLang extras)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: Optional[str] = None
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        d = SamplingParams()
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=_pick(self.temperature, d.temperature), top_p=_pick(self.top_p, d.top_p),
+            top_k=_pick(self.top_k, d.top_k), min_p=_pick(self.min_p, d.min_p),
+            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, seed=self.seed, stop=_stops(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, n=self.n, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None  # accepted, not enforced
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+    max_tokens: Optional[int] = 16  # OpenAI's legacy default
+
+
+class GenerateSampling(_Lenient):
+    """SGLang's `sampling_params` names."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: Optional[int] = Field(default=None, alias="sampling_seed")
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class GenerateRequest(_Lenient):
+    """SGLang's native request: `text` or `input_ids` (one, or a batch)."""
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    stream: bool = False
+    rid: Optional[str] = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        s = self.sampling_params
+        lp = self.top_logprobs_num if self.return_logprob else None
+        return SamplingParams(
+            max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, temperature=s.temperature,
+            top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
+            stop=_stops(s.stop), stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos,
+            skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
+            n=s.n, seed=s.seed, logprobs=lp,
+            prompt_logprobs=lp if self.return_logprob and self.logprob_start_len >= 0 else None)
+
+
+class AbortRequest(_Lenient):
+    rid: str
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _stops(stop: Union[str, list[str], None]) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
+    """One readable sentence from pydantic's errors, naming the field: ("temperature: ...", "temperature")."""
+    parts, first = [], None
+    for err in errors[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            return f"The request body is not valid JSON ({ctx}); send a JSON object.", None
+        field = ".".join(loc) or "body"
+        first = first or field
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "missing":
+            parts.append(f"'{field}' is required")
+        else:
+            got = err.get("input")
+            shown = f" (got {got!r:.60})" if got is not None and not isinstance(got, (dict, list)) else ""
+            parts.append(f"'{field}': {msg}{shown}")
+    return "Invalid request: " + "; ".join(parts) + ".", first

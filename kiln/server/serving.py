@@ -1,0 +1,277 @@
+"""Request handlers behind the HTTP routes: chat, completions and native /generate.
+
+Each turns its pydantic request into token ids and `SamplingParams`, submits through the
+TokenizerManager, and shapes the deltas into OpenAI's (or SGLang's) JSON, whole or as SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kiln.engine.frontend import RequestState, SeqDelta
+from kiln.engine.io import TokenLogprob
+from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kiln.server.tokenizer_manager import (ClientDisconnected, EngineDeadError, RequestHandle,
+                                           TokenizerManager)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Serving:
+    """Builds responses for one served model."""
+
+    def __init__(self, tm: TokenizerManager, served_name: str, aliases: set[str]):
+        self.tm = tm
+        self.name = served_name
+        self.aliases = aliases | {served_name}
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model and model not in self.aliases:
+            raise APIError(f"The model {model!r} does not exist; this server serves {self.name!r} "
+                           "(see /v1/models).", param="model")
+
+    # ---- submitting ----------------------------------------------------------------------
+    def _submit_all(self, prompts: list[tuple[Optional[str], list[int]]], params: Any,
+                    rid: Optional[str] = None, routed: bool = False) -> list[RequestHandle]:
+        """Validate every prompt, then submit them sharing one queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        handles: list[RequestHandle] = []
+        try:
+            for _, ids in prompts:
+                self.tm.validate(ids, params)
+            for i, (text, ids) in enumerate(prompts):
+                sub = None if rid is None else (rid if len(prompts) == 1 else f"{rid}_{i}")
+                handles.append(self.tm.submit(ids, params, text, sub, routed, queue))
+            return handles
+        except EngineDeadError as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from e
+        except ValueError as e:
+            for h in handles:
+                self.tm.release(h)
+            # SamplingParams errors start with the field name ("top_p must be in (0, 1]...").
+            field = re.match(r"^(\w+) must", str(e))
+            raise APIError(str(e), param=field.group(1) if field else None) from e
+
+    async def _collect(self, handles: list[RequestHandle], raw: Request) -> None:
+        try:
+            async for _ in self.tm.stream(handles, raw.is_disconnected):
+                pass
+        except EngineDeadError as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from e
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    async def _events(self, handles: list[RequestHandle], raw: Request, chunks: Any) -> AsyncIterator[str]:
+        """SSE body: `chunks(i, delta)` yields objects; errors become an error event; then [DONE]."""
+        try:
+            async for i, delta in self.tm.stream(handles, raw.is_disconnected):
+                for obj in chunks(i, delta):
+                    yield sse(obj)
+        except ClientDisconnected:
+            return
+        except (ValueError, EngineDeadError) as e:
+            status = 503 if isinstance(e, EngineDeadError) else 400
+            yield sse(APIError(str(e), status=status).body())
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions ------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if not req.messages:
+            raise APIError("'messages' is empty; send at least one message, e.g. "
+                           "[{'role': 'user', 'content': 'Hello'}].", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
+        messages = [m.to_template(i) for i, m in enumerate(req.messages)]
+        try:
+            ids = self.tm.chat_ids(messages, tools=req.tools, **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.tm.info.context_length - len(ids))
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        (handle,) = self._submit_all([(None, ids)], params)
+        rid, created = f"chatcmpl-{handle.state.rid}", int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name}
+        if req.stream:
+            started: set[int] = set()
+
+            def chunks(_: int, d: SeqDelta):
+                if d.index not in started:
+                    started.add(d.index)
+                    yield {**head, "choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
+                if d.text or d.token_ids or d.finished:
+                    lp = ({"content": self._chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)}
+                          if req.logprobs else None)
+                    yield {**head, "choices": [{"index": d.index, "delta": {"content": d.text} if d.text else {},
+                                                "logprobs": lp, "finish_reason": d.finish_reason,
+                                                **({"matched_stop": d.matched_stop} if d.finished else {})}]}
+                if req.include_usage and handle.state.done:
+                    yield {**head, "choices": [], "usage": self._usage([handle])}
+
+            return self._stream_response(self._events([handle], raw, chunks))
+        await self._collect([handle], raw)
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                    "logprobs": ({"content": self._chat_logprobs(s.token_ids, s.logprobs, req.top_logprobs or 0)}
+                                 if req.logprobs else None),
+                    "finish_reason": s.finish_reason, "matched_stop": s.matched_stop}
+                   for s in handle.state.seqs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
+                             "choices": choices, "usage": self._usage([handle])})
+
+    # ---- /v1/completions -----------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError("echo=true is not supported; leave it out.", param="echo")
+        prompts = self._prompts(req.prompt, "prompt")
+        if req.max_tokens is None:
+            req.max_tokens = max(1, self.tm.info.context_length - max(len(ids) for _, ids in prompts))
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        handles = self._submit_all(prompts, params)
+        n, created = params.n, int(time.time())
+        rid = f"cmpl-{handles[0].state.rid}"
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
+        offsets = [0] * (len(handles) * n)
+        if req.stream:
+            def chunks(i: int, d: SeqDelta):
+                index = i * n + d.index
+                lp = (self._completion_logprobs(d.token_ids, d.logprobs, offsets, index)
+                      if req.logprobs is not None else None)
+                if d.text or d.token_ids or d.finished:
+                    yield {**head, "choices": [{"index": index, "text": d.text, "logprobs": lp,
+                                                "finish_reason": d.finish_reason}]}
+                if req.include_usage and all(h.state.done for h in handles):
+                    yield {**head, "choices": [], "usage": self._usage(handles)}
+
+            return self._stream_response(self._events(handles, raw, chunks))
+        await self._collect(handles, raw)
+        choices = []
+        for i, h in enumerate(handles):
+            for s in h.state.seqs:
+                index = i * n + s.index
+                lp = (self._completion_logprobs(s.token_ids, s.logprobs, offsets, index)
+                      if req.logprobs is not None else None)
+                choices.append({"index": index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
+                                "matched_stop": s.matched_stop})
+        return JSONResponse({**head, "choices": choices, "usage": self._usage(handles)})
+
+    # ---- /generate (SGLang) --------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, raw: Request) -> Response:
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError("Send exactly one of 'text' or 'input_ids'.", param="text")
+        prompts = self._prompts(req.text if req.text is not None else req.input_ids,
+                                "text" if req.text is not None else "input_ids")
+        batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
+        params = req.to_sampling_params()
+        handles = self._submit_all(prompts, params, req.rid, req.return_routed_experts)
+        start = time.time()
+        if req.stream:
+            def chunks(i: int, d: SeqDelta):
+                if d.text or d.token_ids or d.finished:
+                    yield {"index": i * params.n + d.index,
+                           **self._generate_item(req, handles[i].state, d.index, start)}
+
+            return self._stream_response(self._events(handles, raw, chunks))
+        await self._collect(handles, raw)
+        items = [self._generate_item(req, h.state, s.index, start) for h in handles for s in h.state.seqs]
+        return JSONResponse(items if batched or params.n > 1 else items[0])
+
+    def _generate_item(self, req: GenerateRequest, state: RequestState, index: int, start: float) -> dict:
+        s = state.seqs[index]
+        if s.finish_reason == "length":
+            reason: Any = {"type": "length", "length": len(s.token_ids)}
+        elif s.finish_reason is not None:
+            reason = {"type": s.finish_reason, "matched": s.matched_stop}
+        else:
+            reason = None
+        meta: dict[str, Any] = {
+            "id": state.rid if state.params.n == 1 else f"{state.rid}-{index}",
+            "finish_reason": reason, "prompt_tokens": len(state.prompt_ids),
+            "completion_tokens": len(s.token_ids), "cached_tokens": state.cached_tokens,
+            "e2e_latency": time.time() - start,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for t, (lp, _) in zip(s.token_ids, s.logprobs)]
+            meta["output_top_logprobs"] = [[[tlp, tid, None] for tid, tlp in top[:req.top_logprobs_num]]
+                                           for _, top in s.logprobs]
+            if req.logprob_start_len >= 0 and state.prompt_logprobs is not None:
+                start_at = req.logprob_start_len
+                pl = state.prompt_logprobs[start_at:]
+                ids = state.prompt_ids[start_at:]
+                meta["input_token_logprobs"] = [[None if e is None else e[0], t, None] for t, e in zip(ids, pl)]
+                meta["input_top_logprobs"] = [None if e is None else [[tlp, tid, None] for tid, tlp in e[1]]
+                                              for e in pl]
+        if s.routed_experts is not None:
+            meta["routed_experts"] = _jsonable(s.routed_experts)
+        return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def _prompts(self, prompt: Any, param: str) -> list[tuple[Optional[str], list[int]]]:
+        """Normalise str | list[str] | list[int] | list[list[int]] into (text, ids) pairs."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise APIError(f"'{param}' is empty; send a string, a list of strings, or token ids.", param=param)
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                try:
+                    out.append((p, self.tm.encode(p)))
+                except ValueError as e:
+                    raise APIError(str(e), param=param) from e
+            else:
+                out.append((None, list(p)))
+        return out
+
+    def _usage(self, handles: list[RequestHandle]) -> dict:
+        prompt = sum(len(h.state.prompt_ids) for h in handles)
+        completion = sum(h.state.completion_tokens for h in handles)
+        cached = sum(h.state.cached_tokens for h in handles)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], top: int) -> list[dict]:
+        """OpenAI chat shape: token text, logprob, utf-8 bytes, and the top alternatives."""
+        def entry(tid: int, lp: float) -> dict:
+            text, raw = self.tm.token_info(tid)
+            return {"token": text, "logprob": lp, "bytes": raw}
+
+        return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts[:top]]}
+                for t, (lp, alts) in zip(token_ids, logprobs)]
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], offsets: list[int],
+                             index: int) -> dict:
+        """Legacy completions shape; `offsets[index]` carries text_offset across stream chunks."""
+        tokens, values, tops, text_offset = [], [], [], []
+        for t, (lp, alts) in zip(token_ids, logprobs):
+            text = self.tm.token_info(t)[0]
+            tokens.append(text)
+            values.append(lp)
+            tops.append({self.tm.token_info(a)[0]: alp for a, alp in alts})
+            text_offset.append(offsets[index])
+            offsets[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+    def _stream_response(self, body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return x
