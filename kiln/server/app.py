@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import time
 from typing import Any, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__
@@ -59,14 +60,8 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>' with the "
-                               "key given to --api-key.", status=401)
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     # ---- OpenAI and native generation ----------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -148,6 +143,25 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
         return {"version": __version__}
 
     return app
+
+
+class APIKeyMiddleware:
+    """401 unless 'Authorization: Bearer <key>'. Plain ASGI (not BaseHTTPMiddleware), so handlers
+    still see the client's disconnect through `request.is_disconnected()`."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>' with the "
+                               "key given to --api-key.", status=401)
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class EngineMetrics:

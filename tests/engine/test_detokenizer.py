@@ -1,29 +1,16 @@
 """IncrementalDetokenizer: unicode across tokens, stop strings across token boundaries, streaming."""
 
-import functools
-
 import pytest
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.request import SamplingParams
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer():
-    import os
-    if os.environ.get("KILN_TEST_TOKENIZER"):
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(os.environ["KILN_TEST_TOKENIZER"])
-    from kiln.loader import load_tokenizer, resolve_model
-
-    from kiln.config import EngineConfig
-
-    return load_tokenizer(resolve_model(EngineConfig()).model_dir)
-
-
 @pytest.fixture(scope="module")
-def tok():
-    return _tokenizer()
+def tok(smollm2_source):
+    from kiln.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_source.model_dir)
 
 
 TEXTS = [

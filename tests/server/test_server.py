@@ -1,0 +1,294 @@
+"""`kiln serve` end to end: a real server subprocess (default SmolLM2, fp32 CPU) and the openai client."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = "SmolLM2-135M-Instruct"
+LONG_PROMPT = "Here is a list of facts about rivers, mountains and oceans of the world. " * 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--port", str(port), "--device", "cpu",
+                             "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("kiln serve did not become healthy in 180 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(server: str, name: str) -> float:
+    text = httpx.get(server + "/metrics").text
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def chat_args(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}],
+            "max_tokens": 16, "temperature": 0.0, **kw}
+
+
+def test_chat_and_streaming_agree(client):
+    full = client.chat.completions.create(**chat_args())
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens > 0 and 0 < full.usage.completion_tokens <= 16
+    chunks = list(client.chat.completions.create(**chat_args(), stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_and_streaming_agree(client):
+    args = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0.0}
+    full = client.completions.create(**args)
+    text = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+    assert full.choices[0].text and text == full.choices[0].text
+    batch = client.completions.create(**{**args, "prompt": ["Hello", "The sky is"], "n": 2})
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+
+
+def test_n_choices(client):
+    out = client.chat.completions.create(**chat_args(temperature=1.0, n=3, seed=7))
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert len({c.message.content for c in out.choices}) > 1
+
+
+def test_stop_string(client):
+    base = client.chat.completions.create(**chat_args(max_tokens=24)).choices[0].message.content
+    word = base.split()[2]
+    out = client.chat.completions.create(**chat_args(max_tokens=24, stop=[word])).choices[0]
+    assert out.finish_reason == "stop" and out.message.content == base[: base.index(word)]
+
+
+def test_logprobs(client):
+    out = client.chat.completions.create(**chat_args(max_tokens=5, logprobs=True, top_logprobs=3))
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes and bytes(entry.bytes).decode(errors="replace") == entry.token
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+    text = "".join(e.token for e in content)
+    assert text.startswith(out.choices[0].message.content[:3])
+    comp = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+
+
+def test_cached_tokens_on_repeated_prompt(client):
+    args = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0.0}
+    client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    # The model path is accepted as a name too.
+    root = httpx.get(server + "/v1/models").json()["data"][0]["root"]
+    assert client.chat.completions.create(**{**chat_args(max_tokens=2), "model": root}).choices
+
+
+def test_generate_native(server):
+    r = httpx.post(server + "/generate", json={
+        "input_ids": [504, 3458, 282], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == meta["completion_tokens"] == 4
+    assert meta["prompt_tokens"] == 3 and meta["finish_reason"]["type"] == "length"
+    assert [e[1] for e in meta["output_token_logprobs"]] == body["output_ids"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    assert len(meta["input_token_logprobs"]) == 3 and meta["input_token_logprobs"][0][0] is None
+    r = httpx.post(server + "/generate", json={"text": ["Hi", "Yo"], "sampling_params": {"max_new_tokens": 2}},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()) == 2 and all("text" in x for x in r.json())
+
+
+def test_metrics_and_flush(server):
+    text = httpx.get(server + "/metrics").text
+    for name in ("kiln_num_running_reqs", "kiln_num_queue_reqs", "kiln_generation_tokens_total",
+                 "kiln_prompt_tokens_total", "kiln_cached_tokens_total", "kiln_cache_hit_rate",
+                 "kiln_kv_usage", "kiln_gen_throughput"):
+        assert re.search(rf"^{name} ", text, re.MULTILINE), name
+    assert metric(server, "kiln_generation_tokens_total") > 0
+    assert httpx.post(server + "/flush_cache").json()["success"]
+    assert httpx.get(server + "/flush_cache").status_code == 200
+    info = httpx.get(server + "/model_info").json()
+    assert info["served_model_name"] == MODEL and info["context_length"] > 0
+    assert httpx.get(server + "/server_info").status_code == 200
+
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD_INPUTS = [
+    (CHAT, b'{"messages": [', "not valid JSON"),
+    (CHAT, b'[1, 2]', "Input should be a valid dictionary"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": "hello"}, "messages"),
+    (CHAT, {"max_tokens": 4}, "'messages' is required"),
+    (CHAT, {"messages": []}, "'messages' is empty"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts only"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 9000}]}, "context length"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens must be"),
+    (CHAT, {"messages": MSG, "max_tokens": -5}, "max_tokens must be"),
+    (CHAT, {"messages": MSG, "temperature": -1}, "temperature must be"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p must be"),
+    (CHAT, {"messages": MSG, "top_k": -3}, "top_k must be"),
+    (CHAT, {"messages": MSG, "n": 0}, "n must be"),
+    (CHAT, {"messages": MSG, "presence_penalty": 5}, "presence_penalty must be"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99}, "logprobs must be"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, "needs logprobs=true"),
+    (CHAT, {"messages": MSG, "stop_token_ids": [10**7]}, "stop_token_ids"),
+    (CHAT, {"messages": MSG, "model": "gpt-17"}, "does not exist"),
+    ("/v1/completions", {"prompt": ""}, "prompt is empty"),
+    ("/v1/completions", {"prompt": []}, "'prompt' is empty"),
+    ("/v1/completions", {"prompt": [[1, 2], [99999999]]}, "token ids must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "exactly one of"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_tokens must be"),
+]
+
+
+@pytest.mark.parametrize("path, body, match", BAD_INPUTS, ids=[f"{i}-{b[2][:20]}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input_is_400(server, path, body, match):
+    if isinstance(body, bytes):
+        r = httpx.post(server + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert match in err["message"], err["message"]
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="top_p must be"):
+        client.chat.completions.create(**chat_args(top_p=7))
+
+
+def test_still_serving_after_bad_inputs(client, server):
+    assert client.chat.completions.create(**chat_args(max_tokens=4)).choices[0].message.content
+    assert metric(server, "kiln_num_running_reqs") == 0
+
+
+def wait_idle(server: str, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(server, "kiln_num_running_reqs") == 0 and metric(server, "kiln_num_queue_reqs") == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_streaming_disconnect_aborts(server):
+    before = metric(server, "kiln_generation_tokens_total")
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + CHAT, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == 3:
+                    break
+    assert metric(server, "kiln_num_running_reqs") >= 0
+    assert wait_idle(server), "the disconnected stream's request is still running"
+    assert metric(server, "kiln_generation_tokens_total") - before < 1000
+
+
+def test_non_streaming_disconnect_aborts(server):
+    before = metric(server, "kiln_generation_tokens_total")
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + CHAT, json=body, timeout=httpx.Timeout(60, read=1.5))
+    assert wait_idle(server), "the disconnected request is still running"
+    assert metric(server, "kiln_generation_tokens_total") - before < 1000
+
+
+def test_abort_request_endpoint(server):
+    import threading
+
+    result = {}
+
+    def run():
+        result["r"] = httpx.post(server + "/generate", json={
+            "text": "Tell me a story.", "rid": "abort-me",
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}, timeout=60)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 10
+    while time.time() < deadline and metric(server, "kiln_num_running_reqs") == 0:
+        time.sleep(0.1)
+    assert httpx.post(server + "/abort_request", json={"rid": "abort-me"}).json()["success"]
+    t.join(30)
+    meta = result["r"].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 4000
+    assert wait_idle(server)
+
+
+def test_api_key(smollm2_source, tmp_path):
+    """--api-key: 401 in OpenAI's shape without the key, through the app (no engine needed)."""
+    from fastapi.testclient import TestClient
+
+    from kiln.config import EngineConfig
+    from kiln.engine.core import ModelInfo
+    from kiln.server.app import create_app
+    from kiln.server.tokenizer_manager import TokenizerManager
+
+    config = EngineConfig(api_key="sekret")
+    info = ModelInfo(MODEL, smollm2_source.model_dir, 49152, 8192, [2])
+    tm = TokenizerManager(config, info, f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/b")
+    with TestClient(create_app(config, tm)) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == MODEL
+        assert c.get("/health").status_code == 200
