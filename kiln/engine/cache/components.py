@@ -1,0 +1,39 @@
+"""State components: what per-token or per-request state a model asks the engine to keep.
+
+A model declares a list of `StateSpec`s (`model.state_specs()`); the engine sizes one pool per
+spec and the prefix cache carries one entry per component on every tree node. Pools, the prefix
+cache, retraction and (later) HiCache and speculative rollback only ever look at these specs,
+never at the model type.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ComponentKind(enum.Enum):
+    FULL_KV = "full_kv"  # K and V of every token (full-attention layers)
+    SWA_KV = "swa_kv"  # K and V of the last W tokens (sliding-window layers)
+    CONV = "conv"  # ShortConv inputs: the last K-1 tokens per site
+    INDEX_K = "index_k"  # MSA indexer keys of every token
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One component: its kind, the layers that own it, and the per-token shape per layer
+    (for KV: (num_kv_heads, head_dim), stored once for K and once for V)."""
+
+    kind: ComponentKind
+    layer_ids: list[int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # None: the model's dtype
+
+    def bytes_per_token(self, default_dtype: torch.dtype) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        per_layer = n * (2 if self.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV) else 1)
+        return per_layer * len(self.layer_ids) * (self.dtype or default_dtype).itemsize

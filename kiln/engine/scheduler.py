@@ -1,0 +1,355 @@
+"""`Scheduler`: decides what runs in each forward, runs it, and turns logits into tokens.
+
+One step = one forward over a mixed batch:
+  1. every running request that has a token to decode (1 token each), growing its pages and,
+     when memory runs out, retracting the newest running requests (their computed pages go to
+     the prefix cache, so recompute is often a cache hit);
+  2. running requests still in chunked prefill, then new requests admitted in policy order,
+     each taking a prompt chunk under the step's token budget and the running-request cap.
+Sampling, finish checks, prefix caching of finished requests and incremental outputs follow.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.cache.manager import CacheManager, cdiv
+from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
+from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
+from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner, cache: CacheManager, eos_token_ids: list[int],
+                 context_length: int, vocab_size: int):
+        self.config = config
+        self.runner = runner
+        self.cache = cache
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.page_size = cache.page_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.outbox: list[ReqOutput] = []
+        self.stats_counters = SchedulerStats()
+        self.check_after_step = False  # tests turn this on
+        # Admission reserves this fraction of each running request's remaining output tokens
+        # (SGLang's new_token_ratio): it jumps to 1 after a retraction and decays back, so memory
+        # pressure makes admission conservative instead of thrashing between admit and retract.
+        self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
+
+    INIT_NEW_TOKEN_RATIO = 0.5
+    MIN_NEW_TOKEN_RATIO = 0.1
+    NEW_TOKEN_RATIO_DECAY = 0.005
+
+    # ---- requests in -----------------------------------------------------------------------
+    def add_request(self, g: GenerateReq) -> None:
+        try:
+            self._validate(g)
+        except (SamplingParamsError, ValueError) as e:
+            self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
+                                         finish_reason=FinishReason.ABORT.value, error=str(e)))
+            return
+        req = Req(rid=g.rid, prompt_ids=list(g.input_ids), params=g.params,
+                  eos_token_ids=self.eos_token_ids, return_routed_experts=g.return_routed_experts,
+                  arrival=time.monotonic())
+        if g.params.seed is not None:
+            req.generator = make_generator(g.params.seed, self.runner.device)
+        if g.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.waiting.append(req)
+
+    def _validate(self, g: GenerateReq) -> None:
+        if not g.input_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        if len(g.input_ids) >= self.context_length:
+            raise ValueError(f"the prompt has {len(g.input_ids)} tokens but the context length is "
+                             f"{self.context_length}; shorten the prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in g.input_ids):
+            raise ValueError(f"input token ids must be integers in [0, {self.vocab_size})")
+        g.params.validate(self.vocab_size, self.config.max_logprobs)
+
+    def abort(self, rid: str) -> None:
+        for q in (self.waiting, self.running):
+            for r in list(q):
+                if r.rid == rid:
+                    q.remove(r)
+                    self.cache.release(r)
+                    self._finish(r, FinishReason.ABORT)
+                    self.outbox.append(self._output(r, 0))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.outbox)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
+        plan = self._schedule()
+        if plan:
+            self._run(plan)
+        if self.check_after_step:
+            self.check_integrity()
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _schedule(self) -> list[tuple[Req, int, int]]:
+        """Pick (req, start, end) token ranges to compute this step."""
+        budget = self.config.max_prefill_tokens
+        plan: list[tuple[Req, int, int]] = []
+        # 1. decodes, oldest first; retract the newest when pages run out
+        decodes = [r for r in self.running if r.remaining_prefill() == 1]
+        i = 0
+        while i < len(decodes):
+            r = decodes[i]
+            if self.cache.grow(r, r.seq_len):
+                plan.append((r, r.num_computed, r.seq_len))
+                budget -= 1
+                i += 1
+                continue
+            victim = self._pick_victim(exclude=[p[0] for p in plan] + [r])
+            if victim is None:
+                if not plan:  # alone and still out of pages: nothing can ever free memory for it
+                    self.running.remove(r)
+                    self._fail(r, "the KV pool is too small for this request; raise --max-total-tokens")
+                break
+            self._retract(victim)
+            if victim in decodes[i:]:
+                decodes.remove(victim)
+        # 2. ongoing chunked prefills
+        for r in [r for r in self.running if r.remaining_prefill() > 1]:
+            if budget <= 0:
+                break
+            n = self._chunk(r, budget, bool(plan))
+            if n and self.cache.grow(r, r.num_computed + n):
+                plan.append((r, r.num_computed, r.num_computed + n))
+                budget -= n
+        if not plan and len(self.running) > 1:
+            # Prefilling requests hold pages but none can grow: free the newest to break the tie.
+            self._retract(self.running[-1])
+            return self._schedule()
+        # 3. admit new requests
+        self._order_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            r = self.waiting[0]
+            self.cache.match(r, max_tokens=self._max_match(r))
+            n = self._chunk(r, budget, bool(plan))
+            reserve = self._reserved_pages()
+            need = cdiv(r.num_computed + n, self.page_size) - len(r.pages)
+            if n == 0 or need + reserve > self.cache.available_pages or not self.cache.assign_slot(r):
+                self.cache.unmatch(r)
+                if not self.running and not plan and n and need > self.cache.available_pages:
+                    self._reject_too_large(r)
+                    continue
+                break
+            self.waiting.popleft()
+            if r.num_retractions == 0:
+                r.cached_tokens = r.num_computed
+                self.stats_counters.prompt_tokens_total += len(r.prompt_ids)
+                self.stats_counters.cached_tokens_total += r.num_computed
+            r.status = ReqStatus.RUNNING
+            self.running.append(r)
+            ok = self.cache.grow(r, r.num_computed + n)
+            assert ok, "admission checked available pages"
+            plan.append((r, r.num_computed, r.num_computed + n))
+            budget -= n
+        return plan
+
+    def _reserved_pages(self) -> int:
+        """Pages the running requests are expected to still need for their outputs."""
+        tokens = 0.0
+        for r in self.running:
+            left_prefill = r.remaining_prefill() - 1
+            left_out = r.params.max_tokens - len(r.output_ids)
+            tokens += max(left_prefill, 0) + left_out * self.new_token_ratio
+        return cdiv(int(tokens), self.page_size) + len(self.running)
+
+    def _chunk(self, r: Req, budget: int, batch_nonempty: bool) -> int:
+        """How many of the request's remaining tokens to compute now."""
+        remaining = r.remaining_prefill()
+        limit = self.config.chunked_prefill_size
+        if limit <= 0:  # chunking disabled: all or nothing (alone, it may exceed the budget)
+            return remaining if (remaining <= budget or not batch_nonempty) else 0
+        return min(remaining, limit, budget)
+
+    def _order_waiting(self) -> None:
+        if self.config.schedule_policy == "lpm" and self.cache.tree is not None and len(self.waiting) > 1:
+            def cached_len(r: Req) -> int:
+                pages, _ = self.cache.tree.match_prefix(r.all_ids)
+                return len(pages)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -cached_len(r)))
+
+    def _pick_victim(self, exclude: list[Req]) -> Optional[Req]:
+        for r in reversed(self.running):
+            if r not in exclude:
+                return r
+        return None
+
+    def _retract(self, r: Req) -> None:
+        """Preempt: drop the request's pages (computed ones stay in the prefix cache) and queue it
+        to recompute prompt + output so far."""
+        self.running.remove(r)
+        self.cache.release(r)
+        r.status = ReqStatus.WAITING
+        r.num_retractions += 1
+        self.stats_counters.num_retractions_total += 1
+        self.new_token_ratio = 1.0
+        self.waiting.appendleft(r)
+        logger.debug("retracted %s at %d tokens", r.rid, r.seq_len)
+
+    def _max_match(self, r: Req) -> Optional[int]:
+        # Prompt logprobs need the logits of every prompt position not yet scored.
+        if r.prompt_logprobs is not None and r.prompt_logprobs_done < len(r.prompt_ids) - 1:
+            return r.prompt_logprobs_done
+        return None
+
+    def _reject_too_large(self, r: Req) -> None:
+        self.waiting.popleft()
+        self._fail(r, f"the request needs {r.seq_len} tokens of KV cache but the pool holds only "
+                      f"{self.cache.available_pages * self.page_size}; raise --max-total-tokens")
+
+    def _fail(self, r: Req, message: str) -> None:
+        self.cache.release(r, cache=False)
+        self._finish(r, FinishReason.ABORT)
+        out = self._output(r, 0)
+        out.error = message
+        self.outbox.append(out)
+
+    # ---- forward + sampling ----------------------------------------------------------------
+    def _run(self, plan: list[tuple[Req, int, int]]) -> None:
+        dev = self.runner.device
+        ids, pos, locs, logit_rows = [], [], [], []
+        sample_reqs, sample_rows, prompt_lp = [], [], []
+        row = 0
+        for r, start, end in plan:
+            all_ids = r.all_ids
+            ids.extend(all_ids[start:end])
+            pos.extend(range(start, end))
+            locs.extend(r.pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(start, end))
+            want_prompt_lp = r.prompt_logprobs is not None and r.prompt_logprobs_done < len(r.prompt_ids) - 1
+            if want_prompt_lp:
+                lo = max(start, r.prompt_logprobs_done)
+                hi = min(end, len(r.prompt_ids) - 1)
+                if hi > lo:
+                    prompt_lp.append((r, lo, len(logit_rows)))
+                    logit_rows.extend(range(row + lo - start, row + hi - start))
+            if end == r.seq_len:
+                sample_reqs.append(r)
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(row + end - 1 - start)
+            row += end - start
+        mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
+        batch = ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            prefix_lens=[s for _, s, _ in plan],
+            extend_lens=[e - s for _, s, e in plan],
+            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            req_slots=torch.tensor([r.slot for r, _, _ in plan], dtype=torch.long, device=dev),
+            out_cache_loc=torch.tensor(locs, dtype=torch.long, device=dev),
+        )
+        batch.extras["req_slots_cpu"] = [r.slot for r, _, _ in plan]
+        logits = self.runner.forward(batch)
+        for r, _, end in plan:
+            r.num_computed = end
+        self._record_prompt_logprobs(logits, prompt_lp)
+        if sample_reqs:
+            self._sample(logits[sample_rows], sample_reqs)
+        # Cache prompt pages as soon as they are computed, so that concurrent requests with the
+        # same prefix (n > 1, shared system prompts) reuse them.
+        for r, start, end in plan:
+            if not r.finished and end - start > 1:
+                self.cache.cache(r)
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, items) -> None:
+        for r, lo, first_row in items:
+            hi = min(r.num_computed, len(r.prompt_ids) - 1)
+            rows = logits[first_row:first_row + hi - lo]
+            temps = torch.full((rows.shape[0],), r.params.temperature, device=rows.device)
+            lp = compute_logprobs(rows, temps)
+            targets = torch.tensor(r.prompt_ids[lo + 1:hi + 1], device=rows.device)
+            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = r.params.prompt_logprobs
+            if k:
+                tv, ti = lp.topk(k, dim=-1)
+                tops = [list(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            r.prompt_logprobs.extend(zip(chosen, tops))
+            r.prompt_logprobs_done = hi
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        sb = SamplingBatch.from_reqs(reqs, self.runner.device)
+        out = self.runner.sampler(logits, sb)
+        tokens = out.token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, (r, t) in enumerate(zip(reqs, tokens)):
+            r.output_ids.append(t)
+            self.stats_counters.generation_tokens_total += 1
+            if r.params.logprobs is not None and lps is not None:
+                k = r.params.logprobs
+                r.output_logprobs.append((lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []))
+            reason = self._check_finish(r, t)
+            if reason is not None:
+                self.running.remove(r)
+                self._finish(r, reason)
+                self.cache.release(r)
+            self.outbox.append(self._output(r, 1))
+
+    def _check_finish(self, r: Req, t: int) -> Optional[FinishReason]:
+        p = r.params
+        n_out = len(r.output_ids)
+        if n_out >= p.min_tokens:
+            if (t in r.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= p.max_tokens or r.seq_len >= self.context_length:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, r: Req, reason: FinishReason) -> None:
+        r.status = ReqStatus.FINISHED
+        r.finish_reason = reason
+
+    def _output(self, r: Req, num_new: int) -> ReqOutput:
+        new = r.output_ids[len(r.output_ids) - num_new:] if num_new else []
+        out = ReqOutput(rid=r.rid, new_token_ids=new, finished=r.finished,
+                        finish_reason=r.finish_reason.value if r.finish_reason else None,
+                        prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
+                        completion_tokens=len(r.output_ids))
+        if r.finish_reason == FinishReason.STOP and r.output_ids:
+            out.matched_stop = r.output_ids[-1]
+        if r.params.logprobs is not None and num_new:
+            out.new_logprobs = r.output_logprobs[-num_new:]
+        if r.prompt_logprobs is not None and len(r.output_ids) == 1 and num_new:
+            out.prompt_logprobs = r.prompt_logprobs
+        return out
+
+    # ---- maintenance -----------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False
+        self.cache.flush()
+        return True
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.running)
+
+    def stats(self) -> SchedulerStats:
+        s = self.stats_counters
+        s.num_running = len(self.running)
+        s.num_waiting = len(self.waiting)
+        s.kv_used_tokens = self.cache.used_tokens()
+        s.kv_total_tokens = self.cache.allocator.capacity * self.page_size
+        return SchedulerStats(**vars(s))

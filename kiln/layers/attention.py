@@ -1,0 +1,69 @@
+"""The attention layer and the backends that execute it.
+
+`Attention` is what a model calls with projected q/k/v; it hands them to `batch.attn_backend`,
+which knows where K/V live: `PagedAttentionBackend` (the engine: writes this forward's K/V into the
+paged pool and attends over each sequence's cache) or `PackedAttentionBackend` (the trainer: whole
+packed sequences, no cache). Both call the reference ops in `kiln.ops.attention`; GPU kernels plug
+in behind the same backend interface.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kiln.engine.batch import ForwardBatch
+from kiln.ops import attention as ref_ops
+
+
+class Attention(nn.Module):
+    """Softmax attention over (q, k, v) heads; `layer_id` indexes the KV pool."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: Optional[float] = None, sliding_window: Optional[int] = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = batch.attn_backend.forward(self, q, k, v, batch)
+        return o.reshape(t, self.num_heads * self.head_dim)
+
+
+class PagedAttentionBackend:
+    """Engine backend: K/V of every forward go to `out_cache_loc` in the pool, then each sequence
+    attends over `req_to_token[slot, :seq_len]`."""
+
+    def __init__(self, kv_pool, req_to_token: torch.Tensor):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    def forward(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
+        k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
+        v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
+        slots = batch.extras.get("req_slots_cpu")
+        if slots is None:
+            slots = batch.req_slots.tolist()
+            batch.extras["req_slots_cpu"] = slots
+        return ref_ops.paged_attention(q, k_cache, v_cache, self.req_to_token, slots, batch.prefix_lens,
+                                       batch.extend_lens, layer.scale, layer.sliding_window)
+
+
+class PackedAttentionBackend:
+    """Trainer / reference backend: whole sequences packed along the token dim, no cache."""
+
+    def forward(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
+        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window)

@@ -1,0 +1,157 @@
+"""The Llama family (llama, qwen2, qwen3, mistral): one definition from Kiln's layers.
+
+Differences between members are config switches: attention bias (qwen2), per-head qk-norm
+(qwen3), sliding window (mistral), tied head. Matches Hugging Face transformers exactly in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.engine.batch import ForwardBatch
+from kiln.engine.cache.components import ComponentKind, StateSpec
+from kiln.layers.activation import silu_and_mul
+from kiln.layers.attention import Attention
+from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding
+from kiln.models.config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, pc: ParallelContext):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], pc=pc)
+        self.down_proj = RowParallelLinear(intermediate, hidden, pc=pc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, pc: ParallelContext):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias, pc=pc)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, pc=pc)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
+                              sliding_window=cfg.sliding_window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t, d = x.shape[0], self.attn.head_dim
+        q = q.reshape(t, -1, d)
+        k = k.reshape(t, -1, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch)
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, pc: ParallelContext):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, pc)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc)
+
+    def forward(self, positions, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, pc: ParallelContext, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc)
+        # One table shared by every layer (a buffer, so it follows .to(device)).
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, pc) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(batch.positions, h, batch)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a `ForwardBatch`: `forward` returns final hidden states [T, H];
+    `compute_logits` projects the rows the batch asks for."""
+
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params = [
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    ]
+
+    def __init__(self, cfg: ModelConfig, pc: ParallelContext = SINGLE, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.pc = pc
+        self.model = LlamaModel(cfg, pc, max_positions or cfg.max_position_embeddings)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def state_specs(self) -> list[StateSpec]:
+        """Per-token state this model needs the engine to keep: K and V for every layer."""
+        a = self.model.layers[0].self_attn.attn
+        return [StateSpec(ComponentKind.FULL_KV, list(range(self.config.num_hidden_layers)),
+                          (a.num_kv_heads, a.head_dim))]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the (sharded, stacked) parameters; returns loaded names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for ckpt, ours, shard in self.stacked_params:
+                if ckpt in name:
+                    target = name.replace(ckpt, ours)
+                    p = params[target]
+                    p.weight_loader(p, tensor.to(p.dtype), shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                p = params[name]
+                loader = getattr(p, "weight_loader", None)
+                if loader is not None:
+                    loader(p, tensor.to(p.dtype))
+                else:
+                    p.data.copy_(tensor.to(p.dtype))
+                loaded.add(name)
+        missing = set(dict(self.named_parameters()).keys()) - loaded
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {sorted(missing)[:8]}")
+        return loaded

@@ -1,0 +1,31 @@
+"""Shared fixtures: the embedded SmolLM2 (converted once to ~/.cache/kiln) and its HF twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    from kiln.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_source):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_source.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_source.model_dir, dtype=torch.float32).eval()
+    return model, tok
