@@ -1,0 +1,263 @@
+"""Batch-1 latency: time to first token and decode speed of one request, for Kiln and for Hugging
+Face transformers (`generate` with a static cache and torch.compile) on the same weights, beside
+the memory-bandwidth roofline.
+
+    python benchmarks/latency.py                                   # Qwen3-0.6B shape, 1K context
+    python benchmarks/latency.py --model-path benchmarks/configs/llama-3.1-8b --dtype bfloat16
+    python benchmarks/latency.py --quick --hf --device cpu         # CPU smoke run
+
+One request of `--input-len` random token ids generates exactly `--output-len` tokens (greedy by
+default). TTFT = first token time - submit time; decode tok/s = (output_len - 1) / (last token
+time - first token time). Each engine gets warm-up runs first; the median of `--num-runs` is kept.
+
+transformers: `generate(cache_implementation="static")`. On CUDA, generate compiles its decode
+step by itself when the cache is static (`compile_config`, torch.compile mode "reduce-overhead",
+fullgraph), which is the v5 form of the `llm_optims` recipe; `--hf-compile forward` instead
+compiles `model.forward` by hand as the older doc did (prefill gets compiled too). On CPU compile
+is off unless `--hf-compile generate|forward`.
+
+Roofline: one decode step reads every weight once plus the KV cache of the context, so
+tok/s <= bandwidth / (weight bytes + KV bytes). Bandwidth is measured (a large device copy) and
+also taken as the H200's nominal 4.8 TB/s; the fraction achieved is printed for both engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import log  # noqa: E402
+
+from kiln.engine.request import SamplingParams  # noqa: E402
+
+COLUMNS = ["engine", "input_len", "output_len", "ttft_ms", "decode_tok_s", "ms_per_token",
+           "roofline_tok_s", "frac_of_roofline", "nominal_roofline_tok_s", "frac_of_nominal", "runs", "note"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_engine_args(p)
+    p.add_argument("--input-len", type=int, default=None, help="Prompt tokens (default 1024; --quick 32).")
+    p.add_argument("--output-len", type=int, default=None, help="Generated tokens (default 128; --quick 8).")
+    p.add_argument("--num-runs", type=int, default=3, help="Measured runs per engine (median reported).")
+    p.add_argument("--warmup-runs", type=int, default=None,
+                   help="Unmeasured runs first (default: Kiln 1; transformers 2 when compiling, else 1).")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    common.add_bench_args(p)  # --threads, --quick (32 in / 8 out), --out, --no-progress
+    common.add_hf_args(p)
+    p.add_argument("--hf-compile", nargs="?", const="generate", default="auto",
+                   choices=["auto", "generate", "forward", "off"],
+                   help="transformers compile: 'generate' (also bare --hf-compile) = generate's own "
+                        "decode-step compile with the static cache; 'forward' = model.forward = "
+                        "torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); "
+                        "'auto' = generate on CUDA, off on CPU.")
+    return p
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    if args.input_len is None:
+        args.input_len = 32 if args.quick else 1024
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 128
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be >= 2 to measure decode speed")
+    return args
+
+
+def _summarise(engine: str, runs: list[tuple[float, float]], args, note: str = "") -> dict:
+    """runs: (ttft_s, decode_s) per measured run -> a row with medians."""
+    ttft = common.median(r[0] for r in runs)
+    decode_s = common.median(r[1] for r in runs)
+    n = args.output_len - 1
+    return {"engine": engine, "input_len": args.input_len, "output_len": args.output_len,
+            "ttft_ms": ttft * 1e3, "decode_tok_s": n / decode_s if decode_s > 0 else float("nan"),
+            "ms_per_token": decode_s / n * 1e3, "runs": len(runs), "note": note,
+            "ttft_ms_all": [r[0] * 1e3 for r in runs],
+            "decode_tok_s_all": [n / r[1] if r[1] > 0 else float("nan") for r in runs]}
+
+
+# ---- Kiln --------------------------------------------------------------------------------
+
+def run_kiln(core, prompt: list[int], args) -> dict:
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    warmups = args.warmup_runs if args.warmup_runs is not None else 1
+    results = []
+    for i in range(warmups + args.num_runs):
+        core.flush_cache()  # the same prompt every run: no prefix-cache hits
+        res = common.run_requests(core, [(prompt, params)], tag=f"lat{i}-", progress=False)
+        r = res.requests[0]
+        if len(r.output_ids) != args.output_len:
+            raise RuntimeError(f"Kiln generated {len(r.output_ids)} tokens, expected {args.output_len}")
+        ttft = r.first_token_time - res.start
+        decode = r.end_time - r.first_token_time
+        measured = i >= warmups
+        log(f"Kiln {'run' if measured else 'warm-up'} {i - warmups + 1 if measured else i + 1}: "
+            f"TTFT {ttft * 1e3:.1f} ms, decode {(args.output_len - 1) / decode:.1f} tok/s")
+        if measured:
+            results.append((ttft, decode))
+    return _summarise("kiln", results, args, f"{res.steps} steps")
+
+
+# ---- transformers ------------------------------------------------------------------------
+
+def _timing_streamer(device: str):
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        """Records when each generated token reaches the host (the first put is the prompt)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+            self.count = 0
+            self._prompt_seen = False
+
+        def put(self, value):
+            if not self._prompt_seen:
+                self._prompt_seen = True
+                return
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            self.count += int(value.numel()) if hasattr(value, "numel") else 1
+
+        def end(self):
+            pass
+
+    return TimingStreamer()
+
+
+def run_hf(model, prompt: list[int], args, device: str) -> dict:
+    from transformers import CompileConfig
+
+    mode = args.hf_compile
+    if mode == "auto":
+        mode = "generate" if device == "cuda" else "off"
+    gen_kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                      cache_implementation="static", pad_token_id=0)
+    if args.temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
+    else:
+        gen_kwargs.update(do_sample=False)
+    original_forward = None
+    if mode == "generate":
+        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        if device != "cuda":
+            cc._compile_all_devices = True
+        gen_kwargs["compile_config"] = cc
+    else:
+        gen_kwargs["disable_compile"] = True  # no auto-compile: either off, or compiled by hand below
+        if mode == "forward":
+            original_forward = model.forward
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(ids)
+    warmups = args.warmup_runs if args.warmup_runs is not None else (2 if mode != "off" else 1)
+    results = []
+    try:
+        for i in range(warmups + args.num_runs):
+            streamer = _timing_streamer(device)
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen_kwargs)
+            common.synchronize(device)
+            t_end = time.perf_counter()
+            n_out = out.shape[1] - ids.shape[1]
+            if n_out != args.output_len or len(streamer.times) != args.output_len:
+                raise RuntimeError(f"transformers generated {n_out} tokens ({len(streamer.times)} streamed), "
+                                   f"expected {args.output_len}")
+            ttft = streamer.times[0] - t0
+            decode = streamer.times[-1] - streamer.times[0]
+            measured = i >= warmups
+            log(f"transformers {'run' if measured else 'warm-up'} {i - warmups + 1 if measured else i + 1}: "
+                f"TTFT {ttft * 1e3:.1f} ms, decode {(args.output_len - 1) / decode:.1f} tok/s, "
+                f"total {t_end - t0:.2f}s")
+            if measured:
+                results.append((ttft, decode))
+    finally:
+        if original_forward is not None:
+            model.forward = original_forward
+    attn = getattr(model.config, "_attn_implementation", "?")
+    return _summarise("transformers", results, args, f"static cache, compile={mode}, {attn}")
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def add_roofline(row: dict, bytes_per_step: int, bw: Optional[float]) -> None:
+    if bw:
+        row["roofline_tok_s"] = bw / bytes_per_step
+        row["frac_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
+    row["nominal_roofline_tok_s"] = common.H200_NOMINAL_BW / bytes_per_step
+    row["frac_of_nominal"] = row["decode_tok_s"] / row["nominal_roofline_tok_s"]
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = resolve_args(build_parser().parse_args(argv))
+    common.apply_threads(args)
+    config = common.engine_config(args)
+    device = config.resolved_device()
+    dtype = config.resolved_dtype()
+    mc = common.model_config_of(config.model_path)
+    if config.max_total_tokens is None and device == "cpu":
+        config.max_total_tokens = args.input_len + args.output_len + 4 * config.page_size
+    prompt = common.random_token_ids(random.Random(args.seed), args.input_len, min(mc.vocab_size, 10001))
+    hw = common.hardware_description(device)
+    log(hw)
+
+    # Roofline at the mean decode context (the first decode step sees input_len + 1 tokens).
+    mean_ctx = args.input_len + args.output_len / 2
+    rl = common.roofline(mc, dtype, [mean_ctx])
+    bw = common.measure_bandwidth(device)
+    log(f"bytes per decode step: {rl['weight_bytes'] / 1e9:.3f} GB weights + {rl['kv_bytes'] / 1e9:.4f} GB KV "
+        f"(ctx {mean_ctx:.0f}); measured copy bandwidth "
+        f"{(bw or float('nan')) / 1e12:.3f} TB/s, nominal H200 {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+
+    do_hf = common.want_hf(args, device)
+    hf_model = common.make_hf_model(config.model_path, dtype, device, args.seed) if do_hf else None
+    core = common.build_core(config, hf_model=hf_model)
+    kiln_row = run_kiln(core, prompt, args)
+    add_roofline(kiln_row, rl["bytes_per_step"], bw)
+    rows = [kiln_row]
+    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)")
+    common.free_core(core)
+    del core
+
+    hf_error = None
+    if do_hf:
+        hf_row, hf_error = common.run_guarded("transformers", lambda: run_hf(hf_model, prompt, args, device))
+        if hf_row is not None:
+            add_roofline(hf_row, rl["bytes_per_step"], bw)
+            rows.append(hf_row)
+            rows.append({"engine": "kiln/transformers", "ttft_ms": kiln_row["ttft_ms"] / hf_row["ttft_ms"],
+                         "decode_tok_s": kiln_row["decode_tok_s"] / hf_row["decode_tok_s"],
+                         "note": "ratios (ttft: lower is better)"})
+        else:
+            rows.append({"engine": "transformers", "note": f"failed: {hf_error}"[:120]})
+
+    name = os.path.basename(os.path.normpath(config.model_path))
+    title = (f"Batch-1 latency: {name}, {dtype}, {device}, input {args.input_len}, output {args.output_len}, "
+             f"{'greedy' if args.temperature == 0 else f'T={args.temperature}'}")
+    print(f"\n# {hw}")
+    print(f"# roofline: {rl['bytes_per_step'] / 1e9:.4f} GB/step = {rl['weight_bytes'] / 1e9:.4f} GB weights "
+          f"({rl['params']['decode_read'] / 1e6:.0f}M params read per step; {rl['params']['total'] / 1e6:.0f}M "
+          f"in all) + {rl['kv_bytes'] / 1e6:.2f} MB KV ({rl['kv_bytes_per_token']} B/token x {mean_ctx:.0f}); "
+          f"bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s, nominal {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+    common.print_table(rows, COLUMNS, title=title)
+    meta = {"benchmark": "latency", "argv": sys.argv if argv is None else argv, "hardware": hw,
+            "model_path": config.model_path, "dtype": str(dtype), "device": device,
+            "roofline": {k: v for k, v in rl.items()}, "mean_context": mean_ctx,
+            "measured_bandwidth": bw, "nominal_bandwidth": common.H200_NOMINAL_BW, "hf_error": hf_error}
+    common.save_json(args.out, rows, meta)
+    return {"rows": rows, "meta": meta}
+
+
+if __name__ == "__main__":
+    main()
