@@ -118,7 +118,8 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
             bad = [r.rid for r, n in zip(res.requests, out_lens) if len(r.output_ids) != n]
             if bad:
                 raise RuntimeError(f"Kiln produced the wrong number of tokens for {bad[:4]}")
-        row = _row("kiln", prompts, produced, res.wall, 1, res.complete)
+        row = _row("kiln", prompts, produced, res.wall, 1, res.complete,
+                   "" if res.complete else "time limit: partial")
         row.update(steps=res.steps, ttft_p50_s=common.median(
             r.first_token_time - res.start for r in res.requests if r.first_token_time is not None))
         log(f"Kiln run {i + 1}: {produced} tokens in {res.wall:.2f}s = {row['output_tok_s']:.1f} tok/s"
@@ -243,7 +244,8 @@ def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict
         if bad:
             raise RuntimeError(f"transformers produced the wrong number of tokens for {bad[:4]}: "
                                f"{[(produced.get(r), expected[r]) for r in bad[:4]]}")
-    note = f"{attn}, cb={kind}, warmup {warmup_s:.0f}s" + (", streamed" if stream else "")
+    note = (f"{attn}, cb={kind}, warmup {warmup_s:.0f}s" + (", streamed" if stream else "")
+            + ("" if complete else ", time limit: partial"))
     row = _row("transformers", prompts, total, wall, 1, complete, note)
     log(f"transformers: {total} tokens in {wall:.2f}s = {row['output_tok_s']:.1f} tok/s")
     return row

@@ -1,0 +1,115 @@
+"""Smoke test of the benchmark scripts: both run in-process on CPU on a tiny Llama with the
+transformers comparison, and the roofline arithmetic matches the published Llama-3.1-8B figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import common  # noqa: E402
+import latency  # noqa: E402
+import offline_throughput  # noqa: E402
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "intermediate_size": 128, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return str(tmp_path)
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny ops on a busy 2-core host: OpenMP spin-waits would dominate with more threads.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_roofline_llama_8b_shape():
+    cfg = os.path.join(REPO, "benchmarks", "configs", "llama-3.1-8b")
+    rl = common.roofline(cfg, torch.bfloat16, [1000, 24])
+    # All 8.03B parameters in bf16: the published ~16.06 GB.
+    assert rl["weight_bytes_all_params"] == pytest.approx(16.06e9, rel=0.01)
+    # A decode step reads everything but the (untied) embedding table: 8.03B - 0.525B params.
+    assert rl["weight_bytes"] == pytest.approx(rl["weight_bytes_all_params"] - 2 * 128256 * 4096, rel=1e-9)
+    assert rl["kv_bytes_per_token"] == 131072
+    assert rl["kv_bytes"] == 131072 * 1024
+    assert rl["bytes_per_step"] == rl["weight_bytes"] + rl["kv_bytes"]
+    # Tied head (Qwen3-0.6B): the table is the lm_head, read once.
+    q = common.param_counts(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b"))
+    assert q["tied"] and q["decode_read"] == q["total"]
+    assert q["total"] == pytest.approx(596e6, rel=0.01)
+
+
+def test_same_weights_as_transformers(tiny_dir, one_thread):
+    torch.set_num_threads(1)
+    from kiln.config import EngineConfig
+    from kiln.engine.request import SamplingParams
+
+    hf = common.make_hf_model(tiny_dir, torch.float32, "cpu", seed=3)
+    core = common.build_core(EngineConfig(model_path=tiny_dir, load_format="dummy", skip_tokenizer_init=True,
+                                          device="cpu", dtype="float32", max_total_tokens=256), hf_model=hf)
+    ids = list(range(7, 40))
+    res = common.run_requests(core, [(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))],
+                              progress=False)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                      pad_token_id=0)[0, len(ids):].tolist()
+    assert res.requests[0].output_ids == ref
+
+
+def test_offline_throughput_quick(tiny_dir, tmp_path, one_thread, capsys):
+    out = tmp_path / "offline.json"
+    result = offline_throughput.main(["--model-path", tiny_dir, "--quick", "--hf", "--device", "cpu",
+                                      "--threads", "1", "--num-runs", "2", "--no-progress", "--out", str(out)])
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"kiln", "transformers", "kiln/transformers"}
+    for name in ("kiln", "transformers"):
+        r = rows[name]
+        assert r["complete"] and r["requests"] == 8
+        for key in ("input_tokens", "output_tokens", "wall_s", "output_tok_s", "total_tok_s"):
+            assert _positive(r[key]), (name, key, r[key])
+    # Both engines generate exactly the requested lengths of the same workload.
+    assert rows["kiln"]["output_tokens"] == rows["transformers"]["output_tokens"]
+    assert rows["kiln"]["runs"] == 2
+    assert _positive(rows["kiln/transformers"]["output_tok_s"])
+    text = capsys.readouterr().out
+    assert "Offline throughput" in text and "kiln/transformers" in text
+    saved = json.loads(out.read_text())
+    assert len(saved["rows"]) == 3 and saved["meta"]["benchmark"] == "offline_throughput"
+
+
+def test_latency_quick(tiny_dir, tmp_path, one_thread, capsys):
+    out = tmp_path / "latency.json"
+    result = latency.main(["--model-path", tiny_dir, "--quick", "--hf", "--device", "cpu", "--threads", "1",
+                           "--num-runs", "2", "--out", str(out)])
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"kiln", "transformers", "kiln/transformers"}
+    for name in ("kiln", "transformers"):
+        r = rows[name]
+        assert r["runs"] == 2 and r["input_len"] == 32 and r["output_len"] == 8
+        for key in ("ttft_ms", "decode_tok_s", "ms_per_token", "nominal_roofline_tok_s", "frac_of_nominal"):
+            assert _positive(r[key]), (name, key, r[key])
+    meta = result["meta"]
+    assert meta["roofline"]["bytes_per_step"] > meta["roofline"]["weight_bytes"] > 0
+    text = capsys.readouterr().out
+    assert "Batch-1 latency" in text and "roofline" in text
+    assert json.loads(out.read_text())["meta"]["benchmark"] == "latency"
