@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
+import logging
 import time
 from typing import Any, Iterator, Optional
 
@@ -27,6 +28,7 @@ from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest,
 from kiln.server.serving import Serving
 from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
 
+logger = logging.getLogger("kiln.server")
 OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key (probes, scrapers)
 
 
@@ -55,6 +57,13 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(e.errors()))
         return JSONResponse(APIError(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("Internal error")
+        err = APIError(f"Internal server error ({type(e).__name__}: {e}); see the server log.", status=500,
+                       type="internal_error")
+        return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

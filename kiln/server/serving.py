@@ -22,6 +22,9 @@ from kiln.server.tokenizer_manager import (ClientDisconnected, EngineDeadError, 
                                            TokenizerManager)
 
 
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -61,21 +64,29 @@ class Serving:
             field = re.match(r"^(\w+) must", str(e))
             raise APIError(str(e), param=field.group(1) if field else None) from e
 
-    async def _collect(self, handles: list[RequestHandle], raw: Request) -> None:
+    async def _collect(self, handles: list[RequestHandle], raw: Request) -> bool:
+        """Wait until every handle is done; False if the client went away (requests aborted)."""
         try:
             async for _ in self.tm.stream(handles, raw.is_disconnected):
                 pass
+            return True
+        except ClientDisconnected:
+            return False
         except EngineDeadError as e:
             raise APIError(str(e), status=503, type="service_unavailable") from e
         except ValueError as e:
             raise APIError(str(e)) from e
 
-    async def _events(self, handles: list[RequestHandle], raw: Request, chunks: Any) -> AsyncIterator[str]:
-        """SSE body: `chunks(i, delta)` yields objects; errors become an error event; then [DONE]."""
+    async def _events(self, handles: list[RequestHandle], raw: Request, chunks: Any,
+                      usage_chunk: Optional[dict] = None) -> AsyncIterator[str]:
+        """SSE body: `chunks(i, delta)` yields objects; errors become an error event; then the usage
+        chunk (`usage_chunk` plus "usage", when asked for) and [DONE]."""
         try:
             async for i, delta in self.tm.stream(handles, raw.is_disconnected):
                 for obj in chunks(i, delta):
                     yield sse(obj)
+            if usage_chunk is not None:
+                yield sse({**usage_chunk, "usage": self._usage(handles)})
         except ClientDisconnected:
             return
         except (ValueError, EngineDeadError) as e:
@@ -117,11 +128,11 @@ class Serving:
                     yield {**head, "choices": [{"index": d.index, "delta": {"content": d.text} if d.text else {},
                                                 "logprobs": lp, "finish_reason": d.finish_reason,
                                                 **({"matched_stop": d.matched_stop} if d.finished else {})}]}
-                if req.include_usage and handle.state.done:
-                    yield {**head, "choices": [], "usage": self._usage([handle])}
 
-            return self._stream_response(self._events([handle], raw, chunks))
-        await self._collect([handle], raw)
+            usage = {**head, "choices": []} if req.include_usage else None
+            return self._stream_response(self._events([handle], raw, chunks, usage))
+        if not await self._collect([handle], raw):
+            return Response(status_code=CLIENT_CLOSED)
         choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
                     "logprobs": ({"content": self._chat_logprobs(s.token_ids, s.logprobs, req.top_logprobs or 0)}
                                  if req.logprobs else None),
@@ -152,11 +163,11 @@ class Serving:
                 if d.text or d.token_ids or d.finished:
                     yield {**head, "choices": [{"index": index, "text": d.text, "logprobs": lp,
                                                 "finish_reason": d.finish_reason}]}
-                if req.include_usage and all(h.state.done for h in handles):
-                    yield {**head, "choices": [], "usage": self._usage(handles)}
 
-            return self._stream_response(self._events(handles, raw, chunks))
-        await self._collect(handles, raw)
+            usage = {**head, "choices": []} if req.include_usage else None
+            return self._stream_response(self._events(handles, raw, chunks, usage))
+        if not await self._collect(handles, raw):
+            return Response(status_code=CLIENT_CLOSED)
         choices = []
         for i, h in enumerate(handles):
             for s in h.state.seqs:
@@ -184,7 +195,8 @@ class Serving:
                            **self._generate_item(req, handles[i].state, d.index, start)}
 
             return self._stream_response(self._events(handles, raw, chunks))
-        await self._collect(handles, raw)
+        if not await self._collect(handles, raw):
+            return Response(status_code=CLIENT_CLOSED)
         items = [self._generate_item(req, h.state, s.index, start) for h in handles for s in h.state.seqs]
         return JSONResponse(items if batched or params.n > 1 else items[0])
 

@@ -238,7 +238,6 @@ def test_streaming_disconnect_aborts(server):
                 seen += 1
                 if seen == 3:
                     break
-    assert metric(server, "kiln_num_running_reqs") >= 0
     assert wait_idle(server), "the disconnected stream's request is still running"
     assert metric(server, "kiln_generation_tokens_total") - before < 1000
 
