@@ -125,9 +125,9 @@ def load_hf_weights(core, hf_model: torch.nn.Module) -> None:
         core.runner.model.load_weights(hf_model.state_dict().items())
 
 
-def free_core(core) -> None:
-    """Drop a core and give its device memory (KV pool, weights) back."""
-    del core
+def release_memory() -> None:
+    """After `del core` (or any large object): collect cycles and give cached device memory back,
+    so the next engine starts with the GPU free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -166,8 +166,7 @@ def run_hf(model, prompt: list[int], args, device: str) -> dict:
             streamer = _timing_streamer(device)
             common.synchronize(device)
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen_kwargs)
+            out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen_kwargs)
             common.synchronize(device)
             t_end = time.perf_counter()
             n_out = out.shape[1] - ids.shape[1]
@@ -226,9 +225,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     kiln_row = run_kiln(core, prompt, args)
     add_roofline(kiln_row, rl["bytes_per_step"], bw)
     rows = [kiln_row]
-    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)")
-    common.free_core(core)
+    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)", file=sys.stderr)
     del core
+    common.release_memory()
 
     hf_error = None
     if do_hf:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import random
 import sys
@@ -35,8 +34,12 @@ from common import log  # noqa: E402
 from kiln.engine.request import SamplingParams  # noqa: E402
 
 # perf-anchors.md section 4: the transformers continuous-batching baseline recipe for CUDA.
-HF_CB_RECIPE = dict(use_cuda_graph=True, use_async_batching=True, default_compile_level=1,
-                    max_batch_tokens=16384)
+HF_CB_PRESETS = {
+    "recipe": dict(use_cuda_graph=True, use_async_batching=True, default_compile_level=1,
+                   max_batch_tokens=16384),
+    "auto-cuda": dict(max_batch_tokens=16384),  # Kiln's --max-prefill-tokens default
+    "default": {},
+}
 
 COLUMNS = ["engine", "requests", "input_tokens", "output_tokens", "wall_s", "output_tok_s",
            "total_tok_s", "runs", "complete", "note"]
@@ -58,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_bench_args(p)  # --threads, --quick (8 requests of 16..64 tokens), --out, --no-progress
     common.add_hf_args(p)
     p.add_argument("--hf-cb-config", choices=["auto", "recipe", "default"], default="auto",
-                   help="transformers ContinuousBatchingConfig: 'recipe' = perf-anchors section 4 "
-                        "(CUDA graphs, async batching, compile level 1, 16384 batch tokens); 'default' = "
-                        "transformers' defaults; 'auto' = recipe on CUDA, default on CPU. If the recipe "
-                        "raises, the default is tried.")
+                   help="transformers ContinuousBatchingConfig. 'default': transformers' defaults (with "
+                        "paged SDPA they leave CUDA graphs, async batching and compile off). 'recipe': "
+                        "perf-anchors section 4 (CUDA graphs, async batching, compile level 1, 16384 batch "
+                        "tokens; the warm-up captures graphs at the largest padded sizes, which can take "
+                        "long with SDPA's explicit masks). 'auto': defaults plus max_batch_tokens=16384 on "
+                        "CUDA, defaults on CPU. If 'recipe' raises, 'default' is tried.")
     return p
 
 
@@ -147,7 +152,7 @@ def hf_cb_config(kind: str, device: str, seq_lens: list[int]):
     except ImportError:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    kw = {} if kind == "default" else {k: v for k, v in HF_CB_RECIPE.items() if k in fields}
+    kw = {k: v for k, v in HF_CB_PRESETS[kind].items() if k in fields}
     if device == "cpu" and "num_blocks" in fields:
         probe = ContinuousBatchingConfig()
         block = getattr(probe, "page_size", None) or getattr(probe, "block_size", None) or 256
@@ -158,7 +163,7 @@ def hf_cb_config(kind: str, device: str, seq_lens: list[int]):
 def run_hf(model, prompts, out_lens, args, device: str) -> dict:
     kind = args.hf_cb_config
     if kind == "auto":
-        kind = "recipe" if device == "cuda" else "default"
+        kind = "auto-cuda" if device == "cuda" else "default"
     try:
         return _run_hf_once(model, prompts, out_lens, args, device, kind)
     except Exception as e:  # noqa: BLE001
@@ -181,9 +186,7 @@ def _reset_hf_model(model) -> None:
             destroy()
         except Exception:  # noqa: BLE001
             pass
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    common.release_memory()
 
 
 def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict:
@@ -209,7 +212,6 @@ def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict
     manager = model.init_continuous_batching(**kwargs)
     attn = model.config._attn_implementation
     log(f"transformers continuous batching: config {kind} {kw or ''}, attention {attn}")
-    stream = args.time_limit is not None  # counting tokens of unfinished requests needs streaming
     try:
         if device == "cuda" and hasattr(manager, "warmup"):
             manager.warmup()  # CUDA graph capture (and compile) before timing
@@ -223,12 +225,10 @@ def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict
         expected = {}
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
-            rid = manager.add_request(p, request_id=f"hf{i}", max_new_tokens=n, eos_token_id=-1,
-                                      streaming=stream)
+            rid = manager.add_request(p, request_id=f"hf{i}", max_new_tokens=n, eos_token_id=-1)
             expected[rid] = n
-        produced, complete = _collect(manager, expected, args.time_limit, progress=not args.no_progress,
-                                      start=start, streaming=stream)
-        wall = time.perf_counter() - start
+        produced, complete, wall, count_note = _collect(manager, expected, args.time_limit,
+                                                        progress=not args.no_progress, start=start)
     finally:
         try:
             manager.stop(block=True, timeout=30)
@@ -244,16 +244,21 @@ def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict
         if bad:
             raise RuntimeError(f"transformers produced the wrong number of tokens for {bad[:4]}: "
                                f"{[(produced.get(r), expected[r]) for r in bad[:4]]}")
-    note = (f"{attn}, cb={kind}, warmup {warmup_s:.0f}s" + (", streamed" if stream else "")
-            + ("" if complete else ", time limit: partial"))
+    note = f"{attn}, cb={kind}, warmup {warmup_s:.0f}s" + ("" if complete else f", time limit: {count_note}")
     row = _row("transformers", prompts, total, wall, 1, complete, note)
     log(f"transformers: {total} tokens in {wall:.2f}s = {row['output_tok_s']:.1f} tok/s")
     return row
 
 
 def _collect(manager, expected: dict, time_limit: Optional[float], progress: bool,
-             start: Optional[float] = None, streaming: bool = False) -> tuple[dict, bool]:
-    """Wait for every request in `expected`; returns (tokens per request, complete)."""
+             start: Optional[float] = None) -> tuple[dict, bool, float, str]:
+    """Wait for every request in `expected`.
+
+    Returns (tokens per request, complete, wall seconds, how partial counts were taken). At the time
+    limit, tokens of unfinished requests are read from the manager's scheduler state (no streaming,
+    which would copy every request's token list every step); if that state is not where
+    transformers 5.17-5.24 keep it, only finished requests count (a lower bound).
+    """
     start = start or time.perf_counter()
     produced: dict[str, int] = {}
     finished: set[str] = set()
@@ -271,16 +276,39 @@ def _collect(manager, expected: dict, time_limit: Optional[float], progress: boo
             raise RuntimeError("the transformers generation thread stopped before all requests finished")
         if progress and now - last >= 5.0:
             last = now
-            n = sum(produced.values())
-            log(f"  transformers: {len(finished)}/{len(expected)} done, {n} output tokens "
-                f"{'' if streaming else '(finished requests) '}after {now - start:.0f}s")
+            log(f"  transformers: {len(finished)}/{len(expected)} done, {sum(produced.values())} output "
+                f"tokens of finished requests after {now - start:.0f}s")
         if time_limit is not None and now - start > time_limit:
-            log(f"  transformers: time limit {time_limit:.0f}s reached")
+            running = _running_token_counts(manager)
+            wall = time.perf_counter() - start
+            note = "partial"
+            if running is None:
+                note = "partial, finished requests only (lower bound)"
+            else:
+                for rid, n in running.items():
+                    if rid in expected and rid not in finished:
+                        produced[rid] = n
+            log(f"  transformers: time limit {time_limit:.0f}s reached ({note})")
             for rid in expected:
                 if rid not in finished:
                     manager.cancel_request(rid)
-            return produced, False
-    return produced, True
+            return produced, False, wall, note
+    return produced, True, time.perf_counter() - start, ""
+
+
+def _running_token_counts(manager) -> Optional[dict]:
+    """Tokens generated so far by the requests transformers' scheduler still holds (best effort)."""
+    try:
+        sched = manager.batch_processor.scheduler
+    except AttributeError:
+        return None
+    for _ in range(5):  # the generation thread may mutate the dicts while we copy them
+        try:
+            states = list(sched.active_requests.values()) + list(sched.waiting_requests.values())
+            return {st.request_id: len(st.generated_tokens) for st in states}
+        except (RuntimeError, AttributeError):
+            time.sleep(0.001)
+    return None
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -311,9 +339,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     core = common.build_core(config, hf_model=hf_model)
     kiln_row, kiln_runs = run_kiln(core, prompts, out_lens, args)
     rows = [kiln_row]
-    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)")
-    common.free_core(core)
+    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)", file=sys.stderr)
     del core
+    common.release_memory()
 
     hf_error = None
     if do_hf:
