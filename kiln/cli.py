@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     try:
         launch_server(EngineConfig.from_cli_args(args))
-    except ServerStartupError as e:
+    except (ServerStartupError, FileNotFoundError, ValueError) as e:  # bad flags, paths, busy port
         print(f"kiln serve: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -22,10 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER = {}
+
+
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--port", str(port), "--device", "cpu",
+    proc = SERVER["proc"] = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--port", str(port), "--device", "cpu",
                              "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -291,3 +294,40 @@ def test_api_key(smollm2_source, tmp_path):
         assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == MODEL
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--model-path", "/does/not/exist"], "does not exist"),
+    (["--max-total-tokens", "1"], "The engine failed to start"),  # raised in the engine process
+])
+def test_startup_errors_are_reported(flags, match):
+    r = subprocess.run([sys.executable, "-m", "kiln", "serve", "--port", str(free_port()), "--device", "cpu",
+                        "--log-level", "warning", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and match in r.stderr, r.stderr[-2000:]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_sigterm_stops_server_and_engine(server):
+    """Runs last: SIGTERM ends the API process and its engine process."""
+    proc = SERVER["proc"]
+    children = child_pids(proc.pid)
+    assert children, "the engine process should be a child of the server"
+    proc.terminate()
+    assert proc.wait(timeout=30) is not None
+    deadline = time.time() + 15
+    while time.time() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{c}") for c in children), "the engine outlived the server"
