@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -24,6 +25,8 @@ from kiln.engine.request import SamplingParams
 
 Prompts = Union[str, list[str], list[int], list[list[int]]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+
+logger = logging.getLogger("kiln.offline")
 
 __all__ = ["Engine", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
@@ -238,7 +241,12 @@ class Engine:
         self._drain_inbox_locked()
         if not self.core.has_work():
             return False
-        for out in self.core.step():
+        try:
+            outs = self.core.step()
+        except Exception as e:
+            self._fail_all(f"The engine core failed ({type(e).__name__}: {e}); create a new Engine.")
+            raise
+        for out in outs:
             entry = self._tracked.get(out.rid)
             if entry is None:
                 continue  # e.g. the abort notice of a sequence already cut at a stop string
@@ -286,10 +294,28 @@ class Engine:
             self._driver = threading.Thread(target=self._driver_loop, name="kiln-engine-driver", daemon=True)
             self._driver.start()
 
+    def _fail_all(self, why: str) -> None:
+        """End every tracked request with an error, so no caller waits forever."""
+        failed = {id(t): t for t, _ in self._tracked.values()}
+        for rid in list(self._tracked):
+            try:
+                self.core.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort on a core that just failed
+                pass
+        self._tracked.clear()
+        for t in failed.values():
+            t.state.error = why
+            if t.on_update is not None:
+                t.on_update(t)
+
     def _driver_loop(self) -> None:
         while not self._closed:
             with self._lock:
-                self._step_locked()
+                try:
+                    self._step_locked()
+                except Exception:  # noqa: BLE001 - its waiters were failed; a new call restarts us
+                    logger.exception("Engine driver stopped")
+                    return
                 busy = self.core.has_work()
             if not busy:
                 self._wake.wait(timeout=0.5)
@@ -304,9 +330,12 @@ def _as_batch(prompts: Prompts) -> list[Union[str, list[int]]]:
                          f"of token-id lists; got {type(prompts).__name__} {prompts!r:.80}")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [list(prompts)]
-    if all(isinstance(p, str) for p in prompts):
-        return list(prompts)
-    if all(isinstance(p, (list, tuple)) for p in prompts):
-        return [list(p) for p in prompts]
-    raise ValueError("prompts must not mix strings and token ids; pass a list of strings or a list of "
-                     "token-id lists.")
+    batch: list[Union[str, list[int]]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            batch.append(p)
+        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            batch.append(list(p))
+        else:
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids; got {p!r:.80}")
+    return batch

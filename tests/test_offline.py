@@ -139,6 +139,25 @@ def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
     assert idle(llm) and not llm._tracked
 
 
+def test_core_failure_fails_waiters_instead_of_hanging(llm):
+    step = llm.core.step
+
+    def broken():
+        raise RuntimeError("boom")
+
+    llm.core.step = broken
+    try:
+        async def main():
+            return await asyncio.wait_for(llm.async_generate("hi", GREEDY), timeout=60)
+
+        with pytest.raises(ValueError, match="engine core failed.*boom"):
+            asyncio.run(main())
+    finally:
+        llm.core.step = step
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert idle(llm)
+
+
 def test_unknown_option():
     with pytest.raises(TypeError, match="Unknown engine option.*max_tokenz.*valid options"):
         Engine(max_tokenz=3)
