@@ -14,6 +14,8 @@
 #   BUDGET=900 OFFLINE_LIMIT=300 bash benchmarks/run_h200.sh   # longer, e.g. a complete offline run
 set -u
 cd "$(dirname "$0")/.."
+# No network there: make huggingface_hub fail fast (transformers probes the Hub for flash kernels).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-$(command -v python || command -v python3)}
 BUDGET=${BUDGET:-530}
 OFFLINE_LIMIT=${OFFLINE_LIMIT:-60}
