@@ -53,12 +53,36 @@ class PagedAttentionBackend:
         k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
         k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
-        slots = batch.extras.get("req_slots_cpu")
-        if slots is None:
-            slots = batch.req_slots.tolist()
-            batch.extras["req_slots_cpu"] = slots
-        return ref_ops.paged_attention(q, k_cache, v_cache, self.req_to_token, slots, batch.prefix_lens,
-                                       batch.extend_lens, layer.scale, layer.sliding_window)
+        plan = batch.extras.get("paged_attn_plan")
+        if plan is None:
+            plan = batch.extras["paged_attn_plan"] = self._plan(batch, q.device)
+        dec_rows, dec_slots, dec_lens, ext = plan
+        if len(ext) == 0:  # pure decode: one batched call
+            return ref_ops.paged_decode_attention(q, k_cache, v_cache, self.req_to_token, dec_slots,
+                                                  dec_lens, layer.scale, layer.sliding_window)
+        out = torch.empty_like(q)
+        if dec_rows is not None:
+            out[dec_rows] = ref_ops.paged_decode_attention(q[dec_rows], k_cache, v_cache, self.req_to_token,
+                                                           dec_slots, dec_lens, layer.scale, layer.sliding_window)
+        for slot, prefix, n, start in ext:
+            sl = slice(start, start + n)
+            out[sl] = ref_ops.paged_attention(q[sl], k_cache, v_cache, self.req_to_token, [slot], [prefix], [n],
+                                              layer.scale, layer.sliding_window)
+        return out
+
+    @staticmethod
+    def _plan(batch: ForwardBatch, device):
+        """Split the batch once per forward: single-token sequences go to the batched decode op,
+        longer extends run one by one."""
+        slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
+        dec, ext = [], []
+        for i, (slot, prefix, n, start) in enumerate(zip(slots, batch.prefix_lens, batch.extend_lens,
+                                                         batch.extend_starts)):
+            (dec if n == 1 else ext).append((slot, prefix, n, start))
+        if not dec:
+            return None, None, None, ext
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return (as_t([d[3] for d in dec]), as_t([d[0] for d in dec]), as_t([d[1] + 1 for d in dec]), ext)
 
 
 class PackedAttentionBackend:

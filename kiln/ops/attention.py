@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -50,6 +51,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                        q_pos, k_pos, scale, sliding_window)
         start += n
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """One new token per sequence, all sequences in one padded SDPA call.
+
+    q: [B, Hq, D] (the token at position seq_len - 1 of each sequence); seq_lens: [B] int64 on
+    q's device. Keys are gathered into [B, max_len] and masked by length (and window).
+    """
+    b, hq, d = q.shape
+    max_len = int(seq_lens.max())
+    idx = req_to_token[req_slots, :max_len]  # [B, L]
+    k = k_cache[idx].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[idx].transpose(1, 2)
+    pos = torch.arange(max_len, device=q.device)
+    visible = pos[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=k.shape[1] != hq)
+    return out.squeeze(2).to(q.dtype)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
