@@ -32,7 +32,9 @@ class ForwardBatch:
     # Cache addressing (None in TRAIN mode)
     req_slots: Optional[torch.Tensor] = None  # [B] rows of req_to_token
     out_cache_loc: Optional[torch.Tensor] = None  # [T] token slots receiving this forward's state
-    attn_backend: Any = None  # object with .forward(layer, q, k, v, batch) -> o
+    # The state backend: executes every op that reads or writes cached state (attention, and for
+    # hybrid models ShortConv and MSA). Paged in the engine, packed (no cache) in the trainer.
+    backend: Any = None
     # Per-forward scratch owned by layers (e.g. routing capture); never read across forwards.
     extras: dict = field(default_factory=dict)
 

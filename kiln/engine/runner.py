@@ -39,7 +39,7 @@ class ModelRunner:
             assert spec.kind == ComponentKind.FULL_KV, f"{spec.kind} pools arrive with the hybrid models"
             self.kv_pools[spec.kind] = KVPool(spec, num_slots, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
-        self.attn_backend = PagedAttentionBackend(self.kv_pools[ComponentKind.FULL_KV], self.req_to_token.table)
+        self.backend = PagedAttentionBackend(self.kv_pools[ComponentKind.FULL_KV], self.req_to_token.table)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         logger.info("KV pool: %d pages x %d tokens (%.2f GB)", self.num_pages, self.page_size,
                     sum(p.nbytes() for p in self.kv_pools.values()) / 1e9)
@@ -77,6 +77,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
-        batch.attn_backend = self.attn_backend
+        batch.backend = self.backend
         hidden = self.model(batch)
         return self.model.compute_logits(hidden, batch)

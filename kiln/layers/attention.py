@@ -1,6 +1,6 @@
 """The attention layer and the backends that execute it.
 
-`Attention` is what a model calls with projected q/k/v; it hands them to `batch.attn_backend`,
+`Attention` is what a model calls with projected q/k/v; it hands them to `batch.backend`,
 which knows where K/V live: `PagedAttentionBackend` (the engine: writes this forward's K/V into the
 paged pool and attends over each sequence's cache) or `PackedAttentionBackend` (the trainer: whole
 packed sequences, no cache). Both call the reference ops in `kiln.ops.attention`; GPU kernels plug
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = batch.attn_backend.forward(self, q, k, v, batch)
+        o = batch.backend.attention(self, q, k, v, batch)
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -49,7 +49,7 @@ class PagedAttentionBackend:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
 
-    def forward(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
         k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
@@ -88,6 +88,6 @@ class PagedAttentionBackend:
 class PackedAttentionBackend:
     """Trainer / reference backend: whole sequences packed along the token dim, no cache."""
 
-    def forward(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
         return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window)
