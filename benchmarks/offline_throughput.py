@@ -144,9 +144,10 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
 # ---- transformers continuous batching -----------------------------------------------------
 
 def hf_cb_config(kind: str, device: str, seq_lens: list[int]):
-    """(ContinuousBatchingConfig, the non-default fields set). On CPU the paged cache is sized to
-    the workload: by default transformers sizes it from free memory, which on a CPU host means
-    zero-filling tens of GB before the first request."""
+    """(ContinuousBatchingConfig, the non-default fields set). On CPU the paged cache and the batch
+    are sized to the workload: by default transformers sizes them from free memory, which on a CPU
+    host means zero-filling tens of GB before the first request. On CUDA transformers' own memory
+    solver sizes the cache (it accounts for the SDPA mask, max_batch_tokens x cache tokens)."""
     try:
         from transformers import ContinuousBatchingConfig
     except ImportError:
@@ -157,6 +158,9 @@ def hf_cb_config(kind: str, device: str, seq_lens: list[int]):
         probe = ContinuousBatchingConfig()
         block = getattr(probe, "page_size", None) or getattr(probe, "block_size", None) or 256
         kw["num_blocks"] = sum(-(-n // block) for n in seq_lens) + 8
+        # With num_blocks fixed, transformers 5.17 solves for the largest max_batch_tokens that fits
+        # in host memory (~68K), and zero-fills an SDPA mask of max_batch_tokens x cache tokens.
+        kw.setdefault("max_batch_tokens", 2048)
     return ContinuousBatchingConfig(**kw), kw
 
 
