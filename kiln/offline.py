@@ -103,12 +103,12 @@ class Engine:
         tracked = self._prepare(prompts, sampling_params, return_routed_experts)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        remaining = [len(tracked)]
+        pending = {id(t) for t in tracked}
 
-        def on_update(t: _Tracked) -> None:  # runs on the driver thread
+        def on_update(t: _Tracked) -> None:  # runs on whichever thread stepped the core
             if t.state.done:
-                remaining[0] -= 1
-                if remaining[0] == 0:
+                pending.discard(id(t))
+                if not pending:
                     loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
         for t in tracked:

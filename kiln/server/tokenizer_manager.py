@@ -219,6 +219,7 @@ class TokenizerManager:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
+            fut.cancel()  # stays queued: a late reply is matched to it, not to the next caller
             raise EngineDeadError(f"The engine did not answer {type(msg).__name__} in {CONTROL_TIMEOUT_S}s.")
 
     # ---- output side ---------------------------------------------------------------------
@@ -300,11 +301,11 @@ class TokenizerManager:
 
 
 def _resolve(waiters: collections.deque, value: Any) -> None:
-    while waiters:
+    """Replies come in request order: the oldest waiter gets this one (even if it gave up)."""
+    if waiters:
         fut = waiters.popleft()
         if not fut.done():
             fut.set_result(value)
-            return
 
 
 def _byte_decoder() -> dict[str, int]:
