@@ -1,0 +1,227 @@
+"""Mixture-of-experts layers shared by Inkling (`SinkMoE`) and MiniMax-M3 (`MiniMaxMoE`).
+
+- `SinkGate` / `MiniMaxGate`: the routers (MODELS.md 2.3 / 3.2), fp32, ties to the lower id.
+- `Experts`: routed SwiGLU experts stacked as `w13 [E, 2I, H]` and `w2 [E, H, I]`.
+- `SharedExperts`: always-on SwiGLU experts in the "linearised" layout (one gate/up GEMM, one down
+  GEMM for all of them), optionally weighted per token.
+- Routing capture / replay (RL): every gate records the ids it used in
+  `batch.extras["routed_experts"][moe_index]` (int32 [T, k]); when
+  `batch.extras["replay_experts"]` holds ids for its `moe_index`, it uses them instead of its own
+  top-k, but recomputes the weights from the live router so gradients still reach it.
+
+Tensor parallelism shards the expert intermediate dim; routers are replicated. The modules call the
+reference ops in `kiln.ops.moe`, which fused kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.ops import moe as ref_ops
+
+
+def _frozen(*shape: int) -> nn.Parameter:
+    # Engine convention: parameters start without grad; the trainer enables what it trains.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _routing(gate: nn.Module, batch, compute):
+    """Run `compute(forced_ids)` with replayed ids if the batch has some for this gate, and record
+    the ids used."""
+    extras = batch.extras if batch is not None else None
+    replay = (extras or {}).get("replay_experts") or {}
+    forced = replay.get(gate.moe_index)
+    out = compute(forced)
+    if extras is not None:
+        extras.setdefault("routed_experts", {})[gate.moe_index] = out[0].int()
+    return out
+
+
+class SinkGate(nn.Module):
+    """Inkling's router: forward(x, batch) -> (topk_ids [T,k] int64, routed_w [T,k] fp32,
+    shared_w [T,S] fp32)."""
+
+    def __init__(self, hidden: int, num_experts: int, num_shared: int, top_k: int,
+                 route_scale: float = 1.0, moe_index: int = 0):
+        super().__init__()
+        self.num_experts, self.num_shared, self.top_k = num_experts, num_shared, top_k
+        self.route_scale = float(route_scale)
+        self.moe_index = moe_index
+        self.weight = _frozen(num_experts + num_shared, hidden)
+        # Load-balancing bias: steers selection only, adjusted outside autograd.
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, batch=None):
+        return _routing(self, batch, lambda forced: ref_ops.sink_gate_ref(
+            x, self.weight, self.expert_bias, self.global_scale, self.top_k, self.route_scale, forced))
+
+
+class MiniMaxGate(nn.Module):
+    """MiniMax-M3's router: forward(x, batch) -> (topk_ids [T,k] int64, routed_w [T,k] fp32)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
+                 moe_index: int = 0):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.moe_index = moe_index
+        self.weight = _frozen(num_experts, hidden)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, batch=None):
+        return _routing(self, batch, lambda forced: ref_ops.minimax_gate_ref(
+            x, self.weight, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor, forced))
+
+
+def _load_swiglu_slice(w13: torch.Tensor, w2: torch.Tensor, inter: int, pc: ParallelContext,
+                       kind: str, loaded: torch.Tensor, gate_rows: slice, up_rows: slice,
+                       down_cols: slice) -> None:
+    """Copy this rank's shard of one expert's gate/up/down matrix into stacked storage."""
+    start, n = pc.shard(inter)
+    if kind == "down":
+        w2[:, down_cols].copy_(loaded[:, start:start + n])
+    else:
+        w13[gate_rows if kind == "gate" else up_rows].copy_(loaded[start:start + n])
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts. forward(x [T,H], topk_ids [T,k], topk_weights [T,k] fp32) -> [T,H]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, pc: ParallelContext = SINGLE,
+                 reduce_output: bool = True):
+        super().__init__()
+        self.pc, self.reduce_output = pc, reduce_output
+        self.num_experts, self.intermediate = num_experts, intermediate
+        _, self.inter_per_rank = pc.shard(intermediate)
+        self.w13 = _frozen(num_experts, 2 * self.inter_per_rank, hidden)
+        self.w2 = _frozen(num_experts, hidden, self.inter_per_rank)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """shard_id = (expert, "gate" | "up" | "down"): checkpoint `experts.{e}.{kind}_proj`."""
+        e, kind = shard_id
+        n = self.inter_per_rank
+        _load_swiglu_slice(self.w13.data[e], self.w2.data[e], self.intermediate, self.pc, kind,
+                           loaded.to(param.dtype), slice(0, n), slice(n, 2 * n), slice(0, n))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        out = ref_ops.experts_ref(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
+        if self.reduce_output:
+            out = self.pc.all_reduce(out)
+        return out.to(out_dtype or x.dtype)
+
+    def checkpoint_items(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(on-disk name, tensor) per expert matrix, e.g. `{prefix}experts.3.up_proj.weight`."""
+        n = self.inter_per_rank
+        for e in range(self.num_experts):
+            yield f"{prefix}experts.{e}.gate_proj.weight", self.w13[e, :n]
+            yield f"{prefix}experts.{e}.up_proj.weight", self.w13[e, n:]
+            yield f"{prefix}experts.{e}.down_proj.weight", self.w2[e]
+
+
+class SharedExperts(nn.Module):
+    """S always-on SwiGLU experts stored linearised: `w13 [2*S*I, H]` = [gate_0..; up_0..],
+    `w2 [H, S*I]` = [down_0 | down_1 ..], so all of them run as two dense GEMMs.
+    forward(x, weights [T,S] fp32 or None) -> fp32 [T,H] (this rank's partial sum under TP)."""
+
+    def __init__(self, num_shared: int, hidden: int, intermediate: int, pc: ParallelContext = SINGLE,
+                 indexed: bool = True):
+        super().__init__()
+        self.pc, self.num_shared, self.intermediate = pc, num_shared, intermediate
+        self.indexed = indexed  # on disk: shared_experts.{s}.* (True) or shared_experts.* (False)
+        _, self.inter_per_rank = pc.shard(intermediate)
+        self.w13 = _frozen(2 * num_shared * self.inter_per_rank, hidden)
+        self.w2 = _frozen(hidden, num_shared * self.inter_per_rank)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def _rows(self, s: int) -> tuple[slice, slice, slice]:
+        n, half = self.inter_per_rank, self.num_shared * self.inter_per_rank
+        return slice(s * n, (s + 1) * n), slice(half + s * n, half + (s + 1) * n), slice(s * n, (s + 1) * n)
+
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        s, kind = shard_id
+        _load_swiglu_slice(self.w13.data, self.w2.data, self.intermediate, self.pc, kind,
+                           loaded.to(param.dtype), *self._rows(s))
+
+    def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return ref_ops.shared_experts_ref(x, self.w13, self.w2, weights)
+
+    def checkpoint_items(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for s in range(self.num_shared):
+            gate, up, down = self._rows(s)
+            base = f"{prefix}shared_experts.{s}." if self.indexed else f"{prefix}shared_experts."
+            yield base + "gate_proj.weight", self.w13[gate]
+            yield base + "up_proj.weight", self.w13[up]
+            yield base + "down_proj.weight", self.w2[:, down]
+
+
+class SinkMoE(nn.Module):
+    """Inkling's MoE: sum_{j in T} w_j Expert_j(m) + sum_s w_s Shared_s(m), fp32, cast once."""
+
+    def __init__(self, cfg, moe_index: int, pc: ParallelContext = SINGLE):
+        super().__init__()
+        self.pc = pc
+        self.router = SinkGate(cfg.hidden_size, cfg.num_experts, cfg.num_shared_experts,
+                               cfg.num_experts_per_tok, cfg.route_scale, moe_index)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, pc,
+                               reduce_output=False)
+        self.shared_experts = SharedExperts(cfg.num_shared_experts, cfg.hidden_size,
+                                            cfg.moe_intermediate_size, pc)
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        ids, routed_w, shared_w = self.router(x, batch)
+        out = self.experts(x, ids, routed_w, torch.float32) + self.shared_experts(x, shared_w)
+        return self.pc.all_reduce(out).to(x.dtype)
+
+
+class MiniMaxMoE(nn.Module):
+    """MiniMax-M3's MoE: sum_{j in T} w_j Expert_j(m) + SharedExpert(m) (weight 1), fp32, cast once."""
+
+    def __init__(self, cfg, moe_index: int, pc: ParallelContext = SINGLE):
+        super().__init__()
+        self.pc = pc
+        self.gate = MiniMaxGate(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                getattr(cfg, "routed_scaling_factor", 1.0), moe_index)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, pc,
+                               reduce_output=False)
+        # One conventional shared expert (`shared_experts.{gate,up,down}_proj` on disk), sized like
+        # DeepSeek's: num_shared_experts * moe_intermediate_size.
+        shared_inter = cfg.moe_intermediate_size * int(getattr(cfg, "num_shared_experts", 1) or 1)
+        self.shared_experts = SharedExperts(1, cfg.hidden_size, shared_inter, pc, indexed=False)
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        ids, routed_w = self.gate(x, batch)
+        out = self.experts(x, ids, routed_w, torch.float32) + self.shared_experts(x)
+        return self.pc.all_reduce(out).to(x.dtype)
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.)?experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_SHARED_NAME = re.compile(r"^(.*\.)?shared_experts\.(?:(\d+)\.)?(gate|up|down)_proj\.weight$")
+
+
+def moe_param_for(name: str) -> Optional[tuple[str, tuple[int, str]]]:
+    """Map an on-disk expert tensor name to (our parameter name, shard_id for its weight_loader);
+    None if `name` is not a routed or shared expert matrix.
+
+    `model.layers.3.mlp.experts.5.up_proj.weight` -> (`model.layers.3.mlp.experts.w13`, (5, "up"))
+    `...mlp.shared_experts.1.down_proj.weight` -> (`...mlp.shared_experts.w2`, (1, "down"))
+    `...mlp.shared_experts.gate_proj.weight` (MiniMax) -> (`...mlp.shared_experts.w13`, (0, "gate"))
+    """
+    m = _SHARED_NAME.match(name)
+    if m:
+        prefix, idx, kind = m.group(1) or "", m.group(2), m.group(3)
+        return f"{prefix}shared_experts.{'w2' if kind == 'down' else 'w13'}", (int(idx or 0), kind)
+    m = _EXPERT_NAME.match(name)
+    if m:
+        prefix, e, kind = m.group(1) or "", int(m.group(2)), m.group(3)
+        return f"{prefix}experts.{'w2' if kind == 'down' else 'w13'}", (e, kind)
+    return None

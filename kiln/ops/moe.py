@@ -1,0 +1,105 @@
+"""Reference MoE ops in plain PyTorch: the two routers and the routed experts.
+
+These are the spec that fused kernels (sigmoid top-k + renormalisation, grouped expert GEMMs) are
+tested against. Router math is fp32; expert activations and the weighted sum are fp32 with one cast
+at the end (MODELS.md 2.3, 3.2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def topk_lower_id(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, in descending order; equal scores go to the lower
+    index. torch.topk does not promise an order among ties, a stable sort does."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def sink_gate_ref(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
+                  global_scale: torch.Tensor, top_k: int, route_scale: float,
+                  forced_ids: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inkling's router (MODELS.md 2.3): shared experts compete for one normalised budget.
+
+    x [T, H]; weight [E+S, H] (rows E.. score the shared experts); expert_bias [E];
+    global_scale [] (learned). Returns (topk_ids [T, k] int64, routed_w [T, k] fp32,
+    shared_w [T, S] fp32). `forced_ids` (routing replay) replaces the selection; the weights are
+    still computed from the live logits, so gradients reach the router.
+    """
+    e = expert_bias.shape[0]
+    s = weight.shape[0] - e
+    z = F.linear(x.float(), weight.float())  # [T, E+S]
+    if forced_ids is None:
+        with torch.no_grad():  # selection is not differentiable; the bias only steers it
+            ids = topk_lower_id(torch.sigmoid(z[:, :e]) + expert_bias.float(), top_k)
+    else:
+        ids = forced_ids.to(device=z.device, dtype=torch.long)
+    shared = torch.arange(e, e + s, device=z.device).expand(z.shape[0], s)
+    z_j = z.gather(1, torch.cat([ids, shared], dim=1))
+    # softmax(logsigmoid(z)) == sigmoid(z_j) / sum_J sigmoid(z), without overflow or underflow.
+    w = torch.softmax(F.logsigmoid(z_j), dim=-1) * (route_scale * global_scale.float())
+    return ids, w[:, :top_k], w[:, top_k:]
+
+
+def minimax_gate_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                     routed_scaling_factor: float, forced_ids: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M3's router (MODELS.md 3.2): sigmoid scores, top-k of score + bias, weights are the
+    selected scores renormalised and scaled. Returns (topk_ids [T, k] int64, routed_w [T, k] fp32)."""
+    s = torch.sigmoid(F.linear(x.float(), weight.float()))  # [T, E]
+    if forced_ids is None:
+        with torch.no_grad():
+            ids = topk_lower_id(s + bias.float(), top_k)
+    else:
+        ids = forced_ids.to(device=s.device, dtype=torch.long)
+    s_t = s.gather(1, ids)
+    return ids, s_t / s_t.sum(-1, keepdim=True) * routed_scaling_factor
+
+
+def swiglu_act(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, gate and up stacked on the last dim. Returns fp32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """sum_j w_j * Expert_{id_j}(x) for routed SwiGLU experts, looping over experts that got tokens.
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k];
+    topk_weights [T, k] fp32. The GEMMs run in the weights' dtype; the activation product, the
+    routing weight and the sum over the k slots are fp32; the result is cast once to `out_dtype`
+    (x's dtype by default; pass torch.float32 to keep adding in fp32, e.g. shared experts).
+    The k slots of a token are summed in selection order, so the result is deterministic.
+    """
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    flat_w = topk_weights.reshape(-1).float()
+    token = torch.arange(t, device=x.device).repeat_interleave(k)
+    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(flat_ids).tolist():
+        sel = (flat_ids == e).nonzero().squeeze(1)
+        act = swiglu_act(F.linear(x[token[sel]], w13[e]))
+        y = F.linear(act.to(w2.dtype), w2[e]).float()
+        slots = slots.index_put((sel,), y * flat_w[sel, None])
+    out = slots.view(t, k, -1).sum(dim=1)
+    return out.to(out_dtype or x.dtype)
+
+
+def shared_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """S SwiGLU experts in the linearised layout, as two dense GEMMs. Returns fp32 [T, H].
+
+    w13 [2*S*I, H] = [gate_0; ..; gate_{S-1}; up_0; ..; up_{S-1}]; w2 [H, S*I] = [down_0 | .. ].
+    weights [T, S] fp32 (None: every shared expert has weight 1) scale each expert's slice of the
+    intermediate activations, so down(sum) = sum_s w_s * down_s(act_s).
+    """
+    act = swiglu_act(F.linear(x, w13))  # [T, S*I]
+    if weights is not None:
+        inter = act.shape[1] // weights.shape[1]
+        act = act * weights.float().repeat_interleave(inter, dim=1)
+    return F.linear(act.to(w2.dtype), w2).float()
