@@ -5,6 +5,11 @@ which knows where K/V live: `PagedAttentionBackend` (the engine: writes this for
 paged pool and attends over each sequence's cache) or `PackedAttentionBackend` (the trainer: whole
 packed sequences, no cache). Both call the reference ops in `kiln.ops.attention`; GPU kernels plug
 in behind the same backend interface.
+
+Backend interface (what an engine backend implements for the models here):
+- `attention(layer, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], batch, rel=None) -> [T,Hq,D]`, where
+  `rel [T,Hq,R]` is Inkling's per-query relative-logit bias (see `kiln.ops.attention`);
+- `short_conv(conv, x [T,C], batch) -> [T,C]` for `kiln.layers.shortconv.ShortConv` sites.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ from torch import nn
 
 from kiln.engine.batch import ForwardBatch
 from kiln.ops import attention as ref_ops
+from kiln.ops import shortconv as conv_ops
 
 
 class Attention(nn.Module):
-    """Softmax attention over (q, k, v) heads; `layer_id` indexes the KV pool."""
+    """Softmax attention over (q, k, v) heads; `layer_id` indexes the KV pool. `rel_extent` (R)
+    documents the width of the relative-logit bias the layer is called with (None: no bias)."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: Optional[float] = None, sliding_window: Optional[int] = None):
+                 scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                 rel_extent: Optional[int] = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -30,14 +38,20 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.sliding_window = sliding_window
+        self.rel_extent = rel_extent
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D], rel: [T, Hq, R] (or [T, Hq*R]) or None -> [T, Hq*D]."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = batch.backend.attention(self, q, k, v, batch)
+        if rel is not None:
+            rel = rel.view(t, self.num_heads, -1)
+            o = batch.backend.attention(self, q, k, v, batch, rel=rel)
+        else:
+            o = batch.backend.attention(self, q, k, v, batch)
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -49,7 +63,7 @@ class PagedAttentionBackend:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
 
-    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
         k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
@@ -59,15 +73,17 @@ class PagedAttentionBackend:
         dec_rows, dec_slots, dec_lens, ext = plan
         if len(ext) == 0:  # pure decode: one batched call
             return ref_ops.paged_decode_attention(q, k_cache, v_cache, self.req_to_token, dec_slots,
-                                                  dec_lens, layer.scale, layer.sliding_window)
+                                                  dec_lens, layer.scale, layer.sliding_window, rel)
         out = torch.empty_like(q)
         if dec_rows is not None:
-            out[dec_rows] = ref_ops.paged_decode_attention(q[dec_rows], k_cache, v_cache, self.req_to_token,
-                                                           dec_slots, dec_lens, layer.scale, layer.sliding_window)
+            out[dec_rows] = ref_ops.paged_decode_attention(
+                q[dec_rows], k_cache, v_cache, self.req_to_token, dec_slots, dec_lens, layer.scale,
+                layer.sliding_window, None if rel is None else rel[dec_rows])
         for slot, prefix, n, start in ext:
             sl = slice(start, start + n)
             out[sl] = ref_ops.paged_attention(q[sl], k_cache, v_cache, self.req_to_token, [slot], [prefix], [n],
-                                              layer.scale, layer.sliding_window)
+                                              layer.scale, layer.sliding_window,
+                                              None if rel is None else rel[sl])
         return out
 
     @staticmethod
@@ -88,6 +104,11 @@ class PagedAttentionBackend:
 class PackedAttentionBackend:
     """Trainer / reference backend: whole sequences packed along the token dim, no cache."""
 
-    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
         assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
-        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window)
+        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window, rel)
+
+    def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Whole sequences: taps before each sequence start read zeros."""
+        assert all(p == 0 for p in batch.prefix_lens), "packed short conv has no state"
+        return conv_ops.short_conv(x, conv.weight, batch.extend_lens, None)

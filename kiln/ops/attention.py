@@ -1,7 +1,10 @@
 """Reference attention ops in plain PyTorch (the spec that fast kernels are tested against).
 
-Both ops compute causal softmax attention with GQA, an optional sliding window (a query at
-position i sees keys j with i - W < j <= i), in fp32, per sequence.
+Every op computes causal softmax attention with GQA, an optional sliding window (a query at
+position i sees keys j with i - W < j <= i), in fp32, per sequence, and an optional
+query-conditioned relative-logit bias (Inkling, MODELS.md 2.2): `rel [n, Hq, R]` holds, for each
+query row and head, R relative logits, and `rel[i, h, pos_i - pos_j]` is added to the logit
+(after q.k * scale) when 0 <= pos_i - pos_j < R. Farther keys get no bias.
 """
 
 from __future__ import annotations
@@ -12,15 +15,30 @@ import torch
 import torch.nn.functional as F
 
 
+def rel_bias(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The additive bias [n, Hq, m] (fp32): rel[i, h, q_pos_i - k_pos_j] where that distance is in
+    [0, R), else 0. rel: [n, Hq, R]; q_pos [n]; k_pos [m] (or [n, m] per row)."""
+    n, hq, r = rel.shape
+    dist = q_pos[:, None] - (k_pos if k_pos.dim() == 2 else k_pos[None, :])  # [n, m]
+    near = (dist >= 0) & (dist < r)
+    idx = dist.clamp(0, r - 1)[:, None, :].expand(n, hq, dist.shape[1])
+    return torch.where(near[:, None, :], rel.float().gather(2, idx), 0.0)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-            k_pos: torch.Tensor, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
-    """q: [n, Hq, D]; k, v: [m, Hkv, D]; positions [n], [m]. Returns [n, Hq, D] in q's dtype."""
+            k_pos: torch.Tensor, scale: float, sliding_window: Optional[int],
+            rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q: [n, Hq, D]; k, v: [m, Hkv, D]; positions [n], [m]; rel [n, Hq, R] or None.
+    Returns [n, Hq, D] in q's dtype."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     qf = q.float().view(n, hkv, group, d)
     kf, vf = k.float(), v.float()
     scores = torch.einsum("nhgd,mhd->hgnm", qf, kf) * scale
+    if rel is not None:
+        bias = rel_bias(rel, q_pos, k_pos)  # [n, Hq, m]; head h = g_kv * group + g
+        scores = scores + bias.permute(1, 0, 2).reshape(hkv, group, n, -1)
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
@@ -33,11 +51,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_to_token: torch.Tensor, req_slots: Sequence[int], prefix_lens: Sequence[int],
                     extend_lens: Sequence[int], scale: float,
-                    sliding_window: Optional[int] = None) -> torch.Tensor:
+                    sliding_window: Optional[int] = None,
+                    rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached + new K/V.
 
     q: [T, Hq, D] (sequences concatenated); k_cache/v_cache: [num_slots, Hkv, D] already holding
-    this forward's K/V; req_to_token[slot, pos] = token slot of position pos.
+    this forward's K/V; req_to_token[slot, pos] = token slot of position pos; rel: [T, Hq, R].
     """
     out = torch.empty_like(q)
     start = 0
@@ -48,18 +67,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_pos = torch.arange(prefix, total, device=q.device)
         k_pos = torch.arange(lo, total, device=q.device)
         out[start:start + n] = _attend(q[start:start + n], k_cache[slots], v_cache[slots],
-                                       q_pos, k_pos, scale, sliding_window)
+                                       q_pos, k_pos, scale, sliding_window,
+                                       None if rel is None else rel[start:start + n])
         start += n
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+                           scale: float, sliding_window: Optional[int] = None,
+                           rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One new token per sequence, all sequences in one padded SDPA call.
 
     q: [B, Hq, D] (the token at position seq_len - 1 of each sequence); seq_lens: [B] int64 on
-    q's device. Keys are gathered into [B, max_len] and masked by length (and window).
+    q's device; rel: [B, Hq, R]. Keys are gathered into [B, max_len] and masked by length (and
+    window). With rel, the bias becomes a float mask and the call runs in fp32.
     """
     b, hq, d = q.shape
     max_len = int(seq_lens.max())
@@ -70,20 +92,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     visible = pos[None, :] < seq_lens[:, None]
     if sliding_window is not None:
         visible &= pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+    if rel is None:
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+            enable_gqa=k.shape[1] != hq)
+        return out.squeeze(2).to(q.dtype)
+    bias = rel_bias(rel, seq_lens - 1, pos[None, :].expand(b, max_len))  # [B, Hq, L]
+    mask = bias.masked_fill(~visible[:, None, :], float("-inf"))
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+        q.unsqueeze(2).float(), k.float(), v.float(), attn_mask=mask[:, :, None, :], scale=scale,
         enable_gqa=k.shape[1] != hq)
     return out.squeeze(2).to(q.dtype)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
-                     scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention inside each of several whole sequences packed along dim 0."""
+                     scale: float, sliding_window: Optional[int] = None,
+                     rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention inside each of several whole sequences packed along dim 0 (positions
+    restart at 0 at every sequence start); rel: [T, Hq, R] or None."""
     out = torch.empty_like(q)
     start = 0
     for n in seq_lens:
         pos = torch.arange(n, device=q.device)
         sl = slice(start, start + n)
-        out[sl] = _attend(q[sl], k[sl], v[sl], pos, pos, scale, sliding_window)
+        out[sl] = _attend(q[sl], k[sl], v[sl], pos, pos, scale, sliding_window,
+                          None if rel is None else rel[sl])
         start += n
     return out
