@@ -24,16 +24,28 @@ class ComponentKind(enum.Enum):
 @dataclass(frozen=True)
 class StateSpec:
     """One component: its kind, the layers that own it, and the per-token shape per layer
-    (for KV: (num_kv_heads, head_dim), stored once for K and once for V)."""
+    (for KV: (num_kv_heads, head_dim), stored once for K and once for V).
+
+    For CONV, `layer_ids` are ShortConv site ids (`ShortConv.conv_id`), `shape` is (channels,)
+    and one spec groups the sites of one channel size. `window` is how many of the latest tokens'
+    entries a request still needs (SWA_KV: W; CONV: K-1); None means every token (FULL_KV).
+    """
 
     kind: ComponentKind
     layer_ids: list[int]
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None  # None: the model's dtype
+    window: int | None = None
 
     def bytes_per_token(self, default_dtype: torch.dtype) -> int:
+        """Bytes one token's entry takes across all of this component's layers (or sites)."""
         n = 1
         for s in self.shape:
             n *= s
         per_layer = n * (2 if self.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV) else 1)
         return per_layer * len(self.layer_ids) * (self.dtype or default_dtype).itemsize
+
+    def bytes_per_request(self, default_dtype: torch.dtype) -> int | None:
+        """Bytes a request's windowed state takes when kept per request (e.g. a ShortConv state
+        slot of K-1 inputs per site); None for components without a window."""
+        return None if self.window is None else self.window * self.bytes_per_token(default_dtype)
