@@ -108,11 +108,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     """Attention over the selected blocks only: gathers N*B keys per (group, query).
 
     q: [n, Hq, D]; k, v: [m, G, D] with distinct positions k_pos (any order, gaps allowed);
-    sel: [G, n, N]. Same result as `dense_masked_attention`, cost O(n * N * B) instead of O(n * m).
+    sel: [G, n, N] as `select_blocks` returns it (valid ids first, then -1 padding).
+    Same result as `dense_masked_attention`, cost O(n * N * B) instead of O(n * m).
     """
     n, hq, d = q.shape
     m, g, _ = k.shape
     bsz = block_size
+    # -1 padding trails every row: drop columns no query uses (short sequences, huge N).
+    sel = sel[..., :max(1, int((sel >= 0).sum(-1).max()))]
     # Row of the key at each position (-1: no such key), so a block id becomes B key rows.
     row_of_pos = torch.full((int(k_pos.max()) + 1,), -1, dtype=torch.long, device=k.device)
     row_of_pos[k_pos] = torch.arange(m, device=k.device)

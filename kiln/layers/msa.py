@@ -1,0 +1,102 @@
+"""`MSAAttention`: MiniMax-M3's attention layer (MODELS.md 3.1), GQA + qk-norm + RoPE, attending
+sparsely to the top-N key blocks chosen per KV head by a small indexer.
+
+The layer computes its projections and hands everything that touches cached state to the batch's
+backend, like `Attention` does:
+
+    o = batch.backend.msa_attention(layer, q, k, v, qI, kI, batch)
+        layer: this module; reads layer.layer_id, num_heads, num_kv_heads, head_dim, scale,
+               index_head_dim, block_size (B), topk_blocks (N)
+        q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]: after q/k norm and RoPE
+        qI [T, Hkv, DI], kI [T, Hkv, DI]: the indexer query/key, after RoPE
+        returns o [T, Hq, D]
+
+The engine's paged backend implements it by storing, per token slot (`batch.out_cache_loc`), K and
+V in the layer's FULL_KV pool and kI in its INDEX_K pool (shape (Hkv, DI)); then, for each
+sequence's new queries at positions prefix..prefix+n-1, it gathers kI and K/V of positions
+0..prefix+n-1 through req_to_token and runs `kiln.ops.msa.select` + `sparse_attention` (the
+reference: absolute positions make chunked prefill and decode select exactly what a whole-sequence
+forward selects). qI is never cached.
+
+Backends without `msa_attention` (the trainer's `PackedAttentionBackend`) get the packed reference
+`kiln.ops.msa.packed_msa_attention` when the batch is in TRAIN mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding
+from kiln.ops.msa import packed_msa_attention
+
+
+class MSAIndexer(nn.Module):
+    """One indexer head per KV head: qI, kI = a W_qi^T, a W_ki^T, both [T, Hkv, DI]."""
+
+    def __init__(self, hidden: int, num_kv_heads: int, index_head_dim: int, pc: ParallelContext):
+        super().__init__()
+        # The indexer heads follow the KV heads, so they shard the same way; replicating KV heads
+        # across ranks (Hkv < tp_size) is not supported here yet.
+        assert num_kv_heads % pc.tp_size == 0, "MSA indexer needs num_key_value_heads % tp_size == 0"
+        self.q_proj = ColumnParallelLinear(hidden, num_kv_heads * index_head_dim, pc=pc)
+        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * index_head_dim, pc=pc)
+        self.index_head_dim = index_head_dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        return (self.q_proj(x).view(t, -1, self.index_head_dim),
+                self.k_proj(x).view(t, -1, self.index_head_dim))
+
+
+class MSAAttention(nn.Module):
+    """self_attn of a MiniMax-M3 layer: takes the normed hidden state [T, H], returns o_proj's [T, H]."""
+
+    def __init__(self, cfg, layer_id: int, rotary: RotaryEmbedding, index_rotary: RotaryEmbedding,
+                 pc: ParallelContext = SINGLE):
+        super().__init__()
+        d = cfg.head_dim
+        self.layer_id = layer_id
+        # q/k/v are separate on disk (self_attn.{q,k,v}_proj); the loader stacks them here.
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, pc=pc)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, pc=pc)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.indexer = MSAIndexer(cfg.hidden_size, cfg.num_key_value_heads, cfg.index_head_dim, pc)
+        self.rotary = rotary
+        self.index_rotary = index_rotary
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.index_head_dim = cfg.index_head_dim
+        self.block_size = cfg.index_block_size
+        self.topk_blocks = cfg.index_topk_blocks
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(q.reshape(t, self.num_heads, d))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
+        q, k = self.rotary(positions, q, k)
+        v = v.reshape(t, self.num_kv_heads, d)
+        qI, kI = self.indexer(x)
+        qI, kI = self.index_rotary(positions, qI, kI)
+        o = self._attend(q, k, v, qI, kI, batch)
+        return self.o_proj(o.reshape(t, self.num_heads * d))
+
+    def _attend(self, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
+        backend = batch.backend
+        if hasattr(backend, "msa_attention"):
+            return backend.msa_attention(self, q, k, v, qI, kI, batch)
+        if batch.mode is ForwardMode.TRAIN:
+            assert all(p == 0 for p in batch.prefix_lens), "packed MSA has no cache"
+            return packed_msa_attention(q, k, v, qI, kI, batch.extend_lens, self.block_size,
+                                        self.topk_blocks, self.scale)
+        raise NotImplementedError(f"{type(backend).__name__} has no msa_attention(layer, q, k, v, qI, kI, "
+                                  "batch); MiniMax-M3 needs it to serve from a cache")
