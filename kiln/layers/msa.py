@@ -13,10 +13,10 @@ backend, like `Attention` does:
 
 The engine's paged backend implements it by storing, per token slot (`batch.out_cache_loc`), K and
 V in the layer's FULL_KV pool and kI in its INDEX_K pool (shape (Hkv, DI)); then, for each
-sequence's new queries at positions prefix..prefix+n-1, it gathers kI and K/V of positions
-0..prefix+n-1 through req_to_token and runs `kiln.ops.msa.select` + `sparse_attention` (the
-reference: absolute positions make chunked prefill and decode select exactly what a whole-sequence
-forward selects). qI is never cached.
+sequence's new queries at positions prefix..prefix+n-1, it selects blocks from kI of positions
+0..prefix+n-1 and attends over their K/V: `kiln.ops.msa.paged_msa_attention` is that reference
+(absolute positions make chunked prefill and decode select what a whole-sequence forward
+selects). qI is never cached.
 
 Backends without `msa_attention` (the trainer's `PackedAttentionBackend`) get the packed reference
 `kiln.ops.msa.packed_msa_attention` when the batch is in TRAIN mode.

@@ -155,3 +155,29 @@ def packed_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qI: 
         out[sl] = sparse_attention(q[sl], k[sl], v[sl], pos, pos, sel, block_size, scale)
         start += n
     return out
+
+
+def paged_msa_attention(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        index_k_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: Sequence[int],
+                        prefix_lens: Sequence[int], extend_lens: Sequence[int], block_size: int,
+                        topk_blocks: int, scale: float) -> torch.Tensor:
+    """MSA of each sequence's new queries over its whole cache (chunked prefill, decode, mixed).
+
+    q: [T, Hq, D], qI: [T, G, DI] (sequences concatenated); k_cache/v_cache: [slots, G, D] and
+    index_k_cache: [slots, G, DI] already holding this forward's K, V and kI;
+    req_to_token[slot, pos] = token slot of position pos. The new queries of a sequence sit at
+    positions prefix..prefix+n-1 and see positions 0..prefix+n-1.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for slot, prefix, n in zip(req_slots, prefix_lens, extend_lens):
+        total = prefix + n
+        slots = req_to_token[slot, :total].long()
+        q_pos = torch.arange(prefix, total, device=q.device)
+        k_pos = torch.arange(total, device=q.device)
+        rows = slice(start, start + n)
+        sel = select(qI[rows], index_k_cache[slots], q_pos, k_pos, block_size, topk_blocks)
+        out[rows] = sparse_attention(q[rows], k_cache[slots], v_cache[slots], q_pos, k_pos, sel,
+                                     block_size, scale)
+        start += n
+    return out

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kiln.ops.attention import packed_attention
-from kiln.ops.msa import (block_scores, dense_masked_attention, packed_msa_attention, select,
-                          select_blocks, sparse_attention)
+from kiln.ops.msa import (block_scores, dense_masked_attention, packed_msa_attention, paged_msa_attention,
+                          select, select_blocks, sparse_attention)
 
 TOL = 1e-4  # near-tie tolerance on block scores when comparing selected sets
 
@@ -190,3 +190,29 @@ def test_packed_sequences_equal_each_alone():
         alone = packed_msa_attention(q[sl], k[sl], v[sl], qI[sl], kI[sl], [n], bsz, big_n, 0.25)
         torch.testing.assert_close(packed[sl], alone, atol=0, rtol=0)
         start += n
+
+
+def test_paged_equals_packed_for_chunks_and_decodes():
+    """Scattered pages, two sequences: a chunk with a cached prefix and a decode, in one call."""
+    bsz, big_n, page = 8, 4, 4
+    lens = [61, 45]
+    gen = torch.Generator().manual_seed(12)
+    seqs = [[torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2, 2, 2)] for n in lens]  # q k v qI kI
+    whole = [packed_msa_attention(q, k, v, qi, ki, [n], bsz, big_n, 0.25) for n, (q, k, v, qi, ki) in zip(lens, seqs)]
+    num_pages = sum(-(-n // page) for n in lens) + 1
+    k_cache, v_cache = torch.zeros(num_pages * page, 2, 16), torch.zeros(num_pages * page, 2, 16)
+    ki_cache = torch.zeros(num_pages * page, 2, 16)
+    table = torch.zeros(3, 64, dtype=torch.long)
+    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    for row, (n, (q, k, v, qi, ki)) in enumerate(zip(lens, seqs), start=1):
+        for p in range(-(-n // page)):
+            pg = free.pop()
+            table[row, p * page:(p + 1) * page] = torch.arange(pg * page, (pg + 1) * page)
+        slots = table[row, :n]
+        k_cache[slots], v_cache[slots], ki_cache[slots] = k, v, ki
+    prefixes, news = [33, 44], [28, 1]  # sequence 1: chunk 33..60; sequence 2: decode at 44
+    q = torch.cat([s[0][p:p + e] for s, p, e in zip(seqs, prefixes, news)])
+    qi = torch.cat([s[3][p:p + e] for s, p, e in zip(seqs, prefixes, news)])
+    got = paged_msa_attention(q, qi, k_cache, v_cache, ki_cache, table, [1, 2], prefixes, news, bsz, big_n, 0.25)
+    want = torch.cat([w[p:p + e] for w, p, e in zip(whole, prefixes, news)])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
