@@ -130,12 +130,17 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
         log(f"Kiln run {i + 1}: {produced} tokens in {res.wall:.2f}s = {row['output_tok_s']:.1f} tok/s"
             + ("" if res.complete else " (time limit: incomplete)"))
         runs.append(row)
-    by_speed = sorted(runs, key=lambda r: r["output_tok_s"])
-    med = dict(by_speed[len(by_speed) // 2])
+    med = dict(runs[0])
     if len(runs) > 1:
-        med["output_tok_s"] = common.median(r["output_tok_s"] for r in runs)
-        med["total_tok_s"] = common.median(r["total_tok_s"] for r in runs)
-        med["note"] = f"median of {len(runs)} runs"
+        med["wall_s"] = common.median(r["wall_s"] for r in runs)
+        if all(r["complete"] for r in runs):  # same tokens every run: rates from the median wall time
+            med["output_tok_s"] = med["output_tokens"] / med["wall_s"]
+            med["total_tok_s"] = (med["input_tokens"] + med["output_tokens"]) / med["wall_s"]
+        else:
+            med["output_tokens"] = int(common.median(r["output_tokens"] for r in runs))
+            med["output_tok_s"] = common.median(r["output_tok_s"] for r in runs)
+            med["total_tok_s"] = common.median(r["total_tok_s"] for r in runs)
+        med["note"] = f"median of {len(runs)} runs " + "/".join(f"{r['output_tok_s']:.4g}" for r in runs)
     med["runs"] = len(runs)
     med["complete"] = all(r["complete"] for r in runs)
     return med, runs
