@@ -1,0 +1,249 @@
+"""Inkling (MODELS.md 2): ShortConv at four sites per layer, attention with a query-conditioned
+relative-logit bias instead of positional embeddings (log-length scaling on full layers), a sink
+MoE whose shared experts share the routed experts' weight budget, and chained MTP layers.
+
+ShortConv sites are numbered `conv_id = 4 * layer + {0: k_conv, 1: v_conv, 2: o_conv, 3: out_conv}`
+so the engine keeps one state per site. Every op that touches cached state (attention, ShortConv)
+goes through `batch.backend`, so the same module runs in the engine and in the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.engine.batch import ForwardBatch
+from kiln.engine.cache.components import ComponentKind, StateSpec
+from kiln.layers.attention import Attention
+from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
+from kiln.layers.moe import SinkMoE
+from kiln.layers.norm import RMSNorm
+from kiln.layers.shortconv import ShortConv
+from kiln.models.inkling_config import InklingConfig
+from kiln.models.llama import LlamaMLP
+
+
+def attn_scale(positions: torch.Tensor, beta: float, floor_scale: float) -> torch.Tensor:
+    """lam_i = 1 + beta * ln(floor((i + 1) / floor_scale) + 1) per absolute position i (fp32).
+
+    The floor is taken in exact integer arithmetic when floor_scale is integral, so the step
+    lands on the same token on every device and in every mode."""
+    pos = positions.long() + 1
+    if float(floor_scale).is_integer():
+        n = torch.div(pos, int(floor_scale), rounding_mode="floor").float()
+    else:
+        n = torch.floor(pos.double() / floor_scale).float()
+    return 1.0 + beta * torch.log1p(n)
+
+
+def _replicated_linear(in_features: int, out_features: int) -> nn.Linear:
+    lin = nn.Linear(in_features, out_features, bias=False)
+    lin.weight.requires_grad_(False)  # engine convention: the trainer enables what it trains
+    return lin
+
+
+class QKVRParallelLinear(ColumnParallelLinear):
+    """q [Hq*D], k [Hkv*D], v [Hkv*D], r [Hq*d_r] stacked along the output dim, stored on disk as
+    one matrix (`qkvr_proj.weight`); heads are split across ranks (KV heads replicated when there
+    are fewer KV heads than ranks)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, rel_dim: int,
+                 pc: ParallelContext = SINGLE):
+        tp = pc.tp_size
+        assert num_heads % tp == 0, f"{num_heads} heads not divisible by tp_size {tp}"
+        self.head_dim, self.rel_dim = head_dim, rel_dim
+        self.num_heads = num_heads // tp
+        if num_kv_heads >= tp:
+            assert num_kv_heads % tp == 0
+            self.num_kv_heads, self.kv_rank = num_kv_heads // tp, pc.tp_rank
+        else:
+            assert tp % num_kv_heads == 0
+            self.num_kv_heads, self.kv_rank = 1, pc.tp_rank // (tp // num_kv_heads)
+        self.sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim,
+                      self.num_kv_heads * head_dim, self.num_heads * rel_dim]
+        self.disk_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim,
+                           num_heads * rel_dim]
+        super().__init__(hidden, sum(self.sizes) * tp, False, pc)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        parts = loaded.split(self.disk_sizes, dim=0)
+        ranks = [self.pc.tp_rank, self.kv_rank, self.kv_rank, self.pc.tp_rank]
+        offset = 0
+        for part, n, rank in zip(parts, self.sizes, ranks):
+            param.data.narrow(0, offset, n).copy_(part.narrow(0, rank * n, n))
+            offset += n
+
+    def split(self, qkvr: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return qkvr.split(self.sizes, dim=-1)
+
+
+class InklingAttention(nn.Module):
+    def __init__(self, cfg: InklingConfig, layer_id: int, sliding: bool, use_conv: bool,
+                 pc: ParallelContext):
+        super().__init__()
+        d, h, kk = cfg.head_dim, cfg.hidden_size, cfg.shortconv_kernel_size
+        self.qkvr_proj = QKVRParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                            cfg.rel_dim, pc)
+        nh, nkv = self.qkvr_proj.num_heads, self.qkvr_proj.num_kv_heads
+        self.use_conv = use_conv
+        if use_conv:
+            kv_ch = nkv * d
+            self.k_conv = ShortConv(4 * layer_id, kv_ch, kk, row_start=self.qkvr_proj.kv_rank * kv_ch)
+            self.v_conv = ShortConv(4 * layer_id + 1, kv_ch, kk, row_start=self.qkvr_proj.kv_rank * kv_ch)
+            self.o_conv = ShortConv(4 * layer_id + 2, h, kk)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rel_proj = _replicated_linear(cfg.rel_dim, cfg.rel_extent)  # P_l [R, d_r], frozen in RL
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, pc=pc)
+        # Full layers scale q and rel by lam_i; sliding layers have lam = 1.
+        self.full = not sliding
+        self.beta, self.floor_scale = cfg.attn_scale_beta, cfg.attn_scale_floor
+        self.attn = Attention(layer_id, nh, nkv, d, sliding_window=cfg.sliding_window if sliding else None,
+                              rel_extent=cfg.rel_extent)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, d = x.shape[0], self.attn.head_dim
+        q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
+        if self.use_conv:  # on the raw projections, before the per-head norm
+            k, v = self.k_conv(k, batch), self.v_conv(v, batch)
+        q = self.q_norm(q.reshape(t, -1, d))
+        k = self.k_norm(k.reshape(t, -1, d))
+        rel = self.rel_proj(r.reshape(t, -1, self.qkvr_proj.rel_dim))  # [T, Hq, R]
+        if self.full:
+            lam = attn_scale(batch.positions, self.beta, self.floor_scale)[:, None, None]
+            q = (q.float() * lam).to(q.dtype)
+            rel = rel.float() * lam
+        o = self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch, rel=rel))
+        return self.o_conv(o, batch) if self.use_conv else o
+
+
+class InklingDecoderLayer(nn.Module):
+    """MODELS.md 2.2. `moe_index` None: dense SwiGLU; `use_conv` False: the MTP block (no ShortConv)."""
+
+    def __init__(self, cfg: InklingConfig, layer_id: int, sliding: bool, moe_index: Optional[int],
+                 use_conv: bool, pc: ParallelContext):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = InklingAttention(cfg, layer_id, sliding, use_conv, pc)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.is_moe = moe_index is not None
+        self.mlp = SinkMoE(cfg, moe_index, pc) if self.is_moe else LlamaMLP(h, cfg.intermediate_size, pc)
+        self.use_conv = use_conv
+        if use_conv:  # lives under `mlp.` on disk (mlp.out_conv.weight)
+            self.mlp.out_conv = ShortConv(4 * layer_id + 3, h, cfg.shortconv_kernel_size)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        m = self.post_attention_layernorm(h)
+        f = self.mlp(m, batch) if self.is_moe else self.mlp(m)
+        if self.use_conv:
+            f = self.mlp.out_conv(f, batch)
+        return h + f
+
+
+class InklingMTPLayer(nn.Module):
+    """MTP layer k (MODELS.md 2.4): u = [enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)] @ eh_proj^T, then a
+    sliding-window decoder block without ShortConv, then final_norm and the shared LM head.
+    Loaded with the checkpoint; not run by `InklingForCausalLM.forward` yet."""
+
+    def __init__(self, cfg: InklingConfig, k: int, pc: ParallelContext):
+        super().__init__()
+        h = cfg.hidden_size
+        self.k = k
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = _replicated_linear(2 * h, h)
+        # Attention layer ids after the main model's, so a future MTP KV pool can address them.
+        self.block = InklingDecoderLayer(cfg, cfg.num_hidden_layers + k - 1, sliding=True, moe_index=None,
+                                         use_conv=False, pc=pc)
+        self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+
+class InklingModel(nn.Module):
+    def __init__(self, cfg: InklingConfig, pc: ParallelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc)
+        self.layers = nn.ModuleList(
+            InklingDecoderLayer(cfg, l, cfg.is_sliding(l),
+                                l - cfg.first_k_dense_layers if cfg.is_moe(l) else None, True, pc)
+            for l in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch)
+        return self.norm(h)
+
+
+class InklingForCausalLM(nn.Module):
+    """Causal LM over a `ForwardBatch`: `forward` returns final hidden states [T, H] (after
+    model.norm); `compute_logits` projects the rows the batch asks for.
+
+    MTP layers live in `self.mtp[k - 1]` for checkpoint prefix `mtp.{k}.` (k = 1..num_mtp_layers).
+    """
+
+    # Parameters the RL trainer must keep frozen (MODELS.md 2.2); router biases are buffers.
+    frozen_in_training = (".self_attn.rel_proj.",)
+
+    def __init__(self, cfg, pc: ParallelContext = SINGLE, max_positions: Optional[int] = None):
+        super().__init__()
+        cfg = InklingConfig.coerce(cfg)
+        self.config = cfg
+        self.pc = pc
+        self.max_positions = max_positions or cfg.max_position_embeddings  # no table depends on it
+        self.model = InklingModel(cfg, pc)
+        self.mtp = nn.ModuleList(InklingMTPLayer(cfg, k, pc) for k in range(1, cfg.num_mtp_layers + 1))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_conv_sites(self) -> int:
+        return 4 * self.config.num_hidden_layers
+
+    def state_specs(self) -> list[StateSpec]:
+        """FULL_KV for full layers, SWA_KV (window W) for sliding layers, and CONV (window K-1) per
+        distinct channel size, keyed by conv_id: Hkv*D for k/v convs, H for o/out convs."""
+        cfg = self.config
+        a = self.model.layers[0].self_attn.attn
+        kv = (a.num_kv_heads, a.head_dim)
+        full = [l for l in range(cfg.num_hidden_layers) if not cfg.is_sliding(l)]
+        swa = [l for l in range(cfg.num_hidden_layers) if cfg.is_sliding(l)]
+        specs = []
+        if full:
+            specs.append(StateSpec(ComponentKind.FULL_KV, full, kv))
+        if swa:
+            specs.append(StateSpec(ComponentKind.SWA_KV, swa, kv, window=cfg.sliding_window))
+        by_channels: dict[int, list[int]] = {}
+        for layer in self.model.layers:
+            for conv in (layer.self_attn.k_conv, layer.self_attn.v_conv, layer.self_attn.o_conv,
+                         layer.mlp.out_conv):
+                by_channels.setdefault(conv.channels, []).append(conv.conv_id)
+        for c, ids in by_channels.items():
+            specs.append(StateSpec(ComponentKind.CONV, sorted(ids), (c,),
+                                   window=cfg.shortconv_kernel_size - 1))
+        return specs
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters."""
+        from kiln.models.inkling_weights import load_inkling_weights
+
+        return load_inkling_weights(self, weights)
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's weights under their on-disk names (for `kiln init-model` and exports)."""
+        from kiln.models.inkling_weights import inkling_checkpoint_state_dict
+
+        return inkling_checkpoint_state_dict(self)
