@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 # Model types whose config.json `ModelConfig.from_dict` accepts. Other architectures' modules add
 # their model_type here when they register, then read their own extra fields from `raw`.
-SUPPORTED_MODEL_TYPES: set[str] = {"llama", "qwen2", "qwen3", "mistral", "inkling"}
+SUPPORTED_MODEL_TYPES: set[str] = {"llama", "qwen2", "qwen3", "mistral", "inkling", "minimax_m3"}
 
 # transformers' per-architecture defaults for fields a config.json may leave out.
 _MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}

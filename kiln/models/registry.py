@@ -11,6 +11,8 @@ from kiln.models.config import ModelConfig
 from kiln.models.inkling import InklingForCausalLM
 from kiln.models.inkling_config import InklingConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.minimax_m3 import MiniMaxM3ForCausalLM
+from kiln.models.minimax_m3_config import MiniMaxM3Config
 
 MODEL_REGISTRY: dict[str, tuple[type, type]] = {
     "llama": (LlamaForCausalLM, ModelConfig),
@@ -18,6 +20,7 @@ MODEL_REGISTRY: dict[str, tuple[type, type]] = {
     "qwen3": (LlamaForCausalLM, ModelConfig),
     "mistral": (LlamaForCausalLM, ModelConfig),
     "inkling": (InklingForCausalLM, InklingConfig),
+    "minimax_m3": (MiniMaxM3ForCausalLM, MiniMaxM3Config),
 }
 
 

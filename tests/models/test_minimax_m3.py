@@ -321,3 +321,14 @@ def test_config_defaults_and_validation():
         MiniMaxM3Config.from_dict({k: v for k, v in TINY.items() if k != "num_experts"})
     with pytest.raises(ValueError, match="target_layer_ids"):
         MiniMaxM3Config.from_dict({**TINY, "dspark_config": {"target_layer_ids": [9]}})
+
+
+def test_registered_for_config_json():
+    from kiln.models.config import ModelConfig
+    from kiln.models.registry import get_model_class, parse_model_config
+
+    assert get_model_class("minimax_m3") is MiniMaxM3ForCausalLM
+    assert isinstance(parse_model_config(TINY), MiniMaxM3Config)
+    # The runner may parse with the generic ModelConfig first; the model re-parses its raw dict.
+    model = MiniMaxM3ForCausalLM(ModelConfig.from_dict(TINY), max_positions=64)
+    assert model.config.index_block_size == 8
