@@ -17,6 +17,7 @@ from kiln.layers.attention import PackedAttentionBackend
 from kiln.loader import init_dummy_weights
 from kiln.models.minimax_m3 import MiniMaxM3ForCausalLM
 from kiln.models.minimax_m3_config import MiniMaxM3Config
+from kiln.models.reference import packed_forward
 from kiln.ops.attention import packed_attention
 from kiln.ops.msa import select, sparse_attention
 
@@ -210,7 +211,8 @@ def test_chunked_prefill_and_decode_equal_the_whole_sequence():
 def test_packed_sequences_equal_each_alone():
     model = _model(seed=5)
     seqs = [_tokens(n, seed=n) for n in (70, 5, 41)]
-    packed = _logits(model, seqs)
+    with torch.no_grad():
+        packed, _ = packed_forward(model, torch.cat(seqs), [len(s) for s in seqs])
     start = 0
     for s in seqs:
         torch.testing.assert_close(packed[start:start + len(s)], _logits(model, [s]), atol=1e-5, rtol=1e-5)
@@ -220,22 +222,13 @@ def test_packed_sequences_equal_each_alone():
 def test_routing_capture_and_replay():
     model = _model(seed=6)
     tokens = _tokens(40, seed=6)
-    batch = _train_batch([tokens])
     with torch.no_grad():
-        logits = model.compute_logits(model(batch), batch)
-    routed = batch.extras["routed_experts"]
-    assert sorted(routed) == [0, 1, 2]  # moe_index counts MoE layers only
-    assert all(r.dtype == torch.int32 and r.shape == (40, 2) for r in routed.values())
-
-    def replay(ids):
-        b = _train_batch([tokens])
-        b.extras["replay_experts"] = ids
-        with torch.no_grad():
-            return model.compute_logits(model(b), b)
-
-    assert torch.equal(replay(routed), logits)
-    other = {i: (r + 1) % 8 for i, r in routed.items()}
-    assert (replay(other) - logits).abs().max() > 1e-3
+        logits, routed = packed_forward(model, tokens, [40])
+        assert sorted(routed) == [0, 1, 2]  # moe_index counts MoE layers only
+        assert all(r.dtype == torch.int32 and r.shape == (40, 2) for r in routed.values())
+        assert torch.equal(packed_forward(model, tokens, [40], replay=routed)[0], logits)
+        other = {i: (r + 1) % 8 for i, r in routed.items()}
+        assert (packed_forward(model, tokens, [40], replay=other)[0] - logits).abs().max() > 1e-3
 
 
 def test_training_gradients_skip_the_frozen_indexer():
