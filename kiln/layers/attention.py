@@ -26,11 +26,12 @@ from kiln.ops import shortconv as conv_ops
 
 class Attention(nn.Module):
     """Softmax attention over (q, k, v) heads; `layer_id` indexes the KV pool. `rel_extent` (R)
-    documents the width of the relative-logit bias the layer is called with (None: no bias)."""
+    documents the width of the relative-logit bias the layer is called with (None: no bias).
+    `key_gap` g > 1 also hides keys at distances 1..g-1 (Inkling's MTP layer k: g = k - 1)."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                 rel_extent: Optional[int] = None):
+                 rel_extent: Optional[int] = None, key_gap: int = 0):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -39,6 +40,7 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.sliding_window = sliding_window
         self.rel_extent = rel_extent
+        self.key_gap = key_gap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rel: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -48,7 +50,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rel is not None:
-            rel = rel.view(t, self.num_heads, -1)
+            rel = rel.view(t, self.num_heads, rel.shape[-1] // (self.num_heads if rel.dim() == 2 else 1))
             o = batch.backend.attention(self, q, k, v, batch, rel=rel)
         else:
             o = batch.backend.attention(self, q, k, v, batch)
@@ -64,6 +66,7 @@ class PagedAttentionBackend:
         self.req_to_token = req_to_token
 
     def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
+        assert getattr(layer, "key_gap", 0) <= 1, "MTP attention masks are not served yet"
         k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
         k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
@@ -106,7 +109,8 @@ class PackedAttentionBackend:
 
     def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
         assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
-        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window, rel)
+        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window, rel,
+                                        getattr(layer, "key_gap", 0))
 
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Whole sequences: taps before each sequence start read zeros."""

@@ -107,17 +107,18 @@ class InklingAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.attn.head_dim
+        nh, nkv = self.attn.num_heads, self.attn.num_kv_heads
         q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
         if self.use_conv:  # on the raw projections, before the per-head norm
             k, v = self.k_conv(k, batch), self.v_conv(v, batch)
-        q = self.q_norm(q.reshape(t, -1, d))
-        k = self.k_norm(k.reshape(t, -1, d))
-        rel = self.rel_proj(r.reshape(t, -1, self.qkvr_proj.rel_dim))  # [T, Hq, R]
+        q = self.q_norm(q.reshape(t, nh, d))
+        k = self.k_norm(k.reshape(t, nkv, d))
+        rel = self.rel_proj(r.reshape(t, nh, self.qkvr_proj.rel_dim))  # [T, Hq, R]
         if self.full:
             lam = attn_scale(batch.positions, self.beta, self.floor_scale)[:, None, None]
             q = (q.float() * lam).to(q.dtype)
             rel = rel.float() * lam
-        o = self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch, rel=rel))
+        o = self.o_proj(self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel))
         return self.o_conv(o, batch) if self.use_conv else o
 
 
@@ -149,7 +150,9 @@ class InklingDecoderLayer(nn.Module):
 class InklingMTPLayer(nn.Module):
     """MTP layer k (MODELS.md 2.4): u = [enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)] @ eh_proj^T, then a
     sliding-window decoder block without ShortConv, then final_norm and the shared LM head.
-    Loaded with the checkpoint; not run by `InklingForCausalLM.forward` yet."""
+    Query i sees key j iff j == i or j <= i + 1 - k (and the window): the attention's key_gap.
+    Loaded with the checkpoint; not run by `InklingForCausalLM.forward` (serving it comes later);
+    `forward_mtp_reference` runs the chain on packed training sequences."""
 
     def __init__(self, cfg: InklingConfig, k: int, pc: ParallelContext):
         super().__init__()
@@ -161,7 +164,13 @@ class InklingMTPLayer(nn.Module):
         # Attention layer ids after the main model's, so a future MTP KV pool can address them.
         self.block = InklingDecoderLayer(cfg, cfg.num_hidden_layers + k - 1, sliding=True, moe_index=None,
                                          use_conv=False, pc=pc)
+        self.block.self_attn.attn.key_gap = k - 1
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, tok_emb: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """tok_emb = Emb(t_{i+k}), h_prev = h^{k-1}_i, both [T, H] -> h^k_i [T, H] (before final_norm)."""
+        u = self.eh_proj(torch.cat([self.enorm(tok_emb), self.hnorm(h_prev)], dim=-1))
+        return self.block(u, batch)
 
 
 class InklingModel(nn.Module):
@@ -235,6 +244,13 @@ class InklingForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+
+    def forward_mtp_reference(self, input_ids: torch.Tensor, seq_lens: list[int],
+                              hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced MTP logits on packed sequences (see `kiln.models.inkling_mtp`)."""
+        from kiln.models.inkling_mtp import forward_mtp_reference
+
+        return forward_mtp_reference(self, input_ids, seq_lens, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters."""

@@ -4,7 +4,8 @@ Every op computes causal softmax attention with GQA, an optional sliding window 
 position i sees keys j with i - W < j <= i), in fp32, per sequence, and an optional
 query-conditioned relative-logit bias (Inkling, MODELS.md 2.2): `rel [n, Hq, R]` holds, for each
 query row and head, R relative logits, and `rel[i, h, pos_i - pos_j]` is added to the logit
-(after q.k * scale) when 0 <= pos_i - pos_j < R. Farther keys get no bias.
+(after q.k * scale) when 0 <= pos_i - pos_j < R. Farther keys get no bias. `key_gap` g (MTP
+layer k of MODELS.md 2.4 uses g = k - 1) also hides keys with 0 < pos_i - pos_j < g.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def rel_bias(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tor
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
             k_pos: torch.Tensor, scale: float, sliding_window: Optional[int],
-            rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+            rel: Optional[torch.Tensor] = None, key_gap: int = 0) -> torch.Tensor:
     """q: [n, Hq, D]; k, v: [m, Hkv, D]; positions [n], [m]; rel [n, Hq, R] or None.
     Returns [n, Hq, D] in q's dtype."""
     n, hq, d = q.shape
@@ -38,10 +39,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     scores = torch.einsum("nhgd,mhd->hgnm", qf, kf) * scale
     if rel is not None:
         bias = rel_bias(rel, q_pos, k_pos)  # [n, Hq, m]; head h = g_kv * group + g
-        scores = scores + bias.permute(1, 0, 2).reshape(hkv, group, n, -1)
+        scores = scores + bias.permute(1, 0, 2).reshape(hkv, group, n, k.shape[0])
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    if key_gap > 1:
+        dist = q_pos[:, None] - k_pos[None, :]
+        visible &= (dist == 0) | (dist >= key_gap)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgnm,mhd->nhgd", probs, vf)
@@ -107,7 +111,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
                      scale: float, sliding_window: Optional[int] = None,
-                     rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     rel: Optional[torch.Tensor] = None, key_gap: int = 0) -> torch.Tensor:
     """Causal attention inside each of several whole sequences packed along dim 0 (positions
     restart at 0 at every sequence start); rel: [T, Hq, R] or None."""
     out = torch.empty_like(q)
@@ -116,6 +120,6 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
         pos = torch.arange(n, device=q.device)
         sl = slice(start, start + n)
         out[sl] = _attend(q[sl], k[sl], v[sl], pos, pos, scale, sliding_window,
-                          None if rel is None else rel[sl])
+                          None if rel is None else rel[sl], key_gap)
         start += n
     return out

@@ -137,3 +137,23 @@ def test_backends_pass_rel_through_mixed_batches():
     want = layer(q, k, v, packed, rel=rel)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(want, layer(q, k, v, packed))
+
+
+@pytest.mark.parametrize("gap", [0, 1, 2, 4])
+def test_key_gap_hides_near_keys_but_not_self(gap):
+    """MTP layer k (gap = k - 1): query i sees j == i or i - j >= gap (and the window)."""
+    g = torch.Generator().manual_seed(9)
+    n, hq, hkv, d, r, window = 12, 4, 2, 8, 5, 7
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
+    rel = torch.randn(n, hq, r, generator=g)
+    got = packed_attention(q, k, v, [n], 0.3, window, rel, key_gap=gap)
+    # Oracle: the loop above with the hidden keys' values replaced by -inf logits.
+    for i in range(n):
+        want = torch.zeros(hq, d, dtype=torch.float64)
+        for h in range(hq):
+            js = [j for j in range(i + 1) if i - j < window and (j == i or i - j >= gap)]
+            logits = torch.stack([q[i, h].double() @ k[j, h // 2].double() * 0.3
+                                  + (float(rel[i, h, i - j]) if i - j < r else 0.0) for j in js])
+            p = torch.softmax(logits, 0)
+            want[h] = sum(p[a] * v[j, h // 2].double() for a, j in enumerate(js))
+        torch.testing.assert_close(got[i].double(), want, atol=1e-5, rtol=1e-5)
