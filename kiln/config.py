@@ -44,6 +44,7 @@ class EngineConfig:
     max_total_tokens: Optional[int] = opt(None, "KV pool size in tokens (default: from memory).")
     mem_fraction_static: float = opt(0.85, "CUDA: fraction of GPU memory for weights + KV pool.")
     cpu_kv_cache_gb: float = opt(1.0, "CPU: memory for the KV pool in GB, when --max-total-tokens is unset.")
+    swa_full_tokens_ratio: float = opt(0.8, "Sliding-window KV pool size as a fraction of the full KV pool (hybrid models).")
     # Scheduling
     max_running_requests: int = opt(256, "Max requests in one decode batch.")
     chunked_prefill_size: int = opt(8192, "Max prompt tokens prefilled per step per request; -1 disables chunking.")

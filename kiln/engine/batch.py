@@ -31,7 +31,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] rows of the hidden states whose logits are wanted
     # Cache addressing (None in TRAIN mode)
     req_slots: Optional[torch.Tensor] = None  # [B] rows of req_to_token
-    out_cache_loc: Optional[torch.Tensor] = None  # [T] token slots receiving this forward's state
+    out_cache_loc: Optional[torch.Tensor] = None  # [T] main-space token slots receiving this forward's state
+    win_out_locs: dict = field(default_factory=dict)  # window space name -> [T] token slots
     # The state backend: executes every op that reads or writes cached state (attention, and for
     # hybrid models ShortConv and MSA). Paged in the engine, packed (no cache) in the trainer.
     backend: Any = None

@@ -12,7 +12,7 @@ from typing import Optional
 
 from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
-from kiln.engine.cache.manager import CacheManager
+from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.runner import ModelRunner
@@ -42,8 +42,11 @@ class EngineCore:
         self.runner = ModelRunner(config, source)
         mc = self.runner.model_config
         allocator = PageAllocator(self.runner.num_pages, config.page_size)
-        tree = None if config.disable_radix_cache else RadixCache(allocator, config.page_size)
-        self.cache = CacheManager(allocator, self.runner.req_to_token, tree)
+        windows = [WindowSpace(c, PageAllocator(n, config.page_size), self.runner.window_tables[c],
+                               self.runner.window_history[c]) for c, n in self.runner.window_pages.items()]
+        tree = None if config.disable_radix_cache else RadixCache(
+            allocator, config.page_size, {w.name: w.allocator for w in windows})
+        self.cache = CacheManager(allocator, self.runner.req_to_token, tree, windows)
         eos = eos_token_ids(source.model_dir, source.config, None)
         self.info = ModelInfo(
             name=config.served_model_name or source.name, model_dir=source.model_dir,

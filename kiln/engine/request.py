@@ -135,6 +135,10 @@ class Req:
     num_computed: int = 0
     num_cached_pages: int = 0  # leading pages owned by the prefix cache (locked)
     cache_node: object = None  # radix node locked on our behalf
+    # Windowed components (sliding-window KV, ShortConv inputs): per component, the page of each
+    # logical page index, or None once it fell out of the window (or was never held).
+    win_pages: dict = field(default_factory=dict)
+    win_trimmed: dict = field(default_factory=dict)  # per component: pages before this are None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_retractions: int = 0
     # Sampling state, kept across retraction so seeded streams stay reproducible.

@@ -12,12 +12,11 @@ from kiln.config import EngineConfig
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind
-from kiln.engine.cache.pools import KVPool, ReqToTokenPool
+from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
+from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.sampler import Sampler
-from kiln.layers.attention import PagedAttentionBackend
 from kiln.loader import ModelSource, init_dummy_weights, iter_weights
-from kiln.models.config import ModelConfig
-from kiln.models.registry import get_model_class
+from kiln.models.registry import get_model_class, parse_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -27,22 +26,72 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
-        self.model_config = ModelConfig.from_dict(source.config)
+        self.model_config = parse_model_config(source.config)
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(source, pc)
         self.specs = self.model.state_specs()
         self.page_size = config.page_size
-        self.num_pages = self._num_pages()
-        num_slots = self.num_pages * self.page_size
-        self.kv_pools = {}
-        for spec in self.specs:
-            assert spec.kind == ComponentKind.FULL_KV, f"{spec.kind} pools arrive with the hybrid models"
-            self.kv_pools[spec.kind] = KVPool(spec, num_slots, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
-        self.backend = PagedAttentionBackend(self.kv_pools[ComponentKind.FULL_KV], self.req_to_token.table)
+        self._build_pools()
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        logger.info("KV pool: %d pages x %d tokens (%.2f GB)", self.num_pages, self.page_size,
-                    sum(p.nbytes() for p in self.kv_pools.values()) / 1e9)
+
+    def _build_pools(self) -> None:
+        """One page space for the components kept for every token (FULL_KV, INDEX_K), one window
+        space per windowed component (SWA_KV: "swa", CONV: "conv"), sized from memory."""
+        specs = {k: [s for s in self.specs if s.kind == k] for k in ComponentKind}
+        ps = self.page_size
+        per_token = {
+            "main": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.FULL_KV] + specs[ComponentKind.INDEX_K]),
+            "swa": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.SWA_KV]),
+            "conv": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.CONV]),
+        }
+        # Tokens of history each window space must keep: SWA reads W - 1 earlier keys, ShortConv K - 1.
+        self.window_history = {}
+        if specs[ComponentKind.SWA_KV]:
+            self.window_history["swa"] = max(s.window for s in specs[ComponentKind.SWA_KV]) - 1
+        if specs[ComponentKind.CONV]:
+            self.window_history["conv"] = max(s.window for s in specs[ComponentKind.CONV])
+        main_tokens, win_tokens = self._pool_tokens(per_token)
+        self.num_pages = main_tokens // ps + 1  # + the scratch page
+        self.window_pages = {c: t // ps + 1 for c, t in win_tokens.items()}
+        slots = self.num_pages * ps
+        self.full_kv = KVPool(specs[ComponentKind.FULL_KV][0], slots, self.dtype, self.device) \
+            if specs[ComponentKind.FULL_KV] else None
+        self.index_k = TokenStatePool(specs[ComponentKind.INDEX_K][0], slots, self.dtype, self.device) \
+            if specs[ComponentKind.INDEX_K] else None
+        self.swa_kv = KVPool(specs[ComponentKind.SWA_KV][0], self.window_pages["swa"] * ps, self.dtype, self.device) \
+            if specs[ComponentKind.SWA_KV] else None
+        self.conv = MergedStatePool([TokenStatePool(s, self.window_pages["conv"] * ps, self.dtype, self.device)
+                                     for s in specs[ComponentKind.CONV]]) if specs[ComponentKind.CONV] else None
+        self.window_tables = {c: torch.zeros_like(self.req_to_token.table) for c in self.window_pages}
+        tables = {"main": self.req_to_token.table, **self.window_tables}
+        self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv)
+        total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.swa_kv, self.conv) if p is not None)
+        logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,
+                    "".join(f", {c}: {n} pages" for c, n in self.window_pages.items()), total / 1e9)
+
+    def _pool_tokens(self, per_token: dict[str, int]) -> tuple[int, dict[str, int]]:
+        """Main-space tokens and window-space tokens. Window spaces get enough for one prefill
+        chunk plus every running request's window, and SWA at least `swa_full_tokens_ratio` of
+        the main space (SGLang's default split)."""
+        cfg, ps = self.config, self.page_size
+        chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+        floor = {c: chunk + cfg.max_running_requests * (h + 2 * ps) for c, h in self.window_history.items()}
+        ratio = {c: (cfg.swa_full_tokens_ratio if c == "swa" else 0.0) for c in self.window_history}
+        if cfg.max_total_tokens:
+            main = cfg.max_total_tokens
+        else:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = total * cfg.mem_fraction_static - (total - free)
+            else:
+                budget = cfg.cpu_kv_cache_gb * 1e9
+            fixed = sum(floor[c] * per_token[c] for c in floor)
+            main = int(max(budget - fixed, 0) // (per_token["main"] + sum(ratio[c] * per_token[c] for c in ratio)))
+        if main < 2 * ps:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise "
+                             "--mem-fraction-static / --max-total-tokens")
+        return main, {c: max(floor[c], int(ratio[c] * main)) for c in self.window_history}
 
     def _load_model(self, source: ModelSource, pc: ParallelContext) -> torch.nn.Module:
         cls = get_model_class(self.model_config.model_type)
@@ -56,23 +105,6 @@ class ModelRunner:
         else:
             model.load_weights(iter_weights(source))
         return model.eval()
-
-    def _num_pages(self) -> int:
-        per_token = sum(s.bytes_per_token(self.dtype) for s in self.specs)
-        if self.config.max_total_tokens:
-            tokens = self.config.max_total_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = total * self.config.mem_fraction_static - used_by_others
-            tokens = int(max(budget, 0) // per_token)
-        else:
-            tokens = int(self.config.cpu_kv_cache_gb * 1e9 // per_token)
-        pages = tokens // self.page_size + 1  # + the scratch page
-        if pages < 2:
-            raise ValueError("no memory left for the KV cache; lower the model size or raise "
-                             "--mem-fraction-static / --max-total-tokens")
-        return pages
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

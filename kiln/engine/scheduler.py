@@ -151,6 +151,9 @@ class Scheduler:
                     self._reject_too_large(r)
                     continue
                 break
+            if not self.cache.grow(r, r.num_computed + n):  # a window space ran short
+                self.cache.release(r, cache=False)
+                break
             self.waiting.popleft()
             if r.num_retractions == 0:
                 r.cached_tokens = r.num_computed
@@ -158,8 +161,6 @@ class Scheduler:
                 self.stats_counters.cached_tokens_total += r.num_computed
             r.status = ReqStatus.RUNNING
             self.running.append(r)
-            ok = self.cache.grow(r, r.num_computed + n)
-            assert ok, "admission checked available pages"
             plan.append((r, r.num_computed, r.num_computed + n))
             budget -= n
         return plan
@@ -177,6 +178,9 @@ class Scheduler:
         """How many of the request's remaining tokens to compute now."""
         remaining = r.remaining_prefill()
         limit = self.config.chunked_prefill_size
+        cap = self.cache.max_chunk_tokens()
+        if cap is not None:  # window spaces must hold the whole chunk while it is computed
+            limit = cap if limit <= 0 else min(limit, cap)
         if limit <= 0:  # chunking disabled: all or nothing (alone, it may exceed the budget)
             return remaining if (remaining <= budget or not batch_nonempty) else 0
         return min(remaining, limit, budget)
@@ -228,6 +232,7 @@ class Scheduler:
     def _run(self, plan: list[tuple[Req, int, int]]) -> None:
         dev = self.runner.device
         ids, pos, locs, logit_rows = [], [], [], []
+        win_locs: dict[str, list[int]] = {c: [] for c in self.cache.windows}
         sample_reqs, sample_rows, prompt_lp = [], [], []
         row = 0
         for r, start, end in plan:
@@ -235,6 +240,10 @@ class Scheduler:
             ids.extend(all_ids[start:end])
             pos.extend(range(start, end))
             locs.extend(r.pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(start, end))
+            for c in self.cache.windows:
+                view = r.win_pages[c]
+                win_locs[c].extend(view[p // self.page_size] * self.page_size + p % self.page_size
+                                   for p in range(start, end))
             want_prompt_lp = r.prompt_logprobs is not None and r.prompt_logprobs_done < len(r.prompt_ids) - 1
             if want_prompt_lp:
                 lo = max(start, r.prompt_logprobs_done)
@@ -258,18 +267,20 @@ class Scheduler:
             req_slots=torch.tensor([r.slot for r, _, _ in plan], dtype=torch.long, device=dev),
             out_cache_loc=torch.tensor(locs, dtype=torch.long, device=dev),
         )
+        batch.win_out_locs = {c: torch.tensor(v, dtype=torch.long, device=dev) for c, v in win_locs.items()}
         batch.extras["req_slots_cpu"] = [r.slot for r, _, _ in plan]
         logits = self.runner.forward(batch)
-        for r, _, end in plan:
+        for r, start, end in plan:
             r.num_computed = end
+            if end - start > 1:
+                # Cache prompt pages as soon as they are computed, windowed state included, so
+                # concurrent requests with the same prefix (n > 1, shared system prompts) reuse
+                # them; decode pages are cached when the request ends.
+                self.cache.cache(r)
+            self.cache.trim(r)  # windowed state that fell out of every query's reach
         self._record_prompt_logprobs(logits, prompt_lp)
         if sample_reqs:
             self._sample(logits[sample_rows], sample_reqs)
-        # Cache prompt pages as soon as they are computed, so that concurrent requests with the
-        # same prefix (n > 1, shared system prompts) reuse them.
-        for r, start, end in plan:
-            if not r.finished and end - start > 1:
-                self.cache.cache(r)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, items) -> None:
         for r, lo, first_row in items:

@@ -1,14 +1,24 @@
-"""`CacheManager`: the only code that moves pages between the allocator, the prefix cache and
-requests. The scheduler asks it to admit, grow, cache and release requests; the integrity check
-proves that every page has exactly one owner.
+"""`CacheManager`: the only code that moves pages between allocators, the prefix cache and
+requests, for every state component. The scheduler asks it to admit, grow, trim, cache and
+release requests; the integrity check proves that every page has exactly one owner.
+
+Page spaces: the main space holds the components kept for every token (full-attention KV, MSA
+index keys). Each windowed component (sliding-window KV, ShortConv inputs) has a `WindowSpace`:
+its own allocator and request-to-token table, and a `history` = how many tokens before a query
+its ops read. A request frees its windowed pages as soon as they fall out of that history, so a
+long decode holds at most history + one page of them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from kiln.engine.cache.allocator import PageAllocator
-from kiln.engine.cache.pools import ReqToTokenPool
+from kiln.engine.cache.pools import ReqToTokenPool, write_pages
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.request import Req
 
@@ -17,19 +27,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class WindowSpace:
+    name: str
+    allocator: PageAllocator
+    table: torch.Tensor  # [max_reqs + 1, max_context] token slots, rows shared with ReqToTokenPool
+    history: int  # tokens before a query that its ops read
+
+
 class CacheManager:
     def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
-                 tree: Optional[RadixCache]):
+                 tree: Optional[RadixCache], windows: Optional[list[WindowSpace]] = None):
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.tree = tree  # None: prefix caching disabled
         self.page_size = allocator.page_size
+        self.windows = {w.name: w for w in (windows or [])}
+        # Per windowed component: tree-owned page -> number of running requests reading it.
+        self.win_refs: dict[str, Counter] = {c: Counter() for c in self.windows}
 
     # ---- capacity ------------------------------------------------------------------------
     @property
     def available_pages(self) -> int:
-        """Pages obtainable now: free plus evictable."""
+        """Main pages obtainable now: free plus evictable."""
         return self.allocator.num_free + (self.tree.num_evictable if self.tree else 0)
+
+    def max_chunk_tokens(self) -> Optional[int]:
+        """Largest prefill chunk the window spaces can hold for one request (None: no limit)."""
+        caps = [(w.allocator.capacity - 2) * self.page_size - w.history for w in self.windows.values()]
+        return max(self.page_size, min(caps)) if caps else None
 
     def used_tokens(self) -> int:
         return (self.allocator.capacity - self.allocator.num_free) * self.page_size
@@ -39,29 +65,79 @@ class CacheManager:
             self.tree.evict(n - self.allocator.num_free)
         return self.allocator.alloc(n)
 
+    def _alloc_win(self, c: str, n: int) -> Optional[list[int]]:
+        a = self.windows[c].allocator
+        if n > a.num_free and self.tree is not None:
+            self.tree.evict_window(c, n - a.num_free, self.win_refs[c])
+            if n > a.num_free:  # dropping whole leaves frees windowed pages too
+                self.tree.evict(n - a.num_free)
+        return a.alloc(n)
+
     # ---- request lifecycle ---------------------------------------------------------------
     def match(self, req: Req, max_tokens: Optional[int] = None) -> int:
-        """Attach the longest cached prefix of the request's tokens (leaving at least one token
-        to compute, whose logits we need; at most `max_tokens`). Locks it. Returns the number of
-        cached tokens."""
+        """Attach the longest cached prefix of the request's tokens that every component can
+        serve (leaving at least one token to compute, whose logits we need; at most
+        `max_tokens`). Locks it. Returns the number of cached tokens."""
         assert req.slot == -1 and not req.pages
+        req.win_pages = {c: [] for c in self.windows}
+        req.win_trimmed = {c: 0 for c in self.windows}
         if self.tree is None:
             return 0
         ids = req.all_ids
         limit = len(ids) - 1 if max_tokens is None else min(len(ids) - 1, max_tokens)
         pages, node = self.tree.match_prefix(ids, max_pages=limit // self.page_size)
+        if self.windows and pages:
+            valid = self._valid_boundary(self.tree.path(node), len(pages))
+            if valid < len(pages):
+                pages, node = self.tree.match_prefix(ids, max_pages=valid)
         self.tree.lock(node)
         req.cache_node = node
         req.pages = list(pages)
         req.num_cached_pages = len(pages)
         req.num_computed = len(pages) * self.page_size
+        if self.windows and pages:
+            path = self.tree.path(node)
+            for c, w in self.windows.items():
+                first = self._first_needed_page(req.num_computed, w.history)
+                view = [None] * len(pages)
+                for i in range(first, len(pages)):
+                    n, j = path[i]
+                    view[i] = n.win[c][j]
+                    assert view[i] is not None, "validated boundary lacks a windowed page"
+                    self.win_refs[c][view[i]] += 1
+                req.win_pages[c] = view
+                req.win_trimmed[c] = first
         return req.num_computed
+
+    def _first_needed_page(self, num_tokens: int, history: int) -> int:
+        return max(0, num_tokens - history) // self.page_size
+
+    def _valid_boundary(self, path, num_pages: int) -> int:
+        """Deepest page boundary b <= num_pages where every windowed component holds the pages
+        covering its history before b."""
+        holes = {}  # per component: holes[i] = tombstones among path pages [0, i)
+        for c in self.windows:
+            acc, h = 0, [0]
+            for n, j in path[:num_pages]:
+                acc += n.win[c][j] is None
+                h.append(acc)
+            holes[c] = h
+        for b in range(num_pages, 0, -1):
+            if all(holes[c][b] == holes[c][self._first_needed_page(b * self.page_size, w.history)]
+                   for c, w in self.windows.items()):
+                return b
+        return 0
 
     def unmatch(self, req: Req) -> None:
         """Undo `match` for a request that could not be admitted."""
+        for c, view in req.win_pages.items():
+            for p in view:
+                if p is not None:
+                    self.win_refs[c][p] -= 1
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         req.cache_node, req.pages, req.num_cached_pages, req.num_computed = None, [], 0, 0
+        req.win_pages, req.win_trimmed = {}, {}
 
     def assign_slot(self, req: Req) -> bool:
         slot = self.req_to_token.alloc()
@@ -69,24 +145,60 @@ class CacheManager:
             return False
         req.slot = slot
         self.req_to_token.write_pages(slot, 0, req.pages, self.page_size)
+        for c, w in self.windows.items():
+            write_pages(w.table, slot, 0, req.win_pages[c], self.page_size)
         return True
 
     def grow(self, req: Req, num_tokens: int) -> bool:
-        """Make sure pages cover positions [0, num_tokens). False (nothing taken) if memory is
-        short even after evicting the prefix cache."""
+        """Make sure pages of every component cover positions [0, num_tokens). False (nothing
+        taken) if memory is short even after evicting from the prefix cache."""
         need = cdiv(num_tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return True
+        got: dict[str, list[int]] = {}
+        for c in self.windows:
+            # pages wholly before the history of the first new token are never needed
+            first = self._first_needed_page(req.num_computed, self.windows[c].history)
+            skip = max(0, first - len(req.pages))
+            new = self._alloc_win(c, need - skip)
+            if new is None:
+                for c2, pages in got.items():
+                    self.windows[c2].allocator.free([p for p in pages if p is not None])
+                return False
+            got[c] = [None] * skip + new
         new = self._alloc(need)
         if new is None:
+            for c, pages in got.items():
+                self.windows[c].allocator.free([p for p in pages if p is not None])
             return False
         self.req_to_token.write_pages(req.slot, len(req.pages), new, self.page_size)
+        for c, pages in got.items():
+            write_pages(self.windows[c].table, req.slot, len(req.pages), pages, self.page_size)
+            req.win_pages[c].extend(pages)
         req.pages.extend(new)
         return True
 
+    def trim(self, req: Req) -> None:
+        """Drop windowed pages that fell out of the request's history: private ones are freed,
+        cached ones only stop being protected."""
+        for c, w in self.windows.items():
+            first = self._first_needed_page(req.num_computed, w.history)
+            view = req.win_pages[c]
+            for i in range(req.win_trimmed[c], min(first, len(view))):
+                p = view[i]
+                if p is None:
+                    continue
+                if i < req.num_cached_pages:
+                    self.win_refs[c][p] -= 1
+                else:
+                    w.allocator.free([p])
+                view[i] = None
+            req.win_trimmed[c] = max(req.win_trimmed[c], first)
+
     def cache(self, req: Req) -> None:
         """Hand the request's fully computed pages to the prefix cache (keeping them locked for
-        the request). Pages the tree already had are swapped for the tree's copies."""
+        the request). Pages the tree already had are swapped for the tree's copies; windowed
+        tombstones in the tree are refilled from the request where it still holds the page."""
         if self.tree is None:
             return
         ps = self.page_size
@@ -94,13 +206,26 @@ class CacheManager:
         if full <= req.num_cached_pages:
             return
         ids = req.all_ids[: full * ps]
-        tree_pages, node = self.tree.insert(ids, req.pages[:full])
-        dup = [i for i in range(req.num_cached_pages, full) if tree_pages[i] != req.pages[i]]
-        if dup:
-            self.allocator.free([req.pages[i] for i in dup])
-            for i in dup:
+        win = {c: req.win_pages[c][:full] for c in self.windows}
+        tree_pages, node = self.tree.insert(ids, req.pages[:full], win)
+        path = self.tree.path(node) if self.windows else None
+        for i in range(req.num_cached_pages, full):
+            if tree_pages[i] != req.pages[i]:  # the tree already had this page
+                self.allocator.free([req.pages[i]])
                 req.pages[i] = tree_pages[i]
                 self.req_to_token.write_pages(req.slot, i, [tree_pages[i]], ps)
+                for c, w in self.windows.items():
+                    n, j = path[i]
+                    mine, theirs = req.win_pages[c][i], n.win[c][j]
+                    if theirs is None:
+                        n.win[c][j] = mine  # refill the tombstone (or keep it if we hold none)
+                    elif mine is not None:
+                        w.allocator.free([mine])
+                        req.win_pages[c][i] = theirs
+                        write_pages(w.table, req.slot, i, [theirs], ps)
+            for c in self.windows:
+                if req.win_pages[c][i] is not None:  # now tree-owned and still read by us
+                    self.win_refs[c][req.win_pages[c][i]] += 1
         self.tree.lock(node)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
@@ -109,57 +234,96 @@ class CacheManager:
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Give back everything the request holds: computed full pages go to the prefix cache
-        (unlocked, so evictable), the rest to the allocator."""
+        (unlocked, so evictable), the rest to the allocators."""
         if cache and req.slot != -1:
             self.cache(req)
         private = req.pages[req.num_cached_pages:]
         if private:
             self.allocator.free(private)
+        for c, w in self.windows.items():
+            for i, p in enumerate(req.win_pages.get(c, [])):
+                if p is None:
+                    continue
+                if i < req.num_cached_pages:
+                    self.win_refs[c][p] -= 1
+                else:
+                    w.allocator.free([p])
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         if req.slot != -1:
             self.req_to_token.free(req.slot)
         req.slot, req.pages, req.num_cached_pages, req.cache_node, req.num_computed = -1, [], 0, None, 0
+        req.win_pages, req.win_trimmed = {}, {}
 
     def flush(self) -> None:
         """Drop the whole prefix cache (only when no request holds pages)."""
         if self.tree is not None:
             self.allocator.free(self.tree.pages_owned())
+            for c, w in self.windows.items():
+                w.allocator.free(self.tree.win_pages_owned(c))
+                self.win_refs[c].clear()
             self.tree.reset()
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self, running: list[Req]) -> None:
-        """Every page is free, in the tree, or private to exactly one running request; locks
-        match the running requests; request rows point at their pages."""
-        owners: dict[int, str] = {}
-
-        def own(page: int, who: str) -> None:
-            assert page not in owners, f"page {page} owned by both {owners[page]} and {who}"
-            owners[page] = who
-
-        for p in self.allocator.free_pages():
-            own(p, "free list")
-        tree_pages = set(self.tree.pages_owned()) if self.tree else set()
-        for p in tree_pages:
-            own(p, "prefix cache")
+        """Every page of every component is free, in the tree, or private to exactly one running
+        request; locks and windowed read counts match the running requests; request rows point
+        at their pages; every running request holds the windowed history it needs."""
+        self._check_space("main", self.allocator, self.tree.pages_owned() if self.tree else [],
+                          {r.rid: r.pages[r.num_cached_pages:] for r in running})
+        for c, w in self.windows.items():
+            tree_pages = self.tree.win_pages_owned(c) if self.tree else []
+            private = {r.rid: [p for p in r.win_pages[c][r.num_cached_pages:] if p is not None] for r in running}
+            self._check_space(c, w.allocator, tree_pages, private)
+            refs = Counter()
+            tree_set = set(tree_pages)
+            for r in running:
+                view = r.win_pages[c]
+                assert len(view) == len(r.pages), f"{r.rid}: {c} view length"
+                for i in range(self._first_needed_page(r.num_computed, w.history), len(view)):
+                    assert view[i] is not None, f"{r.rid}: {c} page {i} inside the window is missing"
+                for p in view[: r.num_cached_pages]:
+                    if p is not None:
+                        assert p in tree_set, f"{r.rid}: cached {c} page {p} not in the tree"
+                        refs[p] += 1
+                self._check_row(w.table, r, view)
+            assert +self.win_refs[c] == refs, f"{c}: read counts {dict(+self.win_refs[c])} != {dict(refs)}"
         locks: dict[int, int] = {}
         slots = set()
+        tree_pages = set(self.tree.pages_owned()) if self.tree else set()
         for r in running:
             assert r.slot not in slots, f"request slot {r.slot} shared"
             slots.add(r.slot)
             for p in r.pages[: r.num_cached_pages]:
                 assert p in tree_pages, f"{r.rid}: cached page {p} not in the prefix cache"
-            for p in r.pages[r.num_cached_pages:]:
-                own(p, f"request {r.rid}")
             if r.cache_node is not None:
                 locks[id(r.cache_node)] = locks.get(id(r.cache_node), 0) + 1
             assert len(r.pages) * self.page_size >= r.num_computed, f"{r.rid}: computed tokens without pages"
-            if r.pages:
-                row = self.req_to_token.table[r.slot, : len(r.pages) * self.page_size: self.page_size]
-                row = row[: len(r.pages)].tolist()
-                assert row == [p * self.page_size for p in r.pages][: len(row)], f"{r.rid}: req_to_token stale"
-        missing = set(range(1, self.allocator.num_pages)) - set(owners)
-        assert not missing, f"pages leaked (no owner): {sorted(missing)[:10]}"
+            self._check_row(self.req_to_token.table, r, r.pages)
         assert self.req_to_token.num_free + len(slots) == self.req_to_token.max_reqs, "request slot leaked"
         if self.tree is not None:
             self.tree.check(locks)
+
+    def _check_space(self, name: str, allocator: PageAllocator, tree_pages: list[int],
+                     private: dict[str, list[int]]) -> None:
+        owners: dict[int, str] = {}
+
+        def own(page: int, who: str) -> None:
+            assert page not in owners, f"{name} page {page} owned by both {owners[page]} and {who}"
+            owners[page] = who
+
+        for p in allocator.free_pages():
+            own(p, "free list")
+        for p in tree_pages:
+            own(p, "prefix cache")
+        for rid, pages in private.items():
+            for p in pages:
+                own(p, f"request {rid}")
+        missing = set(range(1, allocator.num_pages)) - set(owners)
+        assert not missing, f"{name} pages leaked (no owner): {sorted(missing)[:10]}"
+
+    def _check_row(self, table: torch.Tensor, r: Req, pages: list) -> None:
+        ps = self.page_size
+        for i, p in enumerate(pages):
+            if p is not None and i * ps < table.shape[1]:
+                assert int(table[r.slot, i * ps]) == p * ps, f"{r.rid}: request-to-token row stale"

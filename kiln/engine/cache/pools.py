@@ -30,16 +30,21 @@ class ReqToTokenPool:
         assert 0 < slot <= self.max_reqs and slot not in self._free, f"bad request slot {slot}"
         self._free.append(slot)
 
-    def write_pages(self, slot: int, first_page_index: int, pages: list[int], page_size: int) -> None:
-        """Point positions of pages [first_page_index, first_page_index + len(pages)) of a request
-        at the given pool pages."""
-        if not pages:
-            return
-        offs = torch.arange(page_size)
-        slots = (torch.tensor(pages).unsqueeze(1) * page_size + offs).flatten()
-        start = first_page_index * page_size
-        n = min(slots.numel(), self.max_context - start)
-        self.table[slot, start:start + n] = slots[:n].to(self.table.device)
+    def write_pages(self, slot: int, first_page_index: int, pages: list, page_size: int) -> None:
+        write_pages(self.table, slot, first_page_index, pages, page_size)
+
+
+def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: list, page_size: int) -> None:
+    """Point positions of pages [first_page_index, first_page_index + len(pages)) of the request
+    in row `slot` at the given pool pages (None entries are skipped)."""
+    idx = [i for i, p in enumerate(pages) if p is not None]
+    if not idx:
+        return
+    offs = torch.arange(page_size)
+    positions = ((torch.tensor(idx) + first_page_index).unsqueeze(1) * page_size + offs).flatten()
+    slots = (torch.tensor([pages[i] for i in idx]).unsqueeze(1) * page_size + offs).flatten()
+    keep = positions < table.shape[1]
+    table[slot, positions[keep].to(table.device)] = slots[keep].to(table.device, table.dtype)
 
 
 class KVPool:
@@ -61,3 +66,37 @@ class KVPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class TokenStatePool:
+    """One tensor per layer (or ShortConv site) of per-token state: [num_slots, *spec.shape].
+    Used for MSA indexer keys (INDEX_K) and ShortConv inputs (CONV)."""
+
+    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype, device):
+        assert spec.kind in (ComponentKind.INDEX_K, ComponentKind.CONV)
+        self.spec = spec
+        self.num_slots = num_slots
+        dt = spec.dtype or dtype
+        self.buffers = {i: torch.zeros((num_slots,) + tuple(spec.shape), dtype=dt, device=device)
+                        for i in spec.layer_ids}
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        return self.buffers[layer_id]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class MergedStatePool:
+    """Several `TokenStatePool`s of one page space seen as one (e.g. ShortConv sites of two
+    channel sizes)."""
+
+    def __init__(self, pools: list[TokenStatePool]):
+        self.pools = pools
+        self.by_layer = {i: p for p in pools for i in p.buffers}
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        return self.by_layer[layer_id].layer(layer_id)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.pools)

@@ -1,0 +1,110 @@
+"""`PagedBackend`: the engine's state backend for every model, hybrid or not.
+
+It executes each op that reads or writes cached state, against the pools the runner built from
+the model's `state_specs()`:
+- `attention`: full-attention layers use the main page space (FULL_KV), sliding-window layers the
+  "swa" window space (SWA_KV) when the model declares one;
+- `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
+  this forward's inputs are written there;
+- `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space.
+The math is the reference ops in `kiln.ops`; only the addressing lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kiln.engine.batch import ForwardBatch
+from kiln.ops import attention as attn_ops
+from kiln.ops import msa as msa_ops
+from kiln.ops import shortconv as conv_ops
+
+
+class PagedBackend:
+    def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
+                 conv=None):
+        self.full_kv = full_kv  # KVPool or None
+        self.swa_kv = swa_kv  # KVPool or None
+        self.index_k = index_k  # TokenStatePool or None
+        self.conv = conv  # TokenStatePool keyed by conv site id, or None
+        self.tables = tables  # page space name -> [rows, max_context] token slots
+
+    # ---- addressing ----------------------------------------------------------------------
+    @staticmethod
+    def _loc(batch: ForwardBatch, space: str) -> torch.Tensor:
+        return batch.out_cache_loc if space == "main" else batch.win_out_locs[space]
+
+    @staticmethod
+    def _plan(batch: ForwardBatch, device):
+        """Split once per forward: single-token sequences run as one batched decode call, longer
+        extends one by one."""
+        plan = batch.extras.get("paged_plan")
+        if plan is None:
+            slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
+            dec, ext = [], []
+            for slot, prefix, n, start in zip(slots, batch.prefix_lens, batch.extend_lens, batch.extend_starts):
+                (dec if n == 1 else ext).append((slot, prefix, n, start))
+            as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+            dec_t = (as_t([d[3] for d in dec]), as_t([d[0] for d in dec]), as_t([d[1] + 1 for d in dec])) if dec else None
+            plan = batch.extras["paged_plan"] = (dec_t, ext)
+        return plan
+
+    # ---- attention -----------------------------------------------------------------------
+    def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
+        pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
+        k_cache, v_cache = pool.layer(layer.layer_id)
+        loc = self._loc(batch, space)
+        k_cache[loc] = k.to(k_cache.dtype)
+        v_cache[loc] = v.to(v_cache.dtype)
+        table = self.tables[space]
+        dec, ext = self._plan(batch, q.device)
+        win = layer.sliding_window
+        if not ext:
+            return attn_ops.paged_decode_attention(q, k_cache, v_cache, table, dec[1], dec[2], layer.scale, win, rel)
+        out = torch.empty_like(q)
+        if dec is not None:
+            rows = dec[0]
+            out[rows] = attn_ops.paged_decode_attention(q[rows], k_cache, v_cache, table, dec[1], dec[2],
+                                                        layer.scale, win, None if rel is None else rel[rows])
+        for slot, prefix, n, start in ext:
+            sl = slice(start, start + n)
+            out[sl] = attn_ops.paged_attention(q[sl], k_cache, v_cache, table, [slot], [prefix], [n],
+                                               layer.scale, win, None if rel is None else rel[sl])
+        return out
+
+    # ---- ShortConv -----------------------------------------------------------------------
+    def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        buf = self.conv.layer(conv.conv_id)  # [slots, C]
+        k = conv.weight.shape[1]
+        prev = self._conv_history(buf, batch, k, x.device)
+        buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
+        return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
+
+    def _conv_history(self, buf: torch.Tensor, batch: ForwardBatch, k: int, device) -> torch.Tensor:
+        """[B, K-1, C]: each sequence's K-1 inputs before its first new token (zeros before the
+        sequence start)."""
+        idx = batch.extras.get("conv_hist_idx")
+        if idx is None:
+            prefix = torch.tensor(batch.prefix_lens, device=device)
+            pos = prefix[:, None] - (k - 1) + torch.arange(k - 1, device=device)  # [B, K-1]
+            valid = pos >= 0
+            slots = self.tables["conv"][batch.req_slots[:, None], pos.clamp(min=0)]
+            idx = batch.extras["conv_hist_idx"] = (slots, valid)
+        slots, valid = idx
+        return buf[slots] * valid[..., None].to(buf.dtype)
+
+    # ---- MSA -----------------------------------------------------------------------------
+    def msa_attention(self, layer, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.full_kv.layer(layer.layer_id)
+        ki_cache = self.index_k.layer(layer.layer_id)
+        loc = batch.out_cache_loc
+        k_cache[loc] = k.to(k_cache.dtype)
+        v_cache[loc] = v.to(v_cache.dtype)
+        ki_cache[loc] = kI.to(ki_cache.dtype)
+        slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
+        return msa_ops.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], slots,
+                                           batch.prefix_lens, batch.extend_lens, layer.block_size,
+                                           layer.topk_blocks, layer.scale)
