@@ -52,6 +52,9 @@ class EngineConfig:
     schedule_policy: str = opt("fcfs", "Order of admission.", ["fcfs", "lpm"])
     disable_radix_cache: bool = opt(False, "Turn the prefix cache off.")
     tp_size: int = opt(1, "Tensor-parallel degree.", flag="--tp-size")
+    enable_return_routed_experts: bool = opt(
+        False, "Record the routed expert ids of every token (MoE models) so requests can ask for "
+        "them with return_routed_experts (RL routing replay).")
     # Server
     host: str = opt("127.0.0.1", "HTTP host.")
     port: int = opt(30000, "HTTP port.")

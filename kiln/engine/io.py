@@ -7,7 +7,7 @@ They are plain dataclasses: pickled over ZMQ between processes, passed as object
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kiln.engine.request import SamplingParams
 
@@ -57,6 +57,9 @@ class ReqOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent once, when complete
     error: Optional[str] = None  # set when the scheduler rejected the request
+    # Sent once, when finished and asked for: int32 [prompt + output - 1, num_moe_layers, top_k],
+    # the expert ids of every forwarded token (the last sampled token is never forwarded).
+    routed_experts: Optional[Any] = None
 
 
 @dataclass

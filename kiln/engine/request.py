@@ -147,6 +147,7 @@ class Req:
     output_logprobs: list = field(default_factory=list)  # per output token: (logprob, top list)
     prompt_logprobs: Optional[list] = None  # per prompt position: None for 0, else (logprob, top)
     prompt_logprobs_done: int = 0  # prompt positions whose logprobs were computed
+    routed_experts: object = None  # int32 [seq_len - 1, moe layers, k], filled when finished
 
     @property
     def all_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind
 from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
 from kiln.engine.paged_backend import PagedBackend
+from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
 from kiln.loader import ModelSource, init_dummy_weights, iter_weights
 from kiln.models.registry import get_model_class, parse_model_config
@@ -34,6 +35,10 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
         self._build_pools()
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        num_moe, top_k = moe_shape(self.model)
+        self.has_moe = num_moe > 0
+        self.routing = RoutingCapture(self.num_pages * self.page_size, num_moe, top_k) \
+            if config.enable_return_routed_experts and num_moe else None
 
     def _build_pools(self) -> None:
         """One page space for the components kept for every token (FULL_KV, INDEX_K), one window
@@ -111,4 +116,6 @@ class ModelRunner:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
         batch.backend = self.backend
         hidden = self.model(batch)
+        if self.routing is not None:
+            self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc)
         return self.model.compute_logits(hidden, batch)

@@ -78,6 +78,9 @@ class Scheduler:
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in g.input_ids):
             raise ValueError(f"input token ids must be integers in [0, {self.vocab_size})")
         g.params.validate(self.vocab_size, self.config.max_logprobs)
+        if g.return_routed_experts and self.runner.routing is None:
+            raise ValueError("return_routed_experts needs a MoE model served with --enable-return-routed-experts"
+                             if self.runner.has_moe else "return_routed_experts: this model has no MoE layers")
 
     def abort(self, rid: str) -> None:
         for q in (self.waiting, self.running):
@@ -314,6 +317,9 @@ class Scheduler:
                 r.output_logprobs.append((lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []))
             reason = self._check_finish(r, t)
             if reason is not None:
+                if r.return_routed_experts:
+                    r.routed_experts = self.runner.routing.gather(self.cache.req_to_token.table[r.slot],
+                                                                  r.seq_len - 1)
                 self.running.remove(r)
                 self._finish(r, reason)
                 self.cache.release(r)
@@ -343,6 +349,8 @@ class Scheduler:
             out.matched_stop = r.output_ids[-1]
         if r.params.logprobs is not None and num_new:
             out.new_logprobs = r.output_logprobs[-num_new:]
+        if r.finished:
+            out.routed_experts = r.routed_experts
         if r.prompt_logprobs is not None and len(r.output_ids) == 1 and num_new:
             out.prompt_logprobs = r.prompt_logprobs
         return out

@@ -155,3 +155,49 @@ def test_sliding_window_pages_stay_bounded(tmp_path):
     res = run(core, prompts(1, seed=6, lo=50, hi=51), max_tokens=100)
     assert_reference(core, res)
     assert max(held) <= w // ps + 2, f"a request held {max(held)} sliding-window pages"
+
+
+def test_routing_capture_covers_prompt_and_output_and_replays(model_dir):
+    core = make_core(model_dir, page_size=4, chunked_prefill_size=9, enable_return_routed_experts=True)
+    prompt = prompts(1, seed=7, lo=30, hi=31)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateReq(rid="x", input_ids=prompt, params=params, return_routed_experts=True))
+    out, routed = [], None
+    while core.has_work():
+        for o in core.step():
+            out += o.new_token_ids
+            if o.finished:
+                routed = o.routed_experts
+    ids = prompt + out[:-1]
+    num_moe = len({m.moe_index for m in core.runner.model.modules() if hasattr(m, "moe_index")})
+    assert routed.shape == (len(ids), num_moe, 2) and routed.dtype.name == "int32"
+    model = core.runner.model
+    with torch.no_grad():
+        ref_logits, ref_routed = packed_forward(model, torch.tensor(ids), [len(ids)])
+        for i in range(num_moe):  # the engine recorded what the reference forward routes
+            assert torch.equal(torch.from_numpy(routed[:, i]), ref_routed[i].int())
+        replay = {i: torch.from_numpy(routed[:, i]).long() for i in range(num_moe)}
+        same, _ = packed_forward(model, torch.tensor(ids), [len(ids)], replay=replay)
+        other = {i: (r + 1) % 8 for i, r in replay.items()}
+        changed, _ = packed_forward(model, torch.tensor(ids), [len(ids)], replay=other)
+    assert torch.equal(same, ref_logits)
+    assert (changed - ref_logits).abs().max() > 1e-3
+
+
+def test_routing_capture_needs_the_flag(model_dir):
+    core = make_core(model_dir)
+    core.add_request(GenerateReq(rid="x", input_ids=[1, 2, 3], params=SamplingParams(max_tokens=2),
+                                 return_routed_experts=True))
+    (o,) = core.step()
+    assert o.error and "--enable-return-routed-experts" in o.error
+
+
+def test_offline_engine_returns_routed_experts(model_dir):
+    from kiln.offline import Engine
+
+    with Engine(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, max_total_tokens=1024,
+                enable_return_routed_experts=True) as llm:
+        (res,) = llm.generate([list(range(20, 45))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                              return_routed_experts=True, use_tqdm=False)
+    routed = res.outputs[0].routed_experts
+    assert routed.shape[0] == 25 + 4 - 1 and (routed >= 0).all()
