@@ -201,3 +201,23 @@ def test_offline_engine_returns_routed_experts(model_dir):
                               return_routed_experts=True, use_tqdm=False)
     routed = res.outputs[0].routed_experts
     assert routed.shape[0] == 25 + 4 - 1 and (routed >= 0).all()
+
+
+def test_window_eviction_leaves_tombstones_and_exact_hits(model_dir):
+    # Window spaces sized for one small chunk: caching sequential requests forces the tree to
+    # tombstone windowed pages while keeping the main pages (and paths) intact.
+    core = make_core(model_dir, page_size=4, max_running_requests=1, chunked_prefill_size=8,
+                     max_prefill_tokens=8)
+    base = prompts(3, seed=8, lo=60, hi=70)
+    res = run(core, base, tag="a")
+    assert_reference(core, res)
+    tree = core.cache.tree
+    if core.cache.windows:
+        holes = [p for n in tree._nodes() for w in n.win.values() for p in w if p is None]
+        assert holes, "small window spaces should have forced tombstones"
+    res = run(core, [base[2]], tag="b")  # the last request's tail state is still cached
+    assert_reference(core, res)
+    assert res["b0"][3] > 0
+    # A prefix whose windowed state was tombstoned: the match falls back to an intact boundary.
+    res = run(core, [base[0][:50] + prompts(1, seed=9, lo=10, hi=11)[0]], tag="c")
+    assert_reference(core, res)
