@@ -58,7 +58,47 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         log_level="warning")
 
 
+PRESET_PREFIX = "preset:"
+_preset_dirs: dict[str, str] = {}
+
+
+def resolve_model_path(model_path: str) -> str:
+    """`preset:ARCH/PRESET` (e.g. `preset:inkling/bench`, `preset:minimax_m3/tiny`) -> a temporary
+    directory holding that preset's config.json from `kiln.models.presets` (named `ARCH-PRESET`,
+    removed at exit); any other path is returned unchanged. Presets have no weights: run them with
+    `--load-format dummy` (the benchmarks' default)."""
+    if not str(model_path).startswith(PRESET_PREFIX):
+        return model_path
+    spec = str(model_path)[len(PRESET_PREFIX):]
+    if spec in _preset_dirs:
+        return _preset_dirs[spec]
+    arch, sep, preset = spec.partition("/")
+    if not sep:
+        raise ValueError(f"--model-path {model_path!r}: expected preset:ARCH/PRESET, e.g. preset:inkling/bench")
+    import atexit
+    import shutil
+    import tempfile
+
+    from kiln.models.presets import get_preset
+
+    cfg = get_preset(arch, preset)
+    root = tempfile.mkdtemp(prefix="kiln-bench-preset-")
+    atexit.register(shutil.rmtree, root, True)
+    path = os.path.join(root, f"{arch}-{preset}")
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    _preset_dirs[spec] = path
+    log(f"{model_path}: config.json written to {path} (dummy weights)")
+    return path
+
+
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """EngineConfig from the parsed flags; a `preset:ARCH/PRESET` model path becomes a config dir
+    (`resolve_model_path`) loaded with dummy weights."""
+    if str(args.model_path).startswith(PRESET_PREFIX):
+        args.model_path = resolve_model_path(args.model_path)
+        args.load_format = "dummy"
     config = EngineConfig.from_cli_args(args)
     for k, v in overrides.items():
         setattr(config, k, v)
@@ -99,13 +139,60 @@ def _no_dummy_init():
         runner_mod.init_dummy_weights = original
 
 
-def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None):
-    """An `EngineCore` for `config`; with `hf_model`, Kiln's weights are that model's tensors."""
+def _param_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def device_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Kiln's dummy-weight recipe (norm gains and scalars 1, everything else N(0, 0.02), one
+    generator per parameter seeded by `seed` and its name) drawn on the parameters' own device:
+    seconds instead of minutes for a multi-billion-parameter model on a GPU. Same distribution
+    as `kiln.loader.init_dummy_weights`, not the same values (that one draws on the CPU)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 0 or (param.dim() == 1 and "norm" in name.lower() and name.endswith("weight")):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(_param_seed(seed, name))
+            param.normal_(0.0, 0.02, generator=gen)
+
+
+@contextlib.contextmanager
+def _dummy_init_on_device():
+    import kiln.engine.runner as runner_mod
+
+    original = getattr(runner_mod, "init_dummy_weights", None)
+    if original is None:
+        yield
+        return
+    runner_mod.init_dummy_weights = device_dummy_weights
+    try:
+        yield
+    finally:
+        runner_mod.init_dummy_weights = original
+
+
+def resolve_dummy_init(choice: str, device: str) -> str:
+    """`--dummy-init auto`: on the device for CUDA, Kiln's own CPU-drawn init elsewhere."""
+    if choice == "auto":
+        return "device" if str(device).startswith("cuda") else "kiln"
+    return choice
+
+
+def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None, dummy_init: str = "kiln"):
+    """An `EngineCore` for `config`; with `hf_model`, Kiln's weights are that model's tensors.
+    Without it and with dummy weights, `dummy_init="device"` draws them on the device
+    (`device_dummy_weights`) instead of Kiln's CPU init."""
     from kiln.engine.core import EngineCore
 
     t0 = time.perf_counter()
     if hf_model is None:
-        core = EngineCore(config)
+        on_device = (dummy_init == "device" and config.load_format == "dummy" and config.tp_size == 1)
+        with (_dummy_init_on_device() if on_device else contextlib.nullcontext()):
+            core = EngineCore(config)
     else:
         if config.tp_size != 1:
             raise ValueError("loading the transformers twin's weights needs --tp-size 1")
@@ -315,6 +402,194 @@ def roofline(model_config: Any, dtype: Any, batch_contexts: Sequence[int]) -> di
             "bytes_per_step": weight_bytes + kv_bytes, "params": counts}
 
 
+# ---- roofline from an instantiated Kiln model (any architecture) ---------------------------
+
+EXPERTS_ASSUMPTION = ("each token picks k of E routed experts uniformly and independently of the other "
+                      "tokens, so a step at batch B reads E*(1-(1-k/E)^B) distinct experts per MoE layer "
+                      "(exactly k at batch 1)")
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """E * (1 - (1 - k/E)^B): distinct experts a decode step of B tokens hits in one MoE layer
+    under uniform independent routing (`EXPERTS_ASSUMPTION`); exactly k at B = 1."""
+    if batch <= 0:
+        return 0.0
+    if batch == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def meta_model(path_or_dict: Any, dtype: Any = torch.bfloat16) -> torch.nn.Module:
+    """Kiln's model class for a config dir / config.json / dict, built on the meta device (shapes
+    and dtypes, no memory, no init) with parameters in `dtype` as the runner serves them, buffers
+    left as built. Single rank (no tensor parallelism)."""
+    from kiln.models.registry import get_model_class, parse_model_config
+
+    if isinstance(path_or_dict, dict):
+        d = path_or_dict
+    else:
+        path = str(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            d = json.load(f)
+    cfg = parse_model_config(d)
+    dt = dtype if isinstance(dtype, torch.dtype) else ({"auto": torch.bfloat16}.get(dtype) or getattr(torch, dtype))
+    with torch.device("meta"):
+        model = get_model_class(cfg.model_type)(cfg)
+    for p in model.parameters():
+        p.data = p.data.to(dt)
+    return model
+
+
+def _param_bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _not_run_in_decode(module: torch.nn.Module) -> bool:
+    """MTP layers and the DSpark drafter: loaded with the checkpoint, not run by a decode step."""
+    from kiln.models.dspark import DSpark
+    from kiln.models.inkling import InklingMTPLayer
+
+    return isinstance(module, (InklingMTPLayer, DSpark))
+
+
+def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
+                   kv_dtype: Optional[torch.dtype] = None) -> dict:
+    """Bytes one decode step must read, counted from an instantiated Kiln model (any device,
+    `meta_model` included): every parameter once, except
+
+    - the token embedding table: a step touches only B rows, counted as 0 (as `roofline` does),
+      unless the table is tied to the LM head (then it is the LM head, read in full);
+    - MTP layers and the DSpark drafter: not run by a decode step, not counted;
+    - routed experts: only the experts hit are read, E*(1-(1-k/E)^B) of E per MoE layer at batch B
+      (`EXPERTS_ASSUMPTION`; exactly k at batch 1). Shared experts and routers are always read.
+
+    plus the state of each of the B sequences (`batch_contexts`: tokens attended over, the new
+    one included), from `model.state_specs()` in `kv_dtype` (default: the parameters' dtype):
+    full-attention K/V of the whole context; sliding-window K/V of min(ctx, W) tokens; ShortConv
+    the K-1 previous inputs per site; MSA (MiniMax-M3) the indexer keys of the whole context plus
+    K/V of only the N*B selected tokens (min with ctx). Writes of the new token are not counted.
+
+    Returns weight_bytes (read at this batch), active_weight_bytes (batch 1: dense + shared + k/E
+    of routed), kv_bytes, bytes_per_step, their breakdowns (`weights`, `kv`), parameter counts
+    (`params`: decode_read at this batch, active at batch 1, total) and `kv_bytes_per_token`
+    (the state that grows with the context, per token). For a Llama-family model every number
+    equals `roofline`'s.
+    """
+    from kiln.engine.cache.components import ComponentKind
+    from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from kiln.layers.moe import Experts, SharedExperts
+    from kiln.layers.msa import MSAAttention
+
+    contexts = [float(c) for c in batch_contexts]
+    batch = len(contexts)
+
+    # Classify each parameter tensor (by id: a tied tensor has two names but is read once).
+    lm_head_ids, embed_ids, routed_ids, shared_ids = set(), set(), set(), set()
+    experts: list[tuple[Experts, int]] = []  # (routed experts, top_k of the router beside them)
+    skipped_prefixes = []
+    for name, mod in model.named_modules():
+        own = {id(p) for p in mod.parameters(recurse=False)}
+        if isinstance(mod, ParallelLMHead):
+            lm_head_ids |= own
+        elif isinstance(mod, VocabParallelEmbedding):
+            embed_ids |= own
+        if name and _not_run_in_decode(mod):
+            skipped_prefixes.append(name + ".")
+        if isinstance(mod, SharedExperts):
+            shared_ids |= {id(p) for p in mod.parameters()}
+        if isinstance(mod, Experts):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            top_k = next((m.top_k for m in parent.children() if hasattr(m, "top_k")), None)
+            if top_k is None:
+                raise ValueError(f"roofline_bytes: no router with top_k beside {name}")
+            experts.append((mod, int(top_k)))
+            routed_ids |= {id(p) for p in mod.parameters()}
+    # A tensor reachable outside the MTP layers / drafter is run (a drafter may share some).
+    run_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+               if not any(n.startswith(pre) for pre in skipped_prefixes)}
+
+    counts = dict.fromkeys(("dense", "shared_experts", "lm_head", "routed", "embedding", "not_in_decode"), 0)
+    nbytes = dict(counts)
+    for p in model.parameters():  # each tensor once
+        i = id(p)
+        if i in lm_head_ids:
+            kind = "lm_head"
+        elif i in embed_ids:
+            kind = "embedding"
+        elif i not in run_ids:
+            kind = "not_in_decode"
+        elif i in routed_ids:
+            kind = "routed"
+        elif i in shared_ids:
+            kind = "shared_experts"
+        else:
+            kind = "dense"
+        counts[kind] += p.numel()
+        nbytes[kind] += _param_bytes(p)
+
+    always_bytes = nbytes["dense"] + nbytes["shared_experts"] + nbytes["lm_head"]
+    always_count = counts["dense"] + counts["shared_experts"] + counts["lm_head"]
+    routed_read = routed_read_b1 = routed_count = routed_count_b1 = 0.0
+    moe = None
+    for mod, k in experts:
+        e = mod.num_experts
+        per_bytes = sum(_param_bytes(p) for p in mod.parameters()) / e
+        per_count = sum(p.numel() for p in mod.parameters()) / e
+        hit = expected_distinct_experts(e, k, batch)
+        routed_read += hit * per_bytes
+        routed_count += hit * per_count
+        routed_read_b1 += k * per_bytes
+        routed_count_b1 += k * per_count
+        moe = moe or {"experts": e, "top_k": k, "layers": 0, "expected_experts_hit": hit}
+        moe["layers"] += 1
+
+    def _num(x: float):  # ints stay ints (dense models: exact byte counts)
+        return int(x) if float(x).is_integer() else x
+
+    # Per-sequence state.
+    dt = kv_dtype or next(iter(model.parameters())).dtype
+    msa_tokens = {m.layer_id: m.block_size * m.topk_blocks for m in model.modules() if isinstance(m, MSAAttention)}
+    kv = dict.fromkeys(("full_kv", "swa_kv", "conv", "index_k", "msa_kv"), 0.0)
+    per_token = 0
+    for spec in model.state_specs():
+        per_layer = spec.bytes_per_token(dt) // len(spec.layer_ids)
+        for layer in spec.layer_ids:
+            msa = spec.kind is ComponentKind.FULL_KV and layer in msa_tokens
+            if spec.kind is ComponentKind.INDEX_K or (spec.kind is ComponentKind.FULL_KV and not msa):
+                per_token += per_layer
+            for ctx in contexts:
+                if msa:
+                    kv["msa_kv"] += per_layer * min(ctx, msa_tokens[layer])
+                elif spec.kind is ComponentKind.FULL_KV:
+                    kv["full_kv"] += per_layer * ctx
+                elif spec.kind is ComponentKind.INDEX_K:
+                    kv["index_k"] += per_layer * ctx
+                elif spec.kind is ComponentKind.SWA_KV:
+                    kv["swa_kv"] += per_layer * min(ctx, spec.window)
+                elif spec.kind is ComponentKind.CONV:
+                    kv["conv"] += per_layer * spec.window  # the K-1 previous inputs
+                else:
+                    raise ValueError(f"roofline_bytes: no rule for state component {spec.kind}")
+    kv = {k: _num(v) for k, v in kv.items()}
+    kv_bytes = _num(sum(kv.values()))
+    weight_bytes = _num(always_bytes + routed_read)
+
+    params = {"total": sum(counts.values()), **counts,
+              "decode_read": _num(always_count + routed_count), "active": _num(always_count + routed_count_b1),
+              "tied": bool(embed_ids & lm_head_ids)}
+    weights = {"dense": nbytes["dense"], "shared_experts": nbytes["shared_experts"], "lm_head": nbytes["lm_head"],
+               "routed_read": _num(routed_read), "routed_all": nbytes["routed"],
+               "embedding_not_read": nbytes["embedding"], "not_in_decode": nbytes["not_in_decode"]}
+    return {"batch": batch, "contexts": contexts, "weight_bytes": weight_bytes,
+            "active_weight_bytes": _num(always_bytes + routed_read_b1),
+            "weight_bytes_all_params": sum(nbytes.values()), "weights": weights, "moe": moe,
+            "experts_assumption": EXPERTS_ASSUMPTION if moe else None,
+            "kv_bytes": kv_bytes, "kv": kv, "kv_bytes_per_token": per_token, "kv_dtype": str(dt),
+            "bytes_per_step": _num(weight_bytes + kv_bytes), "params": params}
+
+
 def measure_bandwidth(device: Any, nbytes: Optional[int] = None, iters: int = 20) -> Optional[float]:
     """Memory bandwidth in bytes/s from a large same-device copy: each copy reads and writes
     `nbytes`, so bandwidth = 2 * nbytes * iters / time. On CPU a smaller copy gives DRAM speed."""
@@ -387,6 +662,22 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def fmt_bytes(n: float) -> str:
+    """1.23 GB / 45.6 MB / 7.8 KB / 12 B (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{4 if unit == 'GB' else 2}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    """Parameter counts: 5.75B / 812.3M / 6.6K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return f"{n:.0f}"
 
 
 def _fmt(v: Any) -> str:
@@ -472,6 +763,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="Small CPU smoke run (see the script's doc).")
     parser.add_argument("--out", default=None, help="Write the rows and metadata as JSON here.")
     parser.add_argument("--no-progress", action="store_true", help="No periodic progress lines on stderr.")
+    parser.add_argument("--dummy-init", choices=["auto", "kiln", "device"], default="auto",
+                        help="Dummy weights without the transformers twin: 'kiln' = Kiln's own init (drawn "
+                             "on the CPU: minutes for billions of parameters), 'device' = the same "
+                             "distribution drawn on the device, 'auto' = device on CUDA, kiln elsewhere.")
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -484,6 +779,33 @@ def want_hf(args: argparse.Namespace, device: str) -> bool:
     if getattr(args, "no_hf", False):
         return False
     return bool(getattr(args, "hf", False)) or device == "cuda"
+
+
+def hf_unsupported_reason(model_path: str) -> Optional[str]:
+    """Why transformers cannot build `model_path`'s architecture (its model_type is not one
+    transformers knows, e.g. Kiln's own inkling / minimax_m3), or None when it can."""
+    path = os.path.join(model_path, "config.json") if os.path.isdir(model_path) else model_path
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return "transformers is not installed"
+    if model_type not in CONFIG_MAPPING:
+        return f"transformers has no model_type {model_type!r}"
+    return None
+
+
+def hf_plan(args: argparse.Namespace, device: str, model_path: str) -> tuple[bool, Optional[dict]]:
+    """(run the transformers comparison?, a table row noting why it was skipped or None).
+    Skipping an architecture transformers lacks is not an error."""
+    if not want_hf(args, device):
+        return False, None
+    reason = hf_unsupported_reason(model_path)
+    if reason is None:
+        return True, None
+    log(f"transformers comparison skipped: {reason}")
+    return False, {"engine": "transformers", "note": f"skipped: {reason} (Kiln only)"}
 
 
 def add_hf_args(parser: argparse.ArgumentParser) -> None:
