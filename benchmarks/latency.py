@@ -19,6 +19,12 @@ is off unless `--hf-compile generate|forward`.
 Roofline: one decode step reads every weight once plus the KV cache of the context, so
 tok/s <= bandwidth / (weight bytes + KV bytes). Bandwidth is measured (a large device copy) and
 also taken as the H200's nominal 4.8 TB/s; the fraction achieved is printed for both engines.
+The bytes are counted from Kiln's model itself (`common.roofline_bytes`), so hybrid and MoE models
+count what a step really reads: the k of E routed experts a token hits (plus shared experts),
+no MTP layers or drafter, sliding-window / ShortConv / MSA state instead of full KV.
+
+`--model-path preset:inkling/bench` (or `preset:minimax_m3/tiny`, ...) runs a `kiln init-model`
+preset with dummy weights; transformers has no such architecture, so its row says "skipped".
 """
 
 from __future__ import annotations
@@ -190,6 +196,33 @@ def run_hf(model, prompt: list[int], args, device: str) -> dict:
 
 # ---- main --------------------------------------------------------------------------------
 
+def roofline_lines(rl: dict, ctx: float, bw: Optional[float]) -> list[str]:
+    """The '# roofline' comment lines above the table (one for dense models)."""
+    p, kv = rl["params"], rl["kv"]
+    tail = (f"bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s, "
+            f"nominal {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+    moe = rl.get("moe")
+    if not moe and set(k for k, v in kv.items() if v) <= {"full_kv"}:  # dense full-attention (Llama family)
+        return [f"# roofline: {rl['bytes_per_step'] / 1e9:.4f} GB/step = {rl['weight_bytes'] / 1e9:.4f} GB weights "
+                f"({p['decode_read'] / 1e6:.0f}M params read per step; {p['total'] / 1e6:.0f}M "
+                f"in all) + {rl['kv_bytes'] / 1e6:.2f} MB KV ({rl['kv_bytes_per_token']} B/token x {ctx:.0f}); "
+                + tail]
+    w, B, C = rl["weights"], common.fmt_bytes, common.fmt_count
+    lines = [f"# roofline: {B(rl['bytes_per_step'])}/step = {B(rl['weight_bytes'])} weights "
+             f"+ {B(rl['kv_bytes'])} state (ctx {ctx:.0f}); " + tail]
+    if moe:
+        lines.append(
+            f"# active weights (batch 1): {C(p['active'])} of {C(p['total'])} params, {B(rl['active_weight_bytes'])} = "
+            f"dense {B(w['dense'])} + LM head {B(w['lm_head'])} + shared experts {B(w['shared_experts'])} "
+            f"+ routed {moe['top_k']}/{moe['experts']} of {B(w['routed_all'])} ({moe['layers']} MoE layers); "
+            f"not read: embedding {B(w['embedding_not_read'])}, MTP/drafter {B(w['not_in_decode'])}")
+    parts = [f"{name} {B(kv[key])}" for key, name in
+             (("full_kv", "full-attention KV"), ("swa_kv", "sliding-window KV"), ("conv", "ShortConv inputs"),
+              ("index_k", "MSA index keys"), ("msa_kv", "MSA selected K/V")) if kv[key]]
+    lines.append(f"# state read per step: {', '.join(parts)}")
+    return lines
+
+
 def add_roofline(row: dict, bytes_per_step: int, bw: Optional[float]) -> None:
     if bw:
         row["roofline_tok_s"] = bw / bytes_per_step
@@ -205,6 +238,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     device = config.resolved_device()
     dtype = config.resolved_dtype()
     mc = common.model_config_of(config.model_path)
+    dummy_init = common.resolve_dummy_init(args.dummy_init, device)
     if config.max_total_tokens is None and device == "cpu":
         config.max_total_tokens = args.input_len + args.output_len + 4 * config.page_size
     prompt = common.random_token_ids(random.Random(args.seed), args.input_len, min(mc.vocab_size, 10001))
@@ -213,15 +247,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # Roofline at the mean decode context (the first decode step sees input_len + 1 tokens).
     mean_ctx = args.input_len + args.output_len / 2
-    rl = common.roofline(mc, dtype, [mean_ctx])
+    rl = common.roofline_bytes(common.meta_model(config.model_path, dtype), [mean_ctx])
     bw = common.measure_bandwidth(device)
     log(f"bytes per decode step: {rl['weight_bytes'] / 1e9:.3f} GB weights + {rl['kv_bytes'] / 1e9:.4f} GB KV "
         f"(ctx {mean_ctx:.0f}); measured copy bandwidth "
         f"{(bw or float('nan')) / 1e12:.3f} TB/s, nominal H200 {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
 
-    do_hf = common.want_hf(args, device)
+    do_hf, hf_skipped = common.hf_plan(args, device, config.model_path)
     hf_model = common.make_hf_model(config.model_path, dtype, device, args.seed) if do_hf else None
-    core = common.build_core(config, hf_model=hf_model)
+    core = common.build_core(config, hf_model=hf_model, dummy_init=dummy_init)
     kiln_row = run_kiln(core, prompt, args)
     add_roofline(kiln_row, rl["bytes_per_step"], bw)
     rows = [kiln_row]
@@ -240,20 +274,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
                          "note": "ratios (ttft: lower is better)"})
         else:
             rows.append({"engine": "transformers", "note": f"failed: {hf_error}"[:120]})
+    elif hf_skipped:
+        rows.append(hf_skipped)
 
     name = os.path.basename(os.path.normpath(config.model_path))
     title = (f"Batch-1 latency: {name}, {dtype}, {device}, input {args.input_len}, output {args.output_len}, "
              f"{'greedy' if args.temperature == 0 else f'T={args.temperature}'}")
     print(f"\n# {hw}")
-    print(f"# roofline: {rl['bytes_per_step'] / 1e9:.4f} GB/step = {rl['weight_bytes'] / 1e9:.4f} GB weights "
-          f"({rl['params']['decode_read'] / 1e6:.0f}M params read per step; {rl['params']['total'] / 1e6:.0f}M "
-          f"in all) + {rl['kv_bytes'] / 1e6:.2f} MB KV ({rl['kv_bytes_per_token']} B/token x {mean_ctx:.0f}); "
-          f"bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s, nominal {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+    for line in roofline_lines(rl, mean_ctx, bw):
+        print(line)
     common.print_table(rows, COLUMNS, title=title)
     meta = {"benchmark": "latency", "argv": sys.argv if argv is None else argv, "hardware": hw,
             "model_path": config.model_path, "dtype": str(dtype), "device": device,
             "roofline": {k: v for k, v in rl.items()}, "mean_context": mean_ctx,
-            "measured_bandwidth": bw, "nominal_bandwidth": common.H200_NOMINAL_BW, "hf_error": hf_error}
+            "dummy_init": dummy_init if hf_model is None else "transformers twin", "measured_bandwidth": bw, "nominal_bandwidth": common.H200_NOMINAL_BW, "hf_error": hf_error}
     common.save_json(args.out, rows, meta)
     return {"rows": rows, "meta": meta}
 

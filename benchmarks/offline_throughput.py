@@ -11,6 +11,8 @@ output tokens / wall time, after a one-request warm-up.
     python benchmarks/offline_throughput.py --quick --hf --device cpu   # CPU smoke run
 
 On CUDA the transformers comparison runs by default (`--no-hf` skips it); on CPU pass `--hf`.
+`--model-path preset:inkling/bench` (or `preset:minimax_m3/tiny`, ...) runs a `kiln init-model`
+preset with dummy weights; transformers has no such architecture, so its row says "skipped".
 transformers runs `init_continuous_batching` + per-request `add_request(max_new_tokens=...)`,
 because `generate_batch` takes a single `max_new_tokens` for all requests.
 """
@@ -340,12 +342,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     log(f"model {config.model_path} ({mc.model_type}), {args.num_requests} requests, prompts "
         f"{args.min_len}..{args.max_input_len}, outputs {args.min_len}..{args.max_output_len}: "
         f"{sum(len(p) for p in prompts)} input + {sum(out_lens)} output tokens")
-    do_hf = common.want_hf(args, device)
+    do_hf, hf_skipped = common.hf_plan(args, device, config.model_path)
+    dummy_init = common.resolve_dummy_init(args.dummy_init, device)
 
     hf_model = None
     if do_hf:
         hf_model = common.make_hf_model(config.model_path, dtype, device, args.seed)
-    core = common.build_core(config, hf_model=hf_model)
+    core = common.build_core(config, hf_model=hf_model, dummy_init=dummy_init)
     kiln_row, kiln_runs = run_kiln(core, prompts, out_lens, args)
     rows = [kiln_row]
     common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)", file=sys.stderr)
@@ -363,6 +366,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                          "note": "throughput ratio"})
         else:
             rows.append({"engine": "transformers", "note": f"failed: {hf_error}"[:120]})
+    elif hf_skipped:
+        rows.append(hf_skipped)
 
     name = os.path.basename(os.path.normpath(config.model_path))
     title = (f"Offline throughput: {name}, {dtype}, {device}, {args.num_requests} requests, "
@@ -372,7 +377,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     common.print_table(rows, COLUMNS, title=title)
     meta = {"benchmark": "offline_throughput", "argv": sys.argv if argv is None else argv, "hardware": hw,
             "model_path": config.model_path, "dtype": str(dtype), "device": device,
-            "num_requests": args.num_requests, "kiln_runs": kiln_runs, "hf_error": hf_error}
+            "num_requests": args.num_requests, "kiln_runs": kiln_runs,
+            "dummy_init": dummy_init if hf_model is None else "transformers twin", "hf_error": hf_error}
     common.save_json(args.out, rows, meta)
     return {"rows": rows, "meta": meta}
 
