@@ -53,6 +53,7 @@ class PagedBackend:
 
     # ---- attention -----------------------------------------------------------------------
     def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        assert getattr(layer, "key_gap", 0) <= 1, "MTP attention masks are served with speculative decoding"
         swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)

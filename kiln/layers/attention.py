@@ -1,9 +1,9 @@
 """The attention layer and the backends that execute it.
 
 `Attention` is what a model calls with projected q/k/v; it hands them to `batch.backend`,
-which knows where K/V live: `PagedAttentionBackend` (the engine: writes this forward's K/V into the
-paged pool and attends over each sequence's cache) or `PackedAttentionBackend` (the trainer: whole
-packed sequences, no cache). Both call the reference ops in `kiln.ops.attention`; GPU kernels plug
+which knows where K/V live: `kiln.engine.paged_backend.PagedBackend` (the engine: writes this
+forward's state into the paged pools and attends over each sequence's cache) or
+`PackedAttentionBackend` (the trainer: whole packed sequences, no cache). Both call the reference ops in `kiln.ops.attention`; GPU kernels plug
 in behind the same backend interface.
 
 Backend interface (what an engine backend implements for the models here):
@@ -55,53 +55,6 @@ class Attention(nn.Module):
         else:
             o = batch.backend.attention(self, q, k, v, batch)
         return o.reshape(t, self.num_heads * self.head_dim)
-
-
-class PagedAttentionBackend:
-    """Engine backend: K/V of every forward go to `out_cache_loc` in the pool, then each sequence
-    attends over `req_to_token[slot, :seq_len]`."""
-
-    def __init__(self, kv_pool, req_to_token: torch.Tensor):
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-
-    def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
-        assert getattr(layer, "key_gap", 0) <= 1, "MTP attention masks are not served yet"
-        k_cache, v_cache = self.kv_pool.layer(layer.layer_id)
-        k_cache[batch.out_cache_loc] = k.to(k_cache.dtype)
-        v_cache[batch.out_cache_loc] = v.to(v_cache.dtype)
-        plan = batch.extras.get("paged_attn_plan")
-        if plan is None:
-            plan = batch.extras["paged_attn_plan"] = self._plan(batch, q.device)
-        dec_rows, dec_slots, dec_lens, ext = plan
-        if len(ext) == 0:  # pure decode: one batched call
-            return ref_ops.paged_decode_attention(q, k_cache, v_cache, self.req_to_token, dec_slots,
-                                                  dec_lens, layer.scale, layer.sliding_window, rel)
-        out = torch.empty_like(q)
-        if dec_rows is not None:
-            out[dec_rows] = ref_ops.paged_decode_attention(
-                q[dec_rows], k_cache, v_cache, self.req_to_token, dec_slots, dec_lens, layer.scale,
-                layer.sliding_window, None if rel is None else rel[dec_rows])
-        for slot, prefix, n, start in ext:
-            sl = slice(start, start + n)
-            out[sl] = ref_ops.paged_attention(q[sl], k_cache, v_cache, self.req_to_token, [slot], [prefix], [n],
-                                              layer.scale, layer.sliding_window,
-                                              None if rel is None else rel[sl])
-        return out
-
-    @staticmethod
-    def _plan(batch: ForwardBatch, device):
-        """Split the batch once per forward: single-token sequences go to the batched decode op,
-        longer extends run one by one."""
-        slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
-        dec, ext = [], []
-        for i, (slot, prefix, n, start) in enumerate(zip(slots, batch.prefix_lens, batch.extend_lens,
-                                                         batch.extend_starts)):
-            (dec if n == 1 else ext).append((slot, prefix, n, start))
-        if not dec:
-            return None, None, None, ext
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return (as_t([d[3] for d in dec]), as_t([d[0] for d in dec]), as_t([d[1] + 1 for d in dec]), ext)
 
 
 class PackedAttentionBackend:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
-from kiln.layers.attention import Attention, PackedAttentionBackend, PagedAttentionBackend
+from kiln.engine.paged_backend import PagedBackend
+from kiln.layers.attention import Attention, PackedAttentionBackend
 from kiln.ops.attention import packed_attention, paged_attention, paged_decode_attention
 
 
@@ -131,7 +132,7 @@ def test_backends_pass_rel_through_mixed_batches():
                   extend_lens=seq_lens, logits_indices=torch.arange(t))
     pool = SimpleNamespace(layer=lambda i: (k_cache, v_cache))
     paged = ForwardBatch(ForwardMode.EXTEND, req_slots=slots, out_cache_loc=loc,
-                         backend=PagedAttentionBackend(pool, table), **common)
+                         backend=PagedBackend(pool, {"main": table}), **common)
     packed = ForwardBatch(ForwardMode.TRAIN, backend=PackedAttentionBackend(), **common)
     got = layer(q, k, v, paged, rel=rel.view(t, -1))
     want = layer(q, k, v, packed, rel=rel)
