@@ -1,4 +1,4 @@
-"""The `kiln` command: `serve`, `generate`, `version`."""
+"""The `kiln` command: `serve`, `generate`, `init-model`, `version`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="A stop string (repeatable).")
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template as a user turn.")
 
+    init = sub.add_parser("init-model", help="Write a randomly initialised Inkling or MiniMax-M3 checkpoint "
+                          "(config, weights, tokenizer with chat template) of a preset size.")
+    init.add_argument("--arch", required=True, choices=["inkling", "minimax_m3"])
+    init.add_argument("--preset", required=True, choices=["tiny", "small", "bench"],
+                      help="tiny: CPU tests; small: CPU demos; bench: one H200 (see docs/models.md).")
+    init.add_argument("--out", required=True, help="Output directory (created; earlier weights replaced).")
+    init.add_argument("--seed", type=int, default=0, help="Seed of the random weights.")
+    init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="Weight dtype (default: float32 for tiny/small, bfloat16 for bench).")
+    weights = init.add_mutually_exclusive_group()
+    weights.add_argument("--no-weights", dest="with_weights", action="store_false", default=None,
+                         help="Config and tokenizer only; serve with --load-format dummy (bench's default).")
+    weights.add_argument("--with-weights", dest="with_weights", action="store_true",
+                         help="Also write the random safetensors (default except for bench).")
+
     sub.add_parser("version", help="Print the version.")
     return parser
 
@@ -46,6 +61,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         _serve(args)
     elif args.command == "generate":
         _generate(args)
+    elif args.command == "init-model":
+        _init_model(args)
+
+
+def _init_model(args: argparse.Namespace) -> None:
+    from kiln.models.init_model import describe, init_model
+    from kiln.models.presets import DEFAULT_WITH_WEIGHTS
+
+    with_weights = DEFAULT_WITH_WEIGHTS[args.preset] if args.with_weights is None else args.with_weights
+    config = init_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype,
+                        with_weights=with_weights)
+    what = "weights, config and tokenizer" if with_weights else \
+        "config and tokenizer, no weights (serve with --load-format dummy)"
+    print(f"kiln init-model: wrote {args.arch} {args.preset} ({describe(config)}) to {args.out}: {what}")
 
 
 def _serve(args: argparse.Namespace) -> None:
