@@ -153,15 +153,20 @@ class TokenizerManager:
         index = {id(h): i for i, h in enumerate(handles)}
         pending = len(handles)
         getter: Optional[asyncio.Future] = None
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         try:
             while pending:
                 if getter is None:
                     getter = asyncio.ensure_future(queue.get())
                 # A persistent getter: wait_for would cancel the get and could lose an item.
                 done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-                if not done:
-                    if is_disconnected is not None and await is_disconnected():
+                # Check on a clock, not only when idle: a busy request streams deltas every step.
+                if is_disconnected is not None and loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_POLL_S
+                    if await is_disconnected():
                         raise ClientDisconnected()
+                if not done:
                     continue
                 (handle, delta), getter = getter.result(), None
                 if delta is None:
