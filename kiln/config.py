@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
+from kiln.server.parsers.reasoning import REASONING_PARSERS
+from kiln.server.parsers.tool_calls import TOOL_CALL_PARSERS
+
 
 def opt(default: Any, help: str, choices: Optional[list] = None, flag: Optional[str] = None):
     """A dataclass field with CLI metadata."""
@@ -61,6 +64,11 @@ class EngineConfig:
     api_key: Optional[str] = opt(None, "Require this bearer token on every request.")
     log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
     max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.")
+    reasoning_parser: Optional[str] = opt(
+        None, "Chat API: return <think>...</think> as message.reasoning_content.", sorted(REASONING_PARSERS))
+    tool_call_parser: Optional[str] = opt(
+        None, "Chat API: return the model's tool calls as message.tool_calls (when the request has tools).",
+        sorted(TOOL_CALL_PARSERS))
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -7,6 +7,7 @@ fields are ignored, as OpenAI-compatible servers commonly do, so newer clients k
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +42,7 @@ class ChatMessage(_Lenient):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier assistant turn's reasoning, sent back
 
     def to_template(self, index: int) -> dict[str, Any]:
         """The dict a chat template expects: content joined into one string."""
@@ -55,10 +57,25 @@ class ChatMessage(_Lenient):
                 texts.append(part.text)
             content = "".join(texts)
         out: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_parsed_arguments(c) for c in self.tool_calls]
         return out
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as a JSON string; chat templates iterate a mapping."""
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call  # not JSON: the template gets the string as sent
+        if isinstance(args, dict):
+            return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 class StreamOptions(_Lenient):
@@ -115,6 +132,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     response_format: Optional[dict[str, Any]] = None  # accepted, not enforced
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    separate_reasoning: bool = True  # SGLang: false leaves <think>...</think> in the content (--reasoning-parser)
 
 
 class CompletionRequest(_OpenAISampling):

@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.engine.frontend import RequestState, SeqDelta
 from kiln.engine.io import TokenLogprob
+from kiln.server.parsers.reasoning import ReasoningParser, get_reasoning_parser
+from kiln.server.parsers.tool_calls import ToolCallParser, get_tool_call_parser
 from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kiln.server.tokenizer_manager import (ClientDisconnected, EngineDeadError, RequestHandle,
                                            TokenizerManager)
@@ -36,6 +38,11 @@ class Serving:
         self.tm = tm
         self.name = served_name
         self.aliases = aliases | {served_name}
+        config = getattr(tm, "config", None)
+        names = [getattr(config, "reasoning_parser", None), getattr(config, "tool_call_parser", None)]
+        self.reasoning_parser = get_reasoning_parser(names[0]) if names[0] else None
+        self.tool_call_parser = get_tool_call_parser(names[1]) if names[1] else None
+        self._special: Optional[set[str]] = None
 
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self.aliases:
@@ -111,35 +118,82 @@ class Serving:
         if max_tokens is None:
             max_tokens = max(1, self.tm.info.context_length - len(ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        make_parser = self._output_parser(req, ids)
+        if make_parser is not None and set(make_parser().tags()) & self._special_tokens():
+            params.skip_special_tokens = False  # the parsers must see their tags in the text
         (handle,) = self._submit_all([(None, ids)], params)
         rid, created = f"chatcmpl-{handle.state.rid}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name}
         if req.stream:
             started: set[int] = set()
+            parsers: dict[int, OutputParser] = {}
+            called: set[int] = set()
 
             def chunks(_: int, d: SeqDelta):
                 if d.index not in started:
                     started.add(d.index)
                     yield {**head, "choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]}
-                if d.text or d.token_ids or d.finished:
+                if make_parser is None:
+                    delta = {"content": d.text} if d.text else {}
+                else:
+                    p = parsers.setdefault(d.index, make_parser())
+                    delta = p.feed(d.text, d.finished)
+                    if "tool_calls" in delta:
+                        called.add(d.index)
+                if delta or d.token_ids or d.finished:
                     lp = ({"content": self._chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)}
                           if req.logprobs else None)
-                    yield {**head, "choices": [{"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                                "logprobs": lp, "finish_reason": d.finish_reason,
+                    reason = "tool_calls" if d.finished and d.index in called else d.finish_reason
+                    yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": reason,
                                                 **({"matched_stop": d.matched_stop} if d.finished else {})}]}
 
             usage = {**head, "choices": []} if req.include_usage else None
             return self._stream_response(self._events([handle], raw, chunks, usage))
         if not await self._collect([handle], raw):
             return Response(status_code=CLIENT_CLOSED)
-        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                    "logprobs": ({"content": self._chat_logprobs(s.token_ids, s.logprobs, req.top_logprobs or 0)}
-                                 if req.logprobs else None),
-                    "finish_reason": s.finish_reason, "matched_stop": s.matched_stop}
-                   for s in handle.state.seqs]
+        choices = []
+        for s in handle.state.seqs:
+            message: dict[str, Any] = {"role": "assistant", "content": s.text}
+            reason = s.finish_reason
+            if make_parser is not None:
+                message.update(make_parser().parse(s.text))
+                if message.get("tool_calls"):
+                    reason = "tool_calls"
+            choices.append({"index": s.index, "message": message,
+                            "logprobs": ({"content": self._chat_logprobs(s.token_ids, s.logprobs, req.top_logprobs or 0)}
+                                         if req.logprobs else None),
+                            "finish_reason": reason, "matched_stop": s.matched_stop})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                              "choices": choices, "usage": self._usage([handle])})
+
+    def _output_parser(self, req: ChatCompletionRequest, ids: list[int]) -> Optional[Any]:
+        """A factory of per-choice `OutputParser`s for this request, or None when nothing is parsed.
+        Tool calls are parsed only when the request offers tools (and tool_choice is not "none")."""
+        reasoning = self.reasoning_parser if req.separate_reasoning else None
+        tools = self.tool_call_parser if req.tools and req.tool_choice != "none" else None
+        if reasoning is None and tools is None:
+            return None
+        opened = reasoning is not None and self._prompt_ends_with(ids, reasoning.start_tag)
+        return lambda: OutputParser(reasoning(starts_in_reasoning=True if opened else None) if reasoning else None,
+                                    tools(req.tools) if tools else None)
+
+    def _special_tokens(self) -> set[str]:
+        """Tokens that skip_special_tokens deletes from the text."""
+        if self._special is None:
+            tok = getattr(self.tm, "tokenizer", None)
+            self._special = set(getattr(tok, "all_special_tokens", None) or ())
+            self._special |= {t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()
+                              if getattr(t, "special", False)}
+        return self._special
+
+    def _prompt_ends_with(self, ids: list[int], tag: str) -> bool:
+        """Did the chat template open the tag (e.g. a generation prompt ending in "<think>\n")?"""
+        tok = getattr(self.tm, "tokenizer", None)
+        if tok is None or not ids:
+            return False
+        return tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(tag)
 
     # ---- /v1/completions -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -281,6 +335,52 @@ class Serving:
     def _stream_response(self, body: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class OutputParser:
+    """One choice's answer through the reasoning parser, then the tool-call parser (either optional).
+    `parse` reads the whole text into message fields; `feed` streams it into delta fields."""
+
+    def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolCallParser]):
+        self.reasoning, self.tools = reasoning, tools
+
+    def parse(self, text: str) -> dict:
+        out: dict[str, Any] = {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.parse(text)
+            out["reasoning_content"] = reasoning or None
+        out["content"] = text
+        if self.tools is not None:
+            content, calls = self.tools.parse(text)
+            out["content"] = content if content or not calls else None
+            if calls:
+                out["tool_calls"] = [c.to_openai() for c in calls]
+        return out
+
+    def feed(self, text: str, finished: bool) -> dict:
+        reasoning, content, calls = "", text, []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if finished:
+                r, c = self.reasoning.finish()
+                reasoning, content = reasoning + r, content + c
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if finished:
+                c, more = self.tools.finish()
+                content, calls = content + c, calls + more
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def tags(self) -> list[str]:
+        parsers = [p for p in (self.reasoning, self.tools) if p is not None]
+        return [p.start_tag for p in parsers] + [p.end_tag for p in parsers]
 
 
 def _jsonable(x: Any) -> Any:
