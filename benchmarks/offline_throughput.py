@@ -43,7 +43,7 @@ HF_CB_PRESETS = {
     "default": {},
 }
 
-COLUMNS = ["engine", "requests", "input_tokens", "output_tokens", "wall_s", "output_tok_s",
+COLUMNS = ["engine", "requests", "started", "input_tokens", "output_tokens", "wall_s", "output_tok_s",
            "total_tok_s", "runs", "complete", "note"]
 
 
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-runs", type=int, default=1, help="Kiln measurements; the median is reported.")
     p.add_argument("--time-limit", type=float, default=None,
                    help="Seconds per measured run (each engine); unfinished requests are aborted and "
-                        "the row is marked incomplete (throughput over the time run).")
+                        "the row is marked incomplete (throughput over the time run; input_tokens then "
+                        "counts only the prompts of the `started` requests, those that produced a token).")
     common.add_bench_args(p)  # --threads, --quick (8 requests of 16..64 tokens), --out, --no-progress
     common.add_hf_args(p)
     p.add_argument("--hf-cb-config", choices=["auto", "recipe", "default"], default="auto",
@@ -95,9 +96,19 @@ def make_workload(seed: int, n: int, min_len: int, max_in: int, max_out: int, vo
     return prompts, out_lens
 
 
-def _row(engine: str, prompts, produced: int, wall: float, runs: int, complete: bool, note: str = "") -> dict:
-    inp = sum(len(p) for p in prompts)
-    return {"engine": engine, "requests": len(prompts), "input_tokens": inp, "output_tokens": produced,
+def _row(engine: str, prompts, produced: int, wall: float, runs: int, complete: bool, note: str = "",
+         started: Optional[list[bool]] = None) -> dict:
+    """A table row. For a run stopped by the time limit, pass `started` (per request: produced a
+    token, i.e. its prompt was prefilled): input_tokens then counts only those prompts (a lower
+    bound: a prompt whose prefill was under way at the limit is left out) and `started` says how
+    many requests that is."""
+    if complete or started is None:
+        inp, n_started = sum(len(p) for p in prompts), len(prompts)
+    else:
+        inp = sum(len(p) for p, s in zip(prompts, started) if s)
+        n_started = sum(bool(s) for s in started)
+    return {"engine": engine, "requests": len(prompts), "started": n_started, "input_tokens": inp,
+            "output_tokens": produced,
             "wall_s": wall, "output_tok_s": produced / wall if wall > 0 else float("nan"),
             "total_tok_s": (inp + produced) / wall if wall > 0 else float("nan"),
             "runs": runs, "complete": complete, "note": note}
@@ -126,7 +137,8 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
             if bad:
                 raise RuntimeError(f"Kiln produced the wrong number of tokens for {bad[:4]}")
         row = _row("kiln", prompts, produced, res.wall, 1, res.complete,
-                   "" if res.complete else "time limit: partial")
+                   "" if res.complete else "time limit: partial",
+                   started=[r.first_token_time is not None for r in res.requests])
         row.update(steps=res.steps, ttft_p50_s=common.median(
             r.first_token_time - res.start for r in res.requests if r.first_token_time is not None))
         log(f"Kiln run {i + 1}: {produced} tokens in {res.wall:.2f}s = {row['output_tok_s']:.1f} tok/s"
@@ -140,6 +152,8 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
             med["total_tok_s"] = (med["input_tokens"] + med["output_tokens"]) / med["wall_s"]
         else:
             med["output_tokens"] = int(common.median(r["output_tokens"] for r in runs))
+            med["input_tokens"] = int(common.median(r["input_tokens"] for r in runs))
+            med["started"] = int(common.median(r["started"] for r in runs))
             med["output_tok_s"] = common.median(r["output_tok_s"] for r in runs)
             med["total_tok_s"] = common.median(r["total_tok_s"] for r in runs)
         med["note"] = f"median of {len(runs)} runs " + "/".join(f"{r['output_tok_s']:.4g}" for r in runs)
@@ -256,7 +270,8 @@ def _run_hf_once(model, prompts, out_lens, args, device: str, kind: str) -> dict
             raise RuntimeError(f"transformers produced the wrong number of tokens for {bad[:4]}: "
                                f"{[(produced.get(r), expected[r]) for r in bad[:4]]}")
     note = f"{attn}, cb={kind}, warmup {warmup_s:.0f}s" + ("" if complete else f", time limit: {count_note}")
-    row = _row("transformers", prompts, total, wall, 1, complete, note)
+    row = _row("transformers", prompts, total, wall, 1, complete, note,
+               started=[produced.get(f"hf{i}", 0) > 0 for i in range(len(prompts))])
     log(f"transformers: {total} tokens in {wall:.2f}s = {row['output_tok_s']:.1f} tok/s")
     return row
 
