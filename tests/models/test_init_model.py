@@ -232,7 +232,8 @@ def test_cli_init_model_then_serve(tmp_path):
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-path", out, "--port", str(port),
-                             "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning"],
+                             "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning",
+                             "--enable-return-routed-experts"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -253,6 +254,14 @@ def test_cli_init_model_then_serve(tmp_path):
         data = resp.json()
         assert data["model"] == "tiny" and data["usage"]["completion_tokens"] >= 1
         assert isinstance(data["choices"][0]["text"], str)
+        # /generate returns the routed experts of every forwarded prompt and output token
+        gen = {"input_ids": list(range(10, 30)), "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        resp = httpx.post(url + "/generate", json=gen, timeout=60)
+        assert resp.status_code == 200, resp.text
+        routed = resp.json()["meta_info"]["routed_experts"]
+        moe_layers = 6 - 1  # tiny Inkling: 6 layers, the first dense
+        assert len(routed) == 20 + 3 - 1 and all(len(t) == moe_layers and len(t[0]) == 2 for t in routed)
     finally:
         proc.terminate()  # by pid
         try:
