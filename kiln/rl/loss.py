@@ -107,7 +107,9 @@ def dynamic_sampling_mask(rewards: Tensor, eps: float = 1e-8) -> Tensor:
 @dataclass
 class LossConfig:
     """GRPO/DAPO loss settings. Defaults: DAPO clip-higher (0.2 / 0.28), no KL, token-level
-    aggregation, TIS with cap 2 (Miles' defaults)."""
+    aggregation, TIS with cap 2 (Miles' defaults). ``std_normalize`` is not used by
+    ``policy_loss``: pass it to ``group_advantages`` (it lives here so one config holds the
+    whole objective)."""
 
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
@@ -118,6 +120,7 @@ class LossConfig:
     tis_cap: float = 2.0
     tis_cap_low: float = 0.0
     entropy_coef: float = 0.0
+    std_normalize: bool = True  # group_advantages' switch; False = Dr.GRPO (no division by the std)
 
     def __post_init__(self) -> None:
         if self.kl_type not in KL_TYPES:
