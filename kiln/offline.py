@@ -169,6 +169,22 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
+    # ---- weight updates (RL; the engine must be idle: see EngineCore) --------------------------
+    def update_weights_from_tensor(self, named_tensors: Any) -> int:
+        """Copy (on-disk name, tensor) pairs into the engine's weights; flushes the prefix cache."""
+        with self._lock:
+            return self.core.update_weights_from_tensor(named_tensors)
+
+    def load_lora_adapter(self, name: str, adapter: Any) -> None:
+        """Merge a LoRA adapter (PEFT directory or {"state_dict", "config"}) into the weights."""
+        with self._lock:
+            self.core.load_lora_adapter(name, adapter)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Restore the base weights."""
+        with self._lock:
+            self.core.unload_lora_adapter(name)
+
     def shutdown(self) -> None:
         """Stop the driver thread and release the core."""
         self._closed = True

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterable, Optional
+
+import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
@@ -75,3 +77,60 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    # ---- weight updates (RL) -----------------------------------------------------------------
+    # In place, between rollouts: the engine must be idle (no running or waiting requests), and the
+    # prefix cache is flushed afterwards because its KV was computed with the old weights.
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_work():
+            raise RuntimeError(f"{what}: the engine has requests in flight; finish or abort them first")
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (on-disk name, tensor) pairs into the weights (any subset); returns how many."""
+        self._require_idle("update_weights_from_tensor")
+        named = list(named_tensors)
+        self.runner.update_weights(named)
+        self.flush_cache()
+        return len(named)
+
+    def load_lora_adapter(self, name: str, adapter: Any) -> None:
+        """Merge a LoRA adapter into the weights: W = W_base + (alpha / r) B @ A per targeted
+        tensor, computed in fp32 from a kept copy of W_base. `adapter`: a PEFT adapter directory,
+        or {"state_dict": PEFT tensors, "config": adapter_config dict}.
+
+        One merged adapter at a time: loading any adapter (a new version of `name`, or another
+        name) first restores the base weights. Native multi-LoRA batching (several adapters served
+        side by side, selected per request) is future work."""
+        from kiln.rl.lora import merged_delta, read_adapter, scaling_of
+        from kiln.rl.sync import checkpoint_views
+
+        self._require_idle("load_lora_adapter")
+        state, config = read_adapter(adapter) if isinstance(adapter, str) else \
+            (adapter["state_dict"], adapter["config"])
+        deltas = merged_delta(state, scaling_of(config))
+        self._restore_lora_base()
+        views = dict(checkpoint_views(self.runner.model))
+        unknown = sorted(set(deltas) - set(views))
+        if unknown:
+            raise KeyError(f"adapter {name!r} targets tensors this model does not have: {unknown[:4]}")
+        self._lora_base = {n: views[n].clone() for n in deltas}
+        merged = ((n, (self._lora_base[n].float() + d.to(self._lora_base[n].device)).to(views[n].dtype))
+                  for n, d in deltas.items())
+        self.runner.update_weights(merged)
+        self._lora_name = name
+        self.flush_cache()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Restore the base weights under adapter `name`."""
+        self._require_idle("unload_lora_adapter")
+        if getattr(self, "_lora_name", None) != name:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        self._restore_lora_base()
+        self.flush_cache()
+
+    def _restore_lora_base(self) -> None:
+        base = getattr(self, "_lora_base", None)
+        if base:
+            self.runner.update_weights(base.items())
+        self._lora_base, self._lora_name = {}, None

@@ -119,3 +119,20 @@ class ModelRunner:
         if self.routing is not None:
             self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc)
         return self.model.compute_logits(hidden, batch)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> set[str]:
+        """Copy some checkpoint tensors (on-disk names) into the live weights, in place: dtype,
+        device, sharding and stacking as at load time. Unlike a checkpoint load, a subset is fine.
+
+        Goes through the model's own `load_weights` (so names map exactly as when loading). Every
+        Kiln model's `load_weights` copies each tensor as it reads it and checks completeness last,
+        raising "checkpoint is missing ..." (ValueError); for an update that check is skipped.
+        Unknown names still raise KeyError before anything after them is copied."""
+        named = list(named_tensors)
+        try:
+            return self.model.load_weights(named)
+        except ValueError as e:
+            if not str(e).startswith("checkpoint is missing"):
+                raise
+            return set()

@@ -1,0 +1,110 @@
+"""Trainer -> engine weight sync, and the on-disk naming both sides share.
+
+- `checkpoint_views(model)`: (on-disk name, tensor) for every weight of a Kiln model, with stacked
+  parameters (q/k/v, gate/up, routed and shared experts) split back into their checkpoint tensors.
+  Views, not copies, where the model allows it (Llama family, Inkling, MiniMax-M3 all do), so a
+  bucketed sync holds at most one bucket of extra memory. The engine's `load_weights` accepts
+  every name it yields. LoRA parameters (`*.lora_*`) are never yielded.
+- `sync_full(trainer, engine)`: every weight, in buckets of `bucket_bytes`, through
+  `update_weights_from_tensor` (in place in the engine; the engine flushes its prefix cache).
+- `sync_lora(trainer, engine, name)`: only the adapter tensors (PEFT names); the engine merges them
+  into its weights from a kept copy of the base (`EngineCore.load_lora_adapter`).
+
+`engine` is a `kiln.offline.Engine` or an `EngineCore` (both have the two methods). Colocated,
+single process: tensors move by reference/copy, no serialisation. Cross-process transports (CUDA
+IPC, NCCL broadcast) are future work and would plug in behind the same two calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+
+
+def _is_lora(name: str) -> bool:
+    return ".lora_" in name
+
+
+def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(on-disk name, detached tensor) for every weight and persistent buffer of `model`.
+
+    Single rank only (tp_size 1): the names are those of whole checkpoint tensors."""
+    assert model.pc.tp_size == 1, "checkpoint_views yields whole tensors: use an unsharded model"
+    from kiln.layers.moe import Experts, SharedExperts
+
+    if model.config.model_type == "inkling":
+        # Inkling's own exporter (MTP prefix shift, stacked dense MLPs, experts), views only.
+        from kiln.models.inkling_weights import _disk_items
+
+        for name, t in _disk_items(model):
+            if not _is_lora(name):
+                yield name, t.detach()
+        return
+    done: set[str] = set()
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (Experts, SharedExperts)):
+            for name, t in mod.checkpoint_items(mname.rsplit(".", 1)[0] + "."):
+                yield name, t.detach()
+            done |= {f"{mname}.w13", f"{mname}.w2"}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # state_dict: parameters and persistent buffers (MiniMax's router correction bias).
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in done or _is_lora(name) or (tied and name == "lm_head.weight"):
+            continue
+        t = t.detach()
+        if ".qkv_proj." in name:  # weight [q+k+v, H] or bias [q+k+v]: split rows
+            mod = model.get_submodule(name.rsplit(".", 2)[0] + ".qkv_proj")
+            parts = t.split([mod.q_size, mod.kv_size, mod.kv_size], dim=0)
+            for part, p in zip(("q", "k", "v"), parts):
+                yield name.replace(".qkv_proj.", f".{part}_proj."), p
+        elif ".gate_up_proj." in name:
+            gate, up = t.chunk(2, dim=0)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, t
+
+
+def _buckets(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int):
+    bucket, size = [], 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> dict[str, float]:
+    """Push every trainer weight into the engine, `bucket_bytes` at a time.
+
+    Returns {"seconds", "bytes", "tensors", "buckets"}. The engine must be idle (no requests)."""
+    t0 = time.perf_counter()
+    total, tensors, buckets = 0, 0, 0
+    for bucket in _buckets(trainer.named_weights_for_sync(), bucket_bytes):
+        engine.update_weights_from_tensor(bucket)
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+        tensors += len(bucket)
+        buckets += 1
+    return {"seconds": time.perf_counter() - t0, "bytes": total, "tensors": tensors, "buckets": buckets}
+
+
+@torch.no_grad()
+def sync_lora(trainer: Any, engine: Any, name: str = "policy") -> dict[str, float]:
+    """Send only the trainer's LoRA adapter (PEFT names + config) to the engine, which merges it
+    into its weights under adapter `name` (replacing an earlier version of the same adapter).
+
+    Returns {"seconds", "bytes", "tensors"}."""
+    from kiln.rl.lora import adapter_config, lora_state_dict
+
+    t0 = time.perf_counter()
+    state = lora_state_dict(trainer.model)
+    engine.load_lora_adapter(name, {"state_dict": state, "config": adapter_config(trainer.model)})
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": len(state)}

@@ -1,0 +1,147 @@
+"""`PolicyTrainer`: the trainable copy of the served model (same class, same checkpoint).
+
+The engine and the trainer build the *same* module tree from the same checkpoint; the trainer runs
+it on packed sequences (`kiln.models.reference.packed_forward`) under autograd. Logprobs are
+recomputed exactly as the engine's sampler reports them (`log_softmax(logits / T)`, T = 0 -> 1),
+and MoE models replay the experts the rollout used (R3): the discrete top-k comes from the rollout,
+the gate weights from the live router (so the router still gets gradients).
+
+    trainer = PolicyTrainer(model_path, lr=1e-6)
+    lps = trainer.sequence_logprobs(samples, temperature=1.0)      # list of [len(output)] fp32
+    trainer.step(loss_fn(lps, ...))                                # backward, clip, AdamW, zero
+    sync_full(trainer, engine)                                     # kiln.rl.sync
+
+Single process, single rank (tp_size 1); FSDP / TP training is future work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from kiln.dist.parallel import SINGLE
+from kiln.loader import ModelSource, iter_weights, resolve_model
+from kiln.models.reference import packed_batch
+from kiln.models.registry import get_model_class, parse_model_config
+from kiln.rl.sync import checkpoint_views
+
+
+def _as_long(x: Any) -> torch.Tensor:
+    return x.long() if isinstance(x, torch.Tensor) else torch.as_tensor(x).long()
+
+
+class PolicyTrainer:
+    """A trainable model + AdamW. `model` is the Kiln model (parameters trainable except the
+    model's `frozen_in_training` fragments; buffers never train)."""
+
+    def __init__(self, model_path: Optional[str] = None, *, source: Optional[ModelSource] = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, lr: float = 1e-6,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, max_grad_norm: float = 1.0, max_positions: Optional[int] = None):
+        source = source or resolve_model(model_path)
+        if source.load_format == "dummy":
+            raise ValueError("PolicyTrainer needs real weights (got load_format='dummy')")
+        self.source = source
+        self.device = torch.device(device)
+        self.config = parse_model_config(source.config)
+        cls = get_model_class(self.config.model_type)
+        with torch.device(self.device):
+            model = cls(self.config, SINGLE, max_positions=max_positions)
+        for p in model.parameters():  # buffers (RoPE tables, router biases) stay fp32, as in the engine
+            p.data = p.data.to(dtype)
+        model.load_weights(iter_weights(source))
+        self.model = model.train()
+        frozen = tuple(getattr(model, "frozen_in_training", ()))
+        for name, p in model.named_parameters():
+            p.requires_grad_(not any(f in f".{name}" for f in frozen))
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.max_grad_norm = max_grad_norm
+        self._build_optimizer()
+
+    # ---- parameters ------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _build_optimizer(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.lr, betas=self.betas,
+                                           eps=self.eps, weight_decay=self.weight_decay)
+
+    def enable_lora(self, rank: int = 16, alpha: float = 32.0, target_modules: Optional[Sequence[str]] = None,
+                    seed: Optional[int] = None) -> list[str]:
+        """Switch to LoRA training: add adapters (`kiln.rl.lora.apply_lora`), freeze the base, and
+        rebuild the optimizer over the adapter parameters only. Returns the adapted modules."""
+        from kiln.rl.lora import DEFAULT_TARGETS, apply_lora
+
+        names = apply_lora(self.model, rank, alpha, target_modules or DEFAULT_TARGETS, seed=seed)
+        self._build_optimizer()
+        return names
+
+    @property
+    def uses_lora(self) -> bool:
+        return hasattr(self.model, "lora_targets")
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def sequence_logprobs(self, samples: Sequence[dict], temperature: float = 1.0,
+                          replay: bool = True) -> list[torch.Tensor]:
+        """Per sample, the fp32 logprobs [len(output_ids)] of its output tokens under the current
+        weights, as the engine's sampler defines them. Runs under the caller's grad mode.
+
+        Each sample: `prompt_ids`, `output_ids` and, for MoE replay, `routed_experts` (int32
+        [len(prompt) + len(output) - 1, num_moe_layers, k], as the engine returns it). With
+        `replay` and routed experts on every sample, MoE layers use the rollout's expert ids."""
+        seqs, lens, out_rows, routed = [], [], [], []
+        offset = 0
+        for s in samples:
+            prompt, output = list(s["prompt_ids"]), list(s["output_ids"])
+            assert prompt and output, "every sample needs a prompt and at least one output token"
+            seq = prompt + output[:-1]
+            seqs.append(torch.tensor(seq, dtype=torch.long))
+            lens.append(len(seq))
+            # Output token j is predicted by the row of sequence position len(prompt) - 1 + j.
+            out_rows.append(torch.arange(len(prompt) - 1, len(seq)) + offset)
+            offset += len(seq)
+            routed.append(s.get("routed_experts"))
+        replay_ids = None
+        have = [r is not None for r in routed]
+        if replay and any(have):
+            if not all(have):
+                raise ValueError("routing replay needs `routed_experts` on every sample (or none)")
+            rows = [_as_long(r) for r in routed]
+            for r, n in zip(rows, lens):
+                assert r.shape[0] == n, f"routed_experts has {r.shape[0]} rows for {n} tokens"
+            cat = torch.cat(rows).to(self.device)  # [T, L_moe, k]
+            replay_ids = {i: cat[:, i] for i in range(cat.shape[1])}
+        input_ids = torch.cat(seqs).to(self.device)
+        batch = packed_batch(input_ids, lens, replay_ids)
+        # Only the output rows need logits (the prompt rows would be most of a [T, V] tensor).
+        batch.logits_indices = torch.cat(out_rows).to(self.device)
+        logits = self.model.compute_logits(self.model(batch), batch)  # [N_out, V] fp32
+        t = 1.0 if temperature == 0 else float(temperature)
+        logp = torch.log_softmax(logits.float() / t, dim=-1)
+        targets = torch.cat([torch.as_tensor(list(s["output_ids"]), dtype=torch.long) for s in samples])
+        picked = logp.gather(1, targets.to(self.device)[:, None]).squeeze(1)
+        return list(picked.split([len(s["output_ids"]) for s in samples]))
+
+    # ---- update ----------------------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor) -> dict[str, float]:
+        """backward, clip the grad norm to `max_grad_norm`, AdamW step, zero grads.
+        Returns {"grad_norm", "lr"}."""
+        loss.backward()
+        params = self.trainable_parameters()
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm) if self.max_grad_norm \
+            else torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # ---- export ----------------------------------------------------------------------------
+
+    def named_weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(on-disk name, tensor view) for every weight, as the engine's `load_weights` expects
+        (stacked q/k/v, gate/up and experts split back; LoRA adapters excluded: see
+        `kiln.rl.lora.lora_state_dict` for those)."""
+        return checkpoint_views(self.model)
