@@ -1,4 +1,4 @@
-"""The `kiln` command: `serve`, `generate`, `init-model`, `version`."""
+"""The `kiln` command: `serve`, `generate`, `init-model`, `rl`, `version`."""
 
 from __future__ import annotations
 
@@ -46,13 +46,25 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--with-weights", dest="with_weights", action="store_true",
                          help="Also write the random safetensors (default except for bench).")
 
+    rl = sub.add_parser("rl", help="GRPO post-training: rollouts in the engine, training in process "
+                        "(options from --config FILE and --key value overrides; see docs/rl.md).")
+    from kiln.rl.config import add_cli_args as add_rl_args
+
+    add_rl_args(rl)
+
     sub.add_parser("version", help="Print the version.")
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of the `kiln` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "rl":
+        _rl(args, extra)
+        return
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "version":
         from kiln import __version__
 
@@ -75,6 +87,24 @@ def _init_model(args: argparse.Namespace) -> None:
     what = "weights, config and tokenizer" if with_weights else \
         "config and tokenizer, no weights (serve with --load-format dummy)"
     print(f"kiln init-model: wrote {args.arch} {args.preset} ({describe(config)}) to {args.out}: {what}")
+
+
+def _rl(args: argparse.Namespace, overrides: list[str]) -> None:
+    from kiln.rl.config import RLConfig
+
+    try:
+        cfg = RLConfig.from_file(args.config, overrides)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"kiln rl: {e}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from kiln.rl import run_grpo
+
+    metrics = run_grpo(cfg)
+    if metrics:
+        last = metrics[-1]
+        print(f"kiln rl: {len(metrics)} steps done; last step reward_mean={last['reward_mean']:.3f}; "
+              f"metrics in {cfg.out_dir}/metrics.jsonl, curves in {cfg.out_dir}/curves.png")
 
 
 def _serve(args: argparse.Namespace) -> None:
