@@ -20,7 +20,9 @@ PEFT layout (`lora_state_dict`, `save_adapter`): names `base_model.model.<hf mod
 / `.lora_B.weight`. Kiln's stacked projections are split per projection: q/k/v (and gate/up)
 share one input, so each gets its own copy of A and its row slice of B; `load_adapter` stacks them
 back (and refuses adapters whose q/k/v A matrices differ, which the stacked layout cannot hold).
-Experts are `...mlp.experts.{e}.{gate,up,down}_proj`, as in HF MoE models.
+Experts are `...mlp.experts.{e}.{gate,up,down}_proj`, as in HF MoE models. `target_modules` may
+name PEFT projections: `q_proj`, `k_proj` or `v_proj` adapts the whole stacked `qkv_proj` (and
+`gate_proj` / `up_proj` the whole `gate_up_proj`), so all three (two) are exported.
 
 `merged_delta(state, scaling)` turns a PEFT state dict into {on-disk weight name: scale * B @ A},
 which the engine adds to its kept base weights (`EngineCore.load_lora_adapter`).

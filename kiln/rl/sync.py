@@ -103,6 +103,8 @@ def sync_lora(trainer: Any, engine: Any, name: str = "policy") -> dict[str, floa
     Returns {"seconds", "bytes", "tensors"}."""
     from kiln.rl.lora import adapter_config, lora_state_dict
 
+    if not hasattr(trainer.model, "lora_targets"):
+        raise ValueError("sync_lora: the trainer has no LoRA adapter (call trainer.enable_lora first)")
     t0 = time.perf_counter()
     state = lora_state_dict(trainer.model)
     engine.load_lora_adapter(name, {"state_dict": state, "config": adapter_config(trainer.model)})
