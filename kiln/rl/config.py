@@ -31,6 +31,7 @@ class RLConfig:
                                     "SmolLM2-135M-Instruct).")
     task: str = opt("arithmetic", "'arithmetic' (built-in generated sums) or a JSONL file of "
                     "{\"prompt\", \"answer\"} lines.")
+    task_options: dict = opt({}, "ArithmeticTask options, e.g. {\"max_operand\": 20, \"ops\": [\"+\"]}.")
     reward: str = opt("math", "A name in kiln.rl.rewards.REWARDS ('math') or a function 'module:fn' / "
                       "'file.py:fn' called as fn(completion, answer) -> float.")
     chat_template: bool = opt(True, "Wrap each prompt as a user turn in the model's chat template.")
@@ -73,6 +74,7 @@ class RLConfig:
             raise ValueError(f"lora_rank must be >= 0 (0 = full parameters), got {self.lora_rank}")
         self.loss = dict(self.loss or {})
         self.engine = dict(self.engine or {})
+        self.task_options = dict(self.task_options or {})
 
     # ---- building --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -150,8 +152,8 @@ def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
         key = key.replace("-", "_")
         if "." in key:
             outer, inner = key.split(".", 1)
-            if outer not in ("loss", "engine"):
-                raise ValueError(f"Only loss.* and engine.* take nested keys, got --{key}")
+            if outer not in ("loss", "engine", "task_options"):
+                raise ValueError(f"Only loss.*, engine.* and task_options.* take nested keys, got --{key}")
             nested = dict(d.get(outer) or {})
             nested[inner] = True if value is None else _parse_json_or_str(value)
             d[outer] = nested

@@ -55,7 +55,7 @@ def _load_prompts(cfg: RLConfig) -> list[dict]:
 
     if cfg.task == "arithmetic":
         # Enough distinct problems that a run rarely repeats one; the iterator reshuffles per epoch.
-        return ArithmeticTask(cfg.seed).sample(max(1024, cfg.num_steps * cfg.prompts_per_step))
+        return ArithmeticTask(cfg.seed, **cfg.task_options).sample(max(1024, cfg.num_steps * cfg.prompts_per_step))
     if os.path.exists(cfg.task):
         return load_jsonl_prompts(cfg.task)
     raise ValueError(f"task must be 'arithmetic' or a JSONL file of prompts; {cfg.task!r} is neither.")
