@@ -125,14 +125,6 @@ class ModelRunner:
         """Copy some checkpoint tensors (on-disk names) into the live weights, in place: dtype,
         device, sharding and stacking as at load time. Unlike a checkpoint load, a subset is fine.
 
-        Goes through the model's own `load_weights` (so names map exactly as when loading). Every
-        Kiln model's `load_weights` copies each tensor as it reads it and checks completeness last,
-        raising "checkpoint is missing ..." (ValueError); for an update that check is skipped.
-        Unknown names still raise KeyError before anything after them is copied."""
-        named = list(named_tensors)
-        try:
-            return self.model.load_weights(named)
-        except ValueError as e:
-            if not str(e).startswith("checkpoint is missing"):
-                raise
-            return set()
+        Goes through the model's own `load_weights(strict=False)`, so names map exactly as when
+        loading; unknown names still raise KeyError."""
+        return self.model.load_weights(named_tensors, strict=False)

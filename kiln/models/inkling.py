@@ -252,11 +252,12 @@ class InklingForCausalLM(nn.Module):
 
         return forward_mtp_reference(self, input_ids, seq_lens, hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters;
+        `strict=False` accepts a subset (weight updates)."""
         from kiln.models.inkling_weights import load_inkling_weights
 
-        return load_inkling_weights(self, weights)
+        return load_inkling_weights(self, weights, strict)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights under their on-disk names (for `kiln init-model` and exports)."""

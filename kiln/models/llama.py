@@ -123,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the (sharded, stacked) parameters; returns loaded names."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Copy checkpoint tensors into the (sharded, stacked) parameters; returns loaded names.
+        `strict=False` accepts a subset (weight updates)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -152,6 +153,6 @@ class LlamaForCausalLM(nn.Module):
         missing = set(dict(self.named_parameters()).keys()) - loaded
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
-        if missing:
+        if missing and strict:
             raise ValueError(f"checkpoint is missing parameters: {sorted(missing)[:8]}")
         return loaded

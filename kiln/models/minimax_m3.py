@@ -141,9 +141,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 return name.replace(disk, stacked), shard
         raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Copy checkpoint tensors (on-disk names) into our (sharded, stacked) tensors; returns the
-        names of ours that were filled. Raises on unknown or missing tensors."""
+        names of ours that were filled. Raises on unknown tensors, and on missing ones when
+        `strict` (weight updates pass strict=False to send a subset)."""
         ours = self._loadable()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -168,7 +169,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         missing = set(self.state_dict().keys()) - loaded
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
-        if missing:
+        if missing and strict:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         return loaded
 
