@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from kiln.config import EngineConfig
@@ -169,11 +170,20 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
-    # ---- weight updates (RL; the engine must be idle: see EngineCore) --------------------------
-    def update_weights_from_tensor(self, named_tensors: Any) -> int:
+    # ---- RL control (SGLang's Engine mirrors; see EngineCore for the rules) -------------------
+    # Weight updates need no running request unless generation is paused. While paused, or with
+    # the KV cache released, requests wait (generate() blocks until continue_generation /
+    # resume_memory_occupation is called from another thread).
+
+    def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool = True) -> int:
         """Copy (on-disk name, tensor) pairs into the engine's weights; flushes the prefix cache."""
         with self._lock:
-            return self.core.update_weights_from_tensor(named_tensors)
+            return self.core.update_weights_from_tensor(named_tensors, flush_cache=flush_cache)
+
+    def update_weights_from_disk(self, model_path: str, flush_cache: bool = True) -> int:
+        """Load a checkpoint of the same architecture into the live weights; returns tensors read."""
+        with self._lock:
+            return self.core.update_weights_from_disk(model_path, flush_cache=flush_cache)
 
     def load_lora_adapter(self, name: str, adapter: Any) -> None:
         """Merge a LoRA adapter (PEFT directory or {"state_dict", "config"}) into the weights."""
@@ -184,6 +194,29 @@ class Engine:
         """Restore the base weights."""
         with self._lock:
             self.core.unload_lora_adapter(name)
+
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop stepping: "abort" aborts every request, "retract" sends running ones back to the
+        queue, "in_place" keeps them (and their KV). Returns how many were aborted/retracted."""
+        with self._lock:
+            n = self.core.pause_generation(mode)
+            self._step_locked()  # route the abort outputs
+            return n
+
+    def continue_generation(self) -> None:
+        with self._lock:
+            self.core.continue_generation()
+        self._wake.set()
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        """Free device memory: tags "kv_cache" and/or "weights" (default both)."""
+        with self._lock:
+            return self.core.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        with self._lock:
+            self.core.resume_memory_occupation(tags)
+        self._wake.set()
 
     def shutdown(self) -> None:
         """Stop the driver thread and release the core."""
@@ -245,6 +278,9 @@ class Engine:
                 stepped = self._step_locked()
             if bar is not None:  # updated on this thread only: tqdm is not thread-safe
                 bar.update(sum(t.state.done for t in tracked) - bar.n)
+            if not stepped and getattr(self.core, "blocked", False):
+                time.sleep(0.01)  # paused / KV released: another thread resumes us
+                continue
             idle = 0 if stepped else idle + 1
             if idle > 3:
                 raise RuntimeError("The engine core went idle with requests unfinished; this is a bug in "

@@ -16,11 +16,12 @@ from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
-from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
+from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.loader import ModelSource, resolve_model
 from kiln.loader.tokenizer import eos_token_ids
+from kiln.models.registry import parse_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,26 @@ class EngineCore:
         return self.scheduler.flush_cache()
 
     def step(self) -> list[ReqOutput]:
-        return self.scheduler.step()
+        """One scheduler step; while paused or with the KV cache released, only pending outputs
+        (aborts, rejections) go out and nothing is computed."""
+        if self.blocked:
+            out, self.scheduler.outbox = self.scheduler.outbox, []
+            return out
+        out = self.scheduler.step()
+        if self._flush_when_idle and not (self.scheduler.running or self.scheduler.waiting):
+            self.scheduler.flush_cache()
+            self._flush_when_idle = False
+        return out
 
     def has_work(self) -> bool:
+        if self.blocked:
+            return bool(self.scheduler.outbox)
         return self.scheduler.has_work()
+
+    @property
+    def blocked(self) -> bool:
+        """True while generation is paused or the KV cache is released: requests wait."""
+        return self.paused is not None or self.runner.kv_released
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -78,21 +95,115 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
-    # ---- weight updates (RL) -----------------------------------------------------------------
-    # In place, between rollouts: the engine must be idle (no running or waiting requests), and the
-    # prefix cache is flushed afterwards because its KV was computed with the old weights.
+    # ---- RL control (SGLang's control endpoints) ---------------------------------------------
+    # Weight updates happen in place, between steps. They need no running request, unless
+    # generation is paused: after pause_generation("retract") the requests wait without pages and
+    # recompute everything with the new weights; after pause_generation("in_place") they keep their
+    # pages, so the KV computed so far (old weights) stays in use when generation continues, as in
+    # SGLang's in_place mode. The prefix cache is flushed (its KV came from the old weights) right
+    # away when no request holds pages, else as soon as the engine next goes idle.
+
+    paused: Optional[str] = None
+    _flush_when_idle = False
 
     def _require_idle(self, what: str) -> None:
-        if self.has_work():
-            raise RuntimeError(f"{what}: the engine has requests in flight; finish or abort them first")
+        if self.scheduler.running and self.paused is None:
+            raise RuntimeError(f"{what}: requests are running; call pause_generation first (or wait "
+                               "until they finish)")
+        if self.scheduler.waiting and self.paused is None and not self.runner.kv_released:
+            raise RuntimeError(f"{what}: requests are waiting; call pause_generation first (or wait "
+                               "until they finish)")
 
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def _after_weight_update(self, flush: bool = True) -> None:
+        if not flush:
+            return
+        if self.scheduler.running:  # in_place pause: their pages stay; flush once idle
+            self._flush_when_idle = True
+        else:  # waiting requests hold no pages
+            self.cache.flush()
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                   flush_cache: bool = True) -> int:
         """Copy (on-disk name, tensor) pairs into the weights (any subset); returns how many."""
         self._require_idle("update_weights_from_tensor")
         named = list(named_tensors)
         self.runner.update_weights(named)
-        self.flush_cache()
+        self._after_weight_update(flush_cache)
         return len(named)
+
+    def update_weights_from_disk(self, model_path: str, flush_cache: bool = True) -> int:
+        """Load every tensor of a checkpoint (same architecture and shapes) into the live weights;
+        returns how many tensors were read. A LoRA adapter merged before is dropped."""
+        from kiln.loader import iter_weights
+
+        self._require_idle("update_weights_from_disk")
+        source = resolve_model(model_path, "auto" if self.config.load_format == "dummy" else self.config.load_format)
+        if source.load_format == "dummy":
+            raise ValueError(f"{model_path!r} has no weights to load")
+        mine, theirs = self.runner.model_config, parse_model_config(source.config)
+        for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+            if getattr(mine, key, None) != getattr(theirs, key, None):
+                raise ValueError(f"{model_path!r} is a different architecture: {key} is "
+                                 f"{getattr(theirs, key, None)!r}, the served model has {getattr(mine, key, None)!r}")
+        count = [0]
+
+        def counted():
+            for item in iter_weights(source):
+                count[0] += 1
+                yield item
+
+        self.runner.model.load_weights(counted(), strict=True)
+        self._lora_base, self._lora_name = {}, None
+        self._after_weight_update(flush_cache)
+        return count[0]
+
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop stepping. "abort": abort every request; "retract": running requests go back to
+        the waiting queue (their computed pages stay in the prefix cache); "in_place": requests
+        keep their pages. Returns how many requests were aborted or retracted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        sched, n = self.scheduler, 0
+        if mode == "abort":
+            rids = [r.rid for r in list(sched.running) + list(sched.waiting)]
+            for rid in rids:
+                sched.abort(rid)
+            n = len(rids)
+        elif mode == "retract":
+            for r in reversed(list(sched.running)):  # newest first: appendleft keeps the order
+                sched._retract(r)
+                n += 1
+        self.paused = mode
+        return n
+
+    def continue_generation(self) -> None:
+        self.paused = None
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        """Free device memory by tag: "kv_cache" (the state pools; the prefix cache is flushed
+        first and no request may hold pages), "weights" (parameters to CPU; a no-op on CPU)."""
+        tags = _check_tags(tags)
+        extra: dict = {}
+        if "kv_cache" in tags and not self.runner.kv_released:
+            if self.scheduler.running:
+                raise RuntimeError("release_memory_occupation(kv_cache): requests hold KV pages; call "
+                                   "pause_generation with mode 'retract' or 'abort' first (or wait until idle)")
+            self.cache.flush()
+            extra["kv_cache_bytes"] = self.runner.release_state_pools()
+        if "weights" in tags:
+            self.runner.release_weights()
+            extra["weights_on_cpu"] = self.runner.weights_released
+        return extra
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        tags = _check_tags(tags)
+        if "weights" in tags:
+            self.runner.resume_weights()
+        if "kv_cache" in tags and self.runner.kv_released:
+            self.runner.resume_state_pools()
+            self.cache.allocator.reset()
+            for w in self.cache.windows.values():
+                w.allocator.reset()
 
     def load_lora_adapter(self, name: str, adapter: Any) -> None:
         """Merge a LoRA adapter into the weights: W = W_base + (alpha / r) B @ A per targeted
@@ -119,7 +230,7 @@ class EngineCore:
                   for n, d in deltas.items())
         self.runner.update_weights(merged)
         self._lora_name = name
-        self.flush_cache()
+        self._after_weight_update()
 
     def unload_lora_adapter(self, name: str) -> None:
         """Restore the base weights under adapter `name`."""
@@ -127,10 +238,19 @@ class EngineCore:
         if getattr(self, "_lora_name", None) != name:
             raise KeyError(f"LoRA adapter {name!r} is not loaded")
         self._restore_lora_base()
-        self.flush_cache()
+        self._after_weight_update()
 
     def _restore_lora_base(self) -> None:
         base = getattr(self, "_lora_base", None)
         if base:
             self.runner.update_weights(base.items())
         self._lora_base, self._lora_name = {}, None
+
+
+def _check_tags(tags: Optional[list[str]]) -> list[str]:
+    if tags is None:
+        return list(MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad or not isinstance(tags, (list, tuple)):
+        raise ValueError(f"tags must be a list of {', '.join(MEMORY_TAGS)}; got {tags!r}")
+    return list(tags)

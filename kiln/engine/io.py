@@ -41,6 +41,69 @@ class StatsReq:
     """Ask the scheduler for a `SchedulerStats` snapshot."""
 
 
+# ---- RL control messages (SGLang's control endpoints). The scheduler handles them between two
+# steps, in arrival order, and answers each with one `ControlResult`.
+
+MEMORY_TAGS = ("kv_cache", "weights")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class UpdateWeightsFromDiskReq:
+    model_path: str
+    flush_cache: bool = True
+
+
+@dataclass
+class UpdateWeightsFromTensorReq:
+    """(on-disk name, CPU tensor) pairs, pickled with the message (any subset of the weights)."""
+
+    named_tensors: list = field(default_factory=list)
+    flush_cache: bool = True
+
+
+@dataclass
+class ReleaseMemoryReq:
+    tags: Optional[list[str]] = None  # None: every tag
+
+
+@dataclass
+class ResumeMemoryReq:
+    tags: Optional[list[str]] = None
+
+
+@dataclass
+class PauseGenerationReq:
+    mode: str = "abort"  # "abort" | "retract" | "in_place"
+
+
+@dataclass
+class ContinueGenerationReq:
+    pass
+
+
+@dataclass
+class LoadLoraReq:
+    name: str
+    path: Any  # a PEFT adapter directory, or {"state_dict": ..., "config": ...}
+
+
+@dataclass
+class UnloadLoraReq:
+    name: str
+
+
+CONTROL_REQS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, ReleaseMemoryReq, ResumeMemoryReq,
+                PauseGenerationReq, ContinueGenerationReq, LoadLoraReq, UnloadLoraReq)
+
+
+@dataclass
+class ControlResult:
+    success: bool
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+
 @dataclass
 class ReqOutput:
     """What one request produced in one scheduler step (incremental)."""

@@ -128,3 +128,58 @@ class ModelRunner:
         Goes through the model's own `load_weights(strict=False)`, so names map exactly as when
         loading; unknown names still raise KeyError."""
         return self.model.load_weights(named_tensors, strict=False)
+
+    # ---- memory release (RL colocation) ----------------------------------------------------
+    def _pool_tensors(self) -> list[tuple[object, object]]:
+        """(container, key) of every state-pool tensor: list/dict slots that hold one tensor."""
+        refs: list[tuple[object, object]] = []
+        for pool in (self.full_kv, self.swa_kv):
+            if pool is not None:
+                refs += [(pool.k, i) for i in range(len(pool.k))] + [(pool.v, i) for i in range(len(pool.v))]
+        pools = [self.index_k] + (list(self.conv.pools) if self.conv is not None else [])
+        for pool in pools:
+            if pool is not None:
+                refs += [(pool.buffers, k) for k in pool.buffers]
+        return refs
+
+    @property
+    def kv_released(self) -> bool:
+        return getattr(self, "_released_pools", None) is not None
+
+    def release_state_pools(self) -> int:
+        """Free every state-pool tensor (replaced by empty ones); returns the bytes freed. The
+        caller makes sure no request holds pages."""
+        if self.kv_released:
+            return 0
+        saved, freed = [], 0
+        for holder, key in self._pool_tensors():
+            t = holder[key]
+            saved.append((holder, key, tuple(t.shape), t.dtype))
+            freed += t.numel() * t.element_size()
+            holder[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._released_pools = saved
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def resume_state_pools(self) -> None:
+        """Re-allocate the pools released by `release_state_pools` (same sizes, zeroed)."""
+        saved, self._released_pools = getattr(self, "_released_pools", None), None
+        for holder, key, shape, dtype in saved or ():
+            holder[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def weights_released(self) -> bool:
+        return getattr(self, "_weights_on_cpu", False)
+
+    def release_weights(self) -> None:
+        """Move the parameters and buffers to CPU (CUDA only; on CPU there is nothing to free)."""
+        if self.device.type == "cuda" and not self.weights_released:
+            self.model.to("cpu")
+            self._weights_on_cpu = True
+            torch.cuda.empty_cache()
+
+    def resume_weights(self) -> None:
+        if self.weights_released:
+            self.model.to(self.device)
+            self._weights_on_cpu = False

@@ -23,8 +23,12 @@ from kiln import __version__
 from kiln.config import EngineConfig
 from kiln.engine.io import SchedulerStats
 from kiln.engine.request import SamplingParams
+from kiln.engine import io
 from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest, CompletionRequest,
-                                  GenerateRequest, validation_message)
+                                  GenerateRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
+                                  PauseGenerationRequest, UnloadLoraAdapterRequest,
+                                  UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest,
+                                  validation_message)
 from kiln.server.serving import Serving
 from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
 
@@ -146,6 +150,50 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     app.add_api_route("/get_server_info", server_info, methods=["GET"])
     app.add_api_route("/model_info", model_info, methods=["GET"])
     app.add_api_route("/get_model_info", model_info, methods=["GET"])
+
+    # ---- RL control (SGLang's endpoints; see docs/serving.md "RL control endpoints") ------------
+    async def rl_control(msg: Any) -> JSONResponse:
+        """{"success", "message"} with 200, or 400 with the OpenAI error object added."""
+        try:
+            result = await tm.rl_control(msg)
+        except EngineDeadError as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from e
+        body = {"success": result.success, "message": result.message, **result.extra}
+        if result.success:
+            return JSONResponse(body)
+        return JSONResponse({**body, **APIError(result.message).body()}, status_code=400)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        return await rl_control(io.UpdateWeightsFromDiskReq(req.model_path, req.flush_cache))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
+        return await rl_control(io.UpdateWeightsFromTensorReq(req.decode(), req.flush_cache))
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(req: MemoryTagsRequest) -> JSONResponse:
+        return await rl_control(io.ReleaseMemoryReq(req.tags))
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(req: MemoryTagsRequest) -> JSONResponse:
+        return await rl_control(io.ResumeMemoryReq(req.tags))
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationRequest) -> JSONResponse:
+        return await rl_control(io.PauseGenerationReq(req.mode))
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        return await rl_control(io.ContinueGenerationReq())
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraAdapterRequest) -> JSONResponse:
+        return await rl_control(io.LoadLoraReq(req.lora_name, req.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> JSONResponse:
+        return await rl_control(io.UnloadLoraReq(req.lora_name))
 
     @app.get("/version")
     async def version() -> dict:

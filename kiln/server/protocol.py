@@ -223,3 +223,81 @@ def validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
             shown = f" (got {got!r:.60})" if got is not None and not isinstance(got, (dict, list)) else ""
             parts.append(f"'{field}': {msg}{shown}")
     return "Invalid request: " + "; ".join(parts) + ".", first
+
+
+# ---- RL control endpoints (SGLang's shapes) ------------------------------------------------
+
+MAX_TENSOR_UPDATE_BYTES = 256 * 2**20  # decoded bytes per /update_weights_from_tensor call
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateWeightsFromDiskRequest(_Lenient):
+    model_path: str = Field(min_length=1)
+    flush_cache: bool = True
+
+
+class NamedTensor(_Strict):
+    name: str = Field(min_length=1)
+    dtype: Literal[TENSOR_DTYPES]  # type: ignore[valid-type]
+    shape: list[int]
+    data_b64: str
+
+
+class UpdateWeightsFromTensorRequest(_Lenient):
+    named_tensors: list[NamedTensor] = Field(min_length=1)
+    flush_cache: bool = True
+
+    def decode(self) -> list[tuple[str, Any]]:
+        """(name, CPU tensor) pairs; APIError (400) on a bad entry or a body over the size cap."""
+        import base64
+        import binascii
+        import math
+
+        import torch
+
+        total = 0
+        out = []
+        for i, t in enumerate(self.named_tensors):
+            if any(d < 0 for d in t.shape):
+                raise APIError(f"named_tensors[{i}].shape must hold non-negative sizes; got {t.shape}",
+                               param=f"named_tensors.{i}.shape")
+            dtype = getattr(torch, t.dtype)
+            try:
+                raw = base64.b64decode(t.data_b64, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise APIError(f"named_tensors[{i}].data_b64 is not valid base64 ({e})",
+                               param=f"named_tensors.{i}.data_b64") from e
+            total += len(raw)
+            if total > MAX_TENSOR_UPDATE_BYTES:
+                raise APIError(f"The tensors of one /update_weights_from_tensor call may hold at most "
+                               f"{MAX_TENSOR_UPDATE_BYTES // 2**20} MiB; send them in buckets "
+                               "(kiln.server.client.update_weights_from_tensor(url, named_tensors, "
+                               "bucket_bytes=...) does this).", param="named_tensors")
+            expected = math.prod(t.shape) * torch.empty(0, dtype=dtype).element_size()
+            if len(raw) != expected:
+                raise APIError(f"named_tensors[{i}] ({t.name}): data_b64 holds {len(raw)} bytes but "
+                               f"{t.dtype} {t.shape} needs {expected}", param=f"named_tensors.{i}.data_b64")
+            tensor = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            out.append((t.name, tensor.reshape(t.shape)))
+        return out
+
+
+class MemoryTagsRequest(_Lenient):
+    tags: Optional[list[Literal["kv_cache", "weights"]]] = None  # None: both
+
+
+class PauseGenerationRequest(_Lenient):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class LoadLoraAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)

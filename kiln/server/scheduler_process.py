@@ -2,8 +2,10 @@
 
 Loop: drain every pending message without blocking, run one scheduler step if there is work,
 otherwise block on the socket (short timeout, to notice a dead parent). Messages in:
-GenerateReq, AbortReq, FlushCacheReq, StatsReq. Messages out (pickled): BatchOutput,
-FlushCacheResult, SchedulerStats.
+GenerateReq, AbortReq, FlushCacheReq, StatsReq and the RL control messages (`CONTROL_REQS`:
+weight updates, memory release/resume, pause/continue, LoRA load/unload), each handled between
+two steps. Messages out (pickled): BatchOutput, FlushCacheResult, SchedulerStats, ControlResult
+(one per control message, in order).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import traceback
 from typing import Any
 
 from kiln.config import EngineConfig
-from kiln.engine.io import (AbortReq, BatchOutput, FlushCacheReq, FlushCacheResult, GenerateReq,
-                            ReqOutput, StatsReq)
+from kiln.engine.io import (CONTROL_REQS, AbortReq, BatchOutput, ContinueGenerationReq, ControlResult,
+                            FlushCacheReq, FlushCacheResult, GenerateReq, LoadLoraReq, PauseGenerationReq,
+                            ReleaseMemoryReq, ReqOutput, ResumeMemoryReq, StatsReq, UnloadLoraReq,
+                            UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
 
 logger = logging.getLogger("kiln.scheduler")
 
@@ -101,8 +105,52 @@ def _handle(core: Any, msg: Any, send: Any) -> None:
         send.send_pyobj(FlushCacheResult(ok, "" if ok else "Requests are running; flush when idle."))
     elif isinstance(msg, StatsReq):
         send.send_pyobj(core.stats())
+    elif isinstance(msg, CONTROL_REQS):
+        try:
+            result = control(core, msg)
+        except Exception as e:  # noqa: BLE001 - a failed control call is reported, not fatal
+            logger.warning("%s failed: %s", type(msg).__name__, e)
+            result = ControlResult(False, f"{type(e).__name__}: {e}" if not isinstance(e, (RuntimeError, ValueError))
+                                   else str(e))
+        # Aborts from pause_generation("abort") go out before the reply.
+        if core.has_work() and core.blocked:
+            outs = core.step()
+            if outs:
+                send.send_pyobj(BatchOutput(outs))
+        send.send_pyobj(result)
     else:
         logger.error("Unknown message %r ignored", type(msg).__name__)
+
+
+def control(core: Any, msg: Any) -> ControlResult:
+    """Apply one RL control message to an EngineCore (raises on failure)."""
+    if isinstance(msg, UpdateWeightsFromTensorReq):
+        n = core.update_weights_from_tensor(msg.named_tensors, flush_cache=msg.flush_cache)
+        return ControlResult(True, f"Updated {n} tensors.", {"num_tensors": n})
+    if isinstance(msg, UpdateWeightsFromDiskReq):
+        n = core.update_weights_from_disk(msg.model_path, flush_cache=msg.flush_cache)
+        return ControlResult(True, f"Loaded {n} tensors from {msg.model_path}.", {"num_tensors": n})
+    if isinstance(msg, ReleaseMemoryReq):
+        extra = core.release_memory_occupation(msg.tags)
+        return ControlResult(True, "Memory released.", extra)
+    if isinstance(msg, ResumeMemoryReq):
+        core.resume_memory_occupation(msg.tags)
+        return ControlResult(True, "Memory resumed.")
+    if isinstance(msg, PauseGenerationReq):
+        n = core.pause_generation(msg.mode)
+        return ControlResult(True, f"Generation paused ({msg.mode}); {n} requests "
+                             f"{'aborted' if msg.mode == 'abort' else 'retracted' if msg.mode == 'retract' else 'kept'}.",
+                             {"num_requests": n})
+    if isinstance(msg, ContinueGenerationReq):
+        core.continue_generation()
+        return ControlResult(True, "Generation continued.")
+    if isinstance(msg, LoadLoraReq):
+        core.load_lora_adapter(msg.name, msg.path)
+        return ControlResult(True, f"LoRA adapter {msg.name!r} loaded.")
+    if isinstance(msg, UnloadLoraReq):
+        core.unload_lora_adapter(msg.name)
+        return ControlResult(True, f"LoRA adapter {msg.name!r} unloaded.")
+    raise TypeError(f"not a control message: {type(msg).__name__}")
 
 
 def _die_with_parent() -> None:

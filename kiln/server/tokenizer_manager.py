@@ -19,14 +19,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from kiln.config import EngineConfig
 from kiln.engine.frontend import (RequestError, RequestState, SeqDelta, expand_request, parse_sub_rid,
                                   validate_request)
-from kiln.engine.io import (AbortReq, BatchOutput, FlushCacheReq, FlushCacheResult, SchedulerStats,
-                            StatsReq)
+from kiln.engine.io import (AbortReq, BatchOutput, ControlResult, FlushCacheReq, FlushCacheResult,
+                            SchedulerStats, StatsReq)
 from kiln.engine.request import SamplingParams
 
 logger = logging.getLogger("kiln.server")
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 CONTROL_TIMEOUT_S = 30.0  # flush / stats replies; the engine answers between two steps
+RL_CONTROL_TIMEOUT_S = 600.0  # weight loads and memory moves can take a while
 
 
 class EngineDeadError(RuntimeError):
@@ -66,6 +67,7 @@ class TokenizerManager:
         self.dead: Optional[str] = None
         self._stats_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._flush_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._rl_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._token_cache: dict[int, tuple[str, list[int]]] = {}
         self._byte_decoder = _byte_decoder()
         self._send = None
@@ -215,17 +217,21 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheResult:
         return await self._control(FlushCacheReq(), self._flush_waiters)
 
-    async def _control(self, msg: Any, waiters: collections.deque) -> Any:
+    async def rl_control(self, msg: Any) -> ControlResult:
+        """Send one RL control message (kiln.engine.io.CONTROL_REQS); the engine's ControlResult."""
+        return await self._control(msg, self._rl_waiters, RL_CONTROL_TIMEOUT_S)
+
+    async def _control(self, msg: Any, waiters: collections.deque, timeout: float = CONTROL_TIMEOUT_S) -> Any:
         if self.dead:
             raise EngineDeadError(self.dead)
         fut = asyncio.get_running_loop().create_future()
         waiters.append(fut)
         self._send.send_pyobj(msg)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             fut.cancel()  # stays queued: a late reply is matched to it, not to the next caller
-            raise EngineDeadError(f"The engine did not answer {type(msg).__name__} in {CONTROL_TIMEOUT_S}s.")
+            raise EngineDeadError(f"The engine did not answer {type(msg).__name__} in {timeout}s.")
 
     # ---- output side ---------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -267,6 +273,8 @@ class TokenizerManager:
             _resolve(self._stats_waiters, msg)
         elif isinstance(msg, FlushCacheResult):
             _resolve(self._flush_waiters, msg)
+        elif isinstance(msg, ControlResult):
+            _resolve(self._rl_waiters, msg)
         else:
             logger.error("Unknown engine message %r ignored", type(msg).__name__)
 
@@ -277,7 +285,7 @@ class TokenizerManager:
             handle.state.error = why
             handle.queue.put_nowait((handle, None))
         self.handles.clear()
-        for waiters in (self._stats_waiters, self._flush_waiters):
+        for waiters in (self._stats_waiters, self._flush_waiters, self._rl_waiters):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
