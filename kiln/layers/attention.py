@@ -21,6 +21,7 @@ from torch import nn
 
 from kiln.engine.batch import ForwardBatch
 from kiln.ops import attention as ref_ops
+from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
 
 
@@ -69,3 +70,9 @@ class PackedAttentionBackend:
         """Whole sequences: taps before each sequence start read zeros."""
         assert all(p == 0 for p in batch.prefix_lens), "packed short conv has no state"
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, None)
+
+    def msa_attention(self, layer, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
+        """MiniMax-M3's sparse attention over whole packed sequences (selection recomputed)."""
+        assert all(p == 0 for p in batch.prefix_lens), "packed MSA has no cache"
+        return msa_ops.packed_msa_attention(q, k, v, qI, kI, batch.extend_lens, layer.block_size,
+                                            layer.topk_blocks, layer.scale)

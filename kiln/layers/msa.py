@@ -18,8 +18,8 @@ sequence's new queries at positions prefix..prefix+n-1, it selects blocks from k
 (absolute positions make chunked prefill and decode select what a whole-sequence forward
 selects). qI is never cached.
 
-Backends without `msa_attention` (the trainer's `PackedAttentionBackend`) get the packed reference
-`kiln.ops.msa.packed_msa_attention` when the batch is in TRAIN mode.
+The trainer's `PackedAttentionBackend` implements it with `kiln.ops.msa.packed_msa_attention`
+(whole packed sequences, no cache).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 from kiln.dist.parallel import SINGLE, ParallelContext
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch
 from kiln.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
-from kiln.ops.msa import packed_msa_attention
 
 
 class MSAIndexer(nn.Module):
@@ -91,12 +90,4 @@ class MSAAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * d))
 
     def _attend(self, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
-        backend = batch.backend
-        if hasattr(backend, "msa_attention"):
-            return backend.msa_attention(self, q, k, v, qI, kI, batch)
-        if batch.mode is ForwardMode.TRAIN:
-            assert all(p == 0 for p in batch.prefix_lens), "packed MSA has no cache"
-            return packed_msa_attention(q, k, v, qI, kI, batch.extend_lens, self.block_size,
-                                        self.topk_blocks, self.scale)
-        raise NotImplementedError(f"{type(backend).__name__} has no msa_attention(layer, q, k, v, qI, kI, "
-                                  "batch); MiniMax-M3 needs it to serve from a cache")
+        return batch.backend.msa_attention(self, q, k, v, qI, kI, batch)

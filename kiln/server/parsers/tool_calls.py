@@ -13,6 +13,7 @@ never closes, is left in the content unchanged.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -42,7 +43,7 @@ class ToolCall:
         return {"index": self.index, **self.to_openai()}
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     start_tag: str = ""
     end_tag: str = ""
 
@@ -60,9 +61,9 @@ class ToolCallParser:
         self._held = ""  # trailing whitespace of the content, dropped if a parsed block follows
         self._lstrip = False  # the content so far ends with a parsed block
 
+    @abc.abstractmethod
     def parse_block(self, inner: str) -> Optional[list[tuple[str, dict]]]:
         """[(name, arguments)] of one block's inside, or None if it is malformed."""
-        raise NotImplementedError
 
     # ---- whole text ----------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
