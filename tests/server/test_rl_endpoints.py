@@ -1,0 +1,228 @@
+"""RL control endpoints of `kiln serve` (SGLang's shapes) on the tiny Inkling, fp32 CPU: weight
+updates from tensors and from disk, memory release/resume, pause/continue, LoRA load/unload, and
+400 on bad input."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+ENGINE = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from kiln.models.init_model import init_model
+
+    d = tmp_path_factory.mktemp("rl_endpoints")
+    init_model("inkling", "tiny", str(d / "m0"), seed=0)
+    init_model("inkling", "tiny", str(d / "m1"), seed=1)
+    return str(d / "m0"), str(d / "m1"), d
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-path", models[0], "--port", str(port),
+                             "--device", "cpu", "--log-level", "warning", *ENGINE], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("kiln serve did not become healthy in 120 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def gen(url: str, n: int = 12, ids=PROMPT) -> list[int]:
+    r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def post(url: str, path: str, body=None, status: int = 200) -> dict:
+    r = httpx.post(url + path, json=body if body is not None else {}, timeout=120)
+    assert r.status_code == status, (path, r.status_code, r.text)
+    data = r.json()
+    if status == 200:
+        assert data["success"] is True and isinstance(data["message"], str)
+    else:
+        assert data["error"]["message"] and data["error"]["code"] == status, data
+    return data
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=30).json()["stats"]
+
+
+def layer0(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    from kiln.loader import iter_weights, resolve_model
+
+    return [(n, t.clone()) for n, t in iter_weights(resolve_model(model_dir)) if ".layers.0." in n]
+
+
+def test_update_weights_from_tensor_round_trip(server, models):
+    from kiln.server.client import update_weights_from_tensor
+
+    base = gen(server)
+    originals = layer0(models[0])
+    assert originals
+    g = torch.Generator().manual_seed(0)
+    perturbed = [(n, t + 0.5 * t.float().std().nan_to_num(1.0) * torch.randn(t.shape, generator=g))
+                 for n, t in originals]
+    res = update_weights_from_tensor(server, perturbed, bucket_bytes=16 * 1024)
+    assert res["num_tensors"] == len(originals) and res["num_requests"] > 1  # bucketed
+    assert gen(server) != base
+    update_weights_from_tensor(server, originals)
+    assert gen(server) == base
+
+
+def test_update_weights_from_disk(server, models):
+    from kiln import Engine, SamplingParams
+
+    base = gen(server)
+    out = post(server, "/update_weights_from_disk", {"model_path": models[1]})
+    assert out["num_tensors"] > 0
+    with Engine(models[1], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
+        want = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert gen(server) == list(want) != base
+    post(server, "/update_weights_from_disk", {"model_path": models[0]})
+    assert gen(server) == base
+
+
+def test_release_resume_kv_cache(server):
+    base = gen(server)
+    out = post(server, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert out["kv_cache_bytes"] > 0
+    post(server, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert gen(server) == base
+    post(server, "/release_memory_occupation", {})  # both tags (weights: a no-op on CPU)
+    post(server, "/resume_memory_occupation", {})
+    assert gen(server) == base
+
+
+def _run_long(server, n, box):
+    box["ids"] = gen(server, n)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_continue(server, mode):
+    n = 300
+    ref = gen(server, n)
+    box: dict = {}
+    t = threading.Thread(target=_run_long, args=(server, n, box))
+    t.start()
+    deadline = time.time() + 30
+    while stats(server)["num_running"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    if mode == "retract":  # a weight update while requests run, unpaused, is refused
+        msg = post(server, "/update_weights_from_tensor", {"named_tensors": [
+            {"name": "model.norm.weight", "dtype": "float32", "shape": [0], "data_b64": ""}]}, status=400)
+        assert "pause_generation" in msg["message"] and msg["success"] is False
+    out = post(server, "/pause_generation", {"mode": mode})
+    assert out["num_requests"] == (1 if mode == "retract" else 0)
+    s = stats(server)
+    assert (s["num_running"], s["num_waiting"]) == ((0, 1) if mode == "retract" else (1, 0))
+    time.sleep(0.3)
+    assert t.is_alive()  # nothing steps while paused
+    post(server, "/continue_generation")
+    t.join(timeout=120)
+    assert box["ids"] == ref
+
+
+def test_pause_abort(server):
+    box: dict = {}
+
+    def run():
+        r = httpx.post(server + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}}, timeout=120)
+        box["resp"] = r.json()
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while stats(server)["num_running"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert post(server, "/pause_generation", {"mode": "abort"})["num_requests"] == 1
+    t.join(timeout=30)
+    assert box["resp"]["meta_info"]["finish_reason"]["type"] == "abort"
+    post(server, "/continue_generation")
+    assert len(gen(server)) == 12
+
+
+def test_lora_load_unload(server, models):
+    from kiln.rl.lora import save_adapter
+    from kiln.rl.trainer import PolicyTrainer
+
+    adapter = str(models[2] / "adapter")
+    trainer = PolicyTrainer(models[0])
+    trainer.enable_lora(rank=4, alpha=8, seed=0)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_(std=0.5)
+    save_adapter(trainer.model, adapter)
+    base = gen(server)
+    post(server, "/load_lora_adapter", {"lora_name": "a", "lora_path": adapter})
+    assert gen(server) != base
+    post(server, "/unload_lora_adapter", {"lora_name": "a"})
+    assert gen(server) == base
+
+
+BAD = [
+    ("/update_weights_from_disk", {}),
+    ("/update_weights_from_disk", {"model_path": "/no/such/model"}),
+    ("/update_weights_from_tensor", {"named_tensors": []}),
+    ("/update_weights_from_tensor", {"named_tensors": [{"name": "x", "dtype": "complex7", "shape": [1], "data_b64": ""}]}),
+    ("/update_weights_from_tensor", {"named_tensors": [{"name": "model.norm.weight", "dtype": "float32",
+                                                        "shape": [4], "data_b64": "AAAA"}]}),
+    ("/update_weights_from_tensor", {"named_tensors": [{"name": "model.norm.weight", "dtype": "float32",
+                                                        "shape": [1], "data_b64": "!!!"}]}),
+    ("/update_weights_from_tensor", {"named_tensors": [{"name": "no.such.tensor", "dtype": "float32",
+                                                        "shape": [1], "data_b64": "AAAAAA=="}]}),
+    ("/release_memory_occupation", {"tags": ["gpu"]}),
+    ("/resume_memory_occupation", {"tags": "kv_cache"}),
+    ("/pause_generation", {"mode": "sleep"}),
+    ("/load_lora_adapter", {"lora_name": "a"}),
+    ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/no/such/adapter"}),
+    ("/unload_lora_adapter", {}),
+    ("/unload_lora_adapter", {"lora_name": "never-loaded"}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
+def test_bad_input_400(server, path, body):
+    post(server, path, body, status=400)
+    assert gen(server, 4)  # the server still serves
