@@ -226,3 +226,34 @@ BAD = [
 def test_bad_input_400(server, path, body):
     post(server, path, body, status=400)
     assert gen(server, 4)  # the server still serves
+
+
+def test_offline_engine_mirrors(models):
+    """kiln.Engine: release/resume, pause (retract) from another thread while a request runs,
+    update_weights_from_disk."""
+    from kiln import Engine, SamplingParams
+
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with Engine(models[0], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
+        ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.release_memory_occupation()["kv_cache_bytes"] > 0
+        llm.resume_memory_occupation()
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", llm.generate([PROMPT], sp, use_tqdm=False)))
+        t.start()
+        while llm.stats().num_running == 0:
+            time.sleep(0.005)
+        with pytest.raises(RuntimeError, match="pause_generation"):  # running, not paused
+            llm.release_memory_occupation(["kv_cache"])
+        assert llm.pause_generation("retract") == 1
+        llm.release_memory_occupation(["kv_cache"])  # retracted requests hold no pages
+        time.sleep(0.2)
+        llm.resume_memory_occupation(["kv_cache"])
+        assert t.is_alive()
+        llm.continue_generation()
+        t.join(timeout=60)
+        assert box["out"][0].outputs[0].token_ids == ref
+        with pytest.raises(ValueError, match="mode"):
+            llm.pause_generation("sleep")
+        llm.update_weights_from_disk(models[1])
+        assert llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids != ref
