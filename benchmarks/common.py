@@ -1,12 +1,13 @@
-"""Shared helpers for Kiln's benchmarks: engine construction, a timed request loop, the decode
-roofline, memory bandwidth, the transformers twin of a dummy model, and table / JSON output.
+"""Shared helpers for Kiln's benchmarks: argument parsing, engine construction, the timed request
+loop, the hardware string, and table / JSON output. The decode roofline and memory bandwidth are in
+`roofline.py`, the transformers twin of a dummy model in `hf_baseline.py`.
 
 Every benchmark runs a config-only model directory (`benchmarks/configs/<name>/config.json`) with
 random ("dummy") weights, token ids in and out, so no checkpoint or tokenizer is needed. When a
-benchmark compares against Hugging Face transformers, `make_hf_model` builds the transformers model
-with seeded random weights and `build_core(..., hf_model=...)` loads exactly those tensors into
-Kiln through the model's own `load_weights` (the checkpoint path), so both engines run the same
-weights.
+benchmark compares against Hugging Face transformers, `hf_baseline.make_hf_model` builds the
+transformers model with seeded random weights and `build_core(..., hf_model=...)` loads exactly
+those tensors into Kiln through the model's own `load_weights` (the checkpoint path), so both
+engines run the same weights.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ from kiln.models.config import ModelConfig  # noqa: E402
 
 CONFIGS_DIR = os.path.join(REPO_ROOT, "benchmarks", "configs")
 DEFAULT_MODEL_PATH = os.path.join(CONFIGS_DIR, "qwen3-0.6b")
-H200_NOMINAL_BW = 4.8e12  # bytes/s, NVIDIA's HBM3e spec for the H200 SXM
-
-_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def log(msg: str) -> None:
@@ -196,6 +194,8 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
     else:
         if config.tp_size != 1:
             raise ValueError("loading the transformers twin's weights needs --tp-size 1")
+        from hf_baseline import load_hf_weights
+
         with _no_dummy_init():
             core = EngineCore(config)
         load_hf_weights(core, hf_model)
@@ -205,40 +205,12 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
     return core
 
 
-def load_hf_weights(core, hf_model: torch.nn.Module) -> None:
-    """Copy a transformers model's state dict into Kiln's model (q/k/v and gate/up get stacked
-    by Kiln's checkpoint loader, exactly as for a safetensors checkpoint)."""
-    with torch.no_grad():
-        core.runner.model.load_weights(hf_model.state_dict().items())
-
-
 def release_memory() -> None:
     """After `del core` (or any large object): collect cycles and give cached device memory back,
     so the next engine starts with the GPU free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def make_hf_model(config_dir: str, dtype: torch.dtype, device: str, seed: int,
-                  attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A transformers model of `config_dir`'s architecture with seeded random weights
-    (transformers' own init: N(0, initializer_range), norms 1), in eval mode on `device`.
-    Pass it to `build_core(config, hf_model=...)` so that Kiln runs the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    t0 = time.perf_counter()
-    cfg = AutoConfig.from_pretrained(config_dir)
-    torch.manual_seed(seed)
-    if str(device).startswith("cuda"):
-        torch.cuda.manual_seed_all(seed)
-    with torch.device(device):  # initialise on the device: fast even for 8B models
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
-    model = model.to(device=device, dtype=dtype).eval()
-    n = sum(p.numel() for p in model.parameters())
-    log(f"transformers {type(model).__name__} ({n / 1e6:.0f}M params, {dtype}, {device}) "
-        f"built in {time.perf_counter() - t0:.1f}s")
-    return model
 
 
 def synchronize(device: Any) -> None:
@@ -345,286 +317,6 @@ def run_requests(core, requests: Sequence[tuple[list[int], SamplingParams]], tag
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0].rid}: {errors[0].error}")
     return RunResult(start=start, end=end, requests=list(timings.values()), steps=steps, complete=complete)
-
-
-# ---- roofline ------------------------------------------------------------------------------
-
-def dtype_bytes(dtype: Any) -> int:
-    if isinstance(dtype, str):
-        dtype = {"auto": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
-    return _DTYPE_BYTES[dtype]
-
-
-def param_counts(model_config: Any) -> dict:
-    """Parameter counts of a Llama-family model computed from its config.
-
-    `total` is every parameter (the embedding table once more when the head is untied).
-    `decode_read` is what a decode step reads: every linear weight (and bias), every norm gain and
-    the lm_head; the embedding lookup touches only B rows, so the table counts only when it *is*
-    the lm_head (tied).
-    """
-    c = model_config_of(model_config)
-    h, d, L = c.hidden_size, c.head_dim, c.num_hidden_layers
-    q_out, kv_out = c.num_attention_heads * d, c.num_key_value_heads * d
-    attn = h * (q_out + 2 * kv_out) + q_out * h
-    if c.attention_bias:
-        attn += q_out + 2 * kv_out
-    mlp = 3 * h * c.intermediate_size + (2 * c.intermediate_size + h if c.mlp_bias else 0)
-    norms = 2 * h + (2 * d if c.qk_norm else 0)
-    per_layer = attn + mlp + norms
-    embed = c.vocab_size * h
-    layers = L * per_layer
-    decode_read = layers + h + embed  # layers + final norm + lm_head
-    total = decode_read + (0 if c.tie_word_embeddings else embed)
-    return {"layers": layers, "embedding": embed, "lm_head": embed, "decode_read": decode_read,
-            "total": total, "tied": c.tie_word_embeddings}
-
-
-def kv_bytes_per_token(model_config: Any, dtype: Any) -> int:
-    """2 (K and V) * layers * kv_heads * head_dim * dtype bytes."""
-    c = model_config_of(model_config)
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes(dtype)
-
-
-def roofline(model_config: Any, dtype: Any, batch_contexts: Sequence[int]) -> dict:
-    """Bytes one decode step must read: weights once + each sequence's KV cache.
-
-    `batch_contexts` are the context lengths (tokens attended over) of the sequences decoding in
-    the step. Returns weight_bytes, kv_bytes, bytes_per_step (and the parameter counts).
-    """
-    counts = param_counts(model_config)
-    nb = dtype_bytes(dtype)
-    weight_bytes = counts["decode_read"] * nb
-    kv_tok = kv_bytes_per_token(model_config, dtype)
-    kv_bytes = kv_tok * int(sum(batch_contexts))
-    return {"weight_bytes": weight_bytes, "weight_bytes_all_params": counts["total"] * nb,
-            "kv_bytes_per_token": kv_tok, "kv_bytes": kv_bytes,
-            "bytes_per_step": weight_bytes + kv_bytes, "params": counts}
-
-
-# ---- roofline from an instantiated Kiln model (any architecture) ---------------------------
-
-EXPERTS_ASSUMPTION = ("each token picks k of E routed experts uniformly and independently of the other "
-                      "tokens, so a step at batch B reads E*(1-(1-k/E)^B) distinct experts per MoE layer "
-                      "(exactly k at batch 1)")
-
-
-def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """E * (1 - (1 - k/E)^B): distinct experts a decode step of B tokens hits in one MoE layer
-    under uniform independent routing (`EXPERTS_ASSUMPTION`); exactly k at B = 1."""
-    if batch <= 0:
-        return 0.0
-    if batch == 1:
-        return float(top_k)
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
-
-
-def meta_model(path_or_dict: Any, dtype: Any = torch.bfloat16) -> torch.nn.Module:
-    """Kiln's model class for a config dir / config.json / dict, built on the meta device (shapes
-    and dtypes, no memory, no init) with parameters in `dtype` as the runner serves them, buffers
-    left as built. Single rank (no tensor parallelism)."""
-    from kiln.models.registry import get_model_class, parse_model_config
-
-    if isinstance(path_or_dict, dict):
-        d = path_or_dict
-    else:
-        path = str(path_or_dict)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            d = json.load(f)
-    cfg = parse_model_config(d)
-    dt = dtype if isinstance(dtype, torch.dtype) else ({"auto": torch.bfloat16}.get(dtype) or getattr(torch, dtype))
-    with torch.device("meta"):
-        model = get_model_class(cfg.model_type)(cfg)
-    for p in model.parameters():
-        p.data = p.data.to(dt)
-    return model
-
-
-def _param_bytes(p: torch.Tensor) -> int:
-    return p.numel() * p.element_size()
-
-
-def _not_run_in_decode(module: torch.nn.Module) -> bool:
-    """MTP layers and the DSpark drafter: loaded with the checkpoint, not run by a decode step."""
-    from kiln.models.dspark import DSpark
-    from kiln.models.inkling import InklingMTPLayer
-
-    return isinstance(module, (InklingMTPLayer, DSpark))
-
-
-def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
-                   kv_dtype: Optional[torch.dtype] = None) -> dict:
-    """Bytes one decode step must read, counted from an instantiated Kiln model (any device,
-    `meta_model` included): every parameter once, except
-
-    - the token embedding table: a step touches only B rows, counted as 0 (as `roofline` does),
-      unless the table is tied to the LM head (then it is the LM head, read in full);
-    - MTP layers and the DSpark drafter: not run by a decode step, not counted;
-    - routed experts: only the experts hit are read, E*(1-(1-k/E)^B) of E per MoE layer at batch B
-      (`EXPERTS_ASSUMPTION`; exactly k at batch 1). Shared experts and routers are always read.
-
-    plus the state of each of the B sequences (`batch_contexts`: tokens attended over, the new
-    one included), from `model.state_specs()` in `kv_dtype` (default: the parameters' dtype):
-    full-attention K/V of the whole context; sliding-window K/V of min(ctx, W) tokens; ShortConv
-    the K-1 previous inputs per site; MSA (MiniMax-M3) the indexer keys of the whole context plus
-    K/V of only the N*B selected tokens (min with ctx). Writes of the new token are not counted.
-
-    Returns weight_bytes (read at this batch), active_weight_bytes (batch 1: dense + shared + k/E
-    of routed), kv_bytes, bytes_per_step, their breakdowns (`weights`, `kv`), parameter counts
-    (`params`: decode_read at this batch, active at batch 1, total) and `kv_bytes_per_token`
-    (the state that grows with the context, per token). For a Llama-family model every number
-    equals `roofline`'s.
-    """
-    from kiln.engine.cache.components import ComponentKind
-    from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-    from kiln.layers.moe import Experts, SharedExperts
-    from kiln.layers.msa import MSAAttention
-
-    contexts = [float(c) for c in batch_contexts]
-    batch = len(contexts)
-
-    # Classify each parameter tensor (by id: a tied tensor has two names but is read once).
-    lm_head_ids, embed_ids, routed_ids, shared_ids = set(), set(), set(), set()
-    experts: list[tuple[Experts, int]] = []  # (routed experts, top_k of the router beside them)
-    skipped_prefixes = []
-    for name, mod in model.named_modules():
-        own = {id(p) for p in mod.parameters(recurse=False)}
-        if isinstance(mod, ParallelLMHead):
-            lm_head_ids |= own
-        elif isinstance(mod, VocabParallelEmbedding):
-            embed_ids |= own
-        if name and _not_run_in_decode(mod):
-            skipped_prefixes.append(name + ".")
-        if isinstance(mod, SharedExperts):
-            shared_ids |= {id(p) for p in mod.parameters()}
-        if isinstance(mod, Experts):
-            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            top_k = next((m.top_k for m in parent.children() if hasattr(m, "top_k")), None)
-            if top_k is None:
-                raise ValueError(f"roofline_bytes: no router with top_k beside {name}")
-            experts.append((mod, int(top_k)))
-            routed_ids |= {id(p) for p in mod.parameters()}
-    # A tensor reachable outside the MTP layers / drafter is run (a drafter may share some).
-    run_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
-               if not any(n.startswith(pre) for pre in skipped_prefixes)}
-
-    counts = dict.fromkeys(("dense", "shared_experts", "lm_head", "routed", "embedding", "not_in_decode"), 0)
-    nbytes = dict(counts)
-    for p in model.parameters():  # each tensor once
-        i = id(p)
-        if i in lm_head_ids:
-            kind = "lm_head"
-        elif i in embed_ids:
-            kind = "embedding"
-        elif i not in run_ids:
-            kind = "not_in_decode"
-        elif i in routed_ids:
-            kind = "routed"
-        elif i in shared_ids:
-            kind = "shared_experts"
-        else:
-            kind = "dense"
-        counts[kind] += p.numel()
-        nbytes[kind] += _param_bytes(p)
-
-    always_bytes = nbytes["dense"] + nbytes["shared_experts"] + nbytes["lm_head"]
-    always_count = counts["dense"] + counts["shared_experts"] + counts["lm_head"]
-    routed_read = routed_read_b1 = routed_count = routed_count_b1 = 0.0
-    moe = None
-    for mod, k in experts:
-        e = mod.num_experts
-        per_bytes = sum(_param_bytes(p) for p in mod.parameters()) / e
-        per_count = sum(p.numel() for p in mod.parameters()) / e
-        hit = expected_distinct_experts(e, k, batch)
-        routed_read += hit * per_bytes
-        routed_count += hit * per_count
-        routed_read_b1 += k * per_bytes
-        routed_count_b1 += k * per_count
-        moe = moe or {"experts": e, "top_k": k, "layers": 0, "expected_experts_hit": hit}
-        moe["layers"] += 1
-
-    def _num(x: float):  # ints stay ints (dense models: exact byte counts)
-        return int(x) if float(x).is_integer() else x
-
-    # Per-sequence state.
-    dt = kv_dtype or next(iter(model.parameters())).dtype
-    msa_tokens = {m.layer_id: m.block_size * m.topk_blocks for m in model.modules() if isinstance(m, MSAAttention)}
-    kv = dict.fromkeys(("full_kv", "swa_kv", "conv", "index_k", "msa_kv"), 0.0)
-    per_token = 0
-    for spec in model.state_specs():
-        per_layer = spec.bytes_per_token(dt) // len(spec.layer_ids)
-        for layer in spec.layer_ids:
-            msa = spec.kind is ComponentKind.FULL_KV and layer in msa_tokens
-            if spec.kind is ComponentKind.INDEX_K or (spec.kind is ComponentKind.FULL_KV and not msa):
-                per_token += per_layer
-            for ctx in contexts:
-                if msa:
-                    kv["msa_kv"] += per_layer * min(ctx, msa_tokens[layer])
-                elif spec.kind is ComponentKind.FULL_KV:
-                    kv["full_kv"] += per_layer * ctx
-                elif spec.kind is ComponentKind.INDEX_K:
-                    kv["index_k"] += per_layer * ctx
-                elif spec.kind is ComponentKind.SWA_KV:
-                    kv["swa_kv"] += per_layer * min(ctx, spec.window)
-                elif spec.kind is ComponentKind.CONV:
-                    kv["conv"] += per_layer * spec.window  # the K-1 previous inputs
-                else:
-                    raise ValueError(f"roofline_bytes: no rule for state component {spec.kind}")
-    kv = {k: _num(v) for k, v in kv.items()}
-    kv_bytes = _num(sum(kv.values()))
-    weight_bytes = _num(always_bytes + routed_read)
-
-    params = {"total": sum(counts.values()), **counts,
-              "decode_read": _num(always_count + routed_count), "active": _num(always_count + routed_count_b1),
-              "tied": bool(embed_ids & lm_head_ids)}
-    weights = {"dense": nbytes["dense"], "shared_experts": nbytes["shared_experts"], "lm_head": nbytes["lm_head"],
-               "routed_read": _num(routed_read), "routed_all": nbytes["routed"],
-               "embedding_not_read": nbytes["embedding"], "not_in_decode": nbytes["not_in_decode"]}
-    return {"batch": batch, "contexts": contexts, "weight_bytes": weight_bytes,
-            "active_weight_bytes": _num(always_bytes + routed_read_b1),
-            "weight_bytes_all_params": sum(nbytes.values()), "weights": weights, "moe": moe,
-            "experts_assumption": EXPERTS_ASSUMPTION if moe else None,
-            "kv_bytes": kv_bytes, "kv": kv, "kv_bytes_per_token": per_token, "kv_dtype": str(dt),
-            "bytes_per_step": _num(weight_bytes + kv_bytes), "params": params}
-
-
-def measure_bandwidth(device: Any, nbytes: Optional[int] = None, iters: int = 20) -> Optional[float]:
-    """Memory bandwidth in bytes/s from a large same-device copy: each copy reads and writes
-    `nbytes`, so bandwidth = 2 * nbytes * iters / time. On CPU a smaller copy gives DRAM speed."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        nbytes = nbytes or (1 << 30)  # 1 GiB, far above L2
-    else:
-        nbytes = nbytes or (256 << 20)
-        iters = min(iters, 5)
-    try:
-        src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
-        dst = torch.empty_like(src)
-        for _ in range(3):
-            dst.copy_(src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                dst.copy_(src)
-            stop.record()
-            stop.synchronize()
-            seconds = start.elapsed_time(stop) / 1e3
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        del src, dst
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        return 2 * nbytes * iters / seconds
-    except Exception as e:  # a benchmark should not die for a side measurement
-        log(f"bandwidth measurement failed: {e}")
-        return None
 
 
 # ---- hardware and output -------------------------------------------------------------------
@@ -774,44 +466,35 @@ def apply_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def want_hf(args: argparse.Namespace, device: str) -> bool:
-    """The transformers comparison runs on CUDA by default, on CPU only with --hf."""
-    if getattr(args, "no_hf", False):
-        return False
-    return bool(getattr(args, "hf", False)) or device == "cuda"
+def setup(args: argparse.Namespace) -> tuple[EngineConfig, str, torch.dtype, ModelConfig]:
+    """`--threads` applied, then (EngineConfig, its device, its dtype, the model's ModelConfig)."""
+    apply_threads(args)
+    config = engine_config(args)
+    return config, config.resolved_device(), config.resolved_dtype(), model_config_of(config.model_path)
 
 
-def hf_unsupported_reason(model_path: str) -> Optional[str]:
-    """Why transformers cannot build `model_path`'s architecture (its model_type is not one
-    transformers knows, e.g. Kiln's own inkling / minimax_m3), or None when it can."""
-    path = os.path.join(model_path, "config.json") if os.path.isdir(model_path) else model_path
-    with open(path) as f:
-        model_type = json.load(f).get("model_type")
-    try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    except ImportError:
-        return "transformers is not installed"
-    if model_type not in CONFIG_MAPPING:
-        return f"transformers has no model_type {model_type!r}"
-    return None
+def model_name(model_path: str) -> str:
+    """The model dir's name, for table titles (`qwen3-0.6b`, `inkling-tiny`)."""
+    return os.path.basename(os.path.normpath(model_path))
 
 
-def hf_plan(args: argparse.Namespace, device: str, model_path: str) -> tuple[bool, Optional[dict]]:
-    """(run the transformers comparison?, a table row noting why it was skipped or None).
-    Skipping an architecture transformers lacks is not an error."""
-    if not want_hf(args, device):
-        return False, None
-    reason = hf_unsupported_reason(model_path)
-    if reason is None:
-        return True, None
-    log(f"transformers comparison skipped: {reason}")
-    return False, {"engine": "transformers", "note": f"skipped: {reason} (Kiln only)"}
+def run_meta(benchmark: str, argv: Optional[list[str]], hardware: str, config: EngineConfig, dtype: Any,
+             device: str, **extra: Any) -> dict:
+    """The JSON metadata every benchmark saves, then `extra`."""
+    return {"benchmark": benchmark, "argv": sys.argv if argv is None else argv, "hardware": hardware,
+            "model_path": config.model_path, "dtype": str(dtype), "device": device, **extra}
 
 
-def add_hf_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf", action="store_true",
-                        help="Also run Hugging Face transformers on the same weights (default on CUDA).")
-    parser.add_argument("--no-hf", action="store_true", help="Skip the transformers comparison.")
+def report(rows: list[dict], columns: Sequence[str], title: str, hardware: str, meta: dict,
+           out: Optional[str], header_lines: Sequence[str] = ()) -> dict:
+    """The final output: the hardware line, `header_lines`, the table on stdout; rows and `meta`
+    to `out` as JSON. Returns {"rows", "meta"} (what each script's main returns)."""
+    print(f"\n# {hardware}")
+    for line in header_lines:
+        print(line)
+    print_table(rows, columns, title=title)
+    save_json(out, rows, meta)
+    return {"rows": rows, "meta": meta}
 
 
 def run_guarded(name: str, fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:

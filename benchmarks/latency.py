@@ -19,7 +19,7 @@ is off unless `--hf-compile generate|forward`.
 Roofline: one decode step reads every weight once plus the KV cache of the context, so
 tok/s <= bandwidth / (weight bytes + KV bytes). Bandwidth is measured (a large device copy) and
 also taken as the H200's nominal 4.8 TB/s; the fraction achieved is printed for both engines.
-The bytes are counted from Kiln's model itself (`common.roofline_bytes`), so hybrid and MoE models
+The bytes are counted from Kiln's model itself (`roofline.roofline_bytes`), so hybrid and MoE models
 count what a step really reads: the k of E routed experts a token hits (plus shared experts),
 no MTP layers or drafter, sliding-window / ShortConv / MSA state instead of full KV.
 
@@ -33,13 +33,12 @@ import argparse
 import os
 import random
 import sys
-import time
 from typing import Optional
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import hf_baseline  # noqa: E402
+import roofline  # noqa: E402
 from common import log  # noqa: E402
 
 from kiln.engine.request import SamplingParams  # noqa: E402
@@ -58,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Unmeasured runs first (default: Kiln 1; transformers 2 when compiling, else 1).")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
     common.add_bench_args(p)  # --threads, --quick (32 in / 8 out), --out, --no-progress
-    common.add_hf_args(p)
+    hf_baseline.add_hf_args(p)
     p.add_argument("--hf-compile", nargs="?", const="generate", default="auto",
                    choices=["auto", "generate", "forward", "off"],
                    help="transformers compile: 'generate' (also bare --hf-compile) = generate's own "
@@ -114,84 +113,11 @@ def run_kiln(core, prompt: list[int], args) -> dict:
 
 # ---- transformers ------------------------------------------------------------------------
 
-def _timing_streamer(device: str):
-    from transformers.generation.streamers import BaseStreamer
-
-    class TimingStreamer(BaseStreamer):
-        """Records when each generated token reaches the host (the first put is the prompt)."""
-
-        def __init__(self):
-            self.times: list[float] = []
-            self.count = 0
-            self._prompt_seen = False
-
-        def put(self, value):
-            if not self._prompt_seen:
-                self._prompt_seen = True
-                return
-            if device == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter())
-            self.count += int(value.numel()) if hasattr(value, "numel") else 1
-
-        def end(self):
-            pass
-
-    return TimingStreamer()
-
-
 def run_hf(model, prompt: list[int], args, device: str) -> dict:
-    from transformers import CompileConfig
-
-    mode = args.hf_compile
-    if mode == "auto":
-        mode = "generate" if device == "cuda" else "off"
-    gen_kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                      cache_implementation="static", pad_token_id=0)
-    if args.temperature > 0:
-        gen_kwargs.update(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
-    else:
-        gen_kwargs.update(do_sample=False)
-    original_forward = None
-    if mode == "generate":
-        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
-        if device != "cuda":
-            cc._compile_all_devices = True
-        gen_kwargs["compile_config"] = cc
-    else:
-        gen_kwargs["disable_compile"] = True  # no auto-compile: either off, or compiled by hand below
-        if mode == "forward":
-            original_forward = model.forward
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    ids = torch.tensor([prompt], device=device)
-    mask = torch.ones_like(ids)
-    warmups = args.warmup_runs if args.warmup_runs is not None else (2 if mode != "off" else 1)
-    results = []
-    try:
-        for i in range(warmups + args.num_runs):
-            streamer = _timing_streamer(device)
-            common.synchronize(device)
-            t0 = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen_kwargs)
-            common.synchronize(device)
-            t_end = time.perf_counter()
-            n_out = out.shape[1] - ids.shape[1]
-            if n_out != args.output_len or len(streamer.times) != args.output_len:
-                raise RuntimeError(f"transformers generated {n_out} tokens ({len(streamer.times)} streamed), "
-                                   f"expected {args.output_len}")
-            ttft = streamer.times[0] - t0
-            decode = streamer.times[-1] - streamer.times[0]
-            measured = i >= warmups
-            log(f"transformers {'run' if measured else 'warm-up'} {i - warmups + 1 if measured else i + 1}: "
-                f"TTFT {ttft * 1e3:.1f} ms, decode {(args.output_len - 1) / decode:.1f} tok/s, "
-                f"total {t_end - t0:.2f}s")
-            if measured:
-                results.append((ttft, decode))
-    finally:
-        if original_forward is not None:
-            model.forward = original_forward
-    attn = getattr(model.config, "_attn_implementation", "?")
-    return _summarise("transformers", results, args, f"static cache, compile={mode}, {attn}")
+    """transformers `generate` with a static cache (`hf_baseline.generate_timings`)."""
+    runs, note = hf_baseline.generate_timings(model, prompt, args.output_len, args.temperature, args.hf_compile,
+                                              args.warmup_runs, args.num_runs, device)
+    return _summarise("transformers", runs, args, note)
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -200,7 +126,7 @@ def roofline_lines(rl: dict, ctx: float, bw: Optional[float]) -> list[str]:
     """The '# roofline' comment lines above the table (one for dense models)."""
     p, kv = rl["params"], rl["kv"]
     tail = (f"bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s, "
-            f"nominal {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+            f"nominal {roofline.H200_NOMINAL_BW / 1e12:.1f} TB/s")
     moe = rl.get("moe")
     if not moe and set(k for k, v in kv.items() if v) <= {"full_kv"}:  # dense full-attention (Llama family)
         return [f"# roofline: {rl['bytes_per_step'] / 1e9:.4f} GB/step = {rl['weight_bytes'] / 1e9:.4f} GB weights "
@@ -227,17 +153,13 @@ def add_roofline(row: dict, bytes_per_step: int, bw: Optional[float]) -> None:
     if bw:
         row["roofline_tok_s"] = bw / bytes_per_step
         row["frac_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
-    row["nominal_roofline_tok_s"] = common.H200_NOMINAL_BW / bytes_per_step
+    row["nominal_roofline_tok_s"] = roofline.H200_NOMINAL_BW / bytes_per_step
     row["frac_of_nominal"] = row["decode_tok_s"] / row["nominal_roofline_tok_s"]
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = resolve_args(build_parser().parse_args(argv))
-    common.apply_threads(args)
-    config = common.engine_config(args)
-    device = config.resolved_device()
-    dtype = config.resolved_dtype()
-    mc = common.model_config_of(config.model_path)
+    config, device, dtype, mc = common.setup(args)
     dummy_init = common.resolve_dummy_init(args.dummy_init, device)
     if config.max_total_tokens is None and device == "cpu":
         config.max_total_tokens = args.input_len + args.output_len + 4 * config.page_size
@@ -247,49 +169,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # Roofline at the mean decode context (the first decode step sees input_len + 1 tokens).
     mean_ctx = args.input_len + args.output_len / 2
-    rl = common.roofline_bytes(common.meta_model(config.model_path, dtype), [mean_ctx])
-    bw = common.measure_bandwidth(device)
+    rl = roofline.roofline_bytes(roofline.meta_model(config.model_path, dtype), [mean_ctx])
+    bw = roofline.measure_bandwidth(device)
     log(f"bytes per decode step: {rl['weight_bytes'] / 1e9:.3f} GB weights + {rl['kv_bytes'] / 1e9:.4f} GB KV "
         f"(ctx {mean_ctx:.0f}); measured copy bandwidth "
-        f"{(bw or float('nan')) / 1e12:.3f} TB/s, nominal H200 {common.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+        f"{(bw or float('nan')) / 1e12:.3f} TB/s, nominal H200 {roofline.H200_NOMINAL_BW / 1e12:.1f} TB/s")
 
-    do_hf, hf_skipped = common.hf_plan(args, device, config.model_path)
-    hf_model = common.make_hf_model(config.model_path, dtype, device, args.seed) if do_hf else None
-    core = common.build_core(config, hf_model=hf_model, dummy_init=dummy_init)
-    kiln_row = run_kiln(core, prompt, args)
-    add_roofline(kiln_row, rl["bytes_per_step"], bw)
-    rows = [kiln_row]
-    common.print_table(rows, COLUMNS, title="Kiln (before the transformers run)", file=sys.stderr)
-    del core
-    common.release_memory()
+    def with_roofline(row: dict) -> dict:
+        add_roofline(row, rl["bytes_per_step"], bw)
+        return row
 
-    hf_error = None
-    if do_hf:
-        hf_row, hf_error = common.run_guarded("transformers", lambda: run_hf(hf_model, prompt, args, device))
-        if hf_row is not None:
-            add_roofline(hf_row, rl["bytes_per_step"], bw)
-            rows.append(hf_row)
-            rows.append({"engine": "kiln/transformers", "ttft_ms": kiln_row["ttft_ms"] / hf_row["ttft_ms"],
-                         "decode_tok_s": kiln_row["decode_tok_s"] / hf_row["decode_tok_s"],
-                         "note": "ratios (ttft: lower is better)"})
-        else:
-            rows.append({"engine": "transformers", "note": f"failed: {hf_error}"[:120]})
-    elif hf_skipped:
-        rows.append(hf_skipped)
+    cmp = hf_baseline.kiln_vs_transformers(
+        args, config, device, dtype, dummy_init, COLUMNS,
+        run_kiln=lambda core: with_roofline(run_kiln(core, prompt, args)),
+        run_hf=lambda model: with_roofline(run_hf(model, prompt, args, device)),
+        ratio_row=lambda kiln, hf: {"engine": "kiln/transformers", "ttft_ms": kiln["ttft_ms"] / hf["ttft_ms"],
+                                    "decode_tok_s": kiln["decode_tok_s"] / hf["decode_tok_s"],
+                                    "note": "ratios (ttft: lower is better)"})
 
-    name = os.path.basename(os.path.normpath(config.model_path))
-    title = (f"Batch-1 latency: {name}, {dtype}, {device}, input {args.input_len}, output {args.output_len}, "
-             f"{'greedy' if args.temperature == 0 else f'T={args.temperature}'}")
-    print(f"\n# {hw}")
-    for line in roofline_lines(rl, mean_ctx, bw):
-        print(line)
-    common.print_table(rows, COLUMNS, title=title)
-    meta = {"benchmark": "latency", "argv": sys.argv if argv is None else argv, "hardware": hw,
-            "model_path": config.model_path, "dtype": str(dtype), "device": device,
-            "roofline": {k: v for k, v in rl.items()}, "mean_context": mean_ctx,
-            "dummy_init": dummy_init if hf_model is None else "transformers twin", "measured_bandwidth": bw, "nominal_bandwidth": common.H200_NOMINAL_BW, "hf_error": hf_error}
-    common.save_json(args.out, rows, meta)
-    return {"rows": rows, "meta": meta}
+    title = (f"Batch-1 latency: {common.model_name(config.model_path)}, {dtype}, {device}, input {args.input_len}, "
+             f"output {args.output_len}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'}")
+    meta = common.run_meta("latency", argv, hw, config, dtype, device,
+                           roofline={k: v for k, v in rl.items()}, mean_context=mean_ctx, dummy_init=cmp.weights,
+                           measured_bandwidth=bw, nominal_bandwidth=roofline.H200_NOMINAL_BW, hf_error=cmp.hf_error)
+    return common.report(cmp.rows, COLUMNS, title, hw, meta, args.out, roofline_lines(rl, mean_ctx, bw))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import common  # noqa: E402
+import hf_baseline  # noqa: E402
 import latency  # noqa: E402
 import offline_throughput  # noqa: E402
+import roofline  # noqa: E402
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -46,7 +48,7 @@ def _positive(x) -> bool:
 
 def test_roofline_llama_8b_shape():
     cfg = os.path.join(REPO, "benchmarks", "configs", "llama-3.1-8b")
-    rl = common.roofline(cfg, torch.bfloat16, [1000, 24])
+    rl = roofline.roofline(cfg, torch.bfloat16, [1000, 24])
     # All 8.03B parameters in bf16: the published ~16.06 GB.
     assert rl["weight_bytes_all_params"] == pytest.approx(16.06e9, rel=0.01)
     # A decode step reads everything but the (untied) embedding table: 8.03B - 0.525B params.
@@ -55,7 +57,7 @@ def test_roofline_llama_8b_shape():
     assert rl["kv_bytes"] == 131072 * 1024
     assert rl["bytes_per_step"] == rl["weight_bytes"] + rl["kv_bytes"]
     # Tied head (Qwen3-0.6B): the table is the lm_head, read once.
-    q = common.param_counts(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b"))
+    q = roofline.param_counts(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b"))
     assert q["tied"] and q["decode_read"] == q["total"]
     assert q["total"] == pytest.approx(596e6, rel=0.01)
 
@@ -65,7 +67,7 @@ def test_same_weights_as_transformers(tiny_dir, one_thread):
     from kiln.config import EngineConfig
     from kiln.engine.request import SamplingParams
 
-    hf = common.make_hf_model(tiny_dir, torch.float32, "cpu", seed=3)
+    hf = hf_baseline.make_hf_model(tiny_dir, torch.float32, "cpu", seed=3)
     core = common.build_core(EngineConfig(model_path=tiny_dir, load_format="dummy", skip_tokenizer_init=True,
                                           device="cpu", dtype="float32", max_total_tokens=256), hf_model=hf)
     ids = list(range(7, 40))

@@ -15,8 +15,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import common  # noqa: E402
+import hf_baseline  # noqa: E402
 import latency  # noqa: E402
 import offline_throughput  # noqa: E402
+import roofline  # noqa: E402
 
 from kiln.models import presets  # noqa: E402
 
@@ -80,7 +82,7 @@ def _minimax_tiny_hand(batch_contexts, nb):
 @pytest.mark.parametrize("dtype,nb", [(torch.float32, 4), (torch.bfloat16, 2)])
 @pytest.mark.parametrize("contexts", [[136], [5, 40, 100]])
 def test_roofline_inkling_tiny_hand_count(dtype, nb, contexts):
-    rl = common.roofline_bytes(common.meta_model(presets.get_preset("inkling", "tiny"), dtype), contexts)
+    rl = roofline.roofline_bytes(roofline.meta_model(presets.get_preset("inkling", "tiny"), dtype), contexts)
     hand = _inkling_tiny_hand(contexts, nb)
     assert rl["weight_bytes"] == pytest.approx(hand["weights"], rel=1e-12)
     assert rl["active_weight_bytes"] == hand["active"]
@@ -100,8 +102,8 @@ def test_roofline_inkling_tiny_hand_count(dtype, nb, contexts):
 
 @pytest.mark.parametrize("contexts", [[136], [5, 40, 100]])
 def test_roofline_minimax_tiny_hand_count(contexts):
-    rl = common.roofline_bytes(common.meta_model(presets.get_preset("minimax_m3", "tiny"), torch.float32),
-                               contexts)
+    rl = roofline.roofline_bytes(roofline.meta_model(presets.get_preset("minimax_m3", "tiny"), torch.float32),
+                                 contexts)
     hand = _minimax_tiny_hand(contexts, 4)
     assert rl["weight_bytes"] == pytest.approx(hand["weights"], rel=1e-12)
     assert rl["active_weight_bytes"] == hand["active"]
@@ -112,20 +114,20 @@ def test_roofline_minimax_tiny_hand_count(contexts):
 
 
 def test_expected_experts_and_batch_one():
-    assert common.expected_distinct_experts(64, 6, 1) == 6
-    assert common.expected_distinct_experts(8, 2, 3) == pytest.approx(8 * (1 - 0.75 ** 3))
-    assert common.expected_distinct_experts(64, 6, 10_000) == pytest.approx(64)
+    assert roofline.expected_distinct_experts(64, 6, 1) == 6
+    assert roofline.expected_distinct_experts(8, 2, 3) == pytest.approx(8 * (1 - 0.75 ** 3))
+    assert roofline.expected_distinct_experts(64, 6, 10_000) == pytest.approx(64)
     # Batch-1 "active" = what a step at batch 1 reads.
-    m = common.meta_model(presets.get_preset("minimax_m3", "tiny"), torch.float32)
-    assert common.roofline_bytes(m, [50])["weight_bytes"] == common.roofline_bytes(m, [50, 60])["active_weight_bytes"]
+    m = roofline.meta_model(presets.get_preset("minimax_m3", "tiny"), torch.float32)
+    assert roofline.roofline_bytes(m, [50])["weight_bytes"] == roofline.roofline_bytes(m, [50, 60])["active_weight_bytes"]
 
 
 def test_roofline_bytes_equals_llama_formula():
     """On the Llama family the model-counted roofline is the formula's, to the byte."""
     for name, ctxs in (("llama-3.1-8b", [1000, 24]), ("qwen3-0.6b", [1088])):
         cfg = os.path.join(REPO, "benchmarks", "configs", name)
-        new = common.roofline_bytes(common.meta_model(cfg, torch.bfloat16), ctxs)
-        old = common.roofline(cfg, torch.bfloat16, ctxs)
+        new = roofline.roofline_bytes(roofline.meta_model(cfg, torch.bfloat16), ctxs)
+        old = roofline.roofline(cfg, torch.bfloat16, ctxs)
         for key in ("weight_bytes", "weight_bytes_all_params", "kv_bytes", "kv_bytes_per_token", "bytes_per_step"):
             assert new[key] == old[key], (name, key)
         assert new["params"]["decode_read"] == old["params"]["decode_read"]
@@ -144,8 +146,8 @@ def test_preset_model_path(tmp_path):
     assert config.load_format == "dummy" and os.path.basename(config.model_path) == "minimax_m3-tiny"
     with open(os.path.join(config.model_path, "config.json")) as f:
         assert json.load(f) == presets.get_preset("minimax_m3", "tiny")
-    assert common.hf_unsupported_reason(config.model_path) == "transformers has no model_type 'minimax_m3'"
-    assert common.hf_unsupported_reason(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b")) is None
+    assert hf_baseline.hf_unsupported_reason(config.model_path) == "transformers has no model_type 'minimax_m3'"
+    assert hf_baseline.hf_unsupported_reason(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b")) is None
     with pytest.raises(ValueError):
         common.resolve_model_path("preset:inkling")
 
