@@ -25,44 +25,15 @@
 #     LAT_IN=128 LAT_OUT=16 OFFLINE_ARGS="--num-requests 8 --min-len 16 --max-len 64" bash benchmarks/run_h200_hybrid.sh
 set -u
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-PY=${PYTHON:-$(command -v python || command -v python3)}
-BUDGET=${BUDGET:-530}
-OFFLINE_LIMIT=${OFFLINE_LIMIT:-60}
-RES=${OUT:-benchmarks/results/h200-hybrid-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$RES"
-TABLES="$RES/tables.txt"
-: > "$TABLES"
+. benchmarks/_run_bounded.sh
+results_dir h200-hybrid
 INKLING=${INKLING:-preset:inkling/bench}
 MINIMAX=${MINIMAX:-preset:minimax_m3/bench}
-COMMON=${COMMON:-"--dtype bfloat16 --device cuda"}
-LAT_IN=${LAT_IN:-1024}
-LAT_OUT=${LAT_OUT:-128}
 OFFLINE_ARGS=${OFFLINE_ARGS:-}
 
-echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+gpu_line
 echo "# WARNING: Kiln's GPU path is still the reference path (no CUDA graphs, no fused kernels): a baseline." | tee -a "$TABLES"
 $PY -c "import torch, sys; print('# torch', torch.__version__, 'python', sys.version.split()[0])"
-
-run() {  # run NAME MIN_SECONDS ARGS...: one benchmark, bounded by the time left
-  local name=$1 need=$2; shift 2
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt "$need" ]; then
-    echo "## $name: skipped, ${left}s left of the ${BUDGET}s budget (needs ~${need}s)" | tee -a "$TABLES"
-    return
-  fi
-  echo "## $name  (t=${SECONDS}s, ${left}s left)"
-  echo "\$ $PY $*" >> "$TABLES"
-  local t0=$SECONDS
-  timeout -s INT -k 15 "$left" $PY "$@" --out "$RES/$name.json" >> "$TABLES" 2> "$RES/$name.log"
-  local rc=$?
-  echo "   rc=$rc in $((SECONDS - t0))s; stderr log: $RES/$name.log"
-  if [ $rc -ne 0 ]; then
-    echo "## $name: exit code $rc (124/130 = stopped by the time budget); last log lines:" | tee -a "$TABLES"
-    tail -n 15 "$RES/$name.log" | tee -a "$TABLES"
-  fi
-  echo >> "$TABLES"
-}
 
 tag() { case $1 in preset:*) echo "${1#preset:}" | tr / -;; *) basename "$1";; esac; }  # inkling-bench
 
@@ -75,7 +46,4 @@ run "offline_$(tag "$INKLING")" 90 benchmarks/offline_throughput.py --model-path
 run "offline_$(tag "$MINIMAX")" 90 benchmarks/offline_throughput.py --model-path $MINIMAX $COMMON \
     --num-runs 1 --time-limit "$OFFLINE_LIMIT" --no-progress $OFFLINE_ARGS
 
-echo
-echo "================ all tables (also in $TABLES) ================"
-cat "$TABLES"
-echo "# total ${SECONDS}s"
+finish
