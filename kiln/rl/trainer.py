@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from kiln.dist.parallel import SINGLE
-from kiln.loader import ModelSource, iter_weights, resolve_model
+from kiln.loader import ModelSource, init_dummy_weights, iter_weights, resolve_model
 from kiln.models.reference import packed_batch
 from kiln.models.registry import get_model_class, parse_model_config
 from kiln.rl.sync import checkpoint_views
@@ -38,10 +38,12 @@ class PolicyTrainer:
     def __init__(self, model_path: Optional[str] = None, *, source: Optional[ModelSource] = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, max_grad_norm: float = 1.0, max_positions: Optional[int] = None):
-        source = source or resolve_model(model_path)
-        if source.load_format == "dummy":
-            raise ValueError("PolicyTrainer needs real weights (got load_format='dummy')")
+                 eps: float = 1e-8, max_grad_norm: float = 1.0, max_positions: Optional[int] = None,
+                 load_format: str = "auto", seed: int = 0):
+        """`load_format="dummy"` (benchmarks, config-only dirs): no checkpoint read; the weights are
+        `kiln.loader.init_dummy_weights(model, seed)`, the engine's dummy init, so a trainer and an
+        engine built with the same seed and dtype start from the same tensors."""
+        source = source or resolve_model(model_path, load_format)
         self.source = source
         self.device = torch.device(device)
         self.config = parse_model_config(source.config)
@@ -50,7 +52,10 @@ class PolicyTrainer:
             model = cls(self.config, SINGLE, max_positions=max_positions)
         for p in model.parameters():  # buffers (RoPE tables, router biases) stay fp32, as in the engine
             p.data = p.data.to(dtype)
-        model.load_weights(iter_weights(source))
+        if source.load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            model.load_weights(iter_weights(source))
         self.model = model.train()
         frozen = tuple(getattr(model, "frozen_in_training", ()))
         for name, p in model.named_parameters():
