@@ -69,6 +69,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=16, help="0 skips the LoRA phase.")
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="Samples per recompute + backward (gradient accumulation, one optimizer step); "
+                        "0 = the whole batch at once. The trainer's reference MoE keeps large activations: "
+                        "Inkling bench needs 8 (of 32) on an H200.")
     p.add_argument("--no-full", action="store_true", help="Skip the full-weights phase.")
     args = p.parse_args(argv)
     if args.quick:  # CPU smoke run
@@ -160,23 +164,42 @@ def train(trainer: Any, samples: list[dict], args: argparse.Namespace, step: int
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
     rewards = torch.rand(args.prompts, args.samples, generator=gen)
     adv = group_advantages(rewards).reshape(-1)
-    t0 = time.perf_counter()
-    logps = trainer.sequence_logprobs(samples, 1.0, replay=routed)
-    synchronize(device)
-    t1 = time.perf_counter()
+    # Micro-batches of --micro-batch samples: recompute -> backward each (gradient accumulation),
+    # the optimizer step after the last. The token-mean loss splits exactly: each micro-batch's
+    # token mean weighted by its share of the batch's tokens.
+    mb = args.micro_batch if args.micro_batch > 0 else len(samples)
     width = max(len(s["output_ids"]) for s in samples)
-    logp = _pad_grad([lp.cpu() for lp in logps], width)
-    rollout_logp = _pad([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in samples], width)
-    mask = _pad([torch.ones(len(s["output_ids"])) for s in samples], width)
-    old_logp = logp.detach()
-    mm = mismatch_metrics(old_logp, rollout_logp, mask)
-    loss, _ = policy_loss(logp, old_logp, rollout_logp, adv, mask, LossConfig())
-    stats = trainer.step(loss)
-    synchronize(device)
-    t2 = time.perf_counter()
-    return {"recompute_s": t1 - t0, "backward_step_s": t2 - t1, "train_s": t2 - t0,
-            "kl": float(mm["train_rollout_kl"]), "logprob_abs_diff": float(mm["train_rollout_logprob_abs_diff"]),
-            "loss": float(loss.detach()), "grad_norm": float(stats["grad_norm"])}
+    n_total = sum(len(s["output_ids"]) for s in samples)
+    t_rec, t_bwd, kl_num, diff_num, loss_sum = 0.0, 0.0, 0.0, 0.0, 0.0
+    starts = list(range(0, len(samples), mb))
+    stats: dict = {}
+    for i in starts:
+        chunk = samples[i:i + mb]
+        t0 = time.perf_counter()
+        logps = trainer.sequence_logprobs(chunk, 1.0, replay=routed)
+        synchronize(device)
+        t1 = time.perf_counter()
+        logp = _pad_grad([lp.cpu() for lp in logps], width)
+        rollout_logp = _pad([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in chunk], width)
+        mask = _pad([torch.ones(len(s["output_ids"])) for s in chunk], width)
+        old_logp = logp.detach()
+        n_chunk = float(mask.sum())
+        mm = mismatch_metrics(old_logp, rollout_logp, mask)
+        kl_num += float(mm["train_rollout_kl"]) * n_chunk
+        diff_num += float(mm["train_rollout_logprob_abs_diff"]) * n_chunk
+        loss, _ = policy_loss(logp, old_logp, rollout_logp, adv[i:i + mb], mask, LossConfig())
+        loss = loss * (n_chunk / n_total)
+        loss_sum += float(loss.detach())
+        if i == starts[-1]:
+            stats = trainer.step(loss)  # backward, clip, AdamW, zero
+        else:
+            loss.backward()
+        synchronize(device)
+        t_rec += t1 - t0
+        t_bwd += time.perf_counter() - t1
+    return {"recompute_s": t_rec, "backward_step_s": t_bwd, "train_s": t_rec + t_bwd,
+            "kl": kl_num / n_total, "logprob_abs_diff": diff_num / n_total, "micro_batches": len(starts),
+            "loss": loss_sum, "grad_norm": float(stats["grad_norm"])}
 
 
 def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], args: argparse.Namespace,

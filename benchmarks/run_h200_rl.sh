@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GRPO step's parts on one H200 (benchmarks/rl_step.py): Inkling bench (5.76 B params, dummy
 # weights drawn on the GPU, no tokenizer), engine bf16, trainer bf16 + AdamW, 8 prompts x 4
-# samples, prompt 256, 128 new tokens, 3 steps per phase (full weights, then LoRA rank 16).
+# samples, prompt 256, 128 new tokens, 2 steps per phase (the first warm-up), recompute in micro-batches of 8 samples (full weights, then LoRA rank 16).
 # Bounded by BUDGET seconds (default 480). If the bench preset does not fit or runs out of time,
 # the script falls back to preset:inkling/small with the time left.
 #
@@ -12,7 +12,8 @@ set -u
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-480}
 . benchmarks/_run_bounded.sh
-STEPS=${STEPS:-3}
+STEPS=${STEPS:-2}
+MICRO=${MICRO:-8}  # samples per recompute + backward: the whole batch of 32 OOMs on bench
 MODEL=${MODEL:-preset:inkling/bench}
 results_dir h200-rl
 
@@ -20,7 +21,7 @@ gpu_line
 $PY -c "import torch, sys; print('# torch', torch.__version__, 'python', sys.version.split()[0])"
 
 SHAPE=${SHAPE:-"--prompts 8 --samples 4 --prompt-len 256 --max-new-tokens 128"}
-RL_ARGS="$COMMON $SHAPE --steps $STEPS --lora-rank 16"
+RL_ARGS="$COMMON $SHAPE --steps $STEPS --micro-batch $MICRO --lora-rank 16"
 run rl_step_bench 120 benchmarks/rl_step.py --model-path "$MODEL" $RL_ARGS
 if ! grep -q "^lora " "$TABLES"; then
   echo "## bench preset did not finish: falling back to preset:inkling/small" | tee -a "$TABLES"

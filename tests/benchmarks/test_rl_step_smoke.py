@@ -22,7 +22,7 @@ def test_rl_step_tiny_cpu(tmp_path):
     try:
         res = rl_step.main(["--model-path", "preset:inkling/tiny", "--device", "cpu", "--prompts", "2",
                             "--samples", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--steps", "2",
-                            "--lora-rank", "4", "--threads", "1", "--out", str(out)])
+                            "--lora-rank", "4", "--micro-batch", "3", "--threads", "1", "--out", str(out)])
     finally:
         torch.set_num_threads(before)
     rows = {r["phase"]: r for r in res["rows"]}
