@@ -185,15 +185,20 @@ class CacheManager:
             first = self._first_needed_page(req.num_computed, w.history)
             view = req.win_pages[c]
             for i in range(req.win_trimmed[c], min(first, len(view))):
-                p = view[i]
-                if p is None:
-                    continue
-                if i < req.num_cached_pages:
-                    self.win_refs[c][p] -= 1
-                else:
-                    w.allocator.free([p])
-                view[i] = None
+                self._drop_window_page(req, c, i)
             req.win_trimmed[c] = max(req.win_trimmed[c], first)
+
+    def _drop_window_page(self, req: Req, c: str, i: int) -> None:
+        """Let go of the request's page i of window space c: a cached page (owned by the tree)
+        only stops being protected by this request, a private page is freed."""
+        p = req.win_pages[c][i]
+        if p is None:
+            return
+        if i < req.num_cached_pages:
+            self.win_refs[c][p] -= 1
+        else:
+            self.windows[c].allocator.free([p])
+        req.win_pages[c][i] = None
 
     def cache(self, req: Req) -> None:
         """Hand the request's fully computed pages to the prefix cache (keeping them locked for
@@ -240,14 +245,9 @@ class CacheManager:
         private = req.pages[req.num_cached_pages:]
         if private:
             self.allocator.free(private)
-        for c, w in self.windows.items():
-            for i, p in enumerate(req.win_pages.get(c, [])):
-                if p is None:
-                    continue
-                if i < req.num_cached_pages:
-                    self.win_refs[c][p] -= 1
-                else:
-                    w.allocator.free([p])
+        for c in self.windows:
+            for i in range(len(req.win_pages.get(c, []))):
+                self._drop_window_page(req, c, i)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         if req.slot != -1:
