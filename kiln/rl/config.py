@@ -42,6 +42,8 @@ class RLConfig:
     max_new_tokens: int = opt(24, "Most tokens generated per sample.")
     temperature: float = opt(1.0, "Rollout sampling temperature (the trainer divides logits by it too).")
     top_p: float = opt(1.0, "Rollout nucleus sampling (1.0 keeps the policy's distribution exact).")
+    rollout_urls: list[str] = opt([], "Base urls of `kiln serve` instances that do the rollouts (round-robin); "
+                                  "the trainer pushes weights to them over HTTP. Empty: a colocated engine.")
     # Training
     lr: float = opt(1e-5, "AdamW learning rate.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -75,6 +77,9 @@ class RLConfig:
         self.loss = dict(self.loss or {})
         self.engine = dict(self.engine or {})
         self.task_options = dict(self.task_options or {})
+        if isinstance(self.rollout_urls, str):
+            self.rollout_urls = [u for u in self.rollout_urls.split(",") if u]
+        self.rollout_urls = [str(u) for u in (self.rollout_urls or [])]
 
     # ---- building --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -186,6 +191,9 @@ def _convert(typ: Any, value: Optional[str], key: str) -> Any:
         if not isinstance(v, dict):
             raise ValueError(f"--{key} takes a JSON object, got {value!r}")
         return v
+    if get_origin(typ) is list:  # --rollout-urls http://a:1,http://b:2 or a JSON list
+        v = _parse_json_or_str(value)
+        return v if isinstance(v, list) else [u for u in str(v).split(",") if u]
     if typ is int:
         return int(value)
     if typ is float:

@@ -1,4 +1,5 @@
-"""The GRPO loop: rollouts in a colocated `kiln.Engine`, training in `PolicyTrainer`, one process.
+"""The GRPO loop: rollouts in a colocated `kiln.Engine` (or remote `kiln serve`s, `rollout_urls`),
+training in `PolicyTrainer`.
 
 One step (DESIGN.md section 7):
 
@@ -94,25 +95,20 @@ def _rollout_seed(cfg: RLConfig, step: int, j: int) -> int:
 
 def rollout(engine: Any, cfg: RLConfig, step: int, batch: list[dict], routed: bool,
             lora: Optional[str] = None) -> list[dict]:
-    """Generate `samples_per_prompt` samples per prompt; one dict per sample, grouped by prompt."""
+    """Generate `samples_per_prompt` samples per prompt; one dict per sample, grouped by prompt.
+
+    `engine` is a rollout backend (`kiln.rl.rollout.ColocatedRollout` / `RemoteRollout`)."""
     from kiln.engine.request import SamplingParams
 
     ids = [_prompt_ids(engine, b["prompt"], cfg.chat_template) for b in batch]
     params = [SamplingParams(n=cfg.samples_per_prompt, max_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, top_p=cfg.top_p, logprobs=0,
                              seed=_rollout_seed(cfg, step, j)) for j in range(len(batch))]
-    # A LoRA adapter is merged into the engine's weights by sync_lora: no per-request adapter.
-    outs = engine.generate(ids, params, return_routed_experts=routed, use_tqdm=False)
+    outs = engine.generate(ids, params, routed)
     samples = []
-    for j, (b, out) in enumerate(zip(batch, outs)):
-        for o in out.outputs:
-            samples.append({
-                "group": j, "record": b, "prompt": b["prompt"],
-                "prompt_ids": list(out.prompt_token_ids), "output_ids": list(o.token_ids),
-                "text": o.text, "finish_reason": o.finish_reason,
-                "rollout_logp": [lp[0] for lp in (o.logprobs or [])],
-                "routed_experts": o.routed_experts,
-            })
+    for j, (b, group) in enumerate(zip(batch, outs)):
+        for s in group:
+            samples.append({"group": j, "record": b, "prompt": b["prompt"], **s})
     return samples
 
 
@@ -211,12 +207,9 @@ def _f(v: Any) -> Any:
 
 
 def sync_weights(trainer: Any, engine: Any, lora: Optional[str]) -> int:
-    """Push the trainer's weights (or only its adapter) into the engine; returns bytes sent."""
-    from kiln.rl.sync import sync_full, sync_lora
-
-    info = sync_lora(trainer, engine, lora) if lora is not None else sync_full(trainer, engine)
-    engine.flush_cache()  # cached prompt KV came from the old weights (the engine flushes too)
-    return int(info["bytes"])
+    """Push the trainer's weights (or only its adapter) into the rollout backend; returns bytes sent.
+    The backend flushes its prefix cache (cached prompt KV came from the old weights)."""
+    return int(engine.sync_lora(trainer, lora) if lora is not None else engine.sync_full(trainer))
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -361,18 +354,24 @@ def plot_curves(history: list[dict], path: str) -> None:
 
 # ---- the loop --------------------------------------------------------------------------------
 def build(cfg: RLConfig) -> tuple[Any, Any, Optional[str], bool]:
-    """The trainer (LoRA applied when asked) and the engine, with equal starting weights."""
-    from kiln.offline import Engine
+    """The trainer (LoRA applied when asked) and the rollout backend: a colocated engine, or the
+    `kiln serve` instances of `cfg.rollout_urls` (kiln.rl.rollout)."""
+    from kiln.rl.rollout import ColocatedRollout, RemoteRollout
     from kiln.rl.trainer import PolicyTrainer
 
     trainer = _make_trainer(PolicyTrainer, cfg)
     moe = _moe_model_dir(cfg.model_path)
-    engine_opts = dict(cfg.engine)
-    engine_opts.setdefault("seed", cfg.seed)
-    engine_opts.setdefault("log_level", "warning")
-    if moe and cfg.routing_replay:
-        engine_opts["enable_return_routed_experts"] = True
-    engine = Engine(cfg.model_path, **engine_opts)
+    if cfg.rollout_urls:
+        engine: Any = RemoteRollout(cfg.rollout_urls, cfg.model_path)
+    else:
+        from kiln.offline import Engine
+
+        engine_opts = dict(cfg.engine)
+        engine_opts.setdefault("seed", cfg.seed)
+        engine_opts.setdefault("log_level", "warning")
+        if moe and cfg.routing_replay:
+            engine_opts["enable_return_routed_experts"] = True
+        engine = ColocatedRollout(Engine(cfg.model_path, **engine_opts))
     lora = None
     if cfg.lora_rank > 0:
         lora = LORA_NAME
@@ -414,7 +413,8 @@ def run_grpo(cfg: RLConfig) -> list[dict]:
         with open(metrics_path, "w") as fh:
             for h in history:
                 fh.write(json.dumps(h) + "\n")
-        if resume or lora is not None:  # the engine must start from the trainer's weights
+        # The engine must start from the trainer's weights (remote servers may hold anything).
+        if resume or lora is not None or cfg.rollout_urls:
             sync_weights(trainer, engine, lora)
         bar = None
         if cfg.progress:
@@ -440,7 +440,7 @@ def run_grpo(cfg: RLConfig) -> list[dict]:
         if bar is not None:
             bar.close()
         plot_curves(history, os.path.join(cfg.out_dir, CURVES_FILE))
-        run_grpo.last = (trainer, engine)  # type: ignore[attr-defined]  # for export_hf after a run
+        run_grpo.last = (trainer, getattr(engine, "engine", engine))  # type: ignore[attr-defined]  # for export_hf after a run
         return ran
     finally:
         engine.shutdown()
