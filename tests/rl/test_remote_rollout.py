@@ -5,9 +5,6 @@ weight syncs the server's logprobs for a fixed sample equal the trainer's."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -15,17 +12,10 @@ torch = pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
 from kiln.rl import RLConfig, run_grpo  # noqa: E402
+from tests.kiln_server import free_port, kiln_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REWARD = os.path.join(ROOT, "tests", "rl", "test_loop.py") + ":vowel_reward"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,32 +29,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-path", tiny_model, "--port", str(port),
-                             "--device", "cpu", "--log-level", "warning", "--max-total-tokens", "4096",
-                             "--max-running-requests", "8", "--enable-return-routed-experts"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("kiln serve did not become healthy in 120 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kiln_server(["--model-path", tiny_model, "--device", "cpu", "--log-level", "warning",
+                      "--max-total-tokens", "4096", "--max-running-requests", "8",
+                      "--enable-return-routed-experts"], timeout=120, env={"OMP_NUM_THREADS": "1"}) as (url, _):
+        yield url
 
 
 def test_grpo_with_remote_rollouts(tiny_model, server, tmp_path):

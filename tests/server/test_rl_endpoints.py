@@ -3,26 +3,17 @@ updates from tensors and from disk, memory release/resume, pause/continue, LoRA 
 400 on bad input."""
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 import torch
+from tests.kiln_server import kiln_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 ENGINE = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +28,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-path", models[0], "--port", str(port),
-                             "--device", "cpu", "--log-level", "warning", *ENGINE], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("kiln serve did not become healthy in 120 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kiln_server(["--model-path", models[0], "--device", "cpu", "--log-level", "warning", *ENGINE],
+                     timeout=120, env={"OMP_NUM_THREADS": "1"}) as (url, _):
+        yield url
 
 
 def gen(url: str, n: int = 12, ids=PROMPT) -> list[int]:

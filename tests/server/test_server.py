@@ -2,7 +2,6 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -10,16 +9,11 @@ import time
 import httpx
 import openai
 import pytest
+from tests.kiln_server import free_port, kiln_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "SmolLM2-135M-Instruct"
 LONG_PROMPT = "Here is a list of facts about rivers, mountains and oceans of the world. " * 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SERVER = {}
@@ -27,29 +21,9 @@ SERVER = {}
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = SERVER["proc"] = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--port", str(port), "--device", "cpu",
-                             "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("kiln serve did not become healthy in 180 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kiln_server(["--device", "cpu", "--log-level", "warning"]) as (url, proc):
+        SERVER["proc"] = proc
+        yield url
 
 
 @pytest.fixture(scope="module")
