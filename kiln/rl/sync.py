@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kiln.server.client import buckets as weight_buckets
+
 
 def _is_lora(name: str) -> bool:
     return ".lora_" in name
@@ -67,19 +69,6 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield name, t
 
 
-def _buckets(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int):
-    bucket, size = [], 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 @torch.no_grad()
 def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> dict[str, float]:
     """Push every trainer weight into the engine, `bucket_bytes` at a time.
@@ -87,7 +76,7 @@ def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> d
     Returns {"seconds", "bytes", "tensors", "buckets"}. The engine must be idle (no requests)."""
     t0 = time.perf_counter()
     total, tensors, buckets = 0, 0, 0
-    for bucket in _buckets(trainer.named_weights_for_sync(), bucket_bytes):
+    for bucket in weight_buckets(trainer.named_weights_for_sync(), bucket_bytes):
         engine.update_weights_from_tensor(bucket)
         total += sum(t.numel() * t.element_size() for _, t in bucket)
         tensors += len(bucket)

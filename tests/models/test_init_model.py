@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -24,6 +22,7 @@ from kiln.models.init_model import ADDED_TOKENS, init_model, random_state_dict
 from kiln.models.presets import PRESETS, VOCAB_SIZE, get_preset, param_counts
 from kiln.models.reference import packed_forward
 from kiln.models.registry import get_model_class, parse_model_config
+from tests.kiln_server import kiln_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -216,12 +215,6 @@ def test_bench_defaults_to_no_weights(tmp_path):
         resolve_model(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_init_model_then_serve(tmp_path):
     out = str(tmp_path / "inkling-tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -230,24 +223,8 @@ def test_cli_init_model_then_serve(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "6.80 M parameters" in r.stdout and os.path.isfile(os.path.join(out, "model.safetensors"))
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-path", out, "--port", str(port),
-                             "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning",
-                             "--enable-return-routed-experts"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kiln serve exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "kiln serve did not become healthy in 90 s"
-            time.sleep(0.3)
+    with kiln_server(["--model-path", out, "--device", "cpu", "--served-model-name", "tiny", "--log-level",
+                      "warning", "--enable-return-routed-experts"], timeout=90, env=env) as (url, _):
         body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.0}
         resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
@@ -262,10 +239,3 @@ def test_cli_init_model_then_serve(tmp_path):
         routed = resp.json()["meta_info"]["routed_experts"]
         moe_layers = 6 - 1  # tiny Inkling: 6 layers, the first dense
         assert len(routed) == 20 + 3 - 1 and all(len(t) == moe_layers and len(t[0]) == 2 for t in routed)
-    finally:
-        proc.terminate()  # by pid
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
