@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
@@ -260,18 +260,17 @@ class Scheduler:
                 logit_rows.append(row + end - 1 - start)
             row += end - start
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
+        slots = [r.slot for r, _, _ in plan]
+        t = int64_to_device({"ids": ids, "pos": pos, "logits": logit_rows, "slots": slots, "locs": locs,
+                             **{f"win:{c}": v for c, v in win_locs.items()}}, dev)
         batch = ForwardBatch(
-            mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            prefix_lens=[s for _, s, _ in plan],
-            extend_lens=[e - s for _, s, e in plan],
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            req_slots=torch.tensor([r.slot for r, _, _ in plan], dtype=torch.long, device=dev),
-            out_cache_loc=torch.tensor(locs, dtype=torch.long, device=dev),
-        )
-        batch.win_out_locs = {c: torch.tensor(v, dtype=torch.long, device=dev) for c, v in win_locs.items()}
-        batch.extras["req_slots_cpu"] = [r.slot for r, _, _ in plan]
+            mode=mode, input_ids=t["ids"], positions=t["pos"],
+            prefix_lens=[s for _, s, _ in plan], extend_lens=[e - s for _, s, e in plan],
+            logits_indices=t["logits"], req_slots=t["slots"], out_cache_loc=t["locs"],
+            win_out_locs={c: t[f"win:{c}"] for c in win_locs})
+        batch.extras["req_slots_cpu"] = slots
+        if self.runner.needs_device_metadata:
+            batch.attach_device_metadata(dev)
         logits = self.runner.forward(batch)
         for r, start, end in plan:
             r.num_computed = end
