@@ -17,7 +17,7 @@ from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, Tok
 from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
-from kiln.kernels import kernels_supported
+from kiln.kernels import interpreting, kernels_supported
 from kiln.loader import ModelSource, init_dummy_weights, iter_weights
 from kiln.models.registry import get_model_class, parse_model_config
 
@@ -27,7 +27,11 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, pc: ParallelContext = SINGLE):
         self.config = config
+        assert pc.tp_size == config.tp_size, f"tp_size {config.tp_size} but the parallel context has {pc.tp_size} ranks"
+        self.pc = pc
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and pc.tp_size > 1:
+            self.device = torch.device("cuda", pc.tp_rank)
         self.dtype = config.resolved_dtype()
         self.model_config = parse_model_config(source.config)
         self.context_length = config.context_length or self.model_config.max_position_embeddings
@@ -52,6 +56,8 @@ class ModelRunner:
 
     def _want_kernels(self) -> bool:
         choice = self.config.kernel_backend
+        if choice == "triton" and self.device.type == "cpu" and interpreting():
+            return True  # tests: the engine's kernel path under Triton's CPU interpreter
         if choice == "reference" or self.device.type != "cuda":
             return False
         if not kernels_supported(self.device):
@@ -132,6 +138,7 @@ class ModelRunner:
                 budget = cfg.cpu_kv_cache_gb * 1e9
             fixed = sum(floor[c] * per_token[c] for c in floor)
             main = int(max(budget - fixed, 0) // (per_token["main"] + sum(ratio[c] * per_token[c] for c in ratio)))
+        main = self.pc.min_int(main)  # every rank must hold the same pages (same scheduler decisions)
         if main < 2 * ps:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
                              "--mem-fraction-static / --max-total-tokens")
