@@ -5,7 +5,7 @@ bound on the context that only sizes the grid. Each program handles one (sequenc
 split) and all G query heads sharing that KV head, so every K/V byte is read once per step and
 the G x BLOCK_N scores come from one `tl.dot` (G padded to 16 rows, the smallest MMA tile).
 Splits partition each sequence's visible keys (the whole context, or the last W keys with a
-sliding window) into NUM_SPLITS equal chunks; a second kernel merges the per-split partial
+sliding window) into num_splits equal chunks; a second kernel merges the per-split partial
 results by their log-sum-exp. With one split the first kernel writes the output directly.
 
 Graph capture: the grid depends only on shapes and host ints (B, Hkv, `max_len`), never on
@@ -74,52 +74,96 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Launch shape, tuned on an H200 (benchmarks/kernels/attention.py); module attributes so that a
+# sweep can override them. Splits aim at MIN_PROGRAMS_PER_SM (sequence, kv head, split) programs
+# per SM, more (up to MAX_PROGRAMS_PER_SM) while each split keeps SPLIT_KEYS keys: short
+# programs spend a larger share on their start (three dependent loads before the first key).
+MIN_PROGRAMS_PER_SM = 4
+MAX_PROGRAMS_PER_SM = 8
+SPLIT_KEYS = 512
+MAX_SPLITS = 128
+
+
+def decode_config(block_d: int, device: torch.device) -> dict:
+    """Keys per loop step, warps and pipeline stages of the decode kernel."""
+    if device.type != "cuda":  # the interpreter: small blocks so tiny tests span several
+        return dict(block_n=16, num_warps=4, num_stages=1)
+    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
+
+
 def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
-    """How many chunks each sequence's keys are split into: enough programs to fill the GPU about
-    four times over, but no chunk shorter than MIN_SPLIT_KEYS keys (the merge is not free)."""
-    MIN_SPLIT_KEYS, MAX_SPLITS = 128, 128
+    """How many chunks each sequence's keys are split into (see MIN_PROGRAMS_PER_SM)."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    want = triton.cdiv(4 * sms, max(1, batch * kv_heads))
-    return max(1, min(want, triton.cdiv(max(max_keys, 1), MIN_SPLIT_KEYS), MAX_SPLITS))
+    programs = max(1, batch * kv_heads)
+    low = triton.cdiv(MIN_PROGRAMS_PER_SM * sms, programs)
+    high = triton.cdiv(MAX_PROGRAMS_PER_SM * sms, programs)
+    splits = min(high, max(low, triton.cdiv(max_keys, SPLIT_KEYS)))
+    # Never more splits than BLOCK_N-key blocks (64 keys at least per split).
+    return max(1, min(splits, triton.cdiv(max(max_keys, 1), 64), MAX_SPLITS))
 
 
 @triton.jit
-def _split_len(seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """First visible key and keys per split (a multiple of BLOCK_N) of one sequence. Both kernels
     call this, so the merge sees exactly the splits the attention kernel wrote."""
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     return lo, tl.maximum(per_split, BLOCK_N)
+
+
+@triton.jit
+def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
+                 scale_log2, rel_row, g_mask, d_mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 APPLY_REL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one). rel_row
+    points at each head's bias for distance 0 shifted by the query position: rel_row - pos."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = n0 + offs_n
+    n_mask = pos < end
+    slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if APPLY_REL:
+        bias = tl.load(rel_row - pos[None, :], mask=g_mask[:, None] & n_mask[None, :], other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
     Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel,
-    scale_log2, window, rel_len,
+    scale_log2, window, rel_len, num_splits,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_REL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    if NUM_SPLITS > 1:
+    if SPLIT:
         if start >= end:  # past this sequence's keys (the merge skips this split)
             return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -134,30 +178,24 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_REL:
-            dist = query_pos - pos
-            r_mask = g_mask[:, None] & (n_mask & (dist < rel_len))[None, :]
-            bias = tl.load(Rel + b * stride_relb + heads[:, None] * stride_relh + dist[None, :],
-                           mask=r_mask, other=0.0)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys at distance >= R get no bias: only the last R keys (a tail of the range) pay for
+    # loading it, in a second loop.
+    rel_start = end
+    if HAS_REL:
+        rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), end)
+    rel_row = Rel + b * stride_relb + heads[:, None] * stride_relh + query_pos
+    for n0 in range(start, rel_start, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, n0, rel_start, m_i, l_i, acc, token_row, k_base, v_base,
+                                     stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
+                                     BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+    if HAS_REL:
+        for n0 in range(rel_start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
+                                         stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
+                                         BLOCK_N, BLOCK_D, True, DOT_PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # l_i is 0 only for an empty sequence (seq_len 0, e.g. graph padding): write zeros.
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -171,17 +209,17 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    Out, MidO, MidLse, SeqLens, window,
+    Out, MidO, MidLse, SeqLens, window, num_splits,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Out[b, h] = sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s - m) over the splits that held
     keys of sequence b (the others were never written)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
     n_splits = tl.cdiv(tl.maximum(seq_len - lo, 0), per_split)
     offs_s = tl.arange(0, BLOCK_S)
     lse_row = MidLse + b * stride_lb + h * stride_lh
@@ -233,9 +271,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_keys = min(max_keys, sliding_window)
     if num_splits is None:
         num_splits = pick_num_splits(b, hkv, max_keys, q.device)
-    block_n = 64 if block_d <= 128 else 32
-    if q.device.type != "cuda":  # the interpreter: small blocks so tiny tests span several
-        block_n = 16
+    cfg = decode_config(block_d, q.device)
+    block_n = cfg["block_n"]
     if rel is not None:
         assert rel.shape[:2] == (b, hq), f"rel must be [B, Hq, R], got {tuple(rel.shape)}"
         rel = rel if rel.stride(-1) == 1 else rel.contiguous()
@@ -248,22 +285,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = sliding_window if sliding_window is not None else 0
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg,
-        scale * LOG2E, window, rel.shape[2] if rel is not None else 0,
+        scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, DOT_PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_kernel[(b, hq)](
-            out, mid_o, mid_lse, seq_lens, window,
+            out, mid_o, mid_lse, seq_lens, window, num_splits,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=sliding_window is not None,
             num_warps=4 if block_d >= 128 else 2,
         )

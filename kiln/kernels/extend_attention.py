@@ -18,6 +18,15 @@ import triton.language as tl
 from kiln.kernels.decode_attention import LOG2E, dot_precision, head_dim_block
 
 
+def extend_config(block_d: int, device: torch.device) -> dict:
+    """Query rows and keys per block, warps and pipeline stages of the extend kernel."""
+    if device.type != "cuda":  # the interpreter is slow per element; keep CPU tests quick
+        return dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if block_d <= 128:
+        return dict(block_m=64, block_n=32, num_warps=4, num_stages=3)
+    return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqSlots, PrefixLens, ExtendLens, ExtendStarts, Rel,
@@ -126,9 +135,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert rel.shape[:2] == (t, hq), f"rel must be [T, Hq, R], got {tuple(rel.shape)}"
         rel = rel if rel.stride(-1) == 1 else rel.contiguous()
     rel_arg = rel if rel is not None else q  # never read without HAS_REL
-    block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
-    if q.device.type != "cuda":  # the interpreter is slow per element; keep CPU tests quick
-        block_m, block_n = 16, 16
+    cfg = extend_config(block_d, q.device)
+    block_m = cfg["block_m"]
     grid = (b, hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts,
@@ -137,9 +145,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
         HAS_WINDOW=sliding_window is not None, HAS_REL=rel is not None,
-        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=4 if block_d <= 64 else 8,
-        num_stages=2,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
