@@ -212,7 +212,7 @@ def _merge_kernel(
     Out, MidO, MidLse, SeqLens, window, num_splits,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Out[b, h] = sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s - m) over the splits that held
     keys of sequence b (the others were never written)."""
@@ -229,11 +229,16 @@ def _merge_kernel(
     denom = tl.sum(tl.exp2(lse - m), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    o_row = MidO + b * stride_mb + h * stride_mh + offs_d
+    offs_t = tl.arange(0, SPLIT_TILE)
+    o_rows = MidO + b * stride_mb + h * stride_mh + offs_d[None, :]
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp2(tl.load(lse_row + s) - m)
-        acc += w * tl.load(o_row + s * stride_ms, mask=d_mask, other=0.0)
+    # SPLIT_TILE splits per step: one load each instead of a chain of small dependent ones.
+    for s0 in range(0, n_splits, SPLIT_TILE):
+        t_mask = s0 + offs_t < n_splits
+        w = tl.exp2(tl.load(lse_row + s0 + offs_t, mask=t_mask, other=float("-inf")) - m)
+        o = tl.load(o_rows + (s0 + offs_t)[:, None] * stride_ms, mask=t_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
     acc = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, acc.to(Out.dtype.element_ty), mask=d_mask)
 
@@ -300,8 +305,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, mid_o, mid_lse, seq_lens, window, num_splits,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=sliding_window is not None,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+            SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), HAS_WINDOW=sliding_window is not None,
             num_warps=4 if block_d >= 128 else 2,
         )
     return out

@@ -108,11 +108,11 @@ def test_decode(device, group, case):
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 20])
 def test_decode_cpu_splits(num_splits):
     # One split writes the output directly; more splits than a short sequence has blocks leave
-    # some splits empty, which the merge must skip.
-    _check_decode("cpu", [3, 70, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits)
+    # some splits empty, which the merge must skip; 20 splits of the long one take two merge steps.
+    _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits)
 
 
 @interpreter_only
