@@ -30,10 +30,13 @@ def _km():
 
 
 def _shape(device):
-    """(H, I, dtype, atol/rtol): tiny fp32 on the interpreter, the bench MoE in bf16 on CUDA."""
+    """(H, I, dtype, atol, rtol): tiny fp32 on the interpreter, the bench MoE in bf16 on CUDA.
+    bf16: outputs are O(1) and both sides round differently inside (the reference rounds the GEMM
+    outputs to bf16, the kernels keep them fp32), so over millions of elements a few differ by
+    a couple of output ulps (2^-7 at 2); a routing bug is off by O(1) on whole rows."""
     if device == "cpu":
-        return 32, 16, torch.float32, 1e-5
-    return 2048, 512, torch.bfloat16, 2e-2
+        return 32, 16, torch.float32, 1e-5, 1e-5
+    return 2048, 512, torch.bfloat16, 5e-2, 2e-2
 
 
 def _weights(E, H, I, dtype, device, gen, shared_inter=0):
@@ -55,7 +58,7 @@ def _routing(T, E, k, gen, device, pool=None):
 
 def _check_experts(device, T, E, k, S, pool=None, shared_mult=1, shared_weighted=True, seed=0,
                    H=None, I=None):
-    h, i, dtype, tol = _shape(device)
+    h, i, dtype, atol, rtol = _shape(device)
     H, I = H or h, I or i
     gen = torch.Generator().manual_seed(seed)
     w13, w2, sw13, sw2 = _weights(E, H, I, dtype, device, gen, shared_inter=S * I * shared_mult)
@@ -69,11 +72,12 @@ def _check_experts(device, T, E, k, S, pool=None, shared_mult=1, shared_weighted
         want = want + ref.shared_experts_ref(x, sw13, sw2, sw)
     got = _km().fused_experts(x, w13, w2, ids, w, shared=shared)
     assert got.dtype == dtype and got.shape == (T, H)
-    torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=atol, rtol=rtol)
     # out_dtype=fp32 keeps the fp32 sum (the layers add shared experts / all-reduce in fp32).
     got32 = _km().fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32, shared=shared)
     assert got32.dtype == torch.float32
-    torch.testing.assert_close(got32, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got32, want, atol=atol, rtol=rtol)
+    assert (got32 - want).norm() <= 1e-2 * want.norm()  # and small overall, not just elementwise
 
 
 @pytest.mark.parametrize("device", DEVICES)
