@@ -5,8 +5,10 @@
 
 Shapes: the MiniMax-M3 bench preset per rank (Hq=16, Hkv=G=4, D=DI=128, block 128, N=16), bf16,
 every sequence at the full context, each position at a random cache slot (fragmented pages).
-Times are medians of `triton.testing.do_bench`: the eager call (4 launches), the same call
-replayed from a CUDA graph (how the engine's decode runs), and each kernel alone. GB/s counts
+Times are medians of `triton.testing.do_bench`: the eager call (4 launches, at small sizes bound
+by the host's launch cost), the same call replayed from a CUDA graph (how the engine's decode
+runs), and each step alone replayed from a graph (`do_bench_cudagraph`; "attn" includes the
+split merge). GB/s counts
 the bytes the step must read: every index key of every sequence, plus K and V of the selected
 tokens (at most N*B per sequence and kv head); tables, queries and scores are left out.
 """
@@ -53,6 +55,10 @@ def main(argv=None) -> None:
     ki_cache = torch.randn(slots, g, di, device=dev, dtype=dtype, generator=gen)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
 
+    def graphed(fn):
+        torch.cuda.synchronize()  # do_bench_cudagraph runs fn on a stream of its own
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# Hq={hq} G={g} D={d} DI={di} block={block} N={topk} {dtype}; times in ms (median)")
     cols = ["B", "ctx", "ref", "eager", "graph", "speedup", "GB/s", "scores", "select", "attn"]
@@ -75,10 +81,10 @@ def main(argv=None) -> None:
             q_pos = seq_lens - 1
             scores = K.msa_decode_scores(qI, ki_cache, table, req_slots, q_pos, block)
             sel = K.msa_select(scores, q_pos, block, topk)
-            t_scores = bench(lambda: K.msa_decode_scores(qI, ki_cache, table, req_slots, q_pos, block))
-            t_select = bench(lambda: K.msa_select(scores, q_pos, block, topk))
-            t_attn = bench(lambda: K.msa_sparse_attention(q, k_cache, v_cache, table, req_slots, q_pos, sel,
-                                                          block, scale))
+            t_scores = graphed(lambda: K.msa_decode_scores(qI, ki_cache, table, req_slots, q_pos, block))
+            t_select = graphed(lambda: K.msa_select(scores, q_pos, block, topk))
+            t_attn = graphed(lambda: K.msa_sparse_attention(q, k_cache, v_cache, table, req_slots, q_pos, sel,
+                                                            block, scale))
             t_ref = float("nan")
             if not args.no_reference:
                 ref_call = lambda: R.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, table,  # noqa: E731
