@@ -10,8 +10,7 @@ the model's `state_specs()`:
 The math is the reference ops in `kiln.ops`; only the addressing lives here. With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
 batch's lengths from device tensors (`ForwardBatch.attach_device_metadata`) so that a decode step
-has no host synchronisation and can be replayed from a CUDA graph. Chunked prefill of MSA layers
-keeps the reference op (its selection loops per sequence on the host).
+has no host synchronisation and can be replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -129,9 +128,15 @@ class PagedBackend:
         k_cache[loc] = k.to(k_cache.dtype)
         v_cache[loc] = v.to(v_cache.dtype)
         ki_cache[loc] = kI.to(ki_cache.dtype)
-        if self.use_kernels and batch.mode == ForwardMode.DECODE:
-            return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
-                                         batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale)
+        if self.use_kernels:
+            if batch.mode == ForwardMode.DECODE:
+                return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
+                                             batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale)
+            # A tight bound on the blocks any sequence spans keeps the score grid small.
+            max_len = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+            return self.k_msa.msa_extend(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
+                                         batch.prefix_lens_t, batch.extend_lens_t, batch.extend_starts_t,
+                                         layer.block_size, layer.topk_blocks, layer.scale, max_len=max_len)
         slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
         return msa_ops.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], slots,
                                            batch.prefix_lens, batch.extend_lens, layer.block_size,

@@ -63,6 +63,15 @@ from kiln.engine.request import Req
 from kiln.kernels import kernels_supported
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA through pinned memory.
+    A copy from pageable memory can block until the stream drains, which would serialise the
+    scheduler behind the forward it has just queued (overlap scheduling)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def make_generator(seed: int, device) -> torch.Generator:
     """A torch generator on `device` seeded with `seed` (one per seeded request)."""
     g = torch.Generator(device=torch.device(device))
@@ -124,17 +133,18 @@ class SamplingBatch:
             num_top.append(p.logprobs if p.logprobs is not None else -1)
             greedy.append(p.greedy)
 
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32).to(device, non_blocking=True)
-
+        # One copy for the six float columns, one for top-k, both from pinned memory (see to_device).
+        floats = to_device(torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
+                           .reshape(6, -1), device)
+        temps_t, top_ps_t, min_ps_t, reps_t, freqs_t, press_t = floats.unbind(0)
         return cls(
-            temperatures=f32(temps),
-            top_ps=f32(top_ps),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
-            min_ps=f32(min_ps),
-            repetition_penalties=f32(reps),
-            frequency_penalties=f32(freqs),
-            presence_penalties=f32(press),
+            temperatures=temps_t,
+            top_ps=top_ps_t,
+            top_ks=to_device(torch.tensor(top_ks, dtype=torch.int64), device),
+            min_ps=min_ps_t,
+            repetition_penalties=reps_t,
+            frequency_penalties=freqs_t,
+            presence_penalties=press_t,
             generators=gens,
             prompt_token_ids=prompts,
             output_token_ids=outputs,
@@ -167,7 +177,7 @@ def _flat_ids(lists: list[list[int]], vocab: int, device) -> Optional[torch.Tens
         return None
     ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lengths))
-    return (rows * vocab + ids).to(device, non_blocking=True)
+    return to_device(rows * vocab + ids, device)
 
 
 def _counts(flat: torch.Tensor, shape, device) -> torch.Tensor:
@@ -289,7 +299,7 @@ class Sampler:
             if len(rows) == B:
                 xs, idx = x, None
             else:
-                idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+                idx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
                 xs = x.index_select(0, idx)
                 params = tuple(t.index_select(0, idx) for t in params)
             e = self._exponentials([batch.generators[i] for i in rows], V, dev)
