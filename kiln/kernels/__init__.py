@@ -35,3 +35,33 @@ def kernels_supported(device: torch.device | str) -> bool:
     """Whether the engine should use Triton kernels for tensors on `device`: CUDA with Triton.
     The interpreter is for tests only; the CPU engine keeps the reference ops."""
     return torch.device(device).type == "cuda" and triton_available()
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
+    with int(array), which NumPy >= 2.4 refuses, so `range(start, end)` over tensor bounds fails
+    there. Make its tensor __index__ use .item() (the compiled path is unaffected)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return  # older NumPy: nothing to fix
+    except TypeError:
+        pass
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.kiln_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# Every kernel module imports this package first, so the interpreter is fixed before any kernel
+# runs under it.
+if interpreting() and triton_available():
+    _patch_interpreter_scalar_index()

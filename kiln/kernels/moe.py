@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels import interpreting
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
 _INT32_MAX = tl.constexpr(2147483647)
@@ -45,35 +44,6 @@ _INT32_MAX = tl.constexpr(2147483647)
 # tl.histogram sees no replicated elements), at most this many (tests lower it to cover the
 # carry of ranks across steps with few tokens).
 ALIGN_CHUNK_MAX = 2048
-
-
-def _patch_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
-    with int(array), which NumPy >= 2.4 refuses, so `range(0, n)` over a runtime bound fails there.
-    Make its tensor __index__ use .item() (the compiled path is unaffected). The same patch as
-    kiln.kernels.decode_attention's; the `kiln_patched` mark keeps it from being applied twice."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:
-        int(np.ones(1, dtype=np.int32))
-        return  # older NumPy: nothing to fix
-    except TypeError:
-        pass
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "kiln_patched", False):
-        return
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patch_lang_tensor.kiln_patched = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-if interpreting():
-    _patch_interpreter_scalar_index()
 
 
 @dataclass(frozen=True)

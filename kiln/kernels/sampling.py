@@ -50,37 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels import interpreting
 
 CAP = 4096  # scratch tokens per row: the search leaves whole-row passes once the bracket fits
-
-
-def _patch_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
-    with int(array), which NumPy >= 2.4 refuses, so `range(0, n)` over a runtime bound fails there.
-    Same patch, same marker as kiln.kernels.shortconv / decode_attention (applied once)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:
-        int(np.ones(1, dtype=np.int32))
-        return
-    except TypeError:
-        pass
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "kiln_patched", False):
-        return
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patch_lang_tensor.kiln_patched = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-if interpreting():
-    _patch_interpreter_scalar_index()
 
 
 # ------------------------------------------------------------------------------ device helpers
