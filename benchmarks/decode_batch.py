@@ -5,7 +5,7 @@
         --input-len 8192 --output-len 1024 --dummy-init auto
     python benchmarks/decode_batch.py --model-path benchmarks/configs/llama-3.1-8b --batch-sizes 64 \
         --input-len 1024 --output-len 256 --profile
-    python benchmarks/decode_batch.py --quick --device cpu           # CPU smoke run (tiny preset)
+    python benchmarks/decode_batch.py --quick --device cpu --model-path preset:inkling/tiny   # CPU smoke run
 
 For each batch size B, B requests of `--input-len` random tokens generate exactly `--output-len`
 tokens each (ignore_eos, greedy), all submitted at once. Reported per B:
@@ -140,8 +140,6 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.quick and args.model_path is None:
-        args.model_path = "preset:inkling/tiny"
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("2,4" if args.quick else "8,32,64,128")).split(",")]
     args.input_len = args.input_len or (32 if args.quick else 8192)
     args.output_len = args.output_len or (8 if args.quick else 1024)

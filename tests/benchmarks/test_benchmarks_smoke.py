@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import common  # noqa: E402
+import decode_batch  # noqa: E402
 import hf_baseline  # noqa: E402
 import latency  # noqa: E402
 import offline_throughput  # noqa: E402
@@ -115,3 +116,30 @@ def test_latency_quick(tiny_dir, tmp_path, one_thread, capsys):
     text = capsys.readouterr().out
     assert "Batch-1 latency" in text and "roofline" in text
     assert json.loads(out.read_text())["meta"]["benchmark"] == "latency"
+
+
+def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
+    out = tmp_path / "decode.json"
+    result = decode_batch.main(["--model-path", tiny_dir, "--quick", "--device", "cpu", "--threads", "1",
+                                "--out", str(out)])
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    for r in rows:
+        for key in ("prefill_s", "step_ms", "decode_tok_s", "total_tok_s", "roofline_tok_s", "frac_of_roofline"):
+            assert _positive(r[key]), (r["batch"], key, r[key])
+        assert r["gpu_idle_frac"] is None  # profiling is CUDA-only
+    # More sequences read more state per step, so the batch-4 roofline is higher but not 2x+.
+    assert rows[0]["roofline_tok_s"] < rows[1]["roofline_tok_s"] < 2.01 * rows[0]["roofline_tok_s"]
+    assert "Decode at fixed batch" in capsys.readouterr().out
+    assert json.loads(out.read_text())["meta"]["benchmark"] == "decode_batch"
+
+
+def test_gpu_idle_fraction_union():
+    """The idle fraction counts overlapping GPU intervals once."""
+    class Ev:
+        def __init__(self, s, e):
+            self.device_type = "DeviceType.CUDA"
+            self.time_range = type("R", (), {"start": s, "end": e, "elapsed_us": lambda self: e - s})()
+
+    prof = type("P", (), {"events": lambda self: [Ev(0, 10), Ev(5, 20), Ev(30, 40)]})()
+    assert decode_batch.gpu_idle_fraction(prof) == pytest.approx(1 - 30 / 40)
