@@ -56,12 +56,13 @@ def greedy(core, reqs, max_tokens=5):
 def test_kernel_path_equals_reference(arch_dir):
     # Prompts longer than the tiny sliding window (16) and MSA's selection start (32 tokens),
     # chunked (chunk 24 < prompt) so that extends have a cached prefix.
-    reqs = prompts(3, seed=1, lo=30, hi=60)
+    # The interpreter runs MSA's kernels slowly: MiniMax-M3 gets two short-ish prompts.
+    reqs = prompts(2, seed=1, lo=34, hi=44) if "minimax" in arch_dir else prompts(3, seed=1, lo=30, hi=60)
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
-    want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs)
+    want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     core = make_core(arch_dir, kernel_backend="triton", **kw)
     assert core.runner.use_kernels
-    got_out, got_rows = greedy(core, reqs)
+    got_out, got_rows = greedy(core, reqs, max_tokens=4)
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
