@@ -14,6 +14,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
+from kiln.engine.cache.hicache import HiCacheConfig, build_hicache
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
@@ -41,6 +42,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None):
         self.config = config
+        hicache = HiCacheConfig.from_engine_config(config)  # bad HiCache flags fail before loading
         source = source or resolve_model(config.model_path, config.load_format)
         self.runner = ModelRunner(config, source)
         mc = self.runner.model_config
@@ -50,6 +52,8 @@ class EngineCore:
         tree = None if config.disable_radix_cache else RadixCache(
             allocator, config.page_size, {w.name: w.allocator for w in windows})
         self.cache = CacheManager(allocator, self.runner.req_to_token, tree, windows)
+        if hicache is not None:
+            self.cache.hicache = build_hicache(hicache, tree, self.runner, source, config)
         eos = eos_token_ids(source.model_dir, source.config, None)
         self.info = ModelInfo(
             name=config.served_model_name or source.name, model_dir=source.model_dir,

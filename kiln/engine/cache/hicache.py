@@ -1,0 +1,525 @@
+"""`HiCache`: host-memory (L2) and disk (L3) tiers under the prefix cache, for every component.
+
+The radix tree (`radix.py`) records where each node's data lives; this module decides when data
+moves and moves it (SGLang's HiCache, over typed components: full KV, MSA index keys,
+sliding-window KV and ShortConv inputs).
+
+Device -> host, by `--hicache-write-policy`:
+- write_through: a node is copied when it is cached (inserted);
+- write_through_selective: once matches have used it SELECTIVE_THRESHOLD times;
+- write_back: when it is evicted from the device.
+A device eviction keeps a node that has a host copy (host-only); other nodes leave the tree. When
+the host pool is full, host copies of nodes still on the device are dropped first (no data is
+lost), then host-only leaves leave the tree, least recently used first.
+
+Host -> device: a match that reaches host-only nodes gets device pages for them and copies the
+data back before the forward that needs it (`CacheManager.match`, `HostPool.before_forward`).
+
+Windowed components (sliding-window KV, ShortConv inputs) only matter in the window before the
+boundary where a request resumes. A node's host copy of windowed data covers the window before
+its end (`tail`: chunked prefills and finished requests create nodes whose ends are exactly the
+boundaries later requests resume from); pages outside it stay tombstones on the host. A boundary
+is valid when every windowed page of its window is on the device or on the host.
+
+Disk (`--hicache-storage-backend file`): a node's pages are written once it is on the host, keyed
+by chained page hashes (`storage.py`); when a request is matched, the pages after its local match
+are looked up on disk, read into the host pool as a host-only leaf, then loaded back like any
+host hit. Reads are synchronous in this implementation, so `best_effort` behaves like
+`wait_complete`: every consecutive page found is read before the request is scheduled;
+`timeout` stops reading once PREFETCH_TIMEOUT_BASE_S + PREFETCH_TIMEOUT_PER_PAGE_S x pages has
+passed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from kiln.engine.cache.allocator import check_owners
+from kiln.engine.cache.host_pool import HostPool, device_spaces
+from kiln.engine.cache.radix import RadixCache, TreeNode
+from kiln.engine.cache.storage import FileStorage, default_storage_dir, model_namespace, page_hash
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_BACKENDS = ("file",)
+SELECTIVE_THRESHOLD = 2  # matches before write_through_selective copies a node to the host
+PREFETCH_TIMEOUT_BASE_S = 0.2
+PREFETCH_TIMEOUT_PER_PAGE_S = 0.002
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """The HiCache options of `EngineConfig`, checked."""
+
+    ratio: float = 2.0
+    size_gb: float = 0.0  # > 0 overrides ratio
+    write_policy: str = "write_through"
+    storage_backend: Optional[str] = None
+    storage_dir: Optional[str] = None
+    prefetch_policy: str = "best_effort"
+
+    @classmethod
+    def from_engine_config(cls, cfg) -> Optional["HiCacheConfig"]:
+        """None when HiCache is off; ValueError naming the flag for any bad combination."""
+        hc = cls(cfg.hicache_ratio, cfg.hicache_size, cfg.hicache_write_policy, cfg.hicache_storage_backend,
+                 cfg.hicache_storage_dir, cfg.hicache_storage_prefetch_policy)
+        if not cfg.enable_hierarchical_cache:
+            default = cls()
+            changed = [flag for flag, a, b in (
+                ("--hicache-ratio", hc.ratio, default.ratio), ("--hicache-size", hc.size_gb, default.size_gb),
+                ("--hicache-write-policy", hc.write_policy, default.write_policy),
+                ("--hicache-storage-backend", hc.storage_backend, None),
+                ("--hicache-storage-dir", hc.storage_dir, None),
+                ("--hicache-storage-prefetch-policy", hc.prefetch_policy, default.prefetch_policy)) if a != b]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} need(s) --enable-hierarchical-cache")
+            return None
+        if cfg.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache extends the prefix cache; it cannot be combined "
+                             "with --disable-radix-cache")
+        if not hc.ratio > 0:
+            raise ValueError(f"--hicache-ratio must be > 0 (host pool = ratio x device pool), got {hc.ratio}")
+        if hc.size_gb < 0:
+            raise ValueError(f"--hicache-size must be >= 0 GB (0: use --hicache-ratio), got {hc.size_gb}")
+        for flag, value, allowed in (("--hicache-write-policy", hc.write_policy, WRITE_POLICIES),
+                                     ("--hicache-storage-prefetch-policy", hc.prefetch_policy, PREFETCH_POLICIES)):
+            if value not in allowed:
+                raise ValueError(f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
+        if hc.storage_backend is not None and hc.storage_backend not in STORAGE_BACKENDS:
+            raise ValueError(f"--hicache-storage-backend must be one of {', '.join(STORAGE_BACKENDS)}; "
+                             f"got {hc.storage_backend!r}")
+        if hc.storage_dir is not None and hc.storage_backend is None:
+            raise ValueError("--hicache-storage-dir needs --hicache-storage-backend file")
+        return hc
+
+
+@dataclass
+class HiCacheStats:
+    """Lower-tier gauges and counters, in pages."""
+
+    host_used_pages: int = 0
+    host_total_pages: int = 0
+    backed_up_pages: int = 0  # device -> host
+    loaded_pages: int = 0  # host -> device
+    disk_written_pages: int = 0
+    disk_read_pages: int = 0
+
+
+class HiCache:
+    def __init__(self, cfg: HiCacheConfig, tree: RadixCache, host: HostPool, histories: dict[str, int],
+                 storage: Optional[FileStorage] = None, root_hash: str = ""):
+        self.cfg = cfg
+        self.tree = tree
+        tree.tiers = self
+        self.host = host
+        self.histories = histories  # window space -> tokens of history a query reads
+        self.storage = storage
+        self.root_hash = root_hash or (storage.namespace if storage else "")
+        self.page_size = tree.page_size
+        self.stats = HiCacheStats()
+
+    # ---- policy hooks (called by the manager and the tree) -----------------------------------
+    def _wants_host(self, node: TreeNode) -> bool:
+        return self.cfg.write_policy != "write_through_selective" or node.hits >= SELECTIVE_THRESHOLD
+
+    def on_insert(self, node: TreeNode) -> None:
+        if self.cfg.write_policy == "write_through":
+            self.backup(node)
+
+    def on_hit(self, node: TreeNode) -> None:
+        """A request was admitted on the path to `node`."""
+        while node is not self.tree.root:
+            node.hits += 1
+            if self.cfg.write_policy == "write_through_selective" and node.hits >= SELECTIVE_THRESHOLD:
+                self.backup(node)
+            node = node.parent
+
+    def on_evict(self, node: TreeNode) -> bool:
+        if node.host is None and self._wants_host(node):
+            self.backup(node)
+        return node.host is not None
+
+    def on_window_evict(self, node: TreeNode, comp: str, j: int) -> None:
+        # write_back and selective copy on eviction; write_through already copied the tail.
+        if node.host_win[comp][j] is None and self._wants_host(node) and j in self.tail(node, comp):
+            self._backup_window(node, comp, [j])
+
+    def on_adopt(self, node: TreeNode) -> None:
+        # The request computed these tokens again; its values may differ from the host copy in
+        # the last bits (other batch shapes), so the host copy is refreshed to keep one version.
+        self.host.to_host("main", node.pages, node.host)
+        for c, w in node.win.items():
+            both = [(d, h) for d, h in zip(w, node.host_win[c]) if d is not None and h is not None]
+            self.host.to_host(c, [d for d, _ in both], [h for _, h in both])
+
+    def free_host(self, node: TreeNode) -> None:
+        if node.host is not None:
+            self.host.spaces["main"].allocator.free(node.host)
+            node.host = None
+        for c, w in node.host_win.items():
+            self.host.spaces[c].allocator.free([p for p in w if p is not None])
+            node.host_win[c] = [None] * len(w)
+
+    # ---- device -> host ------------------------------------------------------------------------
+    def tail(self, node: TreeNode, comp: str) -> range:
+        """Pages of `node` inside the window before its end (what a boundary there needs)."""
+        ps, n = self.page_size, len(node.pages)
+        start = self.tree.depth(node)
+        first = max(0, (start + n) * ps - self.histories[comp]) // ps
+        return range(max(first - start, 0), n)
+
+    def backup(self, node: TreeNode) -> bool:
+        """Give a device node a host copy (main pages, and its windowed tail) and write it to
+        disk. False if the host pool has no room for the main pages."""
+        if not node.on_device:
+            return node.host is not None
+        if node.host is None:
+            hp = self._alloc_host("main", len(node.pages))
+            if hp is None:
+                return False
+            self.host.to_host("main", node.pages, hp)
+            node.host = hp
+            self.stats.backed_up_pages += len(hp)
+        for c in node.win:
+            self._backup_window(node, c, self.tail(node, c))
+        if self.storage is not None:
+            self._write_disk(node)
+        return True
+
+    def _backup_window(self, node: TreeNode, comp: str, js: Iterable[int]) -> None:
+        js = [j for j in js if node.win[comp][j] is not None and node.host_win[comp][j] is None]
+        hp = self._alloc_host(comp, len(js), exclude=node) if js else None
+        if hp is None:
+            return  # no room: those pages stay tombstones on the host
+        self.host.to_host(comp, [node.win[comp][j] for j in js], hp)
+        for j, h in zip(js, hp):
+            node.host_win[comp][j] = h
+
+    # ---- host -> device ------------------------------------------------------------------------
+    def load_node(self, node: TreeNode, dev_pages: list[int]) -> None:
+        """Copy a host-only node's main data into `dev_pages`; the node is on the device again."""
+        self.host.to_device("main", node.host, dev_pages)
+        self.tree.adopt(node, dev_pages, {})
+        self.stats.loaded_pages += len(dev_pages)
+
+    def load_window(self, node: TreeNode, comp: str, j: int, dev_page: int) -> None:
+        self.host.to_device(comp, [node.host_win[comp][j]], [dev_page])
+        node.win[comp][j] = dev_page
+
+    # ---- host allocation and eviction ----------------------------------------------------------
+    def _alloc_host(self, space: str, n: int, exclude: Optional[TreeNode] = None) -> Optional[list[int]]:
+        a = self.host.spaces[space].allocator
+        if n > a.num_free:
+            if space == "main":
+                self.evict_host(n - a.num_free)
+            else:
+                self.evict_host_window(space, n - a.num_free, exclude)
+        return a.alloc(n)
+
+    def _host_leaf(self, n: TreeNode) -> bool:
+        return n is not self.tree.root and not n.on_device and not n.children and n.lock_ref == 0
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free host main pages; returns how many. Copies of nodes still on the device go first
+        (nothing is lost; such a node is copied again if it is evicted from the device later),
+        least recently used first; then unlocked host-only leaves leave the tree, LRU first
+        (a page also on disk can still be read back from there)."""
+        freed = 0
+        for node in sorted((n for n in self.tree._nodes() if n.on_device and n.host is not None),
+                           key=lambda n: n.last_access):
+            if freed >= num_pages:
+                return freed
+            freed += len(node.host)
+            self.host.spaces["main"].allocator.free(node.host)
+            node.host = None
+        leaves = [n for n in self.tree._nodes() if self._host_leaf(n)]
+        heapq.heapify(leaves)
+        while freed < num_pages and leaves:
+            node = heapq.heappop(leaves)
+            if not self._host_leaf(node):
+                continue
+            freed += len(node.pages)
+            parent = node.parent
+            self.tree.delete(node)
+            if self._host_leaf(parent):
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def evict_host_window(self, comp: str, num_pages: int, exclude: Optional[TreeNode] = None) -> int:
+        """Tombstone host copies of windowed pages in unlocked nodes: first copies of pages still
+        on the device, then the others, least recently used nodes first."""
+        freed = 0
+        order = sorted((n for n in self.tree._nodes() if n is not exclude and n.lock_ref == 0),
+                       key=lambda n: n.last_access)
+        for redundant_only in (True, False):
+            for node in order:
+                w, dev = node.host_win.get(comp, []), node.win.get(comp, [])
+                drop = [j for j, p in enumerate(w) if p is not None and (dev[j] is not None or not redundant_only)]
+                if drop:
+                    self.host.spaces[comp].allocator.free([w[j] for j in drop])
+                    for j in drop:
+                        w[j] = None
+                    freed += len(drop)
+                if freed >= num_pages:
+                    return freed
+        return freed
+
+    # ---- disk ------------------------------------------------------------------------------------
+    def hashes(self, node: TreeNode) -> list[str]:
+        """The chained page keys of `node` (computed once, for the node and its ancestors)."""
+        root, ps = self.tree.root, self.page_size
+        if node is root:
+            return []
+        chain, x = [], node
+        while x is not root and x.hashes is None:
+            chain.append(x)
+            x = x.parent
+        h = self.root_hash if x is root else x.hashes[-1]
+        for y in reversed(chain):
+            keys = []
+            for j in range(len(y.pages)):
+                h = page_hash(h, y.key[j * ps:(j + 1) * ps])
+                keys.append(h)
+            y.hashes = keys
+        return node.hashes
+
+    def _write_disk(self, node: TreeNode) -> None:
+        if node.on_disk or node.host is None:
+            return
+        ps = self.page_size
+        keys = self.hashes(node)
+        todo = [j for j, k in enumerate(keys) if not self.storage.exists(k)]
+        main = self.host.read("main", [node.host[j] for j in todo]) if todo else []
+        for i, j in enumerate(todo):
+            data = {"main": [t[i * ps:(i + 1) * ps] for t in main]}
+            for c, w in node.host_win.items():
+                if w[j] is not None:
+                    data[c] = self.host.read(c, [w[j]])
+            self.stats.disk_written_pages += self.storage.put(keys[j], data)
+        node.on_disk = True
+
+    def _page_fits(self, data: dict) -> bool:
+        """A page read from disk has this pool's buffers and shapes (else it is ignored)."""
+        for space, tensors in data.items():
+            s = self.host.spaces.get(space)
+            if s is None or len(tensors) != len(s.tensors):
+                return False
+            for t, h in zip(tensors, s.tensors):
+                if tuple(t.shape) != (self.page_size,) + tuple(h.shape[1:]) or t.dtype != h.dtype:
+                    return False
+        return "main" in data
+
+    def prefetch(self, ids: list[int], max_pages: int) -> tuple[int, int]:
+        """Read the pages of `ids` that follow the tree's match from disk into the host tier (a
+        host-only leaf). Returns the page range [first, end) that came from disk."""
+        if self.storage is None:
+            return 0, 0
+        ps = self.page_size
+        start_time = time.monotonic()
+        pages, node = self.tree.match_prefix(ids, max_pages=max_pages)
+        i0 = len(pages)
+        limit = min(max_pages, len(ids) // ps)
+        if i0 >= limit:
+            return i0, i0
+        deadline = (start_time + PREFETCH_TIMEOUT_BASE_S + PREFETCH_TIMEOUT_PER_PAGE_S * (limit - i0)
+                    if self.cfg.prefetch_policy == "timeout" else float("inf"))
+        h = self.root_hash if node is self.tree.root else self.hashes(node)[-1]
+        found: list[tuple[str, dict]] = []
+        for i in range(i0, limit):
+            h = page_hash(h, ids[i * ps:(i + 1) * ps])
+            data = self.storage.get(h)
+            if data is None or not self._page_fits(data):
+                break
+            found.append((h, data))
+            if time.monotonic() > deadline:
+                break
+        if not found:
+            return i0, i0
+        self.tree.lock(node)  # host eviction must not remove the node we attach to
+        try:
+            main = self.host.spaces["main"].allocator
+            hp = self._alloc_host("main", len(found)) or main.alloc(min(len(found), main.num_free))
+            if not hp:
+                return i0, i0
+            found = found[:len(hp)]
+            n = len(found)
+            nbuf = len(self.host.spaces["main"].tensors)
+            self.host.write("main", hp, [torch.cat([d["main"][b] for _, d in found]) for b in range(nbuf)])
+            host_win: dict[str, list[Optional[int]]] = {}
+            for c in self.histories:
+                js = [j for j, (_, d) in enumerate(found) if c in d]
+                hw = self._alloc_host(c, len(js)) if js else None
+                host_win[c] = [None] * n
+                if hw:
+                    nb = len(self.host.spaces[c].tensors)
+                    self.host.write(c, hw, [torch.cat([found[j][1][c][b] for j in js]) for b in range(nb)])
+                    for j, p in zip(js, hw):
+                        host_win[c][j] = p
+            leaf = self.tree.add_host_leaf(node, ids[i0 * ps:(i0 + n) * ps], hp, host_win)
+            leaf.hashes = [k for k, _ in found]
+            leaf.on_disk = True
+            self.stats.disk_read_pages += n
+            return i0, i0 + n
+        finally:
+            self.tree.unlock(node)
+
+    def refill_windows(self, node: TreeNode, from_page: int) -> int:
+        """Read back from disk the windowed data that both the device and the host dropped, in
+        the tails of the on-disk nodes on the path to `node` that end after page `from_page`
+        (the boundaries a match could not use). Returns how many windowed pages came back."""
+        if self.storage is None or not self.histories:
+            return 0
+        nodes, x = [], node
+        while x is not self.tree.root:
+            nodes.append(x)
+            x = x.parent
+        refilled = 0
+        self.tree.lock(node)  # host window eviction must leave the path alone
+        try:
+            end = self.tree.depth(node) + len(node.pages)
+            for n in nodes:  # deepest first: the boundaries we most want
+                if end <= from_page:
+                    break
+                end -= len(n.pages)
+                if not n.on_disk:
+                    continue
+                missing: dict[int, list[str]] = {}
+                for c in self.histories:
+                    for j in self.tail(n, c):
+                        if n.win[c][j] is None and n.host_win[c][j] is None:
+                            missing.setdefault(j, []).append(c)
+                keys = self.hashes(n) if missing else []
+                for j, comps in missing.items():
+                    data = self.storage.get(keys[j])
+                    if data is None or not self._page_fits(data):
+                        continue
+                    self.stats.disk_read_pages += 1
+                    for c in comps:
+                        hp = self._alloc_host(c, 1, exclude=n) if c in data else None
+                        if hp:
+                            self.host.write(c, hp, data[c])
+                            n.host_win[c][j] = hp[0]
+                            refilled += 1
+        finally:
+            self.tree.unlock(node)
+        return refilled
+
+    # ---- maintenance -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Empty the host pool and this model's disk pages (the manager resets the tree)."""
+        self.host.reset()
+        if self.storage is not None:
+            self.storage.clear()
+
+    def snapshot(self) -> HiCacheStats:
+        a = self.host.spaces["main"].allocator
+        self.stats.host_used_pages = a.capacity - a.num_free
+        self.stats.host_total_pages = a.capacity
+        return HiCacheStats(**vars(self.stats))
+
+    def check(self, deep: bool = False) -> None:
+        """Every host page has one owner; every node on disk has its files; with `deep`, every
+        host copy equals the device data it copies."""
+        self.host.finish_pending()
+        tree = self.tree
+        check_owners("host main", self.host.spaces["main"].allocator, {"prefix cache": tree.host_pages_owned()})
+        for c in self.histories:
+            check_owners(f"host {c}", self.host.spaces[c].allocator, {"prefix cache": tree.host_win_pages_owned(c)})
+        for n in tree._nodes():
+            if self.storage is not None and n.on_disk:
+                missing = [k for k in self.hashes(n) if not self.storage.exists(k)]
+                assert not missing, f"a node marked on disk lacks {len(missing)} page files"
+            if deep and n.on_device and n.host is not None:
+                self._assert_same("main", n.pages, n.host)
+            if deep:
+                for c, w in n.win.items():
+                    both = [(d, h) for d, h in zip(w, n.host_win[c]) if d is not None and h is not None]
+                    if both:
+                        self._assert_same(c, [d for d, _ in both], [h for _, h in both])
+
+    def _assert_same(self, space: str, dev_pages: list[int], host_pages: list[int]) -> None:
+        s = self.host.spaces[space]
+        didx = self.host._slots(dev_pages, self.host.device)
+        hidx = self.host._slots(host_pages, "cpu")
+        for h, d in zip(s.tensors, s.device_tensors()):
+            assert torch.equal(d.index_select(0, didx).cpu(), h.index_select(0, hidx)), \
+                f"host copy of {space} pages {dev_pages[:4]} differs from the device"
+
+
+def model_identity(source, config, runner) -> dict:
+    """What the disk tier's keys must depend on: a page computed by another model, other
+    weights, dtype, page size or state layout must never be found."""
+    weights = []
+    for f in source.weight_files:
+        st = os.stat(f)
+        weights.append((os.path.basename(f), st.st_size, st.st_mtime_ns))
+    return {
+        "format": 1,
+        "model_dir": os.path.realpath(source.model_dir),
+        "config": source.config,
+        "load_format": source.load_format,
+        "weights": weights,
+        "dummy_seed": config.seed if source.load_format == "dummy" else None,
+        "dtype": str(runner.dtype),
+        "page_size": config.page_size,
+        "tp_size": config.tp_size,
+        "specs": [(s.kind.value, list(s.layer_ids), list(s.shape), str(s.dtype), s.window) for s in runner.specs],
+    }
+
+
+def host_pages_plan(ratio: float, device_pages: dict[str, int], histories: dict[str, int], page_size: int,
+                    chunk_tokens: int) -> dict[str, int]:
+    """Usable host pages per space for a host pool `ratio` x the device pool.
+
+    Main: ratio x the device's main pages. A window space keeps only the window before each
+    cached node's end, so it needs about (window pages + 1) per node, and nodes are about one
+    prefill chunk long: the host window space gets that fraction of the host main pages (at
+    most all of them), and never less than ratio x its device space."""
+    main = max(1, int(ratio * (device_pages["main"] - 1)))
+    plan = {"main": main}
+    node_pages = max(1, chunk_tokens // page_size)
+    for c, h in histories.items():
+        per_node = -(-h // page_size) + 1
+        plan[c] = max(int(ratio * (device_pages[c] - 1)), int(main * min(1.0, per_node / node_pages)), 1)
+    return plan
+
+
+def build_hicache(cfg: HiCacheConfig, tree: RadixCache, runner, source, config) -> HiCache:
+    """The host pool (sized from the device pools), the optional file storage, and the controller."""
+    spaces = device_spaces(runner)
+    device_pages = {"main": runner.num_pages, **runner.window_pages}
+    histories = dict(runner.window_history)
+    chunk = config.max_prefill_tokens if config.chunked_prefill_size <= 0 else \
+        min(config.max_prefill_tokens, config.chunked_prefill_size)
+    page_bytes = {name: config.page_size * sum(t[0].numel() * t.element_size() for t in get())
+                  for name, get in spaces.items()}
+
+    def plan(ratio: float) -> dict[str, int]:
+        return host_pages_plan(ratio, device_pages, histories, config.page_size, chunk)
+
+    ratio = cfg.ratio
+    if cfg.size_gb > 0:  # the largest ratio whose plan fits in the size (bisection: bytes grow with it)
+        budget = cfg.size_gb * 1e9
+        lo, hi = 0.0, 1.0
+        while sum(page_bytes[n] * p for n, p in plan(hi).items()) < budget and hi < 1e6:
+            hi *= 2
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sum(page_bytes[n] * p for n, p in plan(mid).items()) <= budget else (lo, mid)
+        ratio = lo
+    host = HostPool(spaces, plan(ratio), config.page_size, runner.device)
+    storage = None
+    if cfg.storage_backend == "file":
+        identity = model_identity(source, config, runner)
+        storage = FileStorage(cfg.storage_dir or default_storage_dir(), model_namespace(identity), identity)
+        logger.info("HiCache disk tier: %s (%d pages)", storage.dir, storage.num_pages())
+    return HiCache(cfg, tree, host, histories, storage)

@@ -1,0 +1,179 @@
+"""`HostPool`: HiCache's host-memory tier (L2), one host space per device page space.
+
+A host space mirrors its device space buffer for buffer (same per-token shapes and dtypes, e.g.
+every layer's K and V of the main space, or every ShortConv site of the "conv" space) with its own
+`PageAllocator`, so host page h holds token slots [h * page_size, (h + 1) * page_size) of every
+buffer. Copies move whole pages between the tiers.
+
+On CUDA the host buffers are pinned and copies run on a side stream: device -> host copies gather
+the pages on the GPU and land in pinned staging buffers that are scattered into the host pool once
+the copy is done (before anything reads those host pages); host -> device copies are issued on the
+same stream, and the forward's stream waits for the side stream (`before_forward`). Everything the
+side stream does is ordered after the work already queued on the compute stream, so a backup
+always reads fully computed pages. On CPU the copies are plain tensor copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kiln.engine.cache.allocator import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+# Device tensors of one page space, read at call time: RL memory release swaps the pool tensors.
+DeviceTensors = Callable[[], list[torch.Tensor]]
+
+
+def device_spaces(runner) -> dict[str, DeviceTensors]:
+    """The device buffers of each page space of a `ModelRunner` (main, and "swa" / "conv" when
+    the model has them), in a fixed order shared with the host spaces."""
+    def space(*pools):
+        return lambda: [t for p in pools if p is not None for t in p.tensors()]
+
+    spaces = {"main": space(runner.full_kv, runner.index_k)}
+    if runner.swa_kv is not None:
+        spaces["swa"] = space(runner.swa_kv)
+    if runner.conv is not None:
+        spaces["conv"] = space(runner.conv)
+    return spaces
+
+
+@dataclass
+class HostSpace:
+    name: str
+    allocator: PageAllocator
+    tensors: list[torch.Tensor]  # host buffers, [num_pages * page_size, *shape] each
+    device_tensors: DeviceTensors
+
+
+
+@dataclass
+class _PendingCopy:
+    """A device -> host copy in flight (CUDA): `staged` lands in `host[index]` once `done`."""
+
+    done: torch.cuda.Event
+    host: torch.Tensor
+    index: torch.Tensor
+    staged: torch.Tensor
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HostPool:
+    """Host spaces of `host_pages[name]` usable pages each."""
+
+    def __init__(self, spaces: dict[str, DeviceTensors], host_pages: dict[str, int], page_size: int,
+                 device: torch.device):
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending: list[_PendingCopy] = []
+        plans = {name: (dev(), max(1, host_pages[name]) + 1) for name, dev in spaces.items()}  # + page 0
+        need = sum(pages * page_size * sum(t[0].numel() * t.element_size() for t in tensors)
+                   for tensors, pages in plans.values())
+        avail = available_host_bytes()
+        if avail is not None and need > 0.9 * avail:
+            raise ValueError(f"the HiCache host pool needs {need / 1e9:.2f} GB but only {avail / 1e9:.2f} GB "
+                             "of host memory is available; lower --hicache-ratio or --hicache-size")
+        self.spaces: dict[str, HostSpace] = {}
+        for name, (tensors, pages) in plans.items():
+            host = [torch.zeros((pages * page_size,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
+                    for t in tensors]
+            self.spaces[name] = HostSpace(name, PageAllocator(pages, page_size), host, spaces[name])
+        logger.info("HiCache host pool: %s (%.2f GB)", ", ".join(
+            f"{n}: {s.allocator.capacity} pages" for n, s in self.spaces.items()), self.nbytes() / 1e9)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.spaces.values() for t in s.tensors)
+
+    def _slots(self, pages: list[int], device) -> torch.Tensor:
+        ps = self.page_size
+        return (torch.tensor(pages, dtype=torch.long)[:, None] * ps + torch.arange(ps)).flatten().to(device)
+
+    # ---- copies --------------------------------------------------------------------------
+    def to_host(self, space: str, dev_pages: list[int], host_pages: list[int]) -> None:
+        """Copy device pages into host pages of one space (all of its buffers)."""
+        if not dev_pages:
+            return
+        s = self.spaces[space]
+        didx, hidx = self._slots(dev_pages, self.device), self._slots(host_pages, "cpu")
+        if not self.cuda:
+            for h, d in zip(s.tensors, s.device_tensors()):
+                h.index_copy_(0, hidx, d.index_select(0, didx))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for h, d in zip(s.tensors, s.device_tensors()):
+                staged = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                staged.copy_(d.index_select(0, didx), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._pending.append(_PendingCopy(done, h, hidx, staged))
+
+    def to_device(self, space: str, host_pages: list[int], dev_pages: list[int]) -> None:
+        """Copy host pages into device pages of one space (ready before the next forward)."""
+        if not dev_pages:
+            return
+        self.finish_pending()
+        s = self.spaces[space]
+        didx, hidx = self._slots(dev_pages, self.device), self._slots(host_pages, "cpu")
+        if not self.cuda:
+            for h, d in zip(s.tensors, s.device_tensors()):
+                d.index_copy_(0, didx, h.index_select(0, hidx))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for h, d in zip(s.tensors, s.device_tensors()):
+                src = h.index_select(0, hidx).pin_memory()
+                d.index_copy_(0, didx, src.to(self.device, non_blocking=True))
+
+    def read(self, space: str, host_pages: list[int]) -> list[torch.Tensor]:
+        """Copies of the host pages' data, one tensor per buffer ([n * page_size, *shape])."""
+        self.finish_pending()
+        hidx = self._slots(host_pages, "cpu")
+        return [h.index_select(0, hidx) for h in self.spaces[space].tensors]
+
+    def write(self, space: str, host_pages: list[int], data: list[torch.Tensor]) -> None:
+        """Fill host pages from tensors shaped like `read` returns them (from the disk tier)."""
+        self.finish_pending()
+        s = self.spaces[space]
+        if len(data) != len(s.tensors):
+            raise ValueError(f"{space}: {len(data)} buffers for a space of {len(s.tensors)}")
+        hidx = self._slots(host_pages, "cpu")
+        for h, t in zip(s.tensors, data):
+            h.index_copy_(0, hidx, t.to(h.dtype))
+
+    def finish_pending(self) -> None:
+        """Wait for device -> host copies in flight and scatter them into the host pool."""
+        for p in self._pending:
+            p.done.synchronize()
+            p.host.index_copy_(0, p.index, p.staged)
+        self._pending.clear()
+
+    def before_forward(self) -> None:
+        """The compute stream waits for every copy issued so far (load-backs, and backups that
+        read pages the forward may overwrite)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def reset(self) -> None:
+        self.finish_pending()
+        for s in self.spaces.values():
+            s.allocator.reset()
+
