@@ -110,6 +110,7 @@ class HiCacheStats:
     host_total_pages: int = 0
     backed_up_pages: int = 0  # device -> host
     loaded_pages: int = 0  # host -> device
+    loaded_window_pages: int = 0  # windowed pages (sliding-window KV, ShortConv inputs), host -> device
     disk_written_pages: int = 0
     disk_read_pages: int = 0
 
@@ -160,6 +161,11 @@ class HiCache:
         for c, w in node.win.items():
             both = [(d, h) for d, h in zip(w, node.host_win[c]) if d is not None and h is not None]
             self.host.to_host(c, [d for d, _ in both], [h for _, h in both])
+
+    def on_window_refill(self, node: TreeNode, comp: str, j: int) -> None:
+        """A request's page refilled a device tombstone: refresh the host copy as in `on_adopt`."""
+        if node.host_win[comp][j] is not None:
+            self.host.to_host(comp, [node.win[comp][j]], [node.host_win[comp][j]])
 
     def free_host(self, node: TreeNode) -> None:
         if node.host is not None:
@@ -214,6 +220,7 @@ class HiCache:
     def load_window(self, node: TreeNode, comp: str, j: int, dev_page: int) -> None:
         self.host.to_device(comp, [node.host_win[comp][j]], [dev_page])
         node.win[comp][j] = dev_page
+        self.stats.loaded_window_pages += 1
 
     # ---- host allocation and eviction ----------------------------------------------------------
     def _alloc_host(self, space: str, n: int, exclude: Optional[TreeNode] = None) -> Optional[list[int]]:

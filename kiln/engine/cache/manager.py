@@ -292,6 +292,8 @@ class CacheManager:
                     mine, theirs = req.win_pages[c][i], n.win[c][j]
                     if theirs is None:
                         n.win[c][j] = mine  # refill the tombstone (or keep it if we hold none)
+                        if mine is not None and self.hicache is not None:
+                            self.hicache.on_window_refill(n, c, j)
                     elif mine is not None:
                         w.allocator.free([mine])
                         req.win_pages[c][i] = theirs
