@@ -281,3 +281,17 @@ def test_report_without_hicache_is_all_device(tmp_path):
         for o in core.step():
             details = o.cached_tokens_details or details
     assert details == {"device": 40, "host": 0, "disk": 0}
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
+    """On CUDA the tiers copy through pinned memory on a side stream; the forward must still see
+    every load-back (same greedy outputs as a large-pool engine, host copies equal the device)."""
+    cuda = dict(device="cuda", dtype="float32")
+    core = hicache_core(model_dir, tmp_path, **cuda)
+    assert core.cache.hicache.host.spaces["main"].tensors[0].is_pinned()
+    res = agent_rounds(core)
+    base = make_core(model_dir, **{**SMALL, "max_total_tokens": 4096, **cuda})
+    assert outputs(res) == outputs(agent_rounds(base))
+    s = core.stats()
+    assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s

@@ -437,6 +437,7 @@ class HiCache:
         """Every host page has one owner; every node on disk has its files; with `deep`, every
         host copy equals the device data it copies."""
         self.host.finish_pending()
+        self.host.before_forward()  # device reads below come after loads still in flight
         tree = self.tree
         check_owners("host main", self.host.spaces["main"].allocator, {"prefix cache": tree.host_pages_owned()})
         for c in self.histories:

@@ -112,13 +112,15 @@ class HostPool:
         if not dev_pages:
             return
         s = self.spaces[space]
-        didx, hidx = self._slots(dev_pages, self.device), self._slots(host_pages, "cpu")
+        hidx = self._slots(host_pages, "cpu")
         if not self.cuda:
+            didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 h.index_copy_(0, hidx, d.index_select(0, didx))
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # device temporaries belong to the side stream
+            didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 staged = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, pin_memory=True)
                 staged.copy_(d.index_select(0, didx), non_blocking=True)
@@ -132,13 +134,15 @@ class HostPool:
             return
         self.finish_pending()
         s = self.spaces[space]
-        didx, hidx = self._slots(dev_pages, self.device), self._slots(host_pages, "cpu")
+        hidx = self._slots(host_pages, "cpu")
         if not self.cuda:
+            didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 d.index_copy_(0, didx, h.index_select(0, hidx))
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 src = h.index_select(0, hidx).pin_memory()
                 d.index_copy_(0, didx, src.to(self.device, non_blocking=True))
