@@ -119,6 +119,8 @@ class EngineCore:
                                "until they finish)")
 
     def _after_weight_update(self, flush: bool = True) -> None:
+        if self.cache.hicache is not None:  # disk pages of these weights get keys of their own
+            self.cache.hicache.weights_changed()
         if not flush:
             return
         if self.scheduler.running:  # in_place pause: their pages stay; flush once idle

@@ -295,3 +295,19 @@ def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
     assert outputs(res) == outputs(agent_rounds(base))
     s = core.stats()
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
+
+
+def test_weight_update_moves_disk_keys(tmp_path):
+    """Pages computed after a weight update must never be found by an engine that loads the
+    original weights (a restart): their disk keys chain from another root."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    core = hicache_core(str(tmp_path), tmp_path / "store")
+    prompt = contexts()[0][:40]
+    run(core, [prompt], tag="a")
+    name, tensor = next(iter(core.runner.model.state_dict().items()))
+    core.update_weights_from_tensor([(name, tensor)], flush_cache=False)
+    res = run(core, [contexts()[1][:40]], tag="b")  # written under the new root only
+    assert res["b0"][3] == 0
+    again = hicache_core(str(tmp_path), tmp_path / "store")
+    assert run(again, [prompt], tag="c")["c0"][3] > 0  # original weights: found
+    assert run(again, [contexts()[1][:40]], tag="d")["d0"][3] == 0  # other weights: not found

@@ -124,7 +124,8 @@ class HiCache:
         self.host = host
         self.histories = histories  # window space -> tokens of history a query reads
         self.storage = storage
-        self.root_hash = root_hash or (storage.namespace if storage else "")
+        self.root_hash = self.namespace_hash = root_hash or (storage.namespace if storage else "")
+        self.weights_version = 0
         self.page_size = tree.page_size
         self.stats = HiCacheStats()
 
@@ -419,6 +420,15 @@ class HiCache:
         finally:
             self.tree.unlock(node)
         return refilled
+
+    def weights_changed(self) -> None:
+        """The live weights differ from the ones the model identity names (an RL update): from
+        now on disk keys chain from a new root, so a server restarted on the original checkpoint
+        never reads pages computed with other weights (and vice versa)."""
+        self.weights_version += 1
+        self.root_hash = page_hash(self.namespace_hash, [self.weights_version])
+        for n in self.tree._nodes():
+            n.hashes, n.on_disk = None, False
 
     # ---- maintenance -----------------------------------------------------------------------------
     def flush(self) -> None:
