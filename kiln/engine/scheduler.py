@@ -148,10 +148,11 @@ class Scheduler:
             self.cache.match(r, max_tokens=self._max_match(r))
             n = self._chunk(r, budget, bool(plan))
             reserve = self._reserved_pages()
-            need = cdiv(r.num_computed + n, self.page_size) - len(r.pages)
+            total = cdiv(r.num_computed + n, self.page_size)
+            need = total - len(r.pages)
             if n == 0 or need + reserve > self.cache.available_pages or not self.cache.assign_slot(r):
-                self.cache.unmatch(r)
-                if not self.running and not plan and n and need > self.cache.available_pages:
+                self.cache.unmatch(r)  # its cached pages count as available again: compare the total
+                if not self.running and not plan and n and total > self.cache.available_pages:
                     self._reject_too_large(r)
                     continue
                 break

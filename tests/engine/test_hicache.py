@@ -311,3 +311,20 @@ def test_weight_update_moves_disk_keys(tmp_path):
     again = hicache_core(str(tmp_path), tmp_path / "store")
     assert run(again, [prompt], tag="c")["c0"][3] > 0  # original weights: found
     assert run(again, [contexts()[1][:40]], tag="d")["d0"][3] == 0  # other weights: not found
+
+
+def test_too_large_prompt_with_a_cached_prefix_is_rejected(tmp_path):
+    """A lone prompt larger than the pool whose prefix is cached must be rejected, not retried
+    forever (the check once compared only its uncached pages with the pool minus its own)."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    core = make_core(str(tmp_path), page_size=4, max_total_tokens=64)
+    base = contexts()[0][:40]
+    run(core, [base], tag="a")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateReq(rid="big", input_ids=base + contexts()[1][:40], params=params))
+    errors = []
+    for _ in range(20):
+        errors += [o.error for o in core.step() if o.error]
+        if not core.has_work():
+            break
+    assert errors and "pool holds only" in errors[0]
