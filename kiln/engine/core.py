@@ -14,7 +14,8 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
-from kiln.engine.cache.hicache import HiCacheConfig, build_hicache
+from kiln.engine.cache.hicache import build_hicache
+from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats

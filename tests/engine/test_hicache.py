@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.cache.hicache import HiCacheConfig
+from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.storage import FileStorage, model_namespace, page_hash
 from kiln.engine.core import EngineCore
 from kiln.engine.io import GenerateReq
