@@ -184,13 +184,17 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
     """An `EngineCore` for `config`; with `hf_model`, Kiln's weights are that model's tensors.
     Without it and with dummy weights, `dummy_init="device"` draws them on the device
     (`device_dummy_weights`) instead of Kiln's CPU init."""
+    from kiln.dist.init import from_torchrun_env
     from kiln.engine.core import EngineCore
 
     t0 = time.perf_counter()
+    pc = from_torchrun_env(config.resolved_device()) if config.tp_size > 1 else None
+    if pc is not None and pc.tp_size != config.tp_size:
+        raise SystemExit(f"--tp-size {config.tp_size}: run under torchrun --nproc-per-node {config.tp_size}")
     if hf_model is None:
-        on_device = (dummy_init == "device" and config.load_format == "dummy" and config.tp_size == 1)
+        on_device = dummy_init == "device" and config.load_format == "dummy"
         with (_dummy_init_on_device() if on_device else contextlib.nullcontext()):
-            core = EngineCore(config)
+            core = EngineCore(config, pc=pc) if pc is not None else EngineCore(config)
     else:
         if config.tp_size != 1:
             raise ValueError("loading the transformers twin's weights needs --tp-size 1")
@@ -488,7 +492,10 @@ def run_meta(benchmark: str, argv: Optional[list[str]], hardware: str, config: E
 def report(rows: list[dict], columns: Sequence[str], title: str, hardware: str, meta: dict,
            out: Optional[str], header_lines: Sequence[str] = ()) -> dict:
     """The final output: the hardware line, `header_lines`, the table on stdout; rows and `meta`
-    to `out` as JSON. Returns {"rows", "meta"} (what each script's main returns)."""
+    to `out` as JSON. Returns {"rows", "meta"} (what each script's main returns). Under torchrun
+    (tensor parallelism) only rank 0 reports: every rank ran the same workload."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {"rows": rows, "meta": meta}
     print(f"\n# {hardware}")
     for line in header_lines:
         print(line)

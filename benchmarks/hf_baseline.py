@@ -62,8 +62,8 @@ def make_hf_model(config_dir: str, dtype: torch.dtype, device: str, seed: int,
 
 def want_hf(args: argparse.Namespace, device: str) -> bool:
     """The transformers comparison runs on CUDA by default, on CPU only with --hf."""
-    if getattr(args, "no_hf", False):
-        return False
+    if getattr(args, "no_hf", False) or getattr(args, "tp_size", 1) > 1:
+        return False  # tensor-parallel runs are compared with the one-GPU table
     return bool(getattr(args, "hf", False)) or device == "cuda"
 
 

@@ -78,6 +78,15 @@ class EngineConfig:
     enable_return_routed_experts: bool = opt(
         False, "Record the routed expert ids of every token (MoE models) so requests can ask for "
         "them with return_routed_experts (RL routing replay).")
+    # GPU execution
+    kernel_backend: str = opt(
+        "auto", "Ops on the GPU: Triton kernels or the PyTorch reference ops (auto: Triton on CUDA "
+        "when it is installed). The CPU always runs the reference ops.", ["auto", "triton", "reference"])
+    disable_cuda_graph: bool = opt(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    disable_overlap_schedule: bool = opt(
+        False, "CUDA: read each step's tokens back only after the next step is queued (overlap "
+        "scheduling); this flag runs the steps one after the other.")
+    cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Server
     host: str = opt("127.0.0.1", "HTTP host.")
     port: int = opt(30000, "HTTP port.")

@@ -38,6 +38,22 @@ class ForwardBatch:
     backend: Any = None
     # Per-forward scratch owned by layers (e.g. routing capture); never read across forwards.
     extras: dict = field(default_factory=dict)
+    # Device copies of the per-sequence lengths for kernels, which must not read host lists
+    # (a CUDA graph replays them with new values). Set by `attach_device_metadata`.
+    seq_lens_t: Optional[torch.Tensor] = None  # [B] int64, prefix + extend
+    prefix_lens_t: Optional[torch.Tensor] = None  # [B] int64
+    extend_lens_t: Optional[torch.Tensor] = None  # [B] int64
+    extend_starts_t: Optional[torch.Tensor] = None  # [B] int64
+    max_extend_len: int = 0  # host int: the extend kernels' grid
+
+    def attach_device_metadata(self, device) -> "ForwardBatch":
+        """Copy prefix/extend lengths to `device` (and the derived seq_lens and extend starts),
+        for kernels that take them as tensors."""
+        t = int64_to_device({"s": self.seq_lens, "p": self.prefix_lens, "e": self.extend_lens,
+                             "st": self.extend_starts}, device)
+        self.seq_lens_t, self.prefix_lens_t, self.extend_lens_t, self.extend_starts_t = t["s"], t["p"], t["e"], t["st"]
+        self.max_extend_len = max(self.extend_lens, default=0)
+        return self
 
     @property
     def batch_size(self) -> int:
@@ -59,3 +75,17 @@ class ForwardBatch:
             starts.append(acc)
             acc += e
         return starts
+
+
+def int64_to_device(lists: dict[str, list[int]], device) -> dict[str, torch.Tensor]:
+    """Several int lists as int64 tensors on `device` through one (pinned, asynchronous on CUDA)
+    host-to-device copy: a decode step has a dozen small inputs, and one copy each would cost a
+    dozen synchronous transfers."""
+    names, sizes, flat = list(lists), [len(v) for v in lists.values()], []
+    for v in lists.values():
+        flat.extend(v)
+    host = torch.tensor(flat, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return dict(zip(names, dev.split(sizes)))

@@ -19,6 +19,7 @@ from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
+from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.loader import ModelSource, resolve_model
@@ -41,11 +42,13 @@ class ModelInfo:
 class EngineCore:
     """Model runner + scheduler. Not thread-safe: one thread drives it."""
 
-    def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None):
+    def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None, pc: ParallelContext = SINGLE):
+        """`pc`: this process's tensor-parallel rank (`kiln.dist.init`); every rank builds its own
+        EngineCore and must be given the same requests in the same order."""
         self.config = config
         hicache = HiCacheConfig.from_engine_config(config)  # bad HiCache flags fail before loading
         source = source or resolve_model(config.model_path, config.load_format)
-        self.runner = ModelRunner(config, source)
+        self.runner = ModelRunner(config, source, pc)
         mc = self.runner.model_config
         allocator = PageAllocator(self.runner.num_pages, config.page_size)
         windows = [WindowSpace(c, PageAllocator(n, config.page_size), self.runner.window_tables[c],

@@ -7,7 +7,10 @@ the model's `state_specs()`:
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space.
-The math is the reference ops in `kiln.ops`; only the addressing lives here.
+The math is the reference ops in `kiln.ops`; only the addressing lives here. With
+`use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
+batch's lengths from device tensors (`ForwardBatch.attach_device_metadata`) so that a decode step
+has no host synchronisation and can be replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from kiln.engine.batch import ForwardBatch
+from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.ops import attention as attn_ops
 from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
@@ -24,7 +27,14 @@ from kiln.ops import shortconv as conv_ops
 
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
-                 conv=None):
+                 conv=None, use_kernels: bool = False):
+        self.use_kernels = use_kernels
+        if use_kernels:  # imported only here: the CPU build of torch ships without Triton
+            from kiln.kernels import attention as attn_kernels
+            from kiln.kernels import msa as msa_kernels
+            from kiln.kernels import shortconv as conv_kernels
+
+            self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
         self.full_kv = full_kv  # KVPool or None
         self.swa_kv = swa_kv  # KVPool or None
         self.index_k = index_k  # TokenStatePool or None
@@ -61,8 +71,15 @@ class PagedBackend:
         k_cache[loc] = k.to(k_cache.dtype)
         v_cache[loc] = v.to(v_cache.dtype)
         table = self.tables[space]
-        dec, ext = self._plan(batch, q.device)
         win = layer.sliding_window
+        if self.use_kernels:
+            if batch.mode == ForwardMode.DECODE:
+                return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
+                                                    layer.scale, win, rel)
+            return self.k_attn.extend_attention(q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t,
+                                                batch.extend_lens_t, batch.extend_starts_t, layer.scale, win, rel,
+                                                max_extend_len=batch.max_extend_len)
+        dec, ext = self._plan(batch, q.device)
         if not ext:
             return attn_ops.paged_decode_attention(q, k_cache, v_cache, table, dec[1], dec[2], layer.scale, win, rel)
         out = torch.empty_like(q)
@@ -80,6 +97,12 @@ class PagedBackend:
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         buf = self.conv.layer(conv.conv_id)  # [slots, C]
         k = conv.weight.shape[1]
+        if self.use_kernels:
+            table, locs = self.tables["conv"], batch.win_out_locs["conv"]
+            if batch.mode == ForwardMode.DECODE:
+                return self.k_conv.short_conv_decode(x, conv.weight, buf, table, batch.req_slots, batch.seq_lens_t, locs)
+            return self.k_conv.short_conv_extend(x, conv.weight, buf, table, batch.req_slots, batch.prefix_lens_t,
+                                                 batch.extend_lens_t, batch.extend_starts_t, locs)
         prev = self._conv_history(buf, batch, k, x.device)
         buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
@@ -105,6 +128,15 @@ class PagedBackend:
         k_cache[loc] = k.to(k_cache.dtype)
         v_cache[loc] = v.to(v_cache.dtype)
         ki_cache[loc] = kI.to(ki_cache.dtype)
+        if self.use_kernels:
+            if batch.mode == ForwardMode.DECODE:
+                return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
+                                             batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale)
+            # A tight bound on the blocks any sequence spans keeps the score grid small.
+            max_len = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+            return self.k_msa.msa_extend(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
+                                         batch.prefix_lens_t, batch.extend_lens_t, batch.extend_starts_t,
+                                         layer.block_size, layer.topk_blocks, layer.scale, max_len=max_len)
         slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
         return msa_ops.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], slots,
                                            batch.prefix_lens, batch.extend_lens, layer.block_size,

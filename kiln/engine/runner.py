@@ -12,10 +12,12 @@ from kiln.config import EngineConfig
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind
+from kiln.engine.cuda_graph import CudaGraphRunner
 from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
 from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
+from kiln.kernels import interpreting, kernels_supported
 from kiln.loader import ModelSource, init_dummy_weights, iter_weights
 from kiln.models.registry import get_model_class, parse_model_config
 
@@ -25,11 +27,18 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, pc: ParallelContext = SINGLE):
         self.config = config
+        assert pc.tp_size == config.tp_size, f"tp_size {config.tp_size} but the parallel context has {pc.tp_size} ranks"
+        self.pc = pc
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and pc.tp_size > 1:
+            self.device = torch.device("cuda", pc.tp_rank)
         self.dtype = config.resolved_dtype()
         self.model_config = parse_model_config(source.config)
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(source, pc)
+        self.use_kernels = self._want_kernels()
+        # Kernels read per-sequence lengths from the device, not from host lists.
+        self.needs_device_metadata = self.use_kernels
         self.specs = self.model.state_specs()
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
@@ -39,6 +48,41 @@ class ModelRunner:
         self.has_moe = num_moe > 0
         self.routing = RoutingCapture(self.num_pages * self.page_size, num_moe, top_k) \
             if config.enable_return_routed_experts and num_moe else None
+        self.graphs = None
+        if self._want_graphs():
+            self.graphs = CudaGraphRunner(self._forward_eager, min(config.cuda_graph_max_bs, config.max_running_requests),
+                                          list(self.window_tables), self.device)
+            self.graphs.capture()
+
+    def _want_kernels(self) -> bool:
+        choice = self.config.kernel_backend
+        if choice == "triton" and self.device.type == "cpu" and interpreting():
+            return True  # tests: the engine's kernel path under Triton's CPU interpreter
+        if choice == "reference" or self.device.type != "cuda":
+            return False
+        if not kernels_supported(self.device):
+            if choice == "triton":
+                raise RuntimeError("--kernel-backend triton needs the triton package (pip install triton)")
+            logger.warning("triton is not installed: running the PyTorch reference ops on CUDA")
+            return False
+        return True
+
+    def _want_graphs(self) -> bool:
+        # Graph replay needs kernels that take lengths as device tensors (the reference ops read
+        # host lists).
+        return self.device.type == "cuda" and self.use_kernels and not self.config.disable_cuda_graph
+
+    def _graph_reserve_bytes(self) -> int:
+        """GPU memory kept out of the KV pools for the decode graphs' activations: the largest
+        captured batch's logits (fp32, a few copies through sampling) plus hidden and MLP
+        activations, doubled for the allocator's rounding. Sized generously: a capture that runs
+        out of memory is fatal, a few hundred MB less KV cache is not."""
+        if not self._want_graphs():
+            return 0
+        mc, bs = self.model_config, min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        width = 8 * mc.hidden_size + 4 * getattr(mc, "intermediate_size", 4 * mc.hidden_size)
+        per_row = 4 * mc.vocab_size * 4 + width * self.dtype.itemsize
+        return 2 * bs * per_row + (512 << 20)
 
     def _build_pools(self) -> None:
         """One page space for the components kept for every token (FULL_KV, INDEX_K), one window
@@ -70,7 +114,8 @@ class ModelRunner:
                                      for s in specs[ComponentKind.CONV]]) if specs[ComponentKind.CONV] else None
         self.window_tables = {c: torch.zeros_like(self.req_to_token.table) for c in self.window_pages}
         tables = {"main": self.req_to_token.table, **self.window_tables}
-        self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv)
+        self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
+                                    use_kernels=self.use_kernels)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.swa_kv, self.conv) if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,
                     "".join(f", {c}: {n} pages" for c, n in self.window_pages.items()), total / 1e9)
@@ -88,11 +133,12 @@ class ModelRunner:
         else:
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
-                budget = total * cfg.mem_fraction_static - (total - free)
+                budget = total * cfg.mem_fraction_static - (total - free) - self._graph_reserve_bytes()
             else:
                 budget = cfg.cpu_kv_cache_gb * 1e9
             fixed = sum(floor[c] * per_token[c] for c in floor)
             main = int(max(budget - fixed, 0) // (per_token["main"] + sum(ratio[c] * per_token[c] for c in ratio)))
+        main = self.pc.min_int(main)  # every rank must hold the same pages (same scheduler decisions)
         if main < 2 * ps:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
                              "--mem-fraction-static / --max-total-tokens")
@@ -113,12 +159,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
-        batch.backend = self.backend
-        hidden = self.model(batch)
+        """Logits [len(batch.logits_indices), vocab] in fp32: replayed from a CUDA graph for
+        decode batches that have one, else eager."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.replay(batch)
+        else:
+            logits = self._forward_eager(batch)
         if self.routing is not None:
             self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc)
-        return self.model.compute_logits(hidden, batch)
+        return logits
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        batch.backend = self.backend
+        return self.model.compute_logits(self.model(batch), batch)
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> set[str]:
@@ -158,6 +211,9 @@ class ModelRunner:
             freed += t.numel() * t.element_size()
             holder[key] = torch.empty(0, dtype=t.dtype, device=t.device)
         self._released_pools = saved
+        if self.graphs is not None:  # drop the graphs' own memory pool too
+            self.graphs = CudaGraphRunner(self._forward_eager, self.graphs.max_bs, list(self.window_tables),
+                                          self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -167,6 +223,15 @@ class ModelRunner:
         saved, self._released_pools = getattr(self, "_released_pools", None), None
         for holder, key, shape, dtype in saved or ():
             holder[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._recapture_graphs()
+
+    def _recapture_graphs(self) -> None:
+        """Graphs hold the addresses of the pools and weights they were captured with: after a
+        release + resume those are new allocations, so the graphs are captured again."""
+        if self.graphs is not None and not self.kv_released and not self.weights_released:
+            self.graphs = CudaGraphRunner(self._forward_eager, self.graphs.max_bs, list(self.window_tables),
+                                          self.device)
+            self.graphs.capture()
 
     @property
     def weights_released(self) -> bool:
@@ -183,3 +248,4 @@ class ModelRunner:
         if self.weights_released:
             self.model.to(self.device)
             self._weights_on_cpu = False
+            self._recapture_graphs()

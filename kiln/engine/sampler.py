@@ -35,6 +35,20 @@ columns); nothing is computed when no row asks.
 
 `processed_probs` gives the distribution each row actually samples from (one-hot for greedy rows);
 the sampler and speculative decoding use the same steps.
+
+Which code runs where:
+- CPU (and any device without Triton): the torch reference below, `filtered_probs` with one
+  stable sort of the vocabulary, then `argmax(probs / e)`.
+- CUDA with Triton (`kiln.kernels.kernels_supported`): penalties, suppression, the softmax and the
+  noise are the same torch ops, but filtering and the draw are `kiln.kernels.sampling`: a
+  threshold search instead of the sort, fused with the exponential race (the filtered
+  distribution is never written out); `processed_probs` uses the kernel's `filtered_probs`. The
+  kept set is the reference's (ties by token id included) except that a token whose top-p
+  mass-before lies within float rounding of the threshold may fall the other way (see that
+  module). This path never waits for the device: row selection uses the host-side
+  `SamplingBatch.greedy` list. A batch built without it (`greedy=None`, e.g. by hand) is not
+  synced on CUDA either: every row draws noise and greedy rows take the argmax on the device
+  (their own generator, if any, then advances; it is never used for anything else).
 """
 
 from __future__ import annotations
@@ -46,6 +60,16 @@ from typing import Optional
 import torch
 
 from kiln.engine.request import Req
+from kiln.kernels import kernels_supported
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA through pinned memory.
+    A copy from pageable memory can block until the stream drains, which would serialise the
+    scheduler behind the forward it has just queued (overlap scheduling)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def make_generator(seed: int, device) -> torch.Generator:
@@ -72,7 +96,8 @@ class SamplingBatch:
     suppress_ids: list[list[int]]  # masked to -inf
     num_top_logprobs: list[int]  # -1 = no logprobs, k >= 0 = chosen + top k
     # Host copy of "temperature == 0 or top_k == 1" per row, so the sampler knows which rows draw
-    # without a device -> host sync. None: derived from the tensors (one small sync).
+    # without a device -> host sync. None: derived from the tensors (one small sync) on the CPU
+    # path; on the CUDA path every row draws instead (see the module docstring).
     greedy: Optional[list[bool]] = None
 
     @classmethod
@@ -108,17 +133,18 @@ class SamplingBatch:
             num_top.append(p.logprobs if p.logprobs is not None else -1)
             greedy.append(p.greedy)
 
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32).to(device, non_blocking=True)
-
+        # One copy for the six float columns, one for top-k, both from pinned memory (see to_device).
+        floats = to_device(torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
+                           .reshape(6, -1), device)
+        temps_t, top_ps_t, min_ps_t, reps_t, freqs_t, press_t = floats.unbind(0)
         return cls(
-            temperatures=f32(temps),
-            top_ps=f32(top_ps),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
-            min_ps=f32(min_ps),
-            repetition_penalties=f32(reps),
-            frequency_penalties=f32(freqs),
-            presence_penalties=f32(press),
+            temperatures=temps_t,
+            top_ps=top_ps_t,
+            top_ks=to_device(torch.tensor(top_ks, dtype=torch.int64), device),
+            min_ps=min_ps_t,
+            repetition_penalties=reps_t,
+            frequency_penalties=freqs_t,
+            presence_penalties=press_t,
             generators=gens,
             prompt_token_ids=prompts,
             output_token_ids=outputs,
@@ -151,7 +177,7 @@ def _flat_ids(lists: list[list[int]], vocab: int, device) -> Optional[torch.Tens
         return None
     ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lengths))
-    return (rows * vocab + ids).to(device, non_blocking=True)
+    return to_device(rows * vocab + ids, device)
 
 
 def _counts(flat: torch.Tensor, shape, device) -> torch.Tensor:
@@ -232,10 +258,19 @@ def _greedy_mask(batch: SamplingBatch) -> torch.Tensor:
     return (batch.temperatures == 0) | (batch.top_ks == 1)
 
 
+def _filter_fn(device):
+    """`filtered_probs` for logits on `device`: the Triton kernel on CUDA, the reference elsewhere."""
+    if kernels_supported(device):
+        from kiln.kernels import sampling  # the CPU build of torch ships without Triton
+
+        return sampling.filtered_probs
+    return filtered_probs
+
+
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The distribution each row samples from, `[B, V]`: one-hot at the argmax for greedy rows."""
     x = processed_logits(logits, batch)
-    probs = filtered_probs(x, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
+    probs = _filter_fn(x.device)(x, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
     one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(_greedy_mask(batch).unsqueeze(1), one_hot, probs)
 
@@ -250,23 +285,39 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         B, V = logits.shape
         dev = logits.device
+        fast = kernels_supported(dev)
         x = processed_logits(logits, batch)
         token_ids = x.argmax(dim=-1)  # final for greedy rows
-        greedy = batch.greedy if batch.greedy is not None else _greedy_mask(batch).tolist()
-        rows = [i for i in range(B) if not greedy[i]]
+        greedy = batch.greedy
+        if greedy is None and not fast:
+            greedy = _greedy_mask(batch).tolist()
+        # greedy None here: CUDA without the host list; every row draws, see the module docstring.
+        rows = list(range(B)) if greedy is None else [i for i in range(B) if not greedy[i]]
         if rows:
-            idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-            probs = filtered_probs(
-                x.index_select(0, idx),
-                batch.temperatures.index_select(0, idx),
-                batch.top_ks.index_select(0, idx),
-                batch.top_ps.index_select(0, idx),
-                batch.min_ps.index_select(0, idx),
-            )
+            params = tuple(t.to(dev, non_blocking=True)
+                           for t in (batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps))
+            if len(rows) == B:
+                xs, idx = x, None
+            else:
+                idx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+                xs = x.index_select(0, idx)
+                params = tuple(t.index_select(0, idx) for t in params)
             e = self._exponentials([batch.generators[i] for i in rows], V, dev)
-            # Exp(1) can round to 0 on some backends; a 0 would turn 0/0 into a NaN argmax.
-            e = e.clamp_min(torch.finfo(e.dtype).tiny)
-            token_ids = token_ids.index_copy(0, idx, (probs / e).argmax(dim=-1))
+            if fast:
+                from kiln.kernels import sampling
+
+                drawn = sampling.sample(xs, *params, e)  # filter + race, fused
+            else:
+                probs = filtered_probs(xs, *params)
+                # Exp(1) can round to 0 on some backends; a 0 would turn 0/0 into a NaN argmax.
+                e = e.clamp_min(torch.finfo(e.dtype).tiny)
+                drawn = (probs / e).argmax(dim=-1)
+            if greedy is None:
+                token_ids = torch.where(_greedy_mask(batch).to(dev, non_blocking=True), token_ids, drawn)
+            elif idx is None:
+                token_ids = drawn
+            else:
+                token_ids = token_ids.index_copy(0, idx, drawn)
         out = SampleOutput(token_ids=token_ids)
         kmax = max(batch.num_top_logprobs, default=-1)
         if kmax >= 0:
@@ -278,14 +329,16 @@ class Sampler:
     def _exponentials(self, gens: list, V: int, dev) -> torch.Tensor:
         """`[S, V]` Exp(1) noise: one draw of V from each row's own generator; the rows without
         one share a single draw from the shared generator (their stream needs no stability)."""
-        e = torch.empty(len(gens), V, dtype=torch.float32, device=dev)
-        shared = [j for j, g in enumerate(gens) if g is None]
-        if shared:
-            noise = torch.empty(len(shared), V, device=dev).exponential_(generator=self.generator)
-            if len(shared) == len(gens):
+        n_shared = sum(g is None for g in gens)
+        noise = None
+        if n_shared:
+            noise = torch.empty(n_shared, V, dtype=torch.float32, device=dev).exponential_(generator=self.generator)
+            if n_shared == len(gens):
                 return noise
-            e[shared] = noise
-        for j, g in enumerate(gens):
-            if g is not None:
-                e[j] = torch.empty(V, device=dev).exponential_(generator=g)
-        return e
+        # Stacked in row order (no list-indexed assignment: that would copy an index to the device
+        # synchronously).
+        rows, shared = [], iter(noise if noise is not None else ())
+        for g in gens:
+            rows.append(next(shared) if g is None else
+                        torch.empty(V, dtype=torch.float32, device=dev).exponential_(generator=g))
+        return torch.stack(rows)

@@ -14,18 +14,32 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
-from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator
+from kiln.engine.sampler import SampleOutput, SamplingBatch, compute_logprobs, make_generator
 
 logger = logging.getLogger(__name__)
+
+# An output token sampled on the device but not yet read back (overlap scheduling).
+PENDING = -1
+
+
+@dataclass
+class _Sampled:
+    """One step's sampling, queued on the device: `out` holds the tokens of `reqs` (row i is
+    reqs[i], `rows` maps a request id to its row)."""
+
+    reqs: list[Req]
+    out: SampleOutput
+    rows: dict[str, int]
 
 
 class Scheduler:
@@ -47,6 +61,9 @@ class Scheduler:
         # (SGLang's new_token_ratio): it jumps to 1 after a retraction and decays back, so memory
         # pressure makes admission conservative instead of thrashing between admit and retract.
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
+        # Overlap scheduling (CUDA): the sampled step whose tokens are still on the device.
+        self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
+        self.pending: Optional[_Sampled] = None
 
     INIT_NEW_TOKEN_RATIO = 0.5
     MIN_NEW_TOKEN_RATIO = 0.1
@@ -88,19 +105,43 @@ class Scheduler:
                 if r.rid == rid:
                     q.remove(r)
                     self.cache.release(r)
+                    if r.output_ids and r.output_ids[-1] == PENDING:
+                        r.output_ids.pop()
                     self._finish(r, FinishReason.ABORT)
                     self.outbox.append(self._output(r, 0))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.outbox)
+        return bool(self.waiting or self.running or self.outbox or self.pending)
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        """Schedule, run one forward, sample, and return the outputs that are ready.
+
+        With overlap scheduling the forward of this step is queued on the device *before* the
+        tokens of the previous step are read back (`_commit`), so the host work of reading them,
+        checking stops and scheduling the next step hides behind the device's work. The inputs of
+        requests whose last token is still on the device (`PENDING` in `output_ids`) are gathered
+        there; requests that turn out to have finished at the previous step ran one row for
+        nothing, which is discarded."""
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
         plan = self._schedule()
         if plan:
             self.cache.before_forward()  # HiCache: host -> device loads land before the forward
-            self._run(plan)
+        launched = self._forward(plan) if plan else None
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._commit(pending)
+        if launched is not None:
+            logits, sample_reqs, sample_rows, prompt_lp = launched
+            self._record_prompt_logprobs(logits, prompt_lp)
+            alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
+            if alive:
+                rows = [i for _, i in alive]
+                sampled = self._sample(logits[rows], [r for r, _ in alive])
+                if self.overlap:
+                    self.pending = sampled
+                else:
+                    self._commit(sampled)
         if self.check_after_step:
             self.check_integrity()
         out, self.outbox = self.outbox, []
@@ -111,7 +152,7 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
         plan: list[tuple[Req, int, int]] = []
         # 1. decodes, oldest first; retract the newest when pages run out
-        decodes = [r for r in self.running if r.remaining_prefill() == 1]
+        decodes = [r for r in self.running if r.remaining_prefill() == 1 and not self._stops_for_sure(r)]
         i = 0
         while i < len(decodes):
             r = decodes[i]
@@ -145,6 +186,8 @@ class Scheduler:
         self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             r = self.waiting[0]
+            if r.output_ids and r.output_ids[-1] == PENDING:
+                break  # retracted while its last token was on the device: readmit after the commit
             self.cache.match(r, max_tokens=self._max_match(r))
             n = self._chunk(r, budget, bool(plan))
             reserve = self._reserved_pages()
@@ -171,6 +214,11 @@ class Scheduler:
             plan.append((r, r.num_computed, r.num_computed + n))
             budget -= n
         return plan
+
+    def _stops_for_sure(self, r: Req) -> bool:
+        """A request whose token on the device is its last one by length: no step for it."""
+        return bool(r.output_ids) and r.output_ids[-1] == PENDING and (
+            len(r.output_ids) >= r.params.max_tokens or r.seq_len >= self.context_length)
 
     def _reserved_pages(self) -> int:
         """Pages the running requests are expected to still need for their outputs."""
@@ -236,15 +284,21 @@ class Scheduler:
         self.outbox.append(out)
 
     # ---- forward + sampling ----------------------------------------------------------------
-    def _run(self, plan: list[tuple[Req, int, int]]) -> None:
+    def _forward(self, plan: list[tuple[Req, int, int]]):
+        """Build the batch of `plan` and queue its forward. Returns (logits, requests that sample,
+        their logit rows, prompt-logprob work)."""
         dev = self.runner.device
         ids, pos, locs, logit_rows = [], [], [], []
         win_locs: dict[str, list[int]] = {c: [] for c in self.cache.windows}
         sample_reqs, sample_rows, prompt_lp = [], [], []
+        pending_at, pending_src = [], []  # rows whose input token is still on the device
         row = 0
         for r, start, end in plan:
             all_ids = r.all_ids
             ids.extend(all_ids[start:end])
+            if all_ids[end - 1] == PENDING:
+                pending_at.append(row + end - 1 - start)
+                pending_src.append(self.pending.rows[r.rid])
             pos.extend(range(start, end))
             locs.extend(r.pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(start, end))
             for c in self.cache.windows:
@@ -264,18 +318,21 @@ class Scheduler:
                 logit_rows.append(row + end - 1 - start)
             row += end - start
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
+        slots = [r.slot for r, _, _ in plan]
+        t = int64_to_device({"ids": ids, "pos": pos, "logits": logit_rows, "slots": slots, "locs": locs,
+                             "pend_at": pending_at, "pend_src": pending_src,
+                             **{f"win:{c}": v for c, v in win_locs.items()}}, dev)
+        input_ids = t["ids"]
+        if pending_at:  # the previous step's tokens, read on the device (no host round trip)
+            input_ids = input_ids.index_copy(0, t["pend_at"], self.pending.out.token_ids[t["pend_src"]])
         batch = ForwardBatch(
-            mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            prefix_lens=[s for _, s, _ in plan],
-            extend_lens=[e - s for _, s, e in plan],
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            req_slots=torch.tensor([r.slot for r, _, _ in plan], dtype=torch.long, device=dev),
-            out_cache_loc=torch.tensor(locs, dtype=torch.long, device=dev),
-        )
-        batch.win_out_locs = {c: torch.tensor(v, dtype=torch.long, device=dev) for c, v in win_locs.items()}
-        batch.extras["req_slots_cpu"] = [r.slot for r, _, _ in plan]
+            mode=mode, input_ids=input_ids, positions=t["pos"],
+            prefix_lens=[s for _, s, _ in plan], extend_lens=[e - s for _, s, e in plan],
+            logits_indices=t["logits"], req_slots=t["slots"], out_cache_loc=t["locs"],
+            win_out_locs={c: t[f"win:{c}"] for c in win_locs})
+        batch.extras["req_slots_cpu"] = slots
+        if self.runner.needs_device_metadata:
+            batch.attach_device_metadata(dev)
         logits = self.runner.forward(batch)
         for r, start, end in plan:
             r.num_computed = end
@@ -285,9 +342,7 @@ class Scheduler:
                 # them; decode pages are cached when the request ends.
                 self.cache.cache(r)
             self.cache.trim(r)  # windowed state that fell out of every query's reach
-        self._record_prompt_logprobs(logits, prompt_lp)
-        if sample_reqs:
-            self._sample(logits[sample_rows], sample_reqs)
+        return logits, sample_reqs, sample_rows, prompt_lp
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, items) -> None:
         for r, lo, first_row in items:
@@ -306,25 +361,38 @@ class Scheduler:
             r.prompt_logprobs.extend(zip(chosen, tops))
             r.prompt_logprobs_done = hi
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> "_Sampled":
+        """Queue sampling of one token per request; each request's output gets a `PENDING`
+        placeholder until `_commit` reads the tokens back."""
         sb = SamplingBatch.from_reqs(reqs, self.runner.device)
         out = self.runner.sampler(logits, sb)
+        for r in reqs:
+            r.output_ids.append(PENDING)
+        return _Sampled(reqs, out, {r.rid: i for i, r in enumerate(reqs)})
+
+    def _commit(self, sampled: "_Sampled") -> None:
+        """Read sampled tokens back (the host synchronisation of a step), put them in place of the
+        placeholders, and finish the requests that stop."""
+        out = sampled.out
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for i, (r, t) in enumerate(zip(reqs, tokens)):
-            r.output_ids.append(t)
+        for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):
+            if r.finished:  # aborted while its token was on the device
+                continue
+            assert r.output_ids[-1] == PENDING, f"{r.rid}: no placeholder for the sampled token"
+            r.output_ids[-1] = t
             self.stats_counters.generation_tokens_total += 1
             if r.params.logprobs is not None and lps is not None:
                 k = r.params.logprobs
                 r.output_logprobs.append((lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []))
             reason = self._check_finish(r, t)
             if reason is not None:
-                if r.return_routed_experts:
+                if r.return_routed_experts and r.slot != -1:
                     r.routed_experts = self.runner.routing.gather(self.cache.req_to_token.table[r.slot],
                                                                   r.seq_len - 1)
-                self.running.remove(r)
+                (self.running if r.status == ReqStatus.RUNNING else self.waiting).remove(r)
                 self._finish(r, reason)
                 self.cache.release(r)
             self.outbox.append(self._output(r, 1))

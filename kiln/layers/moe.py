@@ -9,18 +9,26 @@
   `batch.extras["replay_experts"]` holds ids for its `moe_index`, it uses them instead of its own
   top-k, but recomputes the weights from the live router so gradients still reach it.
 
-Tensor parallelism shards the expert intermediate dim; routers are replicated. The modules call the
-reference ops in `kiln.ops.moe`, which fused kernels are tested against.
+Tensor parallelism shards the expert intermediate dim; routers are replicated.
+
+Two paths compute the same thing. The reference ops in `kiln.ops.moe` run on the CPU, whenever
+autograd records (training, RL recompute) and, for a gate, when its ids are replayed (so ids and
+gradients stay exact). Otherwise, on CUDA with Triton, the fused kernels in `kiln.kernels.moe` run:
+one kernel per router and one grouped-GEMM pipeline for routed + shared experts. That path has no
+host syncs (the engine captures decode in CUDA graphs); choosing it looks only at devices, dtypes
+and `requires_grad`, never at tensor values.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
+from kiln import kernels
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.ops import moe as ref_ops
 
@@ -28,6 +36,22 @@ from kiln.ops import moe as ref_ops
 def _frozen(*shape: int) -> nn.Parameter:
     # Engine convention: parameters start without grad; the trainer enables what it trains.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_ops():
+    # Imported on first use: it needs Triton, which the CPU build of torch does not ship.
+    from kiln.kernels import moe
+    return moe
+
+
+def _use_kernels(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Fused Triton kernels apply: CUDA with Triton, and autograd records nothing through these
+    tensors (the kernels have no backward)."""
+    if not kernels.kernels_supported(x.device):
+        return False
+    return not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (x, *tensors))
 
 
 def _routing(gate: nn.Module, batch, compute):
@@ -58,8 +82,13 @@ class SinkGate(nn.Module):
         self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
 
     def forward(self, x: torch.Tensor, batch=None):
-        return _routing(self, batch, lambda forced: ref_ops.sink_gate_ref(
-            x, self.weight, self.expert_bias, self.global_scale, self.top_k, self.route_scale, forced))
+        def compute(forced):
+            if forced is None and _use_kernels(x, self.weight, self.global_scale):
+                return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
+                                               self.top_k, self.route_scale)
+            return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
+                                         self.top_k, self.route_scale, forced)
+        return _routing(self, batch, compute)
 
 
 class MiniMaxGate(nn.Module):
@@ -75,8 +104,13 @@ class MiniMaxGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, batch=None):
-        return _routing(self, batch, lambda forced: ref_ops.minimax_gate_ref(
-            x, self.weight, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor, forced))
+        def compute(forced):
+            if forced is None and _use_kernels(x, self.weight):
+                return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
+                                                  self.top_k, self.routed_scaling_factor)
+            return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                            self.routed_scaling_factor, forced)
+        return _routing(self, batch, compute)
 
 
 def _load_swiglu_slice(w13: torch.Tensor, w2: torch.Tensor, inter: int, pc: ParallelContext,
@@ -113,7 +147,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        out = ref_ops.experts_ref(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
+        if _use_kernels(x, self.w13, self.w2, topk_weights):
+            out = _kernel_ops().fused_experts(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
+        else:
+            out = ref_ops.experts_ref(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
         if self.reduce_output:
             out = self.pc.all_reduce(out)
         return out.to(out_dtype or x.dtype)
@@ -164,6 +201,23 @@ class SharedExperts(nn.Module):
             yield base + "down_proj.weight", self.w2[:, down]
 
 
+def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor, ids: torch.Tensor,
+                        routed_w: torch.Tensor, shared_w: Optional[torch.Tensor],
+                        pc: ParallelContext) -> torch.Tensor:
+    """This rank's routed + shared expert sum [T, H], summed in fp32. On the kernel path the shared
+    experts are always-selected extra slots of the routed grouped GEMMs, and on one rank the single
+    cast to x's dtype happens there too (under TP the fp32 partial sums wait for the all-reduce)."""
+    out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
+    # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
+    plain = type(experts).forward is Experts.forward
+    if plain and _use_kernels(x, experts.w13, experts.w2, shared.w13, shared.w2, routed_w, shared_w):
+        ops = _kernel_ops()
+        if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
+            return ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
+                                     shared=(shared.w13, shared.w2, shared_w))
+    return (experts(x, ids, routed_w, torch.float32) + shared(x, shared_w)).to(out_dtype)
+
+
 class SinkMoE(nn.Module):
     """Inkling's MoE: sum_{j in T} w_j Expert_j(m) + sum_s w_s Shared_s(m), fp32, cast once."""
 
@@ -179,7 +233,7 @@ class SinkMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         ids, routed_w, shared_w = self.router(x, batch)
-        out = self.experts(x, ids, routed_w, torch.float32) + self.shared_experts(x, shared_w)
+        out = _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc)
         return self.pc.all_reduce(out).to(x.dtype)
 
 
@@ -200,7 +254,7 @@ class MiniMaxMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         ids, routed_w = self.gate(x, batch)
-        out = self.experts(x, ids, routed_w, torch.float32) + self.shared_experts(x)
+        out = _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc)
         return self.pc.all_reduce(out).to(x.dtype)
 
 

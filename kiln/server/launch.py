@@ -52,27 +52,35 @@ def launch_server(config: EngineConfig) -> None:
     ipc_dir = tempfile.mkdtemp(prefix="kiln-ipc-")
     to_engine, from_engine = f"ipc://{ipc_dir}/to_engine", f"ipc://{ipc_dir}/from_engine"
     ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_scheduler, args=(engine_config, to_engine, from_engine, writer),
-                       name="kiln-engine", daemon=True)
-    proc.start()
-    writer.close()
+    # One engine process per tensor-parallel rank; rank 0 talks to this process.
+    tp_init = f"tcp://127.0.0.1:{_free_port()}"
+    procs, readers = [], []
+    for rank in range(config.tp_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_scheduler, args=(engine_config, to_engine, from_engine, writer, rank, tp_init),
+                           name=f"kiln-engine-tp{rank}" if config.tp_size > 1 else "kiln-engine", daemon=True)
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        readers.append(reader)
     try:
-        info = _wait_ready(proc, reader)
-        logger.info("Serving %s on http://%s:%d (context %d)", info.name, config.host, config.port,
-                    info.context_length)
-        tm = TokenizerManager(engine_config, info, to_engine, from_engine, proc.is_alive)
+        info = [_wait_ready(proc, reader, procs) for proc, reader in zip(procs, readers)][0]
+        logger.info("Serving %s on http://%s:%d (context %d%s)", info.name, config.host, config.port,
+                    info.context_length, f", tp {config.tp_size}" if config.tp_size > 1 else "")
+        tm = TokenizerManager(engine_config, info, to_engine, from_engine, lambda: all(p.is_alive() for p in procs))
         app = create_app(engine_config, tm, aliases)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                timeout_graceful_shutdown=5))
         server.run()
     finally:
-        _stop(proc)
+        for proc in procs:
+            _stop(proc)
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-def _wait_ready(proc: Any, reader: Any) -> Any:
-    """The engine's ModelInfo, or a ServerStartupError carrying the engine's own error."""
+def _wait_ready(proc: Any, reader: Any, group: list) -> Any:
+    """The engine's ModelInfo, or a ServerStartupError carrying the engine's own error. `group`:
+    every rank's process (a rank that dies leaves the others waiting in a collective)."""
     import time
 
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -85,11 +93,12 @@ def _wait_ready(proc: Any, reader: Any) -> Any:
             if status == "ok":
                 return payload
             raise ServerStartupError(f"The engine failed to start:\n{payload}")
-        if not proc.is_alive():
+        if not all(p.is_alive() for p in group):
             break
     proc.join(timeout=1)
-    raise ServerStartupError(f"The engine process exited (code {proc.exitcode}) before it was ready; "
-                             "see its log above." if not proc.is_alive() else
+    dead = [p for p in group if not p.is_alive()]
+    raise ServerStartupError(f"The engine process {dead[0].name} exited (code {dead[0].exitcode}) before it was "
+                             "ready; see its log above." if dead else
                              f"The engine was not ready after {READY_TIMEOUT_S:.0f}s.")
 
 
@@ -100,6 +109,12 @@ def _stop(proc: Any) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join(timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _check_port(host: str, port: int) -> None:

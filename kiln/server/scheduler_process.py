@@ -28,30 +28,42 @@ logger = logging.getLogger("kiln.scheduler")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks before checking that the parent lives
 
 
-def run_scheduler(config: EngineConfig, recv_addr: str, send_addr: str, ready_pipe: Any) -> None:
-    """Entry point of the engine process (multiprocessing spawn target).
+def run_scheduler(config: EngineConfig, recv_addr: str, send_addr: str, ready_pipe: Any,
+                  tp_rank: int = 0, tp_init_method: str = "") -> None:
+    """Entry point of an engine process (multiprocessing spawn target), one per tensor-parallel
+    rank.
 
     Sends ("ok", ModelInfo) or ("error", traceback text) through `ready_pipe` once, then serves
-    until the parent dies or it receives SIGTERM.
+    until the parent dies or it receives SIGTERM. With `--tp N`, rank 0 alone talks to the API
+    process: each loop it broadcasts the messages it received to the other ranks, every rank
+    applies them and steps its own scheduler (identical decisions, see `kiln.dist.init`), and
+    only rank 0 sends outputs back.
     """
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(name)s{f'[tp{tp_rank}]' if config.tp_size > 1 else ''} "
+                               "%(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; let the parent decide when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _die_with_parent()
     parent = os.getppid()
+    leader = tp_rank == 0
 
     import zmq
 
     ctx = zmq.Context()
-    recv = ctx.socket(zmq.PULL)
-    recv.bind(recv_addr)
-    send = ctx.socket(zmq.PUSH)
-    send.connect(send_addr)
+    recv = send = None
+    if leader:
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(recv_addr)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(send_addr)
     try:
+        from kiln.dist.init import init_tensor_parallel
         from kiln.engine.core import EngineCore
 
-        core = EngineCore(config)
+        pc = init_tensor_parallel(tp_rank, config.tp_size, tp_init_method, config.resolved_device())
+        core = EngineCore(config, pc=pc)
     except BaseException as e:  # noqa: BLE001 - report every startup failure to the parent
         ready_pipe.send(("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}"))
         ready_pipe.close()
@@ -59,31 +71,53 @@ def run_scheduler(config: EngineConfig, recv_addr: str, send_addr: str, ready_pi
     ready_pipe.send(("ok", core.info))
     ready_pipe.close()
     logger.info("Engine ready: %s (context %d)", core.info.name, core.info.context_length)
+    out = send if leader else _Discard()
 
     poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
+    if leader:
+        poller.register(recv, zmq.POLLIN)
     try:
         while True:
-            while True:
-                try:
-                    msg = recv.recv_pyobj(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                _handle(core, msg, send)
+            msgs = []
+            if leader:
+                # Idle: block on the socket for a while (then check that the parent lives).
+                if not core.has_work() and not poller.poll(IDLE_POLL_MS) and os.getppid() != parent:
+                    logger.warning("The API process is gone; stopping the engine.")
+                    pc.broadcast_object(_STOP)
+                    return
+                while True:
+                    try:
+                        msgs.append(recv.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            if pc.tp_size > 1:
+                msgs = pc.broadcast_object(msgs)
+                if msgs is _STOP or msgs == _STOP:
+                    return
+            for msg in msgs:
+                _handle(core, msg, out)
             if core.has_work():
                 outs = core.step()
                 if outs:
-                    send.send_pyobj(BatchOutput(outs))
-            elif not poller.poll(IDLE_POLL_MS) and os.getppid() != parent:
-                logger.warning("The API process is gone; stopping the engine.")
-                return
+                    out.send_pyobj(BatchOutput(outs))
     except Exception:
         logger.exception("Engine loop failed; the server cannot continue.")
         raise
     finally:
-        recv.close(linger=0)
-        send.close(linger=0)
+        for sock in (recv, send):
+            if sock is not None:
+                sock.close(linger=0)
         ctx.term()
+
+
+_STOP = "stop"  # broadcast by rank 0 when it stops, so the other ranks stop too
+
+
+class _Discard:
+    """Where ranks other than 0 "send" their outputs: rank 0 sends the same ones."""
+
+    def send_pyobj(self, obj: Any) -> None:
+        pass
 
 
 def _handle(core: Any, msg: Any, send: Any) -> None:

@@ -44,7 +44,14 @@ def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: li
     positions = ((torch.tensor(idx) + first_page_index).unsqueeze(1) * page_size + offs).flatten()
     slots = (torch.tensor([pages[i] for i in idx]).unsqueeze(1) * page_size + offs).flatten()
     keep = positions < table.shape[1]
-    table[slot, positions[keep].to(table.device)] = slots[keep].to(table.device, table.dtype)
+    both = torch.stack([positions[keep], slots[keep]])
+    if table.device.type == "cuda":
+        # Pinned + non-blocking: a pageable copy can wait for the queued forward to finish, which
+        # would serialise the scheduler with the GPU (it writes pages between queued steps).
+        both = both.pin_memory().to(table.device, non_blocking=True)
+    else:
+        both = both.to(table.device)
+    table[slot, both[0]] = both[1].to(table.dtype)
 
 
 class KVPool:

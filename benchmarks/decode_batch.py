@@ -1,0 +1,181 @@
+"""Decode at fixed batch sizes: throughput per GPU, the roofline of each step, and (with
+`--profile`) the GPU's idle fraction during steady decode.
+
+    python benchmarks/decode_batch.py --model-path preset:inkling/bench --batch-sizes 8,32,64,128 \
+        --input-len 8192 --output-len 1024 --dummy-init auto
+    python benchmarks/decode_batch.py --model-path benchmarks/configs/llama-3.1-8b --batch-sizes 64 \
+        --input-len 1024 --output-len 256 --profile
+    python benchmarks/decode_batch.py --quick --device cpu           # CPU smoke run (tiny preset)
+
+For each batch size B, B requests of `--input-len` random tokens generate exactly `--output-len`
+tokens each (ignore_eos, greedy), all submitted at once. Reported per B:
+- `prefill_s`: until every request has its first token;
+- `decode_tok_s`: B * (output_len - 1) / (time from the last first token to the end), the steady
+  decode rate, and `step_ms` its time per step;
+- `total_tok_s`: B * output_len / wall time, prefill included (throughput per GPU);
+- `roofline_tok_s`: B / (bytes one step reads at the mean decode context / measured bandwidth),
+  with `roofline.roofline_bytes` (weights read at this batch: for MoE the distinct experts hit,
+  plus each sequence's state), and `frac_of_roofline` = decode_tok_s / roofline_tok_s.
+- with `--profile`: `gpu_idle_frac`, measured with torch.profiler over `--profile-steps` decode
+  steps in the middle of the decode phase: 1 - (union of the GPU kernel and memcpy intervals) /
+  (wall time from the first to the last GPU activity). A CUDA-graph replay appears as its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import roofline  # noqa: E402
+from common import log  # noqa: E402
+
+from kiln.engine.io import GenerateReq  # noqa: E402
+from kiln.engine.request import SamplingParams  # noqa: E402
+
+COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "decode_tok_s", "total_tok_s",
+           "roofline_tok_s", "frac_of_roofline", "gpu_idle_frac", "note"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_engine_args(p)
+    p.add_argument("--batch-sizes", default=None, help="Comma-separated (default 8,32,64,128; --quick 2,4).")
+    p.add_argument("--input-len", type=int, default=None, help="Prompt tokens (default 8192; --quick 32).")
+    p.add_argument("--output-len", type=int, default=None, help="Generated tokens (default 1024; --quick 8).")
+    p.add_argument("--profile", action="store_true", help="Measure the GPU idle fraction (CUDA).")
+    p.add_argument("--profile-steps", type=int, default=20, help="Decode steps inside the profile window.")
+    p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
+    common.add_bench_args(p)
+    return p
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def gpu_idle_fraction(prof) -> Optional[float]:
+    """1 - busy / span over the GPU activities (kernels, memcpy, memset) a torch.profiler trace
+    recorded; None when it recorded none."""
+    intervals = []
+    for ev in prof.events():
+        if ev.device_type is not None and "CUDA" in str(ev.device_type) and ev.time_range.elapsed_us() > 0:
+            intervals.append((ev.time_range.start, ev.time_range.end))
+    if not intervals:
+        return None
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return 1.0 - _union_us(intervals) / span if span > 0 else None
+
+
+def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
+    rng = random.Random(args.seed + bs)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    core.flush_cache()
+    first, done, steps = {}, {}, 0
+    start = time.perf_counter()
+    for i in range(bs):
+        core.add_request(GenerateReq(rid=f"b{bs}-{i}", input_ids=common.random_token_ids(rng, args.input_len, vocab),
+                                     params=params))
+    # Profile a window a quarter of the way into the decode phase (steady state, graphs warm).
+    want_profile = args.profile and device == "cuda"
+    decode_step = prof = prof_from = idle = None
+    note = ""
+    while core.has_work():
+        if want_profile and prof is None and decode_step is not None and \
+                steps >= decode_step + max(2, (args.output_len - args.profile_steps) // 4):
+            import torch.profiler as tp
+
+            common.synchronize(device)
+            prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_from = steps
+        outs = core.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.rid not in first:
+                first[o.rid] = now
+            if o.finished:
+                done[o.rid] = now
+        if decode_step is None and len(first) == bs:
+            decode_step = steps
+        if prof_from is not None and steps - prof_from >= args.profile_steps:
+            common.synchronize(device)
+            prof.__exit__(None, None, None)
+            idle, prof_from = gpu_idle_fraction(prof), None
+            note += f"idle over {args.profile_steps} steps; "
+        if args.time_limit and now - start > args.time_limit and core.has_work():
+            for i in range(bs):
+                core.abort(f"b{bs}-{i}")
+            while core.has_work():
+                core.step()
+            note += "time limit: partial; "
+            break
+    end = time.perf_counter()
+    if len(first) < bs or not done:
+        raise RuntimeError(f"batch {bs}: only {len(first)} requests reached decode, {len(done)} finished "
+                           f"(raise --time-limit)")
+    decode_start = max(first.values())
+    decode_s = max(done.values()) - decode_start
+    steps_decode = args.output_len - 1
+    return {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
+            "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
+            "decode_tok_s": len(done) * steps_decode / decode_s if decode_s > 0 else None,
+            "total_tok_s": len(done) * args.output_len / (end - start), "gpu_idle_frac": idle,
+            "note": note + f"{steps} steps"}
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.quick and args.model_path is None:
+        args.model_path = "preset:inkling/tiny"
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("2,4" if args.quick else "8,32,64,128")).split(",")]
+    args.input_len = args.input_len or (32 if args.quick else 8192)
+    args.output_len = args.output_len or (8 if args.quick else 1024)
+    config, device, dtype, mc = common.setup(args)
+    config.max_running_requests = max(config.max_running_requests, max(args.batch_sizes))
+    if config.max_total_tokens is None and device == "cpu":
+        config.max_total_tokens = max(args.batch_sizes) * (args.input_len + args.output_len + 2 * config.page_size)
+    core = common.build_core(config, dummy_init=common.resolve_dummy_init(args.dummy_init, device))
+    hw = common.hardware_description(device)
+    log(hw)
+    bw = roofline.measure_bandwidth(device)
+    meta_model = roofline.meta_model(config.model_path, dtype)
+    rows = []
+    for bs in args.batch_sizes:
+        row, err = common.run_guarded(f"batch {bs}", lambda: run_batch(core, bs, args, min(mc.vocab_size, 10001), device))
+        if row is None:
+            rows.append({"batch": bs, "note": f"failed: {err}"})
+            continue
+        rl = roofline.roofline_bytes(meta_model, [args.input_len + args.output_len / 2] * bs)
+        if bw and row.get("decode_tok_s"):
+            row["roofline_tok_s"] = bs * bw / rl["bytes_per_step"]
+            row["frac_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
+        row["bytes_per_step"] = rl["bytes_per_step"]
+        log(f"batch {bs}: {common.format_table([row], COLUMNS)}")
+        rows.append(row)
+    title = (f"Decode at fixed batch: {common.model_name(config.model_path)}, {dtype}, {device}, "
+             f"input {args.input_len}, output {args.output_len}, greedy")
+    meta = common.run_meta("decode_batch", argv, hw, config, dtype, device, measured_bandwidth=bw,
+                           cuda_graphs=getattr(core.runner, "graphs", None) is not None,
+                           kernels=getattr(core.runner, "use_kernels", False))
+    lines = [f"# bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s; kernels "
+             f"{'on' if meta['kernels'] else 'off'}, CUDA graphs {'on' if meta['cuda_graphs'] else 'off'}"]
+    return common.report(rows, COLUMNS, title, hw, meta, args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

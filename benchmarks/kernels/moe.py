@@ -1,0 +1,180 @@
+"""MoE: Triton kernels (`kiln.kernels.moe`) vs the PyTorch references (`kiln.ops.moe`), CUDA only.
+
+    python -m benchmarks.kernels.moe [--tokens 1 8 64 256 8192] [--sweep]
+
+Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
+two shared experts. Rows:
+- experts: `fused_experts` (routed only) vs `experts_ref`;
+- +shared: `fused_experts(shared=...)` vs `experts_ref + shared_experts_ref` (fp32 sum, one cast);
+- sink gate / minimax gate: the gate kernels (router GEMM + fused top-k) vs the references.
+Times are medians in microseconds. "eager" is `triton.testing.do_bench` (L2 flushed before each
+call); "graph" replays the call from a CUDA graph, as the engine's decode does, over 8 copies of
+the weights in turn so that they are not served from L2. The references sync the host
+(`experts_ref` loops over the experts that got tokens), so they have eager times only. GB/s (decode
+sizes) counts the expert weights the call must read once: those of the experts hit, plus the
+shared ones, over the graph time.
+
+`--sweep` times the fused call with other tile configs per token count and prints the best ones
+(how `kiln.kernels.moe.pick_config` was chosen).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+E, K, H, I, S = 64, 6, 2048, 512, 2
+COPIES = 8
+
+
+def _weights(n, dtype, dev, gen):
+    def rnd(*shape, fan_in):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).div_(fan_in ** 0.5).to(dtype)
+
+    return [dict(w13=rnd(E, 2 * I, H, fan_in=H), w2=rnd(E, H, I, fan_in=I),
+                 sw13=rnd(2 * S * I, H, fan_in=H), sw2=rnd(H, S * I, fan_in=I)) for _ in range(n)]
+
+
+def _graph_time(fn) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph."""
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def _eager_time(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def _inputs(t, dtype, dev, gen):
+    x = torch.randn(t, H, generator=gen, device=dev).to(dtype)
+    # Routing as the gate would do it: k distinct experts per token, from random logits.
+    ids = torch.rand(t, E, generator=gen, device=dev).argsort(dim=1)[:, :K]
+    w = torch.rand(t, K, generator=gen, device=dev)
+    sw = torch.rand(t, S, generator=gen, device=dev)
+    return x, ids, w, sw
+
+
+def _weight_bytes(ids, elt) -> int:
+    hit = torch.unique(ids).numel()
+    return (hit * 3 * I * H + 3 * S * I * H) * elt
+
+
+def _candidates(t):
+    from kiln.kernels.moe import MoEConfig
+
+    m = t * K / E
+    bms = [16] if m <= 1 else [16, 32] if m <= 12 else [16, 32, 64] if m <= 48 else [64, 128]
+    ups = [(32, 128, 4, 4), (64, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3),
+           (64, 64, 8, 4)]
+    downs = [(64, 128, 4, 4), (128, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4),
+             (256, 64, 8, 3)]
+    return MoEConfig, bms, ups, downs
+
+
+def sweep(tokens, dtype, dev, gen) -> None:
+    from kiln.kernels.moe import fused_experts, pick_config
+
+    layers = _weights(COPIES, dtype, dev, gen)
+    print("\nsweep: fused_experts(+shared), graph median us; tiles (BLOCK_N, BLOCK_K, warps, stages)")
+    for t in tokens:
+        x, ids, w, sw = _inputs(t, dtype, dev, gen)
+        MoEConfig, bms, ups, downs = _candidates(t)
+        default = pick_config(t, K, E, H, I)
+
+        def run(cfg):
+            def fn():
+                for L in layers:
+                    fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw), config=cfg)
+            try:
+                fn()
+                return _graph_time(fn) / COPIES
+            except Exception as exc:  # e.g. out of shared memory for a big tile
+                print(f"  T={t} {cfg}: {type(exc).__name__}")
+                return float("inf")
+
+        results = {}
+        for bm in bms:  # gate/up tiles and BLOCK_M with the default down tiles
+            for up in ups:
+                cfg = MoEConfig(bm, up, default.down)
+                results[cfg] = run(cfg)
+        best = min(results, key=results.get)
+        for down in downs:  # then the down tiles with the best of those
+            cfg = MoEConfig(best.block_m, best.up, down)
+            if cfg not in results:
+                results[cfg] = run(cfg)
+        if default not in results:
+            results[default] = run(default)
+        ranked = sorted(results.items(), key=lambda kv: kv[1])
+        print(f"T={t}: default {default} {results[default]:.1f} us")
+        for cfg, us in ranked[:3]:
+            print(f"   {us:8.1f} us  BLOCK_M={cfg.block_m} up={cfg.up} down={cfg.down}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
+    ap.add_argument("--sweep", action="store_true", help="time other tile configs too")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.kernels.moe needs CUDA")
+
+    from kiln.kernels import moe as KM
+    from kiln.ops import moe as R
+
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layers = _weights(COPIES, dtype, dev, gen)
+    L0 = layers[0]
+    router = torch.randn(E + S, H, generator=gen, device=dev).div_(H ** 0.5).to(dtype)
+    bias = torch.randn(E, generator=gen, device=dev) * 0.01
+    gscale = torch.ones((), device=dev)
+    elt = torch.finfo(dtype).bits // 8
+    print(f"MoE E={E} k={K} H={H} I={I} shared={S} {dtype} on {torch.cuda.get_device_name()}; median us")
+    head = (f"{'T':>5} {'op':<14} {'ref eager':>10} {'kern eager':>10} {'kern graph':>10} "
+            f"{'speedup':>8} {'GB/s':>7}")
+    print(head)
+    print("-" * len(head))
+    for t in args.tokens:
+        x, ids, w, sw = _inputs(t, dtype, dev, gen)
+        decode = t <= 256
+
+        def fused(shared):
+            def fn():
+                for L in layers:
+                    KM.fused_experts(x, L["w13"], L["w2"], ids, w,
+                                     shared=(L["sw13"], L["sw2"], sw) if shared else None)
+            return fn
+
+        rows = [
+            ("experts", lambda: R.experts_ref(x, L0["w13"], L0["w2"], ids, w),
+             lambda: KM.fused_experts(x, L0["w13"], L0["w2"], ids, w), fused(False),
+             _weight_bytes(ids, elt) - 3 * S * I * H * elt),
+            ("+shared", lambda: (R.experts_ref(x, L0["w13"], L0["w2"], ids, w, torch.float32)
+                                 + R.shared_experts_ref(x, L0["sw13"], L0["sw2"], sw)).to(dtype),
+             lambda: KM.fused_experts(x, L0["w13"], L0["w2"], ids, w, shared=(L0["sw13"], L0["sw2"], sw)),
+             fused(True), _weight_bytes(ids, elt)),
+            ("sink gate", lambda: R.sink_gate_ref(x, router, bias, gscale, K, 2.5),
+             lambda: KM.sink_gate(x, router, bias, gscale, K, 2.5), None, 0),
+            ("minimax gate", lambda: R.minimax_gate_ref(x, router[:E], bias, K, 2.5),
+             lambda: KM.minimax_gate(x, router[:E], bias, K, 2.5), None, 0),
+        ]
+        for name, ref_fn, kern_fn, graph_fn, nbytes in rows:
+            ref_us = _eager_time(ref_fn)
+            kern_us = _eager_time(kern_fn)
+            if graph_fn is not None:
+                graph_us = _graph_time(graph_fn) / COPIES
+            else:
+                graph_us = _graph_time(kern_fn)
+            gbs = f"{nbytes / graph_us / 1e3:7.0f}" if decode and nbytes else f"{'':>7}"
+            print(f"{t:>5} {name:<14} {ref_us:>10.1f} {kern_us:>10.1f} {graph_us:>10.1f} "
+                  f"{ref_us / kern_us:>7.1f}x {gbs}")
+    if args.sweep:
+        sweep(args.tokens, dtype, dev, gen)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Triton paged decode attention (flash-decoding): one new query per sequence.
+
+Same arguments and result as `kiln.ops.attention.paged_decode_attention`, plus `max_len`, a host
+bound on the context that only sizes the grid. Each program handles one (sequence, KV head,
+split) and all G query heads sharing that KV head, so every K/V byte is read once per step and
+the G x BLOCK_N scores come from one `tl.dot` (G padded to 16 rows, the smallest MMA tile).
+Splits partition each sequence's visible keys (the whole context, or the last W keys with a
+sliding window) into num_splits equal chunks; a second kernel merges the per-split partial
+results by their log-sum-exp. With one split the first kernel writes the output directly.
+
+Graph capture: the grid depends only on shapes and host ints (B, Hkv, `max_len`), never on
+tensor values; each program derives its key range from `seq_lens` on the device, and splits
+past a sequence's end exit at once. Warm the kernel up once before capturing (Triton compiles
+and loads it on the first call).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
+    with int(array), which NumPy >= 2.4 refuses, so `range(start, end)` over tensor bounds fails
+    there. Make its tensor __index__ use .item() (the compiled path is unaffected)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return  # older NumPy: nothing to fix
+    except TypeError:
+        pass
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.kiln_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _patch_interpreter_scalar_index()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def head_dim_block(d: int) -> int:
+    """The padded head dim the kernels work on; D itself must be in [16, 256]."""
+    assert 16 <= d <= 256, (
+        f"Triton attention supports head dims 16..256, got {d}; use the reference ops in "
+        "kiln.ops.attention for this model")
+    return triton.next_power_of_2(d)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches (CPU-parity tests, fp32 models) must not silently drop to TF32 on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Launch shape, tuned on an H200 (benchmarks/kernels/attention.py); module attributes so that a
+# sweep can override them. Splits aim at MIN_PROGRAMS_PER_SM (sequence, kv head, split) programs
+# per SM, more (up to MAX_PROGRAMS_PER_SM) while each split keeps SPLIT_KEYS keys: short
+# programs spend a larger share on their start (three dependent loads before the first key).
+MIN_PROGRAMS_PER_SM = 4
+MAX_PROGRAMS_PER_SM = 8
+SPLIT_KEYS = 512
+MAX_SPLITS = 128
+
+
+def decode_config(block_d: int, device: torch.device) -> dict:
+    """Keys per loop step, warps and pipeline stages of the decode kernel."""
+    if device.type != "cuda":  # the interpreter: small blocks so tiny tests span several
+        return dict(block_n=16, num_warps=4, num_stages=1)
+    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
+
+
+def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """How many chunks each sequence's keys are split into (see MIN_PROGRAMS_PER_SM)."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    programs = max(1, batch * kv_heads)
+    low = triton.cdiv(MIN_PROGRAMS_PER_SM * sms, programs)
+    high = triton.cdiv(MAX_PROGRAMS_PER_SM * sms, programs)
+    splits = min(high, max(low, triton.cdiv(max_keys, SPLIT_KEYS)))
+    # Never more splits than BLOCK_N-key blocks (64 keys at least per split).
+    return max(1, min(splits, triton.cdiv(max(max_keys, 1), 64), MAX_SPLITS))
+
+
+@triton.jit
+def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First visible key and keys per split (a multiple of BLOCK_N) of one sequence. Both kernels
+    call this, so the merge sees exactly the splits the attention kernel wrote."""
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    return lo, tl.maximum(per_split, BLOCK_N)
+
+
+@triton.jit
+def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
+                 scale_log2, rel_row, g_mask, d_mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 APPLY_REL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one). rel_row
+    points at each head's bias for distance 0 shifted by the query position: rel_row - pos."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = n0 + offs_n
+    n_mask = pos < end
+    slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if APPLY_REL:
+        bias = tl.load(rel_row - pos[None, :], mask=g_mask[:, None] & n_mask[None, :], other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel,
+    scale_log2, window, rel_len, num_splits,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_REL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    if SPLIT:
+        if start >= end:  # past this sequence's keys (the merge skips this split)
+            return
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(K.dtype.element_ty)
+    token_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    query_pos = seq_len - 1
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # Keys at distance >= R get no bias: only the last R keys (a tail of the range) pay for
+    # loading it, in a second loop.
+    rel_start = end
+    if HAS_REL:
+        rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), end)
+    rel_row = Rel + b * stride_relb + heads[:, None] * stride_relh + query_pos
+    for n0 in range(start, rel_start, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, n0, rel_start, m_i, l_i, acc, token_row, k_base, v_base,
+                                     stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
+                                     BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+    if HAS_REL:
+        for n0 in range(rel_start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
+                                         stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
+                                         BLOCK_N, BLOCK_D, True, DOT_PRECISION)
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if not SPLIT:
+        # l_i is 0 only for an empty sequence (seq_len 0, e.g. graph padding): write zeros.
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        acc = acc / l_i[:, None]
+        tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
+                 acc, mask=out_mask)
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    Out, MidO, MidLse, SeqLens, window, num_splits,
+    stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Out[b, h] = sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s - m) over the splits that held
+    keys of sequence b (the others were never written)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
+    n_splits = tl.cdiv(tl.maximum(seq_len - lo, 0), per_split)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = MidLse + b * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(n_splits > 0, m, 0.0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, SPLIT_TILE)
+    o_rows = MidO + b * stride_mb + h * stride_mh + offs_d[None, :]
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    # SPLIT_TILE splits per step: one load each instead of a chain of small dependent ones.
+    for s0 in range(0, n_splits, SPLIT_TILE):
+        t_mask = s0 + offs_t < n_splits
+        w = tl.exp2(tl.load(lse_row + s0 + offs_t, mask=t_mask, other=float("-inf")) - m)
+        o = tl.load(o_rows + (s0 + offs_t)[:, None] * stride_ms, mask=t_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    acc = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, acc.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, sliding_window: Optional[int] = None,
+                     rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
+                     num_splits: Optional[int] = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
+
+    Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
+    position seq_len - 1 whose K/V are already in k_cache/v_cache [num_slots, Hkv, D];
+    req_to_token [rows, max_context] (int32/int64) maps (req_slots[b], position) to a cache slot;
+    seq_lens [B] int64; optional sliding window W (keys with seq_len - 1 - j < W) and rel
+    [B, Hq, R] bias added to the scaled logit at distance seq_len - 1 - j < R.
+
+    max_len: host bound on seq_lens used only to size the grid (default req_to_token.shape[1]);
+    results do not depend on it. num_splits overrides the split count (tests, tuning). A
+    sequence of length 0 yields zeros. No host sync: safe inside a CUDA graph after a warm-up.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"
+    assert v_cache.shape == k_cache.shape and k_cache.shape[2] == d
+    block_d = head_dim_block(d)
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    req_to_token = req_to_token if req_to_token.stride(-1) == 1 else req_to_token.contiguous()
+    group = hq // hkv
+    max_keys = req_to_token.shape[1] if max_len is None else max_len
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window)
+    if num_splits is None:
+        num_splits = pick_num_splits(b, hkv, max_keys, q.device)
+    cfg = decode_config(block_d, q.device)
+    block_n = cfg["block_n"]
+    if rel is not None:
+        assert rel.shape[:2] == (b, hq), f"rel must be [B, Hq, R], got {tuple(rel.shape)}"
+        rel = rel if rel.stride(-1) == 1 else rel.contiguous()
+    rel_arg = rel if rel is not None else q  # never read without HAS_REL
+    if num_splits > 1:
+        mid_o = torch.empty(b, hq, num_splits, d, device=q.device, dtype=torch.float32)
+        mid_lse = torch.empty(b, hq, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        mid_o = mid_lse = out.new_empty(1, 1, 1, 1, dtype=torch.float32)  # unused
+    window = sliding_window if sliding_window is not None else 0
+    _decode_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg,
+        scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
+        HAS_REL=rel is not None, DOT_PRECISION=dot_precision(k_cache.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_kernel[(b, hq)](
+            out, mid_o, mid_lse, seq_lens, window, num_splits,
+            out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+            SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), HAS_WINDOW=sliding_window is not None,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,484 @@
+"""Triton kernels for MSA (MiniMax-M3 sparse attention, MODELS.md 3.1): the fast path of
+`kiln.ops.msa.paged_msa_attention`.
+
+One MSA attention over the paged cache runs as three kernels over "rows" (one row = one query
+token: the request row of `req_to_token` it reads and its absolute position `q_pos`):
+
+1. block scores  S[row, g, b] = max over keys t of block b with t <= q_pos of qI.kI / sqrt(DI)
+   (-inf when block b holds no such key). Decode reads every cached index key of every
+   sequence, so this is the bandwidth-bound part: one program per (block, kv head, row) streams
+   that block's index keys once (`_decode_scores_kernel`). Chunked prefill scores a tile of
+   queries of one sequence against a block with one `tl.dot` (`_extend_scores_kernel`).
+2. selection (`_select_kernel`, one program per (row, kv head)): exactly `select_blocks` -
+   all causal blocks when there are at most N, else the N-1 best history blocks, best first,
+   equal scores to the lower id, then the local block; -1 pads. Each block becomes one int64 key
+   ordered like (score desc, id asc), and pick k is the max key below pick k-1: N-1 max
+   reductions, no scratch, exact tie order (torch.topk does not promise one).
+3. sparse attention (`_sparse_attn_kernel`): one program per (row, kv head, split) gathers its
+   share of the selected blocks through `req_to_token`, and runs all query heads of the group
+   against them at once (one `tl.dot` per tile) with an fp32 online softmax. With more than one
+   split per row (flash-decoding: small batches need more programs than rows x heads),
+   `_combine_kernel` merges the partial softmaxes.
+
+Everything launches on grids sized from shapes only (the number of blocks comes from `max_len`,
+default `req_to_token.shape[1]`), with no host sync: `msa_decode` can be captured in a CUDA graph.
+Loop bounds are compile-time constants and runs past the data are masked; this is also what
+Triton's interpreter (CPU tests) needs, as it cannot iterate over runtime-valued ranges.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Blocks of scores one selection pass looks at per step (bounds its registers for long contexts).
+_SELECT_CHUNK = 1024
+
+
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(int(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the GPU (one wave); the interpreter wants as few as possible."""
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches (tests) keep full precision; for 16-bit inputs the argument is moot.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- 1. block scores -------------------------------------------------------------------------
+
+@triton.jit
+def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di,
+                          DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          TILE_T: tl.constexpr):
+    """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max."""
+    blk = tl.program_id(0)
+    g = tl.program_id(1)
+    row = tl.program_id(2)
+    qp = tl.load(qpos_ptr + row)
+    rslot = tl.load(rslot_ptr + row).to(tl.int64)
+    offs_d = tl.arange(0, DI_P)
+    dmask = offs_d < DI
+    q = tl.load(qI_ptr + row * s_qr + g * s_qg + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    offs_t = tl.arange(0, TILE_T)
+    best = tl.full([TILE_T], float("-inf"), tl.float32)
+    for t0 in range(0, BLOCK_SIZE, TILE_T):
+        t = t0 + offs_t
+        pos = blk * BLOCK_SIZE + t
+        # Keys past the query are masked before their slot is read: req_to_token holds stale
+        # or zero slots there. Fully masked tiles (blocks past the sequence) issue no loads.
+        tmask = (t < BLOCK_SIZE) & (pos <= qp)
+        slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
+        k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
+                    mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        logit = tl.sum(k * q[None, :], axis=1)
+        best = tl.maximum(best, tl.where(tmask, logit, float("-inf")))
+    # max commutes with the division (rounding is monotone), so this equals the reference's
+    # max of (qI.kI / sqrt(DI)) up to the order of the dot product's sum.
+    score = tl.max(best, axis=0) / sqrt_di
+    tl.store(s_ptr + row * s_sr + g * s_sg + blk, score)
+
+
+@triton.jit
+def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr, seq_len_ptr,
+                          seq_start_ptr, tile_end_ptr, s_ptr,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs,
+                          NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, TILE_Q: tl.constexpr, TILE_T: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    """S[row, g, blk] for TILE_Q consecutive queries of one sequence: [TILE_Q, DI] x [DI, TILE_T]
+    dots against the block's index keys, causal mask, row max.
+
+    Programs are laid out over an upper bound of the tile count; tile_end_ptr holds the running
+    total of tiles per sequence, so a program finds its sequence by counting the ends <= its id
+    (programs past the last tile store nothing).
+    """
+    tile = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_s = tl.arange(0, NUM_SEQS_P)
+    ends = tl.load(tile_end_ptr + offs_s, mask=offs_s < num_seqs, other=2147483647)
+    seq = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    live = seq < num_seqs
+    seq = tl.minimum(seq, num_seqs - 1)
+    first_tile = tl.load(tile_end_ptr + seq - 1, mask=seq > 0, other=0)
+    n = tl.load(seq_len_ptr + seq)
+    prefix = tl.load(seq_prefix_ptr + seq)
+    row0 = tl.load(seq_start_ptr + seq)
+    rslot = tl.load(seq_rslot_ptr + seq).to(tl.int64)
+    i = (tile - first_tile) * TILE_Q + tl.arange(0, TILE_Q)  # query index within the sequence
+    qmask = live & (i < n)
+    q_pos = prefix + i
+    rows = row0 + i
+    offs_d = tl.arange(0, DI_P)
+    dmask = offs_d < DI
+    q = tl.load(qI_ptr + rows[:, None] * s_qr + g * s_qg + offs_d[None, :],
+                mask=qmask[:, None] & dmask[None, :], other=0.0)
+    offs_t = tl.arange(0, TILE_T)
+    best = tl.full([TILE_Q], float("-inf"), tl.float32)
+    for t0 in range(0, BLOCK_SIZE, TILE_T):
+        t = t0 + offs_t
+        pos = blk * BLOCK_SIZE + t
+        # A key is needed if some live query of the tile sees it; the last live query's position
+        # is prefix + min(n, tile end) - 1.
+        tmask = live & (t < BLOCK_SIZE) & (pos < prefix + tl.minimum(n, (tile - first_tile + 1) * TILE_Q))
+        slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
+        k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
+                    mask=tmask[:, None] & dmask[None, :], other=0.0)
+        logit = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [TILE_Q, TILE_T], fp32
+        vis = tmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        best = tl.maximum(best, tl.max(tl.where(vis, logit, float("-inf")), axis=1))
+    tl.store(s_ptr + rows * s_sr + g * s_sg + blk, best / sqrt_di, mask=qmask)
+
+
+# ---- 2. selection ----------------------------------------------------------------------------
+
+@triton.jit
+def _history_keys(base, ids, local):
+    """One int64 per block whose order is (score descending, id ascending): the score's bits made
+    order-preserving (flip all bits of negatives, set the sign bit of the rest) times 2^31, plus
+    2^31-1-id. Blocks that do not compete (the local block and later) get -1."""
+    hist = ids < local
+    s = tl.load(base + ids, mask=hist, other=0.0)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with 0.0, as in a sort
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.uint32, bitcast=True).to(tl.int64)
+    return tl.where(hist, ordered * 2147483648 + (2147483647 - ids), -1)
+
+
+@triton.jit
+def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
+                   BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    """Sel[row, g, :] by the rule of `kiln.ops.msa.select_blocks`."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    qp = tl.load(qpos_ptr + row)
+    n_causal = qp // BLOCK_SIZE + 1
+    local = n_causal - 1
+    offs_k = tl.arange(0, TOPK_P)
+    # Dense case: all causal blocks, in order, then -1.
+    out = tl.where(offs_k < n_causal, offs_k.to(tl.int64), -1)
+    if n_causal > TOPK:
+        base = s_ptr + row * s_sr + g * s_sg
+        offs_c = tl.arange(0, CHUNK)
+        if NUM_CHUNKS == 1:
+            keys = _history_keys(base, offs_c, local)  # read once, kept in registers
+        # Pick k is the largest key below pick k-1: the order of a stable descending sort.
+        prev = tl.full([], 9223372036854775807, tl.int64)
+        for k in range(TOPK - 1):
+            if NUM_CHUNKS == 1:
+                best = tl.max(tl.where(keys < prev, keys, -1), axis=0)
+            else:
+                best = tl.full([], -1, tl.int64)
+                for c in range(NUM_CHUNKS):  # chunks past the local block load nothing
+                    ck = _history_keys(base, c * CHUNK + offs_c, local)
+                    best = tl.maximum(best, tl.max(tl.where(ck < prev, ck, -1), axis=0))
+            out = tl.where(offs_k == k, 2147483647 - (best % 2147483648), out)
+            prev = best
+        out = tl.where(offs_k == TOPK - 1, local, out)
+    tl.store(sel_ptr + row * sel_r + g * sel_g + offs_k, out, mask=offs_k < TOPK)
+
+
+# ---- 3. sparse attention ---------------------------------------------------------------------
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_ptr,
+                        out_ptr, opart_ptr, mpart_ptr, lpart_ptr,
+                        s_qr, s_qh, s_ks, s_kg, s_vs, s_vg, s_r2t, sel_r, sel_g, s_or, s_oh,
+                        scale_log2,
+                        HG: tl.constexpr, HG_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr, TOPK: tl.constexpr,
+                        BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+    """Attention of the HG query heads of kv head g of one row over its selected blocks
+    BLOCKS_PER_SPLIT * split .. (one split's share), fp32 online softmax in base 2."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    qp = tl.load(qpos_ptr + row)
+    rslot = tl.load(rslot_ptr + row).to(tl.int64)
+    offs_h = tl.arange(0, HG_P)  # padded to 16 rows: tl.dot needs M >= 16
+    offs_d = tl.arange(0, D_P)
+    offs_t = tl.arange(0, TILE_T)
+    hmask = offs_h < HG
+    dmask = offs_d < D
+    q = tl.load(q_ptr + row * s_qr + (g * HG + offs_h)[:, None] * s_qh + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    m = tl.full([HG_P], float("-inf"), tl.float32)
+    l = tl.zeros([HG_P], tl.float32)
+    acc = tl.zeros([HG_P, D_P], tl.float32)
+    for jj in range(BLOCKS_PER_SPLIT):
+        j = split * BLOCKS_PER_SPLIT + jj
+        blk = tl.load(sel_ptr + row * sel_r + g * sel_g + j, mask=j < TOPK, other=-1)
+        for t0 in range(0, BLOCK_SIZE, TILE_T):
+            t = t0 + offs_t
+            pos = blk * BLOCK_SIZE + t
+            # -1 padding and keys past the query (the local block's tail) load nothing.
+            tmask = (blk >= 0) & (t < BLOCK_SIZE) & (pos <= qp)
+            slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
+            kv_mask = tmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [HG_P, TILE_T]
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # A fully masked tile leaves m at -inf: shift by 0 instead of (-inf) - (-inf).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + slot[:, None] * s_vs + g * s_vg + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m = m_new
+    heads = g * HG + offs_h
+    if SPLITS == 1:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + row * s_or + heads[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    else:
+        # Partials are [rows, Hq, SPLITS(, D)] fp32, contiguous.
+        part = (row * (tl.num_programs(1) * HG) + heads) * SPLITS + split
+        tl.store(mpart_ptr + part, m, mask=hmask)
+        tl.store(lpart_ptr + part, l, mask=hmask)
+        tl.store(opart_ptr + part[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh,
+                    D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    """out[row, h] = sum_j acc_j 2^(m_j - M) / sum_j l_j 2^(m_j - M) over the splits."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_j = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, D_P)
+    jmask = offs_j < SPLITS
+    base = (row * tl.num_programs(1) + h) * SPLITS
+    m = tl.load(mpart_ptr + base + offs_j, mask=jmask, other=float("-inf"))
+    l = tl.load(lpart_ptr + base + offs_j, mask=jmask, other=0.0)
+    acc = tl.load(opart_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
+                  mask=jmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
+    den = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * s_or + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+# ---- host wrappers ---------------------------------------------------------------------------
+
+def _scores_config(block_size: int) -> tuple[int, int]:
+    """(keys per tile, warps) of the decode score kernel. Measured on an H200 (block 128, DI 128,
+    bf16): 64-key tiles with 16 warps stream the index keys at 3.6-3.9 TB/s, ~10% ahead of 4 or 8
+    warps and of 128-key tiles."""
+    tile = min(_p2(block_size), 64)
+    return tile, 16 if tile >= 64 else 4
+
+
+def _attn_config(block_size: int) -> tuple[int, int]:
+    """(keys per tile, warps) of the sparse attention kernel; tl.dot needs tiles >= 16. A whole
+    128-key block per tile with 4 warps was fastest on an H200 at every batch size tried."""
+    return max(16, min(_p2(block_size), 128)), 4
+
+
+def _select_warps(chunk: int) -> int:
+    """Warps of the selection kernel: its N-1 reductions are a serial chain, so fewer warps
+    (fewer cross-warp exchanges) finish sooner on short rows."""
+    return max(1, min(4, chunk // 256))
+
+
+def _num_blocks(req_to_token: torch.Tensor, block_size: int, max_len: Optional[int]) -> int:
+    length = req_to_token.shape[1] if max_len is None else int(max_len)
+    return max(1, -(-length // block_size))
+
+
+def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
+                      req_slots: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+                      max_len: Optional[int] = None) -> torch.Tensor:
+    """Block scores S [R, G, NB] fp32 of one query per row, NB = ceil(max_len / block_size).
+
+    qI: [R, G, DI]; ki_cache: [slots, G, DI]; req_slots, q_pos: [R] int64 (the row of
+    req_to_token and the query's position; it sees positions 0..q_pos). Blocks with no visible
+    key (past the query) are -inf.
+    """
+    r, g, di = qI.shape
+    assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
+    nb = _num_blocks(req_to_token, block_size, max_len)
+    assert g <= 65535 and r <= 65535
+    scores = torch.empty(r, g, nb, dtype=torch.float32, device=qI.device)
+    if r == 0:
+        return scores
+    tile_t, warps = _scores_config(block_size)
+    _decode_scores_kernel[(nb, g, r)](
+        qI, ki_cache, req_to_token, req_slots, q_pos, scores,
+        qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
+        scores.stride(0), scores.stride(1), math.sqrt(di),
+        DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps)
+    return scores
+
+
+def msa_select(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_blocks: int,
+               chunk: Optional[int] = None) -> torch.Tensor:
+    """Selected block ids [R, G, N] int64 from block scores [R, G, NB] (the query of row r at
+    position q_pos[r]); the rule and order of `kiln.ops.msa.select_blocks`, -1 padding.
+
+    Only blocks before the query's own are read, so scores past it may hold anything. `chunk`
+    (a power of two) overrides how many scores one step reads (tests).
+    """
+    r, g, nb = scores.shape
+    assert scores.stride(-1) == 1
+    sel = torch.empty(r, g, topk_blocks, dtype=torch.int64, device=scores.device)
+    if r == 0:
+        return sel
+    chunk = chunk or min(_SELECT_CHUNK, _p2(nb))
+    _select_kernel[(r, g)](
+        scores, q_pos, sel, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
+        BLOCK_SIZE=block_size, TOPK=topk_blocks, TOPK_P=_p2(topk_blocks), CHUNK=chunk,
+        NUM_CHUNKS=-(-nb // chunk), num_warps=_select_warps(chunk))
+    return sel
+
+
+def _blocks_per_split(rows: int, g: int, topk: int, device: torch.device) -> int:
+    """Selected blocks per attention program: split a row's N blocks over as many programs as it
+    takes to fill the GPU (one block each at small batch), none once rows x heads fill it. On an
+    H200 (bench shapes) this picked the best or near-best split at B = 1, 8, 64, 128: more
+    programs than a wave only add partials to merge."""
+    want = _programs_wanted(device)
+    per = 1
+    while per < topk and rows * g * (-(-topk // (per * 2))) >= want:
+        per *= 2
+    return per
+
+
+def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         req_to_token: torch.Tensor, req_slots: torch.Tensor, q_pos: torch.Tensor,
+                         sel: torch.Tensor, block_size: int, scale: float,
+                         blocks_per_split: Optional[int] = None) -> torch.Tensor:
+    """Attention of one query per row over the keys t <= q_pos of its selected blocks.
+
+    q: [R, Hq, D]; k_cache, v_cache: [slots, G, D]; sel: [R, G, N] (-1 = none). Returns
+    [R, Hq, D] in q's dtype. `blocks_per_split` overrides the split heuristic (tests).
+    """
+    r, hq, d = q.shape
+    g = k_cache.shape[1]
+    topk = sel.shape[-1]
+    assert hq % g == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert sel.stride(-1) == 1 and req_to_token.stride(-1) == 1
+    out = torch.empty_like(q)
+    if r == 0:
+        return out
+    per = blocks_per_split or _blocks_per_split(r, g, topk, q.device)
+    splits = -(-topk // per)
+    if splits > 1:
+        opart = torch.empty(r, hq, splits, d, dtype=torch.float32, device=q.device)
+        mpart = torch.empty(r, hq, splits, dtype=torch.float32, device=q.device)
+        lpart = torch.empty_like(mpart)
+    else:
+        opart = mpart = lpart = out  # unused
+    hg = hq // g
+    tile_t, warps = _attn_config(block_size)
+    _sparse_attn_kernel[(r, g, splits)](
+        q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, out, opart, mpart, lpart,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), req_to_token.stride(0), sel.stride(0), sel.stride(1),
+        out.stride(0), out.stride(1), scale * math.log2(math.e),
+        HG=hg, HG_P=max(16, _p2(hg)), D=d, D_P=max(16, _p2(d)), BLOCK_SIZE=block_size,
+        TILE_T=tile_t, TOPK=topk, BLOCKS_PER_SPLIT=per, SPLITS=splits,
+        DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps)
+    if splits > 1:
+        _combine_kernel[(r, hq)](opart, mpart, lpart, out, out.stride(0), out.stride(1),
+                                 D=d, D_P=_p2(d), SPLITS=splits, SPLITS_P=_p2(splits), num_warps=4)
+    return out
+
+
+def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
+               seq_lens: torch.Tensor, block_size: int, topk_blocks: int, scale: float,
+               max_len: Optional[int] = None) -> torch.Tensor:
+    """MSA decode: one query per sequence at position seq_len - 1, whose K, V and kI are already
+    in the caches. Same result as `kiln.ops.msa.paged_msa_attention` with prefix_lens =
+    seq_lens - 1 and extend_lens = 1.
+
+    q: [B, Hq, D]; qI: [B, G, DI]; k_cache, v_cache: [slots, G, D]; ki_cache: [slots, G, DI];
+    req_to_token: [rows, L]; req_slots, seq_lens: [B] int64 on the device. `max_len` bounds the
+    sequence lengths (default L); it sets the grid of the score kernel, so keep it fixed across
+    replays of a captured graph. Returns [B, Hq, D] in q's dtype.
+    """
+    q_pos = seq_lens - 1
+    scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len)
+    sel = msa_select(scores, q_pos, block_size, topk_blocks)
+    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale)
+
+
+# ---- chunked prefill -------------------------------------------------------------------------
+
+_EXTEND_TILE_Q = 32
+
+
+def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
+                      req_slots: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                      extend_starts: torch.Tensor, block_size: int,
+                      max_len: Optional[int] = None) -> torch.Tensor:
+    """Block scores S [T, G, NB] fp32 for the new queries of several sequences (concatenated in
+    qI [T, G, DI]; sequence s has extend_lens[s] queries from row extend_starts[s], at positions
+    prefix_lens[s]..). Blocks with no key visible to a query are -inf."""
+    t, g, di = qI.shape
+    assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
+    nb = _num_blocks(req_to_token, block_size, max_len)
+    scores = torch.full((t, g, nb), float("-inf"), dtype=torch.float32, device=qI.device)
+    ns = extend_lens.shape[0]
+    if t == 0 or ns == 0:
+        return scores
+    tq = _EXTEND_TILE_Q
+    tile_end = torch.cumsum((extend_lens + tq - 1) // tq, 0)
+    max_tiles = -(-t // tq) + ns  # each sequence wastes less than one tile
+    assert nb <= 65535 and g <= 65535
+    _extend_scores_kernel[(max_tiles, nb, g)](
+        qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, tile_end, scores,
+        qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
+        scores.stride(0), scores.stride(1), math.sqrt(di), ns,
+        NUM_SEQS_P=_p2(ns), DI=di, DI_P=max(16, _p2(di)), BLOCK_SIZE=block_size, TILE_Q=tq,
+        TILE_T=max(16, min(_p2(block_size), 64)), DOT_PREC=_dot_precision(qI.dtype), num_warps=4)
+    return scores
+
+
+def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
+               prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_starts: torch.Tensor,
+               block_size: int, topk_blocks: int, scale: float,
+               max_len: Optional[int] = None) -> torch.Tensor:
+    """MSA of each sequence's new queries over its whole cache (chunked prefill, mixed batches):
+    `kiln.ops.msa.paged_msa_attention` with device-tensor metadata.
+
+    q: [T, Hq, D], qI: [T, G, DI], sequences concatenated; req_slots, prefix_lens, extend_lens,
+    extend_starts: [S] int64 on the device (sequence s owns rows extend_starts[s] ..
+    + extend_lens[s], at positions prefix_lens[s] ..). No host sync. Selection and attention run
+    per query row with the decode kernels (each row gathers its own N blocks).
+    """
+    t = q.shape[0]
+    rows = torch.arange(t, device=q.device)
+    seq = torch.repeat_interleave(torch.arange(extend_lens.shape[0], device=q.device), extend_lens,
+                                  output_size=t)
+    q_pos = prefix_lens[seq] + rows - extend_starts[seq]
+    row_slots = req_slots[seq]
+    scores = msa_extend_scores(qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens,
+                               extend_starts, block_size, max_len)
+    sel = msa_select(scores, q_pos, block_size, topk_blocks)
+    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, sel, block_size, scale)

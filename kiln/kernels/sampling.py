@@ -1,0 +1,454 @@
+"""Sampling filters without a vocabulary sort and without a device -> host sync.
+
+`filtered_probs` returns what `kiln.engine.sampler.filtered_probs` returns (temperature, softmax,
+top-k, top-p on the top-k renormalised mass, min-p, renormalise, ties by token id); `sample`
+draws from that distribution with the sampler's exponential race, argmax(probs / e), without
+writing it out; `sample_from_probs` is the race alone. Everything runs on the device on grids that
+depend only on shapes, so all three can be captured in a CUDA graph.
+
+Launches: torch's softmax (the reference's own ops, so probabilities are bit-identical), then
+`_select_kernel`, one program per row, which finds the kept set, then `_apply_kernel` over
+(row, chunk of 8K tokens), which writes the renormalised row or the chunk's best draw, and for
+draws `_argmax_kernel`, which merges the chunks.
+
+How the kept set is found without sorting
+-----------------------------------------
+Every filter keeps a prefix of the stable descending order (value desc, token id asc), so the kept
+set is the first R ranks, R = max(1, min(k, R_p, R_m)), described by
+- v_R, the value at rank R-1, and
+- n_tie, how many tokens equal to v_R are kept: the n_tie lowest ids among them (stored as the id
+  of the last one, found by one extra pass only when the ties are cut).
+For a threshold u, cnt(u) = #{p >= u} and mass(u) = sum{p >= u} decide whether rank R-1 is at or
+above u: cnt(u) >= R  <=>  cnt(u) >= 1 and (cnt(u) >= k or mass(u) >= top_p * S_k or
+cnt(u) >= R_m) (for top-p: the first token below u is dropped iff the mass before it, mass(u),
+reaches the threshold). This predicate P is monotone in u, so v_R is found by a search over the
+float32 bit patterns of u (for p >= 0 they order like the values): each pass over the data
+evaluates NP pivots at once and keeps the bracket [lo, hi) with P(lo) true and P(hi) false, until
+hi = lo + 1; then v_R = lo and, with cnt/mass of the tokens above v_R, n_tie follows by
+arithmetic (top-p: the j-th tie is kept iff mass_above + j * v_R < threshold). S_k, the mass of
+the top-k tokens, comes from a first search of the same kind for the k-th value (only for rows
+with both top-k and top-p).
+
+Passes over a whole row are what costs (V = 128K), so: the first pivots sit 1, 2, 4, ... 20
+octaves below the maximum (bit patterns are a log scale); later ones are half evenly spaced, half
+clustered where interpolating cnt / mass between the bracket's ends puts the crossing; every
+pass also shrinks the bracket to the smallest and largest token inside it; and as soon as the
+bracket holds at most CAP tokens they are copied once into a per-row scratch buffer and the search
+continues there. Rows without filters, and rows with min-p alone, need no search.
+
+Exactness: the kept set is the reference's, ties included, with one exception: the reference
+compares a float32 cumsum over the sorted values with top_p * S_k, this kernel float32 sums in
+another order, so a token whose mass-before lies within rounding (~1e-6 of the total) of the top-p
+threshold may fall the other way (typically with many equal probabilities where top_p * k is an
+integer). There is no sort fallback: no case needs one. Renormalised values match to float32
+rounding; draws are exact given the same probabilities (`sample_from_probs`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels import interpreting
+
+CAP = 4096  # scratch tokens per row: the search leaves whole-row passes once the bracket fits
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
+    with int(array), which NumPy >= 2.4 refuses, so `range(0, n)` over a runtime bound fails there.
+    Same patch, same marker as kiln.kernels.shortconv / decode_attention (applied once)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return
+    except TypeError:
+        pass
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.kiln_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _patch_interpreter_scalar_index()
+
+
+# ------------------------------------------------------------------------------ device helpers
+
+
+@triton.jit
+def _bits(p):
+    """float32 >= 0 -> int32 bit pattern, ordered like the values."""
+    return p.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pivot_stats(ptr, n, piv, lo, hi, BLOCK: tl.constexpr, NP: tl.constexpr):
+    """For each of the NP pivots (bit patterns): how many of ptr[0:n] are >= it, and their mass;
+    plus the smallest and largest bit pattern inside the bracket [lo, hi). Accumulates [BLOCK, NP]
+    partials elementwise and reduces once at the end (no barrier inside the loop)."""
+    acc_c = tl.zeros([BLOCK, NP], dtype=tl.int32)
+    acc_m = tl.zeros([BLOCK, NP], dtype=tl.float32)
+    b_min = tl.full([BLOCK], 0x7FFFFFFF, dtype=tl.int32)
+    b_max = tl.full([BLOCK], -1, dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < n
+        p = tl.load(ptr + offs, mask=ok, other=0.0)
+        b = tl.where(ok, _bits(p), -1)
+        ge = b[:, None] >= piv[None, :]
+        acc_c += ge.to(tl.int32)
+        acc_m += tl.where(ge, p[:, None], 0.0)
+        inside = (b >= lo) & (b < hi)
+        b_min = tl.minimum(b_min, tl.where(inside, b, 0x7FFFFFFF))
+        b_max = tl.maximum(b_max, tl.where(inside, b, -1))
+    return tl.sum(acc_c, axis=0), tl.sum(acc_m, axis=0), tl.min(b_min, axis=0), tl.max(b_max, axis=0)
+
+
+@triton.jit
+def _pivots(lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm, TARGET: tl.constexpr, NP: tl.constexpr):
+    """NP pivots inside (lo, hi).
+
+    While the bracket spans many octaves (the first pass, from 0): octaves below hi (bit
+    patterns are a log scale). After that, half of them evenly spaced (progress whatever the
+    data), half clustered around an estimate of the crossing: P's clauses interpolated linearly
+    in bit space between the stats at lo and hi, the cluster spanning about TARGET tokens if the
+    tokens were spread evenly, so that one pass usually leaves a bracket of about TARGET tokens."""
+    H = NP // 2
+    i = tl.arange(0, NP)
+    j = (i // 2).to(tl.float32)
+    width = (hi - lo).to(tl.int64)
+    w_f = width.to(tl.float32)
+    n_b = tl.maximum((cnt_lo - cnt_hi).to(tl.float32), 1.0)
+    # Crossing of each clause as a fraction of the bracket (-1 where it does not cross inside).
+    f_k = tl.where((kk > cnt_hi) & (kk <= cnt_lo), (cnt_lo - kk).to(tl.float32) / n_b, -1.0)
+    f_r = tl.where((rm > cnt_hi) & (rm <= cnt_lo), (cnt_lo - rm).to(tl.float32) / n_b, -1.0)
+    m_b = mass_lo - mass_hi
+    f_m = tl.where((thr > mass_hi) & (thr <= mass_lo) & (m_b > 0), (mass_lo - thr) / tl.maximum(m_b, 1e-30), -1.0)
+    f = tl.maximum(tl.maximum(f_k, f_r), f_m)
+    f = tl.where(f < 0.0, 0.5, f)
+    d = TARGET / n_b
+    guided = f + d * (j - (H - 1) / 2)
+    even = (j + 1.0) / (H + 1)
+    frac = tl.minimum(tl.maximum(tl.where(i % 2 == 0, even, guided), 0.0), 1.0)
+    lin = lo + (frac * w_f).to(tl.int64)
+    octaves = i.to(tl.int64) + 1 + (i.to(tl.int64) * i) // 4  # 1, 2, 4, 6, 9, 12, 16, 20, ...
+    geo = (hi - 1) - (octaves << 23)
+    piv = tl.where(width > (24 << 23), geo, lin)
+    return piv.to(tl.int32)
+
+
+@triton.jit
+def _narrow(piv, cnt, mass, b_min, b_max, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm):
+    """Shrink [lo, hi) with the pivots' stats: P(u) = cnt >= 1 and (cnt >= kk or mass >= thr or
+    cnt >= rm); lo takes the largest pivot where P holds, hi the smallest where it does not.
+    Then tighten to the data: no token of the old bracket lies in [lo, b_min) or (b_max, hi), so
+    P (and cnt, mass) is the same at b_min as at lo and at b_max + 1 as at hi."""
+    valid = (piv > lo) & (piv < hi)
+    pred = (cnt >= 1) & ((cnt >= kk) | (mass >= thr) | (cnt >= rm))
+    yes = valid & pred
+    no = valid & ~pred
+    new_lo = tl.max(tl.where(yes, piv, lo), axis=0)
+    at_lo = yes & (piv == new_lo)
+    cnt_lo = tl.where(new_lo > lo, tl.max(tl.where(at_lo, cnt, 0), axis=0), cnt_lo)
+    mass_lo = tl.where(new_lo > lo, tl.max(tl.where(at_lo, mass, 0.0), axis=0), mass_lo)
+    new_hi = tl.min(tl.where(no, piv, hi), axis=0)
+    at_hi = no & (piv == new_hi)
+    cnt_hi = tl.where(new_hi < hi, tl.max(tl.where(at_hi, cnt, 0), axis=0), cnt_hi)
+    mass_hi = tl.where(new_hi < hi, tl.max(tl.where(at_hi, mass, 0.0), axis=0), mass_hi)
+    new_lo = tl.where((b_min > new_lo) & (b_min < new_hi), b_min, new_lo)
+    new_hi = tl.where((b_max + 1 < new_hi) & (b_max >= new_lo), b_max + 1, new_hi)
+    return new_lo, cnt_lo, mass_lo, new_hi, cnt_hi, mass_hi
+
+
+@triton.jit
+def _search(row_ptr, V, scratch_ptr, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm,
+            CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, NP: tl.constexpr,
+            BLOCK_S: tl.constexpr, NP_S: tl.constexpr):
+    """Narrow [lo, hi) (P(lo) true, P(hi) false, cnt/mass known at both ends) to hi = lo + 1.
+    Whole-row passes while the bracket holds more than CAP tokens; then the bracket's tokens are
+    copied to scratch once and the remaining passes read only them (tokens >= hi are counted by
+    cnt_hi / mass_hi at the time of the copy)."""
+    while (hi - lo > 1) & (cnt_lo - cnt_hi > CAP):
+        piv = _pivots(lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm, CAP // 4, NP)
+        cnt, mass, b_min, b_max = _pivot_stats(row_ptr, V, piv, lo, hi, BLOCK_P, NP)
+        lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(piv, cnt, mass, b_min, b_max, lo, cnt_lo, mass_lo,
+                                                           hi, cnt_hi, mass_hi, kk, thr, rm)
+    if hi - lo > 1:
+        n_c = tl.full([], 0, tl.int32)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < V
+            p = tl.load(row_ptr + offs, mask=ok, other=0.0)
+            b = _bits(p)
+            inside = ok & (b >= lo) & (b < hi)
+            dst = n_c + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(scratch_ptr + dst, p, mask=inside)
+            n_c += tl.sum(inside.to(tl.int32), axis=0)
+        base_c = cnt_hi
+        base_m = mass_hi
+        while hi - lo > 1:
+            piv = _pivots(lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm, 1, NP_S)
+            cnt, mass, b_min, b_max = _pivot_stats(scratch_ptr, n_c, piv, lo, hi, BLOCK_S, NP_S)
+            lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(piv, cnt + base_c, mass + base_m, b_min, b_max, lo,
+                                                               cnt_lo, mass_lo, hi, cnt_hi, mass_hi, kk, thr, rm)
+    return lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi
+
+
+# ------------------------------------------------------------------------------ the kernels
+
+
+@triton.jit
+def _select_kernel(
+    probs_ptr, meta_i_ptr, meta_f_ptr, scratch_ptr,
+    top_ks_ptr, top_ps_ptr, min_ps_ptr,
+    V, stride_p,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    NP: tl.constexpr, BLOCK_S: tl.constexpr, NP_S: tl.constexpr,
+):
+    """One program per row: find the kept prefix as in the module docstring and store it as
+    (vb, cut, norm): token i is kept iff bits(p_i) > vb, or bits(p_i) == vb and i <= cut; kept
+    tokens are renormalised by norm. The row itself is written by `_apply_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + row * stride_p
+    scratch = scratch_ptr + row * CAP
+
+    # Pass 1: maximum and total mass (elementwise accumulators, one reduction at the end).
+    mx_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    s_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        p = tl.load(row_ptr + offs, mask=offs < V, other=0.0)
+        mx_acc = tl.maximum(mx_acc, p)
+        s_acc += p
+    p_max = tl.max(mx_acc, axis=0)
+    total = tl.sum(s_acc, axis=0)
+
+    k = tl.load(top_ks_ptr + row)
+    k = tl.where((k <= 0) | (k > V), V, k).to(tl.int32)
+    top_p = tl.load(top_ps_ptr + row)
+    min_p = tl.load(min_ps_ptr + row)
+    use_k = k < V
+    use_p = top_p < 1.0
+    use_m = min_p > 0.0
+
+    # min-p keeps p >= min_p * p_max (the same float32 product as the reference): R_m and its mass.
+    thr_m = min_p * p_max
+    bm = _bits(thr_m)
+    r_m = tl.full([], 0, tl.int32) + V
+    mass_m = total
+    if use_m:
+        c_acc = tl.zeros([BLOCK], dtype=tl.int32)
+        m_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            p = tl.load(row_ptr + offs, mask=offs < V, other=0.0)
+            ge = (offs < V) & (p >= thr_m)
+            c_acc += ge.to(tl.int32)
+            m_acc += tl.where(ge, p, 0.0)
+        r_m = tl.sum(c_acc, axis=0)
+        mass_m = tl.sum(m_acc, axis=0)
+
+    # Keep everything unless a filter is on.
+    vb = tl.full([], -1, tl.int32)
+    cut = tl.full([], -1, tl.int32)
+    norm = total
+    if use_m & ~use_k & ~use_p & (r_m > 0):
+        vb = bm - 1  # min-p alone: a plain threshold, ties included
+        norm = mass_m
+    elif use_k | use_p | use_m:
+        top = _bits(p_max) + 1
+        zero_i = tl.full([], 0, tl.int32)
+        zero_f = tl.full([], 0.0, tl.float32)
+        lo = zero_i
+        cnt_lo = zero_i + V
+        mass_lo = total
+        s_k = total
+        inf = float("inf")
+        if use_k & use_p:  # top-p needs S_k, the mass of the top k: search the k-th value first
+            lo, cnt_lo, mass_lo, hi_k, cnt_gt_k, mass_gt_k = _search(
+                row_ptr, V, scratch, lo, cnt_lo, mass_lo, top, zero_i, zero_f, k, inf, V + 1,
+                CAP, BLOCK, BLOCK_P, NP, BLOCK_S, NP_S)
+            v_k = lo.to(tl.float32, bitcast=True)
+            s_k = mass_gt_k + (k - cnt_gt_k).to(tl.float32) * v_k
+        thr_p = tl.where(use_p, top_p * s_k, inf)
+        # The final search starts at v_k when known (P holds there: cnt >= k).
+        lo, cnt_lo, mass_lo, hi, cnt_gt, mass_gt = _search(
+            row_ptr, V, scratch, lo, cnt_lo, mass_lo, top, zero_i, zero_f, k, thr_p, r_m,
+            CAP, BLOCK, BLOCK_P, NP, BLOCK_S, NP_S)
+        vb = lo
+        v = lo.to(tl.float32, bitcast=True)
+        cnt_eq = cnt_lo - cnt_gt
+        # Ties of v: the j-th is kept iff j < k - cnt_gt, j < r_m - cnt_gt and (top-p) the mass
+        # before it, mass_gt + j * v, is below thr_p; at least one is (rank R-1 is one of them).
+        # n_p = the first j failing the float32 test; the division only estimates it (it rounds
+        # e.g. 16.0000002 down to 16), the test itself decides among the neighbours of the estimate.
+        j0 = tl.minimum(tl.math.floor((thr_p - mass_gt) / tl.maximum(v, 1e-38)),
+                        (cnt_eq + 1).to(tl.float32))
+        j0 = tl.maximum(j0, 0.0)
+        n_p = (j0 - 1.0 + (mass_gt + (j0 - 1.0) * v < thr_p).to(tl.float32)
+               + (mass_gt + j0 * v < thr_p).to(tl.float32) + (mass_gt + (j0 + 1.0) * v < thr_p).to(tl.float32))
+        n_p = tl.maximum(n_p, 0.0).to(tl.int32)
+        n_p = tl.where((thr_p == inf) | (v == 0.0), cnt_eq + 1, n_p)
+        n_tie = tl.minimum(tl.minimum(k - cnt_gt, r_m - cnt_gt), n_p)
+        n_tie = tl.maximum(tl.minimum(n_tie, cnt_eq), 1)
+        norm = mass_gt + n_tie.to(tl.float32) * v
+        cut = tl.full([], 0, tl.int32) + V  # all ties kept
+        if n_tie < cnt_eq:  # ties cut: the id of the n_tie-th one (ids ascending), one more pass
+            running = tl.full([], 0, tl.int32)
+            cut = tl.full([], -1, tl.int32)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                p = tl.load(row_ptr + offs, mask=offs < V, other=0.0)
+                eq = ((offs < V) & (_bits(p) == vb)).to(tl.int32)
+                last = eq.to(tl.int1) & (running + tl.cumsum(eq, axis=0) == n_tie)
+                cut = tl.maximum(cut, tl.max(tl.where(last, offs, -1), axis=0))
+                running += tl.sum(eq, axis=0)
+    tl.store(meta_i_ptr + row * 2, vb)
+    tl.store(meta_i_ptr + row * 2 + 1, cut)
+    tl.store(meta_f_ptr + row, norm)
+
+
+@triton.jit
+def _apply_kernel(
+    probs_ptr, meta_i_ptr, meta_f_ptr, out_ptr, e_ptr, part_v_ptr, part_i_ptr,
+    V, stride_p, stride_o, stride_e, n_chunks,
+    FILTER: tl.constexpr, SAMPLE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (rows, chunks of CHUNK tokens): apply (vb, cut, norm) and write the renormalised
+    probabilities, or (SAMPLE) the chunk's best argmax(q / max(e, tiny)) and its token id (first
+    index on ties). FILTER=False: q = p, the race alone."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if FILTER:
+        vb = tl.load(meta_i_ptr + row * 2)
+        cut = tl.load(meta_i_ptr + row * 2 + 1)
+        norm = tl.load(meta_f_ptr + row)
+    best = tl.full([BLOCK], -1.0, dtype=tl.float32)
+    best_id = tl.full([BLOCK], 0, dtype=tl.int32)
+    for sub in range(0, CHUNK, BLOCK):
+        offs = chunk * CHUNK + sub + tl.arange(0, BLOCK)
+        ok = offs < V
+        p = tl.load(probs_ptr + row * stride_p + offs, mask=ok, other=0.0)
+        if FILTER:
+            b = _bits(p)
+            keep = (b > vb) | ((b == vb) & (offs <= cut))
+            q = tl.where(keep, tl.math.div_rn(p, norm), 0.0)
+        else:
+            q = p
+        if SAMPLE:
+            e = tl.load(e_ptr + row * stride_e + offs, mask=ok, other=1.0)
+            r = tl.where(ok, tl.math.div_rn(q, tl.maximum(e, 1.1754943508222875e-38)), -1.0)
+            take = r > best  # strict: each lane keeps its first maximum
+            best_id = tl.where(take, offs, best_id)
+            best = tl.where(take, r, best)
+        else:
+            tl.store(out_ptr + row * stride_o + offs, q, mask=ok)
+    if SAMPLE:
+        m = tl.max(best, axis=0)
+        first = tl.min(tl.where(best == m, best_id, 0x7FFFFFFF), axis=0)
+        tl.store(part_v_ptr + row * n_chunks + chunk, m)
+        tl.store(part_i_ptr + row * n_chunks + chunk, first)
+
+
+@triton.jit
+def _argmax_kernel(part_v_ptr, part_i_ptr, ids_ptr, n_chunks, BLOCK: tl.constexpr):
+    """Per row: the chunk with the largest value, the earliest chunk on ties (chunks are in id
+    order), so the result is the first maximum, as torch.argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < n_chunks
+    v = tl.load(part_v_ptr + row * n_chunks + c, mask=ok, other=-2.0)
+    i = tl.load(part_i_ptr + row * n_chunks + c, mask=ok, other=0x7FFFFFFF)
+    m = tl.max(v, axis=0)
+    tl.store(ids_ptr + row, tl.min(tl.where(v == m, i, 0x7FFFFFFF), axis=0).to(tl.int64))
+
+
+# ------------------------------------------------------------------------------ host wrappers
+
+# Launch shapes (module attributes so a sweep can change them).
+SELECT = dict(BLOCK=4096, BLOCK_P=1024, NP=8, BLOCK_S=256, NP_S=16, num_warps=8)
+APPLY = dict(CHUNK=8192, BLOCK=1024, num_warps=4)
+
+
+def _softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The reference's first two steps, with the same torch ops so the values are bit-identical."""
+    t = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    return torch.softmax(logits.float() / t.unsqueeze(1), dim=-1)
+
+
+def _apply(probs, meta_i, meta_f, e):
+    """Write the filtered rows (e None) or draw from them ([N] int64)."""
+    n, v = probs.shape
+    chunk = min(APPLY["CHUNK"], triton.next_power_of_2(v))
+    block = min(APPLY["BLOCK"], chunk)
+    n_chunks = triton.cdiv(v, chunk)
+    sample = e is not None
+    filt = meta_i is not None
+    out = torch.empty_like(probs) if not sample else probs
+    part_v = torch.empty(n, n_chunks, dtype=torch.float32, device=probs.device) if sample else probs
+    part_i = torch.empty(n, n_chunks, dtype=torch.int32, device=probs.device) if sample else probs
+    _apply_kernel[(n, n_chunks)](
+        probs, meta_i if filt else probs, meta_f if filt else probs, out, e if sample else probs,
+        part_v, part_i, v, probs.stride(0), out.stride(0), e.stride(0) if sample else 0, n_chunks,
+        FILTER=filt, SAMPLE=sample, CHUNK=chunk, BLOCK=block, num_warps=APPLY["num_warps"],
+    )
+    if not sample:
+        return out
+    ids = torch.empty(n, dtype=torch.int64, device=probs.device)
+    _argmax_kernel[(n,)](part_v, part_i, ids, n_chunks, BLOCK=triton.next_power_of_2(n_chunks), num_warps=1)
+    return ids
+
+
+def _filter(probs, top_ks, top_ps, min_ps, e, cap):
+    n, v = probs.shape
+    assert probs.stride(1) == 1 and probs.dtype == torch.float32
+    if e is not None:
+        assert e.shape == probs.shape and e.stride(1) == 1 and e.dtype == torch.float32
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device) if e is not None else torch.empty_like(probs)
+    meta_i = torch.empty(n, 2, dtype=torch.int32, device=probs.device)
+    meta_f = torch.empty(n, dtype=torch.float32, device=probs.device)
+    scratch = torch.empty(n, cap, dtype=torch.float32, device=probs.device)
+    cfg = SELECT
+    _select_kernel[(n,)](
+        probs, meta_i, meta_f, scratch, top_ks.to(torch.int64), top_ps.float(), min_ps.float(),
+        v, probs.stride(0), CAP=cap, BLOCK=cfg["BLOCK"], BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"],
+        BLOCK_S=cfg["BLOCK_S"], NP_S=cfg["NP_S"], num_warps=cfg["num_warps"],
+    )
+    return _apply(probs, meta_i, meta_f, e)
+
+
+def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                   top_ps: torch.Tensor, min_ps: torch.Tensor, cap: int = CAP) -> torch.Tensor:
+    """Same as `kiln.engine.sampler.filtered_probs` ([N, V] float32), without sorting.
+    `cap`: scratch tokens per row (tests shrink it to exercise the whole-row search passes)."""
+    return _filter(_softmax(logits, temperatures), top_ks, top_ps, min_ps, None, cap)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+           min_ps: torch.Tensor, exponentials: torch.Tensor, cap: int = CAP) -> torch.Tensor:
+    """`argmax(filtered_probs(...) / exponentials)` per row, [N] int64, fused: the filtered
+    distribution is never written out. `exponentials` [N, V] float32 Exp(1) noise (clamped to the
+    smallest normal float like the sampler does)."""
+    return _filter(_softmax(logits, temperatures), top_ks, top_ps, min_ps, exponentials.float(), cap)
+
+
+def sample_from_probs(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """The exponential race alone: argmax(probs / max(e, tiny)) per row, [N] int64, first index on
+    ties; equal to `(probs / e.clamp_min(tiny)).argmax(-1)`."""
+    assert probs.dtype == exponentials.dtype == torch.float32 and exponentials.shape == probs.shape
+    assert probs.stride(1) == 1 and exponentials.stride(1) == 1
+    if probs.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
+    return _apply(probs, None, None, exponentials)

@@ -1,0 +1,201 @@
+"""Triton ShortConv (MODELS.md 2.1) over the paged "conv" window space.
+
+    y_t[c] = x_t[c] + sum_{j=0..K-1} w[c, j] * x_{t-K+1+j}[c]
+
+Both entry points compute exactly `kiln.ops.shortconv.short_conv` with `prev` built like
+`PagedBackend._conv_history`: the inputs before a sequence's first new token come from
+`conv_buf[conv_table[req_slot, pos]]` (zeros where pos < 0), the inputs inside the chunk from `x`.
+Accumulation is fp32 in the reference's order (acc = 0; acc += w_j * x_j for j = 0..K-1; y = acc +
+x; one cast) and the kernels are compiled without FMA contraction (`enable_fp_fusion=False`), so
+on the GPU they match the reference bit for bit, not just within a tolerance.
+
+Both also store this forward's inputs in the buffer (`conv_buf[out_locs] = x`), after reading the
+history, so that a sequence never reads its own new rows:
+- decode: one fused kernel; each program reads the history of its rows and channels, then writes
+  the same rows and channels (program order orders the two for the same addresses; rows of other
+  sequences never alias, their out_locs are fresh slots);
+- extend: the write is a second launch (`index_copy_`) after the conv kernel, so every read of
+  the buffer precedes every write whatever the slots are.
+
+No `.item()`/`.tolist()`, and grids depend only on shapes: both are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels import interpreting
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
+    with int(array), which NumPy >= 2.4 refuses, so `range(0, n)` over a runtime bound fails there.
+    Make its tensor __index__ use .item() (the compiled path is unaffected). Same patch, same
+    marker as kiln.kernels.decode_attention, so whichever module is imported first applies it.
+    TODO(lead): move this into kiln/kernels/__init__.py once, for every kernel module."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return  # older NumPy: nothing to fix
+    except TypeError:
+        pass
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.kiln_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _patch_interpreter_scalar_index()
+
+
+@triton.jit
+def _short_conv_kernel(
+    x_ptr, w_ptr, y_ptr, buf_ptr, table_ptr,
+    slots_ptr, prefix_ptr, lens_ptr, starts_ptr, out_locs_ptr,
+    T, C, B,
+    stride_x, stride_w, stride_y, stride_buf, stride_tab,
+    K: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """One program: BLOCK_T token rows x BLOCK_C channels.
+
+    DECODE: row t is sequence t, its only new token at position seq_lens[t] - 1 (`prefix_ptr`
+    holds seq_lens), and the program also writes x into conv_buf[out_locs].
+    Extend: row t belongs to the sequence b with starts[b] <= t < starts[b] + lens[b] (found by a
+    scan over the B sequences, so no host-side token->sequence map is needed); rows of no sequence
+    get y = x.
+    """
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = t < T
+    c_ok = c < C
+
+    if DECODE:
+        seq = t
+        row_ok = t_ok
+        prefix = tl.load(prefix_ptr + seq, mask=row_ok, other=1) - 1  # seq_len - 1 earlier tokens
+        p = tl.zeros([BLOCK_T], dtype=tl.int64)  # index of the token inside its chunk
+    else:
+        seq = tl.zeros([BLOCK_T], dtype=tl.int64)
+        hits = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for b0 in range(0, B, BLOCK_B):
+            b = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
+            b_ok = b < B
+            st = tl.load(starts_ptr + b, mask=b_ok, other=0)
+            ln = tl.load(lens_ptr + b, mask=b_ok, other=0)
+            inside = (t[:, None] >= st[None, :]) & (t[:, None] < st[None, :] + ln[None, :]) & b_ok[None, :]
+            seq += tl.sum(tl.where(inside, b[None, :], 0), axis=1)
+            hits += tl.sum(inside.to(tl.int32), axis=1)
+        row_ok = t_ok & (hits > 0)
+        prefix = tl.load(prefix_ptr + seq, mask=row_ok, other=0)
+        p = t - tl.load(starts_ptr + seq, mask=row_ok, other=0)
+    slot = tl.load(slots_ptr + seq, mask=row_ok, other=0)
+
+    mask2 = t_ok[:, None] & c_ok[None, :]
+    x_cur = tl.load(x_ptr + t[:, None] * stride_x + c[None, :], mask=mask2, other=0.0)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w_j = tl.load(w_ptr + c * stride_w + j, mask=c_ok, other=0.0).to(tl.float32)
+        q = p - (K - 1) + j  # tap's index inside the chunk; < 0 reads the history
+        if j == K - 1:
+            v = x_cur.to(tl.float32)  # the current token itself
+        else:
+            from_x = row_ok & (q >= 0)
+            hist_pos = prefix + q
+            from_buf = row_ok & (q < 0) & (hist_pos >= 0)
+            loc = tl.load(table_ptr + slot * stride_tab + tl.where(from_buf, hist_pos, 0),
+                          mask=from_buf, other=0).to(tl.int64)
+            vb = tl.load(buf_ptr + loc[:, None] * stride_buf + c[None, :],
+                         mask=from_buf[:, None] & c_ok[None, :], other=0.0)
+            if DECODE:
+                v = vb.to(tl.float32)  # a decode token's earlier taps are all history
+            else:
+                vx = tl.load(x_ptr + (t + q - p)[:, None] * stride_x + c[None, :],
+                             mask=from_x[:, None] & c_ok[None, :], other=0.0)
+                v = tl.where(from_x[:, None], vx.to(tl.float32), vb.to(tl.float32))
+        acc = acc + w_j[None, :] * v
+    y = acc + x_cur.to(tl.float32)
+    tl.store(y_ptr + t[:, None] * stride_y + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask2)
+
+    if DECODE:
+        # After this program's reads of the same rows/channels (program order), see module doc.
+        out = tl.load(out_locs_ptr + t, mask=t_ok, other=0)
+        tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur.to(buf_ptr.dtype.element_ty),
+                 mask=mask2)
+
+
+def _block_c(c: int) -> int:
+    return min(256, triton.next_power_of_2(c))
+
+
+def _check(x, w, conv_buf, conv_table):
+    assert x.dim() == 2 and conv_buf.dim() == 2 and conv_table.dim() == 2 and w.dim() == 2
+    assert w.shape[0] == x.shape[1] == conv_buf.shape[1], (w.shape, x.shape, conv_buf.shape)
+    assert w.shape[1] >= 1
+    for t in (x, w, conv_buf, conv_table):
+        assert t.stride(-1) == 1, "the channel / position dim must be contiguous"
+
+
+def short_conv_decode(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, conv_table: torch.Tensor,
+                      req_slots: torch.Tensor, seq_lens: torch.Tensor, out_locs: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence. x [B, C] (token at position seq_len - 1), w [C, K],
+    conv_buf [slots, C], conv_table [rows, L] slot of each position, req_slots / seq_lens /
+    out_locs [B] int64 on the device. Returns y [B, C] in x's dtype and writes x into
+    conv_buf[out_locs] (after reading the history)."""
+    _check(x, w, conv_buf, conv_table)
+    bsz, c = x.shape
+    y = torch.empty_like(x)
+    if bsz == 0:
+        return y
+    block_t, block_c = 4, _block_c(c)
+    grid = (triton.cdiv(bsz, block_t), triton.cdiv(c, block_c))
+    _short_conv_kernel[grid](
+        x, w, y, conv_buf, conv_table,
+        req_slots, seq_lens, seq_lens, seq_lens, out_locs,  # lens/starts unused in decode
+        bsz, c, bsz,
+        x.stride(0), w.stride(0), y.stride(0), conv_buf.stride(0), conv_table.stride(0),
+        K=w.shape[1], DECODE=True, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=16,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return y
+
+
+def short_conv_extend(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, conv_table: torch.Tensor,
+                      req_slots: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                      extend_starts: torch.Tensor, out_locs: torch.Tensor) -> torch.Tensor:
+    """Chunks of several tokens per sequence, packed along dim 0. x [T, C]; req_slots,
+    prefix_lens (tokens already in the buffer), extend_lens, extend_starts (first row in x) [B]
+    int64 on the device; out_locs [T] the slot of every row. Returns y [T, C] and writes all x
+    rows into conv_buf[out_locs], after the conv kernel has read the history."""
+    _check(x, w, conv_buf, conv_table)
+    n_tok, c = x.shape
+    bsz = req_slots.shape[0]
+    y = torch.empty_like(x)
+    if n_tok == 0:
+        return y
+    block_t, block_c = 8, _block_c(c)
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c))
+    _short_conv_kernel[grid](
+        x, w, y, conv_buf, conv_table,
+        req_slots, prefix_lens, extend_lens, extend_starts, out_locs,
+        n_tok, c, bsz,
+        x.stride(0), w.stride(0), y.stride(0), conv_buf.stride(0), conv_table.stride(0),
+        K=w.shape[1], DECODE=False, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=32,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    # A separate launch: stream order puts it after every read of the history above.
+    conv_buf.index_copy_(0, out_locs, x.to(conv_buf.dtype))
+    return y

@@ -1,0 +1,222 @@
+"""Triton paged attention kernels vs the reference ops in kiln.ops.attention.
+
+"cpu" cases run the kernels under Triton's interpreter (tiny shapes, fp32); "cuda" cases compile
+them for the GPU at real shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.kernels import interpreting  # noqa: E402
+from kiln.kernels.attention import decode_attention, extend_attention  # noqa: E402
+from kiln.ops.attention import paged_attention, paged_decode_attention  # noqa: E402
+
+# With a GPU, Triton compiles for CUDA and cannot take CPU tensors: "cpu" cases need the interpreter.
+interpreter_only = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no GPU)")
+DEVICES = [pytest.param("cpu", marks=interpreter_only), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _paged_cache(ctx_lens, hkv, d, dtype, device, gen, index_dtype=torch.int32, page_size=1):
+    """Random K/V for sequences of the given context lengths, scattered over a cache with spare
+    slots in random page order. Returns k_cache, v_cache, req_to_token and each sequence's row."""
+    num_seqs, max_ctx = len(ctx_lens), max(ctx_lens) + 3
+    pages_per_seq = [math.ceil(n / page_size) for n in ctx_lens]
+    num_pages = sum(pages_per_seq) + 4
+    num_slots = num_pages * page_size
+    k_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    page_order = torch.randperm(num_pages, generator=gen)
+    rows = torch.randperm(num_seqs + 2, generator=gen)[:num_seqs]  # rows are not 0..B-1
+    req_to_token = torch.zeros(num_seqs + 2, max_ctx, dtype=index_dtype)
+    used = 0
+    for row, n, p in zip(rows.tolist(), ctx_lens, pages_per_seq):
+        pages = page_order[used:used + p]
+        used += p
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        req_to_token[row, :n] = slots.to(index_dtype)
+    return k_cache, v_cache, req_to_token.to(device), rows.to(device)
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype in (torch.bfloat16, torch.float16) else dict(atol=1e-4, rtol=1e-4)
+
+
+def _check_decode(device, seq_lens, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
+                  index_dtype=torch.int32, page_size=1, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, r2t, rows = _paged_cache(seq_lens, hkv, d, dtype, device, gen, index_dtype, page_size)
+    b = len(seq_lens)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype).to(device)
+    rel = None if rel_len is None else torch.randn(b, hq, rel_len, generator=gen).to(device)
+    lens = torch.tensor(seq_lens, device=device)
+    scale = d ** -0.5
+    got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel, **kw)
+    want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+def _check_extend(device, seqs, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
+                  index_dtype=torch.int32, page_size=1):
+    """seqs: (prefix_len, extend_len) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, r2t, rows = _paged_cache([p + n for p, n in seqs], hkv, d, dtype, device, gen,
+                                               index_dtype, page_size)
+    prefix = [p for p, _ in seqs]
+    ext = [n for _, n in seqs]
+    t = sum(ext)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype).to(device)
+    rel = None if rel_len is None else torch.randn(t, hq, rel_len, generator=gen).to(device)
+    starts = torch.tensor([0] + ext[:-1], device=device).cumsum(0)
+    as_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    scale = d ** -0.5
+    got = extend_attention(q, k_cache, v_cache, r2t, rows, as_t(prefix), as_t(ext), starts, scale,
+                           window, rel)
+    want = paged_attention(q, k_cache, v_cache, r2t, rows.tolist(), prefix, ext, scale, window, rel)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+# Masking cases as (window, rel_len) on the tiny CPU shapes and on the real CUDA shapes: none, a
+# window shorter than some contexts, a bias shorter than the contexts, and both with R larger.
+CASES = {
+    "plain": {"cpu": (None, None), "cuda": (None, None)},
+    "window": {"cpu": (7, None), "cuda": (1000, None)},
+    "rel": {"cpu": (None, 5), "cuda": (None, 1024)},
+    "window_rel_long": {"cpu": (9, 100), "cuda": (4096, 8192)},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode(device, group, case):
+    window, rel_len = CASES[case][device]
+    if device == "cpu":  # lengths 1 and shorter / longer than the window, in one batch
+        _check_decode(device, [1, 23, 40, 6], group * 2, 2, 32, torch.float32, window, rel_len, seed=group)
+    else:
+        _check_decode(device, [1, 1000, 4097, 300, 8192], 32, 32 // group, 128, torch.bfloat16,
+                      window, rel_len, seed=group, page_size=16)
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 20])
+def test_decode_cpu_splits(num_splits):
+    # One split writes the output directly; more splits than a short sequence has blocks leave
+    # some splits empty, which the merge must skip; 20 splits of the long one take two merge steps.
+    _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits)
+
+
+@interpreter_only
+def test_decode_cpu_int64_table_odd_head_dim_fp16_pages():
+    _check_decode("cpu", [12, 30], 6, 3, 48, torch.float16, window=20, index_dtype=torch.int64,
+                  page_size=4, max_len=30)
+
+
+@interpreter_only
+def test_decode_cpu_empty_sequence_gives_zeros():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, r2t, rows = _paged_cache([5, 9], 2, 16, torch.float32, "cpu", gen)
+    q = torch.randn(2, 4, 16)
+    for splits in (1, 4):
+        out = decode_attention(q, k_cache, v_cache, r2t, rows, torch.tensor([0, 9]), 0.25,
+                               num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        want = paged_decode_attention(q[1:], k_cache, v_cache, r2t, rows[1:], torch.tensor([9]), 0.25)
+        torch.testing.assert_close(out[1:], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,window,rel_len,lens", [
+    (32, 8, 128, None, None, [1, 1000, 4097, 300, 8192]),  # Llama-3.1-8B
+    (16, 4, 128, 4096, 1024, [5000, 100, 4096, 1023, 1]),  # Inkling bench
+    (16, 4, 128, 4096, 8192, [9000, 2]),  # R larger than the window
+    (8, 8, 64, None, 64, [777, 31]),  # MHA
+    (16, 2, 256, 100, None, [3000, 50]),  # group 8, D 256
+    (14, 2, 80, None, None, [513, 2048]),  # odd head dim
+])
+def test_decode_cuda_shapes(hq, hkv, d, window, rel_len, lens):
+    _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
+    _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=1, num_splits=1)
+
+
+@pytest.mark.gpu
+def test_decode_cuda_fp32_is_exact():
+    # fp32 caches use IEEE dots (no TF32), so the kernel matches the reference tightly.
+    _check_decode("cuda", [300, 1200], 8, 2, 128, torch.float32, 512, 64, page_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,rel_len", [(None, None), (256, 64)])
+def test_decode_cuda_graph_capture(window, rel_len):
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, max_len = 32, 8, 128, 2048
+    k_cache, v_cache, r2t, rows = _paged_cache([max_len] * 4, hkv, d, torch.bfloat16, "cuda", gen, page_size=16)
+    q = torch.randn(4, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    rel = None if rel_len is None else torch.randn(4, hq, rel_len, generator=gen).cuda()
+    lens = torch.tensor([10, 2000, 700, 1], device="cuda")
+    run = lambda: decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.1, window, rel,  # noqa: E731
+                                   max_len=max_len)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up compiles and loads the kernels outside the capture
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for new_lens in ([2048, 3, 1500, 64], [1, 1, 1, 1], [100, 1025, 2048, 513]):
+        lens.copy_(torch.tensor(new_lens))
+        q.copy_(torch.randn(4, hq, d, generator=gen).to(torch.bfloat16))
+        if rel is not None:
+            rel.copy_(torch.randn(4, hq, rel_len, generator=gen))
+        graph.replay()
+        want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.1, window, rel)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- extend --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_extend(device, group, case):
+    # Prefix 0 and > 0, single-token and multi-block extends; each window is shorter than some
+    # extend, so the window edge moves inside a query block.
+    window, rel_len = CASES[case][device]
+    if device == "cpu":
+        window = None if window is None else window - 2
+        seqs = [(0, 21), (17, 6), (4, 1), (30, 18)]
+        _check_extend(device, seqs, 8 if group == 8 else group * 2, 1 if group == 8 else 2, 32,
+                      torch.float32, window, rel_len, seed=group)
+    else:
+        seqs = [(0, 1500), (2000, 129), (64, 1), (5000, 700)]
+        _check_extend(device, seqs, 32, 32 // group, 128, torch.bfloat16, window, rel_len,
+                      seed=group, page_size=16)
+
+
+@interpreter_only
+def test_extend_cpu_int64_table_odd_head_dim_fp16_pages():
+    _check_extend("cpu", [(9, 12), (0, 5)], 4, 2, 48, torch.float16, window=6, rel_len=4,
+                  index_dtype=torch.int64, page_size=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,window,rel_len,seqs", [
+    (32, 8, 128, None, None, [(0, 700), (1500, 129), (64, 1), (0, 1)]),  # Llama-3.1-8B
+    (16, 4, 128, 4096, 1024, [(0, 5000), (3000, 300), (4100, 64)]),  # Inkling bench
+    (16, 4, 128, 100, 8192, [(0, 333), (900, 257)]),  # window < extend, R > context
+    (8, 8, 64, None, 32, [(200, 77), (0, 256)]),  # MHA
+    (16, 2, 256, None, None, [(100, 300), (0, 65)]),  # group 8, D 256
+    (14, 2, 80, 64, None, [(40, 200)]),  # odd head dim
+])
+def test_extend_cuda_shapes(hq, hkv, d, window, rel_len, seqs):
+    _check_extend("cuda", seqs, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
