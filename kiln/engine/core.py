@@ -82,6 +82,8 @@ class EngineCore:
             out, self.scheduler.outbox = self.scheduler.outbox, []
             return out
         out = self.scheduler.step()
+        if not self.scheduler.has_work():
+            self.cache.on_idle()
         if self._flush_when_idle and not (self.scheduler.running or self.scheduler.waiting):
             self.scheduler.flush_cache()
             self._flush_when_idle = False

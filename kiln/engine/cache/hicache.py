@@ -79,6 +79,9 @@ class HiCache:
         self.weights_version = 0
         self.page_size = tree.page_size
         self.stats = HiCacheStats()
+        # Nodes waiting to be written to disk, with the host pool generation of their copy: a
+        # write reads the host pages, so it waits until that copy has landed (`before_forward`).
+        self._disk_queue: dict[int, tuple[TreeNode, int]] = {}
 
     # ---- policy hooks (called by the manager and the tree) -----------------------------------
     def _wants_host(self, node: TreeNode) -> bool:
@@ -252,8 +255,26 @@ class HiCache:
         return node.hashes
 
     def _write_disk(self, node: TreeNode) -> None:
-        if node.on_disk or node.host is None:
-            return
+        """Queue a node that reached the host for the disk (written by `_drain_disk`)."""
+        if not node.on_disk and node.host is not None:
+            self._disk_queue.setdefault(id(node), (node, self.host.generation))
+
+    def _attached(self, node: TreeNode) -> bool:
+        return node.parent is not None and node.parent.children.get(self.tree._child_key(node.key, 0)) is node
+
+    def _drain_disk(self, before_generation: Optional[int] = None) -> None:
+        """Write queued nodes (those queued before `before_generation`, or all) and their
+        ancestors that reached the host but not the disk (e.g. the upper half of a split)."""
+        for key, (node, gen) in list(self._disk_queue.items()):
+            if before_generation is not None and gen >= before_generation:
+                break  # queued in generation order
+            del self._disk_queue[key]
+            x = node
+            while x is not self.tree.root and self._attached(x) and x.host is not None and not x.on_disk:
+                self._write_node(x)
+                x = x.parent
+
+    def _write_node(self, node: TreeNode) -> None:
         ps = self.page_size
         keys = self.hashes(node)
         todo = [j for j, k in enumerate(keys) if not self.storage.exists(k)]
@@ -378,12 +399,28 @@ class HiCache:
         never reads pages computed with other weights (and vice versa)."""
         self.weights_version += 1
         self.root_hash = page_hash(self.namespace_hash, [self.weights_version])
+        self._disk_queue.clear()  # those copies hold KV of the old weights
         for n in self.tree._nodes():
             n.hashes, n.on_disk = None, False
 
     # ---- maintenance -----------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Once per step, before its forward: copies from earlier steps land in the host pool
+        and their disk writes go out (without waiting for the device); the forward waits for
+        this step's load-backs."""
+        self.host.before_forward()
+        if self.storage is not None:
+            self._drain_disk(before_generation=self.host.generation - 2)
+
+    def on_idle(self) -> None:
+        """Nothing runs: land every copy and write everything queued for the disk."""
+        self.host.finish_pending()
+        if self.storage is not None:
+            self._drain_disk()
+
     def flush(self) -> None:
         """Empty the host pool and this model's disk pages (the manager resets the tree)."""
+        self._disk_queue.clear()
         self.host.reset()
         if self.storage is not None:
             self.storage.clear()
@@ -396,9 +433,8 @@ class HiCache:
 
     def check(self, deep: bool = False) -> None:
         """Every host page has one owner; every node on disk has its files; with `deep`, every
-        host copy equals the device data it copies."""
-        self.host.finish_pending()
-        self.host.before_forward()  # device reads below come after loads still in flight
+        host copy that has landed equals the device data it copies. Changes no state."""
+        self.host.wait_device()  # device reads below come after loads still in flight
         tree = self.tree
         check_owners("host main", self.host.spaces["main"].allocator, {"prefix cache": tree.host_pages_owned()})
         for c in self.histories:
@@ -407,11 +443,12 @@ class HiCache:
             if self.storage is not None and n.on_disk:
                 missing = [k for k in self.hashes(n) if not self.storage.exists(k)]
                 assert not missing, f"a node marked on disk lacks {len(missing)} page files"
-            if deep and n.on_device and n.host is not None:
+            if deep and n.on_device and n.host is not None and not self.host.pending("main", n.host):
                 self._assert_same("main", n.pages, n.host)
             if deep:
                 for c, w in n.win.items():
-                    both = [(d, h) for d, h in zip(w, n.host_win[c]) if d is not None and h is not None]
+                    both = [(d, h) for d, h in zip(w, n.host_win[c])
+                            if d is not None and h is not None and not self.host.pending(c, [h])]
                     if both:
                         self._assert_same(c, [d for d, _ in both], [h for _, h in both])
 

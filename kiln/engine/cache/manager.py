@@ -215,7 +215,12 @@ class CacheManager:
     def before_forward(self) -> None:
         """Make the forward wait for host -> device copies issued while scheduling."""
         if self.hicache is not None:
-            self.hicache.host.before_forward()
+            self.hicache.before_forward()
+
+    def on_idle(self) -> None:
+        """No request runs or waits: HiCache lands its copies and disk writes still in flight."""
+        if self.hicache is not None:
+            self.hicache.on_idle()
 
     def grow(self, req: Req, num_tokens: int) -> bool:
         """Make sure pages of every component cover positions [0, num_tokens). False (nothing
