@@ -328,3 +328,54 @@ def test_too_large_prompt_with_a_cached_prefix_is_rejected(tmp_path):
         if not core.has_work():
             break
     assert errors and "pool holds only" in errors[0]
+
+
+def _tp_rank(rank: int, model_dir: str, store: str, port: int, results) -> None:
+    from kiln.dist.init import init_tensor_parallel, shutdown
+
+    torch.set_num_threads(1)
+    pc = init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "cpu")
+    try:
+        outs = []
+        for _ in range(2):  # the second engine starts on the first one's disk pages
+            core = EngineCore(EngineConfig(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                                           device="cpu", dtype="float32", tp_size=2, **SMALL,
+                                           enable_hierarchical_cache=True, hicache_ratio=0.5,
+                                           hicache_storage_backend="file", hicache_storage_dir=store), pc=pc)
+            core.scheduler.check_after_step = True
+            core.cache.deep_check = True
+            res = agent_rounds(core)
+            s = core.stats()
+            outs.append(({k: v[1] for k, v in res.items()},
+                         (s.cached_tokens_device_total, s.cached_tokens_host_total, s.cached_tokens_disk_total)))
+        results.put((rank, outs))
+    finally:
+        shutdown(pc)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_agree_on_every_tier(tmp_path):
+    """tp 2 (two gloo processes): both ranks keep their own host pool and disk pages (keys differ
+    per rank) and make the same cache decisions, so they produce the same tokens and hits as one
+    process would decide for both; a second engine finds the disk pages of its own rank."""
+    import multiprocessing as mp
+
+    from tests.kiln_server import free_port
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tp_rank, args=(r, str(tmp_path), str(tmp_path / "store"), port, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[0] == got[1], "the ranks decided differently"
+    (first, tiers), (again, again_tiers) = got[0]
+    assert first == again
+    assert tiers[1] > 0 and tiers[2] > 0 and again_tiers[2] > 0, (tiers, again_tiers)
+    assert len(os.listdir(tmp_path / "store")) == 2  # one namespace per rank

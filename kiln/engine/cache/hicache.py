@@ -40,6 +40,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.cache.allocator import check_owners
 from kiln.engine.cache.hicache_config import HiCacheConfig, host_pages_plan, model_identity
 from kiln.engine.cache.host_pool import HostPool, device_spaces
@@ -68,8 +69,12 @@ class HiCacheStats:
 
 class HiCache:
     def __init__(self, cfg: HiCacheConfig, tree: RadixCache, host: HostPool, histories: dict[str, int],
-                 storage: Optional[FileStorage] = None, root_hash: str = ""):
+                 storage: Optional[FileStorage] = None, root_hash: str = "", pc: ParallelContext = SINGLE):
         self.cfg = cfg
+        # Tensor parallelism: every rank runs the same scheduler on its own shard, so the tiers
+        # must decide alike; only disk reads can differ between ranks (a file one rank lacks,
+        # a timeout), and the ranks agree on them (`_agree`, SGLang's all-reduce(min)).
+        self.pc = pc
         self.tree = tree
         tree.tiers = self
         self.host = host
@@ -285,7 +290,17 @@ class HiCache:
                 if w[j] is not None:
                     data[c] = self.host.read(c, [w[j]])
             self.stats.disk_written_pages += self.storage.put(keys[j], data)
-        node.on_disk = True
+        node.on_disk = all(self.storage.exists(k) for k in keys)  # else retried at the next backup
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """True where every tensor-parallel rank has True (one all-reduce; free without TP)."""
+        if self.pc.tp_size == 1 or not flags:
+            return flags
+        import torch.distributed as dist
+
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pc.cpu_group or self.pc.tp_group)
+        return [bool(x) for x in t.tolist()]
 
     def _page_fits(self, data: dict) -> bool:
         """A page read from disk has this pool's buffers and shapes (else it is ignored)."""
@@ -322,6 +337,7 @@ class HiCache:
             found.append((h, data))
             if time.monotonic() > deadline:
                 break
+        found = found[:self.pc.min_int(len(found))]  # every rank reads as many pages
         if not found:
             return i0, i0
         self.tree.lock(node)  # host eviction must not remove the node we attach to
@@ -335,8 +351,9 @@ class HiCache:
             nbuf = len(self.host.spaces["main"].tensors)
             self.host.write("main", hp, [torch.cat([d["main"][b] for _, d in found]) for b in range(nbuf)])
             host_win: dict[str, list[Optional[int]]] = {}
-            for c in self.histories:
-                js = [j for j, (_, d) in enumerate(found) if c in d]
+            has = self._agree([c in d for _, d in found for c in self.histories])  # same on every rank
+            for k, c in enumerate(self.histories):
+                js = [j for j in range(n) if has[j * len(self.histories) + k]]
                 hw = self._alloc_host(c, len(js)) if js else None
                 host_win[c] = [None] * n
                 if hw:
@@ -362,33 +379,33 @@ class HiCache:
         while x is not self.tree.root:
             nodes.append(x)
             x = x.parent
+        # (node, page, component) tails missing on both tiers; the same list on every TP rank
+        wanted: list[tuple[TreeNode, int, str]] = []
+        end = self.tree.depth(node) + len(node.pages)
+        for n in nodes:  # deepest first: the boundaries we most want
+            if end <= from_page:
+                break
+            end -= len(n.pages)
+            for c in self.histories:
+                wanted += [(n, j, c) for j in self.tail(n, c) if n.win[c][j] is None and n.host_win[c][j] is None]
+        if not wanted:
+            return 0
+        reads: dict[tuple[int, int], Optional[dict]] = {}
+        for n, j, _ in wanted:
+            if n.on_disk and (id(n), j) not in reads:
+                data = self.storage.get(self.hashes(n)[j])
+                reads[(id(n), j)] = data if data is not None and self._page_fits(data) else None
+                self.stats.disk_read_pages += data is not None
+        ok = self._agree([c in (reads.get((id(n), j)) or {}) for n, j, c in wanted])
         refilled = 0
         self.tree.lock(node)  # host window eviction must leave the path alone
         try:
-            end = self.tree.depth(node) + len(node.pages)
-            for n in nodes:  # deepest first: the boundaries we most want
-                if end <= from_page:
-                    break
-                end -= len(n.pages)
-                if not n.on_disk:
-                    continue
-                missing: dict[int, list[str]] = {}
-                for c in self.histories:
-                    for j in self.tail(n, c):
-                        if n.win[c][j] is None and n.host_win[c][j] is None:
-                            missing.setdefault(j, []).append(c)
-                keys = self.hashes(n) if missing else []
-                for j, comps in missing.items():
-                    data = self.storage.get(keys[j])
-                    if data is None or not self._page_fits(data):
-                        continue
-                    self.stats.disk_read_pages += 1
-                    for c in comps:
-                        hp = self._alloc_host(c, 1, exclude=n) if c in data else None
-                        if hp:
-                            self.host.write(c, hp, data[c])
-                            n.host_win[c][j] = hp[0]
-                            refilled += 1
+            for (n, j, c), good in zip(wanted, ok):
+                hp = self._alloc_host(c, 1, exclude=n) if good else None
+                if hp:
+                    self.host.write(c, hp, reads[(id(n), j)][c])
+                    n.host_win[c][j] = hp[0]
+                    refilled += 1
         finally:
             self.tree.unlock(node)
         return refilled
@@ -490,4 +507,4 @@ def build_hicache(cfg: HiCacheConfig, tree: RadixCache, runner, source, config) 
         identity = model_identity(source, config, runner)
         storage = FileStorage(cfg.storage_dir or default_storage_dir(), model_namespace(identity), identity)
         logger.info("HiCache disk tier: %s (%d pages)", storage.dir, storage.num_pages())
-    return HiCache(cfg, tree, host, histories, storage)
+    return HiCache(cfg, tree, host, histories, storage, pc=runner.pc)

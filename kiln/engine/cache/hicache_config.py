@@ -76,6 +76,7 @@ def model_identity(source, config, runner) -> dict:
         "dtype": str(runner.dtype),
         "page_size": config.page_size,
         "tp_size": config.tp_size,
+        "tp_rank": runner.pc.tp_rank,  # each rank stores its own shard of the heads
         "specs": [(s.kind.value, list(s.layer_ids), list(s.shape), str(s.dtype), s.window) for s in runner.specs],
     }
 
