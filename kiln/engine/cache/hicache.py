@@ -13,7 +13,7 @@ the host pool is full, host copies of nodes still on the device are dropped firs
 lost), then host-only leaves leave the tree, least recently used first.
 
 Host -> device: a match that reaches host-only nodes gets device pages for them and copies the
-data back before the forward that needs it (`CacheManager.match`, `HostPool.before_forward`).
+data back before the forward that needs it (`CacheManager.match`, `before_forward`).
 
 Windowed components (sliding-window KV, ShortConv inputs) only matter in the window before the
 boundary where a request resumes. A node's host copy of windowed data covers the window before
@@ -21,8 +21,11 @@ its end (`tail`: chunked prefills and finished requests create nodes whose ends 
 boundaries later requests resume from); pages outside it stay tombstones on the host. A boundary
 is valid when every windowed page of its window is on the device or on the host.
 
-Disk (`--hicache-storage-backend file`): a node's pages are written once it is on the host, keyed
-by chained page hashes (`storage.py`); when a request is matched, the pages after its local match
+Disk (`--hicache-storage-backend file`): a node's pages are queued once it is on the host and
+written once that copy has landed (`_drain_disk`), keyed by chained page hashes (`storage.py`);
+windowed data both tiers dropped is read back for the nodes of a match (`refill_windows`).
+Under tensor parallelism every rank has its own files and the ranks agree on what the disk
+returned (`_agree`). When a request is matched, the pages after its local match
 are looked up on disk, read into the host pool as a host-only leaf, then loaded back like any
 host hit. Reads are synchronous in this implementation, so `best_effort` behaves like
 `wait_complete`: every consecutive page found is read before the request is scheduled;
