@@ -54,6 +54,26 @@ class EngineConfig:
     max_prefill_tokens: int = opt(16384, "Token budget of one forward (prefill chunks + decodes).")
     schedule_policy: str = opt("fcfs", "Order of admission.", ["fcfs", "lpm"])
     disable_radix_cache: bool = opt(False, "Turn the prefix cache off.")
+    # Hierarchical cache (HiCache): host-memory and disk tiers under the prefix cache
+    enable_hierarchical_cache: bool = opt(
+        False, "Keep prefixes evicted from the device pool in host memory (and on disk with "
+        "--hicache-storage-backend) and load them back on a hit, for every state component.")
+    hicache_ratio: float = opt(2.0, "Host pool size as a multiple of the device pool (in pages).")
+    hicache_size: float = opt(0.0, "Host pool size in GB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = opt(
+        "write_through", "When cached pages are copied to the host: when cached (write_through), once "
+        "reused twice (write_through_selective), or when evicted from the device (write_back).",
+        ["write_through", "write_through_selective", "write_back"])
+    hicache_storage_backend: Optional[str] = opt(
+        None, "Disk tier under the host pool: 'file' keeps pages in --hicache-storage-dir, keyed by "
+        "hashed token prefixes, across restarts.", ["file"])
+    hicache_storage_dir: Optional[str] = opt(
+        None, "Folder of the file storage backend (default: ~/.cache/kiln/hicache, or "
+        "$KILN_CACHE_DIR/hicache); each model gets its own subfolder.")
+    hicache_storage_prefetch_policy: str = opt(
+        "best_effort", "How long admission waits for disk pages: best_effort, wait_complete, or timeout "
+        "(reads are synchronous in Kiln, so best_effort reads every page found, like wait_complete).",
+        ["best_effort", "wait_complete", "timeout"])
     tp_size: int = opt(1, "Tensor-parallel degree.", flag="--tp-size")
     enable_return_routed_experts: bool = opt(
         False, "Record the routed expert ids of every token (MoE models) so requests can ask for "

@@ -14,6 +14,8 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.cache.allocator import PageAllocator
+from kiln.engine.cache.hicache import build_hicache
+from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
@@ -44,6 +46,7 @@ class EngineCore:
         """`pc`: this process's tensor-parallel rank (`kiln.dist.init`); every rank builds its own
         EngineCore and must be given the same requests in the same order."""
         self.config = config
+        hicache = HiCacheConfig.from_engine_config(config)  # bad HiCache flags fail before loading
         source = source or resolve_model(config.model_path, config.load_format)
         self.runner = ModelRunner(config, source, pc)
         mc = self.runner.model_config
@@ -53,6 +56,8 @@ class EngineCore:
         tree = None if config.disable_radix_cache else RadixCache(
             allocator, config.page_size, {w.name: w.allocator for w in windows})
         self.cache = CacheManager(allocator, self.runner.req_to_token, tree, windows)
+        if hicache is not None:
+            self.cache.hicache = build_hicache(hicache, tree, self.runner, source, config)
         eos = eos_token_ids(source.model_dir, source.config, None)
         self.info = ModelInfo(
             name=config.served_model_name or source.name, model_dir=source.model_dir,
@@ -77,6 +82,8 @@ class EngineCore:
             out, self.scheduler.outbox = self.scheduler.outbox, []
             return out
         out = self.scheduler.step()
+        if not self.scheduler.has_work():
+            self.cache.on_idle()
         if self._flush_when_idle and not (self.scheduler.running or self.scheduler.waiting):
             self.scheduler.flush_cache()
             self._flush_when_idle = False
@@ -118,6 +125,8 @@ class EngineCore:
                                "until they finish)")
 
     def _after_weight_update(self, flush: bool = True) -> None:
+        if self.cache.hicache is not None:  # disk pages of these weights get keys of their own
+            self.cache.hicache.weights_changed()
         if not flush:
             return
         if self.scheduler.running:  # in_place pause: their pages stay; flush once idle

@@ -130,6 +130,7 @@ class RequestState:
         ]
         self.prompt_logprobs: Optional[list] = None
         self.cached_tokens = 0
+        self.cached_tokens_details: Optional[dict] = None  # by tier: device / host / disk
         self.error: Optional[str] = None
 
     def sub_rids(self) -> list[str]:
@@ -151,6 +152,8 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if index == 0 and out.cached_tokens:
             self.cached_tokens = out.cached_tokens
+        if index == 0 and out.cached_tokens_details:
+            self.cached_tokens_details = out.cached_tokens_details
         return self.seqs[index].update(out)
 
     @property
@@ -163,7 +166,7 @@ class RequestState:
                                  list(s.logprobs) if want_lp else None, s.matched_stop, s.routed_experts)
                 for s in self.seqs]
         return RequestOutput(self.rid, self.prompt, list(self.prompt_ids), outs, self.prompt_logprobs,
-                             self.cached_tokens)
+                             self.cached_tokens, self.cached_tokens_details)
 
 
 def parse_sub_rid(rid: str) -> tuple[str, int]:

@@ -116,6 +116,8 @@ class ReqOutput:
     matched_stop: Optional[int] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # cached_tokens by the tier that served them: {"device", "host", "disk"} (HiCache)
+    cached_tokens_details: Optional[dict] = None
     completion_tokens: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # sent once, when complete
@@ -148,6 +150,31 @@ class SchedulerStats:
     cached_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_retractions_total: int = 0
+    # Cached prompt tokens by the tier that served them (device only without HiCache)
+    cached_tokens_device_total: int = 0
+    cached_tokens_host_total: int = 0
+    cached_tokens_disk_total: int = 0
+    # HiCache (zero when off): host pool gauges and tokens moved between tiers
+    hicache_host_used_tokens: int = 0
+    hicache_host_total_tokens: int = 0
+    hicache_backed_up_tokens_total: int = 0  # device -> host
+    hicache_loaded_tokens_total: int = 0  # host -> device
+    hicache_disk_written_tokens_total: int = 0
+    hicache_disk_read_tokens_total: int = 0
+
+    def add_tier_hits(self, tiers: dict) -> None:
+        self.cached_tokens_device_total += tiers.get("device", 0)
+        self.cached_tokens_host_total += tiers.get("host", 0)
+        self.cached_tokens_disk_total += tiers.get("disk", 0)
+
+    def set_hicache(self, h: Any, page_size: int) -> None:
+        """Copy a `HiCacheStats` snapshot (pages) in, as tokens."""
+        self.hicache_host_used_tokens = h.host_used_pages * page_size
+        self.hicache_host_total_tokens = h.host_total_pages * page_size
+        self.hicache_backed_up_tokens_total = h.backed_up_pages * page_size
+        self.hicache_loaded_tokens_total = h.loaded_pages * page_size
+        self.hicache_disk_written_tokens_total = h.disk_written_pages * page_size
+        self.hicache_disk_read_tokens_total = h.disk_read_pages * page_size
 
     @property
     def kv_usage(self) -> float:

@@ -30,7 +30,8 @@ class RequestOutput:
     """The result of one prompt. `prompt` is None when the prompt was given as token ids.
 
     `prompt_logprobs` is aligned with `prompt_token_ids` (entry 0 is None) when asked for.
-    `num_cached_tokens` are prompt tokens served from the prefix cache.
+    `num_cached_tokens` are prompt tokens served from the prefix cache; `cached_tokens_details`
+    splits them by the tier that served them ({"device", "host", "disk"}, HiCache).
     """
 
     request_id: str
@@ -39,6 +40,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     num_cached_tokens: int = 0
+    cached_tokens_details: Optional[dict] = None
 
     @property
     def finished(self) -> bool:

@@ -140,6 +140,8 @@ class Req:
     win_pages: dict = field(default_factory=dict)
     win_trimmed: dict = field(default_factory=dict)  # per component: pages before this are None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    cached_tiers: dict = field(default_factory=dict)  # those tokens by tier: device / host / disk
+    match_tiers: dict = field(default_factory=dict)  # the latest prefix match, by tier (CacheManager)
     num_retractions: int = 0
     # Sampling state, kept across retraction so seeded streams stay reproducible.
     generator: object = None

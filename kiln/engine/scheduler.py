@@ -125,6 +125,8 @@ class Scheduler:
         nothing, which is discarded."""
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
         plan = self._schedule()
+        if plan:
+            self.cache.before_forward()  # HiCache: host -> device loads land before the forward
         launched = self._forward(plan) if plan else None
         if self.pending is not None:
             pending, self.pending = self.pending, None
@@ -189,10 +191,11 @@ class Scheduler:
             self.cache.match(r, max_tokens=self._max_match(r))
             n = self._chunk(r, budget, bool(plan))
             reserve = self._reserved_pages()
-            need = cdiv(r.num_computed + n, self.page_size) - len(r.pages)
+            total = cdiv(r.num_computed + n, self.page_size)
+            need = total - len(r.pages)
             if n == 0 or need + reserve > self.cache.available_pages or not self.cache.assign_slot(r):
-                self.cache.unmatch(r)
-                if not self.running and not plan and n and need > self.cache.available_pages:
+                self.cache.unmatch(r)  # its cached pages count as available again: compare the total
+                if not self.running and not plan and n and total > self.cache.available_pages:
                     self._reject_too_large(r)
                     continue
                 break
@@ -202,8 +205,10 @@ class Scheduler:
             self.waiting.popleft()
             if r.num_retractions == 0:
                 r.cached_tokens = r.num_computed
+                r.cached_tiers = dict(r.match_tiers)
                 self.stats_counters.prompt_tokens_total += len(r.prompt_ids)
                 self.stats_counters.cached_tokens_total += r.num_computed
+                self.stats_counters.add_tier_hits(r.cached_tiers)
             r.status = ReqStatus.RUNNING
             self.running.append(r)
             plan.append((r, r.num_computed, r.num_computed + n))
@@ -411,7 +416,7 @@ class Scheduler:
         out = ReqOutput(rid=r.rid, new_token_ids=new, finished=r.finished,
                         finish_reason=r.finish_reason.value if r.finish_reason else None,
                         prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
-                        completion_tokens=len(r.output_ids))
+                        cached_tokens_details=r.cached_tiers or None, completion_tokens=len(r.output_ids))
         if r.finish_reason == FinishReason.STOP and r.output_ids:
             out.matched_stop = r.output_ids[-1]
         if r.params.logprobs is not None and num_new:
@@ -438,4 +443,6 @@ class Scheduler:
         s.num_waiting = len(self.waiting)
         s.kv_used_tokens = self.cache.used_tokens()
         s.kv_total_tokens = self.cache.allocator.capacity * self.page_size
+        if self.cache.hicache is not None:
+            s.set_hicache(self.cache.hicache.snapshot(), self.page_size)
         return SchedulerStats(**vars(s))

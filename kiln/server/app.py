@@ -256,6 +256,9 @@ class EngineMetrics:
             ("kiln_cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens.",
              s.cache_hit_rate),
             ("kiln_gen_throughput", "Generated tokens per second since the previous scrape.", self.gen_throughput),
+            ("kiln_hicache_host_used_tokens", "HiCache host pool slots in use.", s.hicache_host_used_tokens),
+            ("kiln_hicache_host_total_tokens", "HiCache host pool size in tokens (0: HiCache off).",
+             s.hicache_host_total_tokens),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -265,5 +268,21 @@ class EngineMetrics:
             ("kiln_generation_tokens", "Tokens generated.", s.generation_tokens_total),
             ("kiln_retractions", "Requests retracted under memory pressure.", s.num_retractions_total),
         ]
+        counters += [
+            ("kiln_hicache_backed_up_tokens", "Tokens copied from the device pool to the host pool.",
+             s.hicache_backed_up_tokens_total),
+            ("kiln_hicache_loaded_tokens", "Tokens loaded back from the host pool to the device pool.",
+             s.hicache_loaded_tokens_total),
+            ("kiln_hicache_disk_written_tokens", "Tokens written to the HiCache disk tier.",
+             s.hicache_disk_written_tokens_total),
+            ("kiln_hicache_disk_read_tokens", "Tokens read from the HiCache disk tier.", s.hicache_disk_read_tokens_total),
+        ]
         for name, doc, value in counters:  # exported as <name>_total
             yield CounterMetricFamily(name, doc, value=value)
+        tiers = CounterMetricFamily("kiln_cached_tokens_by_tier",
+                                    "Prompt tokens served from the prefix cache, by the tier that held them.",
+                                    labels=["tier"])
+        for tier, value in (("device", s.cached_tokens_device_total), ("host", s.cached_tokens_host_total),
+                            ("disk", s.cached_tokens_disk_total)):
+            tiers.add_metric([tier], value)
+        yield tiers

@@ -33,6 +33,7 @@ def launch_server(config: EngineConfig) -> None:
     """Start the engine process, wait until it is ready, then serve HTTP until stopped."""
     import uvicorn
 
+    from kiln.engine.cache.hicache_config import HiCacheConfig
     from kiln.loader import resolve_model
     from kiln.server.app import create_app
     from kiln.server.scheduler_process import run_scheduler
@@ -40,6 +41,7 @@ def launch_server(config: EngineConfig) -> None:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_port(config.host, config.port)
+    HiCacheConfig.from_engine_config(config)  # bad HiCache flags: a clear error before anything starts
     source = resolve_model(config.model_path, config.load_format)  # converts a GGUF once, here
     aliases = {p for p in (config.model_path, source.model_dir) if p}
     if config.model_path:

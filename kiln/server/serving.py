@@ -266,6 +266,7 @@ class Serving:
             "id": state.rid if state.params.n == 1 else f"{state.rid}-{index}",
             "finish_reason": reason, "prompt_tokens": len(state.prompt_ids),
             "completion_tokens": len(s.token_ids), "cached_tokens": state.cached_tokens,
+            "cached_tokens_details": _tiers([state]),
             "e2e_latency": time.time() - start,
         }
         if req.return_logprob:
@@ -307,8 +308,11 @@ class Serving:
         prompt = sum(len(h.state.prompt_ids) for h in handles)
         completion = sum(h.state.completion_tokens for h in handles)
         cached = sum(h.state.cached_tokens for h in handles)
+        # cached_tokens stays OpenAI's total; cached_tokens_details (a Kiln extension) splits it by
+        # the cache tier that served it: device, host (HiCache L2) and disk (L3).
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached,
+                                          "cached_tokens_details": _tiers([h.state for h in handles])}}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], top: int) -> list[dict]:
         """OpenAI chat shape: token text, logprob, utf-8 bytes, and the top alternatives."""
@@ -387,3 +391,13 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "tolist"):
         return x.tolist()
     return x
+
+
+def _tiers(states) -> dict[str, int]:
+    """Cached prompt tokens by tier, summed over requests (all device when HiCache is off)."""
+    out = {"device": 0, "host": 0, "disk": 0}
+    for st in states:
+        tiers = st.cached_tokens_details or {"device": st.cached_tokens}
+        for k in out:
+            out[k] += tiers.get(k, 0)
+    return out

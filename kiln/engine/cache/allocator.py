@@ -44,3 +44,21 @@ class PageAllocator:
 
     def reset(self) -> None:
         self.__init__(self.num_pages, self.page_size)
+
+
+def check_owners(name: str, allocator: PageAllocator, owned: dict[str, list[int]]) -> None:
+    """Assert that every page of `allocator` has exactly one owner: its free list or one entry
+    of `owned` (owner name -> pages, e.g. "prefix cache", "request r0")."""
+    owners: dict[int, str] = {}
+
+    def own(page: int, who: str) -> None:
+        assert page not in owners, f"{name} page {page} owned by both {owners[page]} and {who}"
+        owners[page] = who
+
+    for p in allocator.free_pages():
+        own(p, "free list")
+    for who, pages in owned.items():
+        for p in pages:
+            own(p, who)
+    missing = set(range(1, allocator.num_pages)) - set(owners)
+    assert not missing, f"{name} pages leaked (no owner): {sorted(missing)[:10]}"

@@ -7,20 +7,28 @@ index keys). Each windowed component (sliding-window KV, ShortConv inputs) has a
 its own allocator and request-to-token table, and a `history` = how many tokens before a query
 its ops read. A request frees its windowed pages as soon as they fall out of that history, so a
 long decode holds at most history + one page of them.
+
+With HiCache (`hicache.py`) the tree's nodes may live on the host or come from disk: `match`
+reads the disk pages after the local match into the host tier, then loads every host-only page
+the match needs back to the device (whole nodes for the main space, the window before the
+boundary for windowed spaces) and records how many tokens each tier served.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from kiln.engine.cache.allocator import PageAllocator
+from kiln.engine.cache.allocator import PageAllocator, check_owners
 from kiln.engine.cache.pools import ReqToTokenPool, write_pages
-from kiln.engine.cache.radix import RadixCache
+from kiln.engine.cache.radix import RadixCache, TreeNode
 from kiln.engine.request import Req
+
+if TYPE_CHECKING:
+    from kiln.engine.cache.hicache import HiCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,6 +53,8 @@ class CacheManager:
         self.windows = {w.name: w for w in (windows or [])}
         # Per windowed component: tree-owned page -> number of running requests reading it.
         self.win_refs: dict[str, Counter] = {c: Counter() for c in self.windows}
+        self.hicache: Optional[HiCache] = None  # host and disk tiers, set by EngineCore
+        self.deep_check = False  # tests: check_integrity also compares host copies with the device
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -77,24 +87,46 @@ class CacheManager:
     def match(self, req: Req, max_tokens: Optional[int] = None) -> int:
         """Attach the longest cached prefix of the request's tokens that every component can
         serve (leaving at least one token to compute, whose logits we need; at most
-        `max_tokens`). Locks it. Returns the number of cached tokens."""
+        `max_tokens`), loading host-resident data back to the device. Locks it. Returns the
+        number of cached tokens; `req.match_tiers` splits them by the tier that served them."""
         assert req.slot == -1 and not req.pages
         req.win_pages = {c: [] for c in self.windows}
         req.win_trimmed = {c: 0 for c in self.windows}
+        req.match_tiers = {"device": 0, "host": 0, "disk": 0}
         if self.tree is None:
             return 0
         ids = req.all_ids
         limit = len(ids) - 1 if max_tokens is None else min(len(ids) - 1, max_tokens)
-        pages, node = self.tree.match_prefix(ids, max_pages=limit // self.page_size)
-        if self.windows and pages:
-            valid = self._valid_boundary(self.tree.path(node), len(pages))
-            if valid < len(pages):
-                pages, node = self.tree.match_prefix(ids, max_pages=valid)
-        self.tree.lock(node)
+        max_pages = limit // self.page_size
+        disk = self.hicache.prefetch(ids, max_pages) if self.hicache is not None else (0, 0)
+        on_device = None  # pages already on the device (always a prefix of the path)
+        while True:
+            pages, node = self.tree.match_prefix(ids, max_pages=max_pages)
+            if self.windows and pages:
+                valid = self._valid_boundary(self.tree.path(node), len(pages))
+                if valid < len(pages) and on_device is None and self.hicache is not None \
+                        and self.hicache.refill_windows(node, valid):  # the disk kept windows we lost
+                    valid = self._valid_boundary(self.tree.path(node), len(pages))
+                if valid < len(pages):
+                    pages, node = self.tree.match_prefix(ids, max_pages=valid)
+            self.tree.lock(node)
+            if on_device is None:
+                on_device = sum(p is not None for p in pages)
+            usable = self._load_back(node, len(pages))
+            if usable == len(pages):
+                break
+            self.tree.unlock(node)  # not enough device memory: settle for a shorter prefix
+            max_pages = usable
+        pages = [n.pages[j] for n, j in self.tree.path(node)]
+        on_device = min(on_device, len(pages))
         req.cache_node = node
         req.pages = list(pages)
         req.num_cached_pages = len(pages)
         req.num_computed = len(pages) * self.page_size
+        from_disk = max(0, min(disk[1], len(pages)) - disk[0])
+        req.match_tiers = {"device": on_device * self.page_size,
+                            "host": (len(pages) - on_device - from_disk) * self.page_size,
+                            "disk": from_disk * self.page_size}
         if self.windows and pages:
             path = self.tree.path(node)
             for c, w in self.windows.items():
@@ -109,17 +141,46 @@ class CacheManager:
                 req.win_trimmed[c] = first
         return req.num_computed
 
+    def _load_back(self, node: TreeNode, num_pages: int) -> int:
+        """Bring the data a match of `num_pages` pages ending at (locked) `node` needs onto the
+        device: host-only nodes of the path, and windowed pages before the boundary that only the
+        host holds. Returns `num_pages`, or fewer where device memory ran out."""
+        if self.hicache is None or num_pages == 0:
+            return num_pages
+        for n in self.tree.host_only_run(node):
+            dev = self._alloc(len(n.pages))
+            if dev is None:
+                return self.tree.depth(n)
+            self.hicache.load_node(n, dev)
+        path = self.tree.path(node)
+        held: list[tuple[str, int]] = []  # loaded windowed pages, protected while we allocate more
+        try:
+            for c, w in self.windows.items():
+                for i in range(self._first_needed_page(num_pages * self.page_size, w.history), num_pages):
+                    n, j = path[i]
+                    if n.win[c][j] is None:
+                        page = self._alloc_win(c, 1)
+                        if page is None:
+                            return num_pages - 1
+                        self.hicache.load_window(n, c, j, page[0])
+                    self.win_refs[c][n.win[c][j]] += 1
+                    held.append((c, n.win[c][j]))
+        finally:
+            for c, p in held:
+                self.win_refs[c][p] -= 1
+        return num_pages
+
     def _first_needed_page(self, num_tokens: int, history: int) -> int:
         return max(0, num_tokens - history) // self.page_size
 
     def _valid_boundary(self, path, num_pages: int) -> int:
         """Deepest page boundary b <= num_pages where every windowed component holds the pages
         covering its history before b."""
-        holes = {}  # per component: holes[i] = tombstones among path pages [0, i)
+        holes = {}  # per component: holes[i] = tombstones (on the device and the host) in pages [0, i)
         for c in self.windows:
             acc, h = 0, [0]
             for n, j in path[:num_pages]:
-                acc += n.win[c][j] is None
+                acc += n.win[c][j] is None and n.host_win[c][j] is None
                 h.append(acc)
             holes[c] = h
         for b in range(num_pages, 0, -1):
@@ -147,7 +208,19 @@ class CacheManager:
         self.req_to_token.write_pages(slot, 0, req.pages, self.page_size)
         for c, w in self.windows.items():
             write_pages(w.table, slot, 0, req.win_pages[c], self.page_size)
+        if self.hicache is not None and req.cache_node is not None:
+            self.hicache.on_hit(req.cache_node)  # admitted: the matched prefix was used
         return True
+
+    def before_forward(self) -> None:
+        """Make the forward wait for host -> device copies issued while scheduling."""
+        if self.hicache is not None:
+            self.hicache.before_forward()
+
+    def on_idle(self) -> None:
+        """No request runs or waits: HiCache lands its copies and disk writes still in flight."""
+        if self.hicache is not None:
+            self.hicache.on_idle()
 
     def grow(self, req: Req, num_tokens: int) -> bool:
         """Make sure pages of every component cover positions [0, num_tokens). False (nothing
@@ -224,6 +297,8 @@ class CacheManager:
                     mine, theirs = req.win_pages[c][i], n.win[c][j]
                     if theirs is None:
                         n.win[c][j] = mine  # refill the tombstone (or keep it if we hold none)
+                        if mine is not None and self.hicache is not None:
+                            self.hicache.on_window_refill(n, c, j)
                     elif mine is not None:
                         w.allocator.free([mine])
                         req.win_pages[c][i] = theirs
@@ -236,6 +311,8 @@ class CacheManager:
             self.tree.unlock(req.cache_node)
         req.cache_node = node
         req.num_cached_pages = full
+        if self.hicache is not None:
+            self.hicache.on_insert(node)
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Give back everything the request holds: computed full pages go to the prefix cache
@@ -256,7 +333,9 @@ class CacheManager:
         req.win_pages, req.win_trimmed = {}, {}
 
     def flush(self) -> None:
-        """Drop the whole prefix cache (only when no request holds pages)."""
+        """Drop the whole prefix cache, every tier (only when no request holds pages)."""
+        if self.hicache is not None:
+            self.hicache.flush()
         if self.tree is not None:
             self.allocator.free(self.tree.pages_owned())
             for c, w in self.windows.items():
@@ -303,24 +382,13 @@ class CacheManager:
         assert self.req_to_token.num_free + len(slots) == self.req_to_token.max_reqs, "request slot leaked"
         if self.tree is not None:
             self.tree.check(locks)
+        if self.hicache is not None:
+            self.hicache.check(deep=self.deep_check)
 
     def _check_space(self, name: str, allocator: PageAllocator, tree_pages: list[int],
                      private: dict[str, list[int]]) -> None:
-        owners: dict[int, str] = {}
-
-        def own(page: int, who: str) -> None:
-            assert page not in owners, f"{name} page {page} owned by both {owners[page]} and {who}"
-            owners[page] = who
-
-        for p in allocator.free_pages():
-            own(p, "free list")
-        for p in tree_pages:
-            own(p, "prefix cache")
-        for rid, pages in private.items():
-            for p in pages:
-                own(p, f"request {rid}")
-        missing = set(range(1, allocator.num_pages)) - set(owners)
-        assert not missing, f"{name} pages leaked (no owner): {sorted(missing)[:10]}"
+        check_owners(name, allocator, {"prefix cache": tree_pages,
+                                       **{f"request {rid}": pages for rid, pages in private.items()}})
 
     def _check_row(self, table: torch.Tensor, r: Req, pages: list) -> None:
         ps = self.page_size

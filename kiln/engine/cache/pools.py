@@ -71,6 +71,10 @@ class KVPool:
         i = self.layer_index[layer_id]
         return self.k[i], self.v[i]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer indexed by token slot (what HiCache copies page by page)."""
+        return self.k + self.v
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -90,6 +94,9 @@ class TokenStatePool:
     def layer(self, layer_id: int) -> torch.Tensor:
         return self.buffers[layer_id]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.buffers[i] for i in self.spec.layer_ids]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
@@ -104,6 +111,9 @@ class MergedStatePool:
 
     def layer(self, layer_id: int) -> torch.Tensor:
         return self.by_layer[layer_id].layer(layer_id)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.pools for t in p.tensors()]
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.pools)

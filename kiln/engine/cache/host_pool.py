@@ -1,0 +1,240 @@
+"""`HostPool`: HiCache's host-memory tier (L2), one host space per device page space.
+
+A host space mirrors its device space buffer for buffer (same per-token shapes and dtypes, e.g.
+every layer's K and V of the main space, or every ShortConv site of the "conv" space) with its own
+`PageAllocator`, so host page h holds token slots [h * page_size, (h + 1) * page_size) of every
+buffer. Copies move whole pages between the tiers.
+
+Device -> host copies are staged and land in the host pool later, oldest first
+(`finish_pending`): before anything reads or overwrites those host pages, else at the step after
+next (`before_forward`), when the forward they followed has certainly finished. On CUDA the host
+buffers are page-locked, the copies gather pages on a side stream into pinned staging buffers,
+and host -> device copies go on the same stream, which the forward's stream waits for
+(`before_forward`). The side stream first waits for the work already queued on the compute
+stream, so a backup always reads fully computed pages. With overlap scheduling the scheduler
+therefore never blocks on the queued forward because of a backup. On CPU the staging is a plain
+copy, so the tests exercise the same ordering.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kiln.engine.cache.allocator import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+# Device tensors of one page space, read at call time: RL memory release swaps the pool tensors.
+DeviceTensors = Callable[[], list[torch.Tensor]]
+
+
+def device_spaces(runner) -> dict[str, DeviceTensors]:
+    """The device buffers of each page space of a `ModelRunner` (main, and "swa" / "conv" when
+    the model has them), in a fixed order shared with the host spaces."""
+    def space(*pools):
+        return lambda: [t for p in pools if p is not None for t in p.tensors()]
+
+    spaces = {"main": space(runner.full_kv, runner.index_k)}
+    if runner.swa_kv is not None:
+        spaces["swa"] = space(runner.swa_kv)
+    if runner.conv is not None:
+        spaces["conv"] = space(runner.conv)
+    return spaces
+
+
+@dataclass
+class HostSpace:
+    name: str
+    allocator: PageAllocator
+    tensors: list[torch.Tensor]  # host buffers, [num_pages * page_size, *shape] each
+    device_tensors: DeviceTensors
+
+
+
+@dataclass
+class _PendingCopy:
+    """A device -> host copy of some pages of one space that has not landed in the host pool:
+    once `done` (CUDA; None on CPU: already copied), `staged[i]` goes to `host[i][index]`."""
+
+    space: str
+    pages: frozenset
+    generation: int  # HostPool.generation when issued (one per forward)
+    done: Optional[torch.cuda.Event]
+    host: list[torch.Tensor]
+    staged: list[torch.Tensor]
+    index: torch.Tensor
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HostPool:
+    """Host spaces of `host_pages[name]` usable pages each."""
+
+    def __init__(self, spaces: dict[str, DeviceTensors], host_pages: dict[str, int], page_size: int,
+                 device: torch.device):
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending: list[_PendingCopy] = []
+        self.generation = 0  # forwards so far (before_forward calls)
+        plans = {name: (dev(), max(1, host_pages[name]) + 1) for name, dev in spaces.items()}  # + page 0
+        need = sum(pages * page_size * sum(t[0].numel() * t.element_size() for t in tensors)
+                   for tensors, pages in plans.values())
+        avail = available_host_bytes()
+        if avail is not None and need > 0.9 * avail:
+            raise ValueError(f"the HiCache host pool needs {need / 1e9:.2f} GB but only {avail / 1e9:.2f} GB "
+                             "of host memory is available; lower --hicache-ratio or --hicache-size")
+        self.spaces: dict[str, HostSpace] = {}
+        for name, (tensors, pages) in plans.items():
+            host = [self._host_buffer((pages * page_size,) + tuple(t.shape[1:]), t.dtype) for t in tensors]
+            self.spaces[name] = HostSpace(name, PageAllocator(pages, page_size), host, spaces[name])
+        logger.info("HiCache host pool: %s (%.2f GB)", ", ".join(
+            f"{n}: {s.allocator.capacity} pages" for n, s in self.spaces.items()), self.nbytes() / 1e9)
+
+    def _host_buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer; on CUDA page-locked in place with cudaHostRegister (as SGLang does):
+        PyTorch's pinned allocator rounds each block up to a power of two, which for a host pool
+        of many GB would waste up to half of it. Free pages are never read, so no zero fill."""
+        t = torch.empty(shape, dtype=dtype)
+        if self.cuda and t.numel():
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(err) != 0:  # could not lock this much memory: fall back to the pinned allocator
+                logger.warning("cudaHostRegister failed (%s); using PyTorch's pinned allocator", err)
+                t = torch.empty(shape, dtype=dtype, pin_memory=True)
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.spaces.values() for t in s.tensors)
+
+    def _slots(self, pages: list[int], device) -> torch.Tensor:
+        ps = self.page_size
+        idx = (torch.tensor(pages, dtype=torch.long)[:, None] * ps + torch.arange(ps)).flatten()
+        if torch.device(device).type == "cuda":  # pageable copies would wait for queued forwards
+            return idx.pin_memory().to(device, non_blocking=True)
+        return idx
+
+    # ---- copies --------------------------------------------------------------------------
+    def to_host(self, space: str, dev_pages: list[int], host_pages: list[int]) -> None:
+        """Copy device pages into host pages of one space (all of its buffers). The data lands
+        in the host pool later (`finish_pending`), on CPU too, so tests exercise the ordering."""
+        if not dev_pages:
+            return
+        s = self.spaces[space]
+        hidx = self._slots(host_pages, "cpu")
+        if not self.cuda:
+            didx = self._slots(dev_pages, self.device)
+            staged = [d.index_select(0, didx) for d in s.device_tensors()]
+            self._pending.append(_PendingCopy(space, frozenset(host_pages), self.generation, None,
+                                              s.tensors, staged, hidx))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):  # device temporaries belong to the side stream
+            didx = self._slots(dev_pages, self.device)
+            staged = []
+            for h, d in zip(s.tensors, s.device_tensors()):
+                t = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                t.copy_(d.index_select(0, didx), non_blocking=True)
+                staged.append(t)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._pending.append(_PendingCopy(space, frozenset(host_pages), self.generation, done, s.tensors,
+                                          staged, hidx))
+
+    def to_device(self, space: str, host_pages: list[int], dev_pages: list[int]) -> None:
+        """Copy host pages into device pages of one space (ready before the next forward)."""
+        if not dev_pages:
+            return
+        self.finish_pending(space, host_pages)
+        s = self.spaces[space]
+        hidx = self._slots(host_pages, "cpu")
+        if not self.cuda:
+            didx = self._slots(dev_pages, self.device)
+            for h, d in zip(s.tensors, s.device_tensors()):
+                d.index_copy_(0, didx, h.index_select(0, hidx))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            didx = self._slots(dev_pages, self.device)
+            for h, d in zip(s.tensors, s.device_tensors()):
+                src = h.index_select(0, hidx).pin_memory()
+                d.index_copy_(0, didx, src.to(self.device, non_blocking=True))
+
+    def read(self, space: str, host_pages: list[int]) -> list[torch.Tensor]:
+        """Copies of the host pages' data, one tensor per buffer ([n * page_size, *shape])."""
+        self.finish_pending(space, host_pages)
+        hidx = self._slots(host_pages, "cpu")
+        return [h.index_select(0, hidx) for h in self.spaces[space].tensors]
+
+    def write(self, space: str, host_pages: list[int], data: list[torch.Tensor]) -> None:
+        """Fill host pages from tensors shaped like `read` returns them (from the disk tier)."""
+        self.finish_pending(space, host_pages)  # an older copy must not land on top later
+        s = self.spaces[space]
+        if len(data) != len(s.tensors):
+            raise ValueError(f"{space}: {len(data)} buffers for a space of {len(s.tensors)}")
+        hidx = self._slots(host_pages, "cpu")
+        for h, t in zip(s.tensors, data):
+            h.index_copy_(0, hidx, t.to(h.dtype))
+
+    def pending(self, space: str, host_pages: list[int]) -> bool:
+        """Whether a device -> host copy into one of these pages has not landed yet."""
+        pages = set(host_pages)
+        return any(p.space == space and p.pages & pages for p in self._pending)
+
+    def finish_pending(self, space: Optional[str] = None, host_pages: Optional[list[int]] = None,
+                       before_generation: Optional[int] = None) -> None:
+        """Land device -> host copies, oldest first (the order keeps a reused host page right):
+        all of them; or up to the last one into `host_pages` of `space`; or those issued before
+        `before_generation`. On CUDA this waits for them, and so for the forward they follow."""
+        if before_generation is not None:
+            k = sum(p.generation < before_generation for p in self._pending)  # generations only grow
+        elif space is not None:
+            pages = set(host_pages or ())
+            hits = [i for i, p in enumerate(self._pending) if p.space == space and p.pages & pages]
+            k = hits[-1] + 1 if hits else 0
+        else:
+            k = len(self._pending)
+        for p in self._pending[:k]:
+            if p.done is not None:
+                p.done.synchronize()
+            for h, t in zip(p.host, p.staged):
+                h.index_copy_(0, p.index, t)
+        del self._pending[:k]
+
+    def before_forward(self) -> None:
+        """Called once per step before its forward is queued. Copies issued two steps ago or
+        earlier have landed on the device side by now (their forward's tokens were read back),
+        so they are scattered into the host pool without waiting; then the compute stream waits
+        for every copy issued so far (load-backs, and backups that read pages the forward may
+        overwrite)."""
+        self.finish_pending(before_generation=self.generation - 1)
+        self.generation += 1
+        self.wait_device()
+
+    def wait_device(self) -> None:
+        """The compute stream waits for the side stream's copies (CUDA)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def reset(self) -> None:
+        """Every host page free again; copies in flight are dropped (their data is discarded)."""
+        if self._pending and self.cuda:
+            self._pending[-1].done.synchronize()  # their staging buffers may still be written
+        self._pending.clear()
+        for s in self.spaces.values():
+            s.allocator.reset()
+
