@@ -57,12 +57,18 @@ def _config(model_dir: str, tp: int) -> EngineConfig:
 
 def _rank(rank: int, model_dir: str, port: int, vocab: int, results) -> None:
     torch.set_num_threads(1)
+    import gc
+
     pc = init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "cpu")
     try:
         core = EngineCore(_config(model_dir, 2), pc=pc)
         out, rows = generate(core, _prompts(vocab))
         # Plain arrays: a tensor would travel as shared memory that dies with this process.
         results.put((rank, (out, {k: v.numpy() for k, v in rows.items()})))
+        # Free the model before leaving the group: tearing gloo down under live tensors can
+        # abort the process at exit ("terminate called without an active exception").
+        del core
+        gc.collect()
     finally:
         shutdown(pc)
 
