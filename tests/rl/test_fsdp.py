@@ -107,3 +107,18 @@ def test_kiln_rl_under_torchrun_matches_one_process_and_resumes(tmp_path):
     assert [m["step"] for m in resumed] == [0, 1]
     for key in ("reward_mean", "train_rollout_kl", "loss", "entropy", "grad_norm"):
         assert resumed[1][key] == b[1][key], (key, resumed[1][key], b[1][key])
+
+
+def test_num_gpus_relaunches_under_torchrun(monkeypatch):
+    """`kiln rl --num-gpus 2 ...` runs the same command under torchrun with 2 ranks."""
+    import kiln.cli
+
+    calls: list = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(kiln.cli.subprocess, "call", lambda cmd: calls.append(cmd) or 7)
+    with pytest.raises(SystemExit) as e:
+        kiln.cli.main(["rl", "--num-gpus", "2", "--num-steps", "1", "--lr=1e-4"])
+    assert e.value.code == 7
+    (cmd,) = calls
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("kiln"):] == ["kiln", "rl", "--num-gpus", "2", "--num-steps", "1", "--lr=1e-4"]
