@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import subprocess
 import sys
 from typing import Optional
 
@@ -97,11 +99,28 @@ def _rl(args: argparse.Namespace, overrides: list[str]) -> None:
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"kiln rl: {e}", file=sys.stderr)
         sys.exit(2)
+    if cfg.launcher == "ray":
+        from kiln.rl.ray_launcher import launch
+
+        try:
+            metrics = launch(cfg)
+        except ImportError as e:  # Ray is optional: say how to get it
+            print(f"kiln rl: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(f"kiln rl (ray): {len(metrics)} steps done; metrics in {cfg.out_dir}/metrics.jsonl")
+        return
+    if cfg.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+        # One FSDP2 trainer rank per GPU (kiln.rl.fsdp): run this same command under torchrun.
+        argv = ["rl"] + (["--config", args.config] if args.config else []) + list(overrides)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cfg.num_gpus}", "-m", "kiln"] + argv
+        print(f"kiln rl: launching {cfg.num_gpus} trainer ranks: {' '.join(cmd)}", file=sys.stderr)
+        sys.exit(subprocess.call(cmd))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from kiln.rl import run_grpo
 
     metrics = run_grpo(cfg)
-    if metrics:
+    if metrics and int(os.environ.get("RANK", "0")) == 0:
         last = metrics[-1]
         print(f"kiln rl: {len(metrics)} steps done; last step reward_mean={last['reward_mean']:.3f}; "
               f"metrics in {cfg.out_dir}/metrics.jsonl, curves in {cfg.out_dir}/curves.png")

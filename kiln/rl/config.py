@@ -53,6 +53,19 @@ class RLConfig:
     dynamic_sampling: bool = opt(False, "Drop groups whose rewards are all equal (zero advantage; DAPO).")
     routing_replay: bool = opt(True, "MoE: the trainer replays the experts the engine routed (R3).")
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0 disables).")
+    trainer_device: str = opt("auto", "Where the trainer runs: 'auto' (cuda if available, else cpu), 'cpu', "
+                              "'cuda', 'cuda:N'. Under torchrun each rank uses cuda:LOCAL_RANK (auto) or this.")
+    num_gpus: int = opt(1, "Trainer GPUs. > 1: `kiln rl` re-launches itself under torchrun with one FSDP2 rank "
+                        "per GPU (rank 0 also runs the rollouts). Ignored inside torchrun.")
+    launcher: str = opt("local", "'local': this process (or torchrun ranks, see num_gpus). 'ray': a Ray placement "
+                        "group with the trainer and `kiln serve` engines as actors (kiln.rl.ray_launcher; "
+                        "pip install ray).", ["local", "ray"])
+    ray: dict = opt({}, "kiln.rl.ray_launcher.RayPlacement options, e.g. {\"trainer_gpus\": 4, "
+                    "\"num_engines\": 2, \"gpus_per_engine\": 1}.")
+    release_engine_memory: Optional[bool] = opt(None, "Free the colocated engine's KV cache and weights while "
+                                                "the trainer runs, resume them before the weight sync. None: "
+                                                "only when the engine is on CUDA. With rollout_urls, true "
+                                                "calls the servers' /release_memory_occupation (same GPUs).")
     seed: int = opt(0, "Seed of prompts, sampling and initialisation.")
     # Output
     out_dir: str = opt("runs/rl", "Where metrics.jsonl, curves.png and ckpt-N/ go.")
@@ -72,11 +85,16 @@ class RLConfig:
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0: GRPO needs sampled rollouts and the trainer "
                              f"divides logits by it; got {self.temperature}")
+        if self.num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full parameters), got {self.lora_rank}")
         self.loss = dict(self.loss or {})
         self.engine = dict(self.engine or {})
         self.task_options = dict(self.task_options or {})
+        self.ray = dict(self.ray or {})
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be 'local' or 'ray', got {self.launcher!r}")
         if isinstance(self.rollout_urls, str):
             self.rollout_urls = [u for u in self.rollout_urls.split(",") if u]
         self.rollout_urls = [str(u) for u in (self.rollout_urls or [])]
@@ -134,7 +152,8 @@ def load_config_file(path: str) -> dict:
 
 
 def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
-    """Apply `--key value`, `--key=value` and `--nested.key value` (loss / engine) to a config dict.
+    """Apply `--key value`, `--key=value` and `--nested.key value` (loss / engine / task_options / ray)
+    to a config dict.
 
     Values are typed by the RLConfig field (bool accepts true/false/1/0; a flag with no value means
     true); nested values and dict fields are parsed as JSON when they parse, else kept as strings.
@@ -157,8 +176,8 @@ def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
         key = key.replace("-", "_")
         if "." in key:
             outer, inner = key.split(".", 1)
-            if outer not in ("loss", "engine", "task_options"):
-                raise ValueError(f"Only loss.*, engine.* and task_options.* take nested keys, got --{key}")
+            if outer not in ("loss", "engine", "task_options", "ray"):
+                raise ValueError(f"Only loss.*, engine.*, task_options.* and ray.* take nested keys, got --{key}")
             nested = dict(d.get(outer) or {})
             nested[inner] = True if value is None else _parse_json_or_str(value)
             d[outer] = nested

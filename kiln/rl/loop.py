@@ -1,12 +1,15 @@
 """The GRPO loop: rollouts in a colocated `kiln.Engine` (or remote `kiln serve`s, `rollout_urls`),
-training in `PolicyTrainer`.
+training in `PolicyTrainer` (one process, or FSDP2 ranks under torchrun: kiln.rl.fsdp).
 
 One step (DESIGN.md section 7):
 
     prompts (PromptIterator) -> engine.generate(n samples each, logprobs=0, routed experts on MoE)
-      -> rewards -> group advantages (+ dynamic sampling drops all-equal groups)
-      -> trainer: recompute logprobs (routing replay); old_logp = that pass, detached
+      -> rewards -> group advantages (+ dynamic sampling drops all-equal groups)   [rank 0]
+      -> (FSDP: broadcast the batch to every rank)
+      -> (colocated on CUDA: the engine releases its KV cache and weights)
+      -> trainer: recompute logprobs and entropy (routing replay); old_logp = that pass, detached
       -> policy loss with TIS against the rollout logprobs -> optimizer step
+      -> (the engine resumes its memory)
       -> weight sync into the engine (full weights, or the LoRA adapter) -> flush the prefix cache
       -> metrics: one JSON line in out_dir/metrics.jsonl, curves in out_dir/curves.png
 
@@ -25,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -124,64 +128,154 @@ def _pad_grad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(r.float(), (0, width - r.numel())) for r in rows])
 
 
-def grpo_step(cfg: RLConfig, step: int, engine: Any, trainer: Any, iterator: Any, reward_fn: Callable,
-              loss_cfg: Any, routed: bool, lora: Optional[str]) -> dict:
-    from kiln.rl.loss import dynamic_sampling_mask, group_advantages, mismatch_metrics, policy_loss
+def rollout_and_score(cfg: RLConfig, step: int, engine: Any, iterator: Any, reward_fn: Callable,
+                      loss_cfg: Any, routed: bool, lora: Optional[str]
+                      ) -> tuple[list[dict], torch.Tensor, torch.Tensor, dict]:
+    """The rollout side of a step (rank 0 only under FSDP): sample the next prompts' groups,
+    score them, GRPO advantages and the dynamic-sampling keep mask.
 
-    m: dict = {"step": step}
-    # 1. Rollouts.
-    t0 = time.perf_counter()
+    Returns (samples, advantages [n], keep bool [n], metrics)."""
+    from kiln.rl.loss import dynamic_sampling_mask, group_advantages
+
     batch = iterator.next_batch()
     samples = rollout(engine, cfg, step, batch, routed, lora)
-    t_rollout = time.perf_counter() - t0
     n_tokens = sum(len(s["output_ids"]) for s in samples)
-
-    # 2. Rewards and advantages.
     rewards = torch.tensor([float(reward_fn(s["prompt"], s["text"], s["record"])) for s in samples])
     grouped = rewards.view(len(batch), cfg.samples_per_prompt)
     adv = group_advantages(grouped, **_adv_kwargs(loss_cfg)).reshape(-1)
     keep_groups = dynamic_sampling_mask(grouped) if cfg.dynamic_sampling else torch.ones(len(batch), dtype=torch.bool)
     keep = keep_groups.repeat_interleave(cfg.samples_per_prompt)
-    m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item(),
+    m = dict(reward_mean=rewards.mean().item(), reward_std=rewards.std(unbiased=False).item(),
              groups_kept=int(keep_groups.sum()), response_len_mean=n_tokens / len(samples),
-             truncated_frac=sum(s["finish_reason"] == "length" for s in samples) / len(samples))
+             truncated_frac=sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+             rollout_tokens=n_tokens)
+    return samples, adv, keep, m
+
+
+def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: torch.Tensor, loss_cfg: Any,
+                   temperature: float, replay: bool, dp: Any = None) -> tuple[dict, bool]:
+    """The trainer side of a step, on every rank: recompute the logprobs (and the entropy) of the
+    samples, the policy loss with TIS against the rollout logprobs, one optimizer step.
+
+    One process: all samples. Under FSDP (`dp`, kiln.rl.fsdp) each rank recomputes its contiguous
+    share and scales its loss so that FSDP's gradient average equals the single-process gradient;
+    the detached logprobs are all-gathered so that every metric is over the whole batch, exactly as
+    in one process. Returns (metrics, whether an optimizer step was taken)."""
+    from kiln.rl.loss import masked_aggregate, mismatch_metrics, policy_loss
+
+    n = len(samples)
+    if dp is not None:
+        from kiln.rl.fsdp import shard_range
+
+        mine = shard_range(n, dp.rank, dp.world_size)
+    else:
+        mine = range(n)
+    local = [samples[i] for i in mine]
+    want_entropy_grad = loss_cfg.entropy_coef != 0
+    logps, ents = trainer.sequence_logprobs_and_entropy(local, temperature, replay, entropy_grad=want_entropy_grad)
+    width = max(1, max(len(s["output_ids"]) for s in samples))
+    rollout_all = _pad([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in samples], width)
+    mask_all = _pad([torch.ones(len(s["output_ids"])) for s in samples], width)
+    train_mask_all = mask_all * keep[:, None].float()
+    lp_rows = [t.detach().float().cpu() for t in logps]
+    ent_rows = [t.detach().float().cpu() for t in ents]
+    if dp is not None:  # every rank gets every sample's logprobs / entropies, in sample order
+        import torch.distributed as dist
+
+        parts: list = [None] * dp.world_size
+        dist.all_gather_object(parts, (lp_rows, ent_rows))
+        lp_rows = [r for p in parts for r in p[0]]
+        ent_rows = [r for p in parts for r in p[1]]
+    old_all, ent_all = _pad(lp_rows, width), _pad(ent_rows, width)
+    m: dict = {k: _f(v) for k, v in mismatch_metrics(old_all, rollout_all, mask_all).items()}
+    # Mean per-token entropy of softmax(logits / T) on every sampled token, before the update.
+    m["entropy"] = _f(masked_aggregate(ent_all, mask_all, "token"))
+
+    # No sample with a nonzero advantage (e.g. every group all-wrong): no gradient signal, so skip
+    # the optimizer step and the sync (AdamW momentum alone would still move the weights). Every
+    # rank holds the whole batch, so every rank takes the same decision.
+    if not (train_mask_all.sum() > 0 and bool((adv[keep] != 0).any())):
+        m["loss"] = 0.0
+        return m, False
+    sl = slice(mine.start, mine.stop)
+    logp = _pad_grad(list(logps), width)
+    dev = logp.device
+    ent_grad = _pad_grad(list(ents), width) if want_entropy_grad else None
+    loss, lm = policy_loss(logp, logp.detach(), rollout_all[sl].to(dev), adv[sl].to(dev),
+                           train_mask_all[sl].to(dev), loss_cfg, entropy=ent_grad)
+    if dp is not None:
+        from kiln.rl.fsdp import loss_scale
+
+        if loss_cfg.loss_agg == "token":
+            local_den, global_den = train_mask_all[sl].sum(), train_mask_all.sum()
+        else:  # "sequence": the mean over rows of per-row means
+            local_den, global_den = len(mine), n
+        loss = loss * loss_scale(local_den, global_den, dp.world_size)
+        # The loss metrics over the whole batch (logp == old_logp before the step, as above).
+        full_loss, lm = policy_loss(old_all, old_all, rollout_all, adv, train_mask_all, loss_cfg,
+                                    entropy=ent_all if want_entropy_grad else None)
+        m["loss"] = _f(full_loss)
+    else:
+        m["loss"] = _f(loss)
+    stats = trainer.step(loss)
+    m.update({k: _f(v) for k, v in lm.items() if k not in ("loss", "entropy")})
+    if isinstance(stats, dict):
+        m.update({k: _f(v) for k, v in stats.items()})
+    return m, True
+
+
+def grpo_step(cfg: RLConfig, step: int, engine: Any, trainer: Any, iterator: Any, reward_fn: Callable,
+              loss_cfg: Any, routed: bool, lora: Optional[str], dp: Any = None,
+              release: bool = False) -> dict:
+    """One GRPO step. `engine` is the rollout backend (None on FSDP ranks other than 0); with
+    `release` the colocated engine frees its KV cache and weights while the trainer runs."""
+    main = dp is None or dp.is_main
+    m: dict = {"step": step}
+    # 1. Rollouts, rewards, advantages (rank 0), then every trainer rank gets the batch.
+    t0 = time.perf_counter()
+    payload = None
+    if main:
+        samples, adv, keep, rm = rollout_and_score(cfg, step, engine, iterator, reward_fn, loss_cfg, routed, lora)
+        m.update(rm)
+        payload = (samples, adv, keep)
+    t_rollout = time.perf_counter() - t0
+    if dp is not None:
+        payload = dp.broadcast(payload)
+    samples, adv, keep = payload
+
+    # 2. Free the engine's memory for training (colocated on one GPU).
+    t_release = t_resume = 0.0
+    if release and main:
+        t = time.perf_counter()
+        freed = engine.release_memory()
+        t_release = time.perf_counter() - t
+        m["released_kv_bytes"] = int(freed.get("kv_cache_bytes", 0))
 
     # 3. Train: one recompute (with grad); old_logp is its detached copy.
     t1 = time.perf_counter()
-    logps = trainer.sequence_logprobs(samples, cfg.temperature, replay=cfg.routing_replay and routed)
-    width = max(1, max(len(s["output_ids"]) for s in samples))
-    logp = _pad_grad(list(logps), width)
-    rollout_logp = _pad([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in samples], width)
-    mask = _pad([torch.ones(len(s["output_ids"])) for s in samples], width)
-    old_logp = logp.detach()
-    mm = mismatch_metrics(old_logp, rollout_logp, mask)
-    m.update({k: _f(v) for k, v in mm.items()})
-    # Entropy is not logged: the trainer returns only the sampled tokens' logprobs, and full-vocab
-    # entropy would need the [tokens, vocab] logits kept alive (not cheap on a 49k vocab).
-    train_mask = mask * keep[:, None].float()
-    # No sample with a nonzero advantage (e.g. every group all-wrong): no gradient signal, so skip
-    # the optimizer step and the sync (AdamW momentum alone would still move the weights).
-    if train_mask.sum() > 0 and bool((adv[keep] != 0).any()):
-        loss, lm = policy_loss(logp, old_logp, rollout_logp, adv, train_mask, loss_cfg)
-        stats = trainer.step(loss)
-        m["loss"] = _f(loss)
-        m.update({k: _f(v) for k, v in lm.items() if k != "loss"})
-        if isinstance(stats, dict):
-            m.update({k: _f(v) for k, v in stats.items()})
-        updated = True
-    else:  # nothing to learn from: keep the weights
-        m["loss"] = 0.0
-        updated = False
+    tm, updated = train_on_batch(trainer, samples, adv, keep, loss_cfg, cfg.temperature,
+                                 cfg.routing_replay and routed, dp)
+    m.update(tm)
     t_train = time.perf_counter() - t1
 
-    # 4. Weight sync.
+    if release and main:
+        t = time.perf_counter()
+        engine.resume_memory()
+        t_resume = time.perf_counter() - t
+
+    # 4. Weight sync (under FSDP every rank joins the gather; rank 0 pushes).
     t2 = time.perf_counter()
     if updated:
-        m["sync_bytes"] = sync_weights(trainer, engine, lora)
+        with trainer.gathered():
+            if main:
+                m["sync_bytes"] = sync_weights(trainer, engine, lora)
     t_sync = time.perf_counter() - t2
+    n_tokens = m.get("rollout_tokens", 0)
     m.update(time_rollout_s=t_rollout, time_train_s=t_train, time_sync_s=t_sync,
-             time_step_s=t_rollout + t_train + t_sync, rollout_tok_s=n_tokens / max(t_rollout, 1e-9),
-             rollout_tokens=n_tokens)
+             time_step_s=t_rollout + t_release + t_train + t_resume + t_sync,
+             rollout_tok_s=n_tokens / max(t_rollout, 1e-9))
+    if release:
+        m.update(time_release_s=t_release, time_resume_s=t_resume)
     return m
 
 
@@ -223,30 +317,48 @@ def _ckpt_dirs(out_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(path: str, step: int, trainer: Any, iterator: Any, cfg: RLConfig) -> None:
-    """Write ckpt-N/ atomically (a temp dir renamed into place)."""
+def _optimizer_file(dp: Any) -> str:
+    # Under FSDP each rank's optimizer state holds only its shards.
+    return "optimizer.pt" if dp is None else f"optimizer-rank{dp.rank}.pt"
+
+
+def save_checkpoint(path: str, step: int, trainer: Any, iterator: Any, cfg: RLConfig, dp: Any = None) -> None:
+    """Write ckpt-N/ atomically (a temp dir renamed into place). Under FSDP every rank calls it:
+    rank 0 writes the gathered weights, each rank its optimizer shard."""
+    main = dp is None or dp.is_main
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    if cfg.lora_rank > 0:
-        from kiln.rl.lora import save_adapter
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dp is not None:
+        dp.barrier()
+    with trainer.gathered():
+        if main and cfg.lora_rank > 0:
+            from kiln.rl.lora import save_adapter
 
-        save_adapter(trainer.model, os.path.join(tmp, "adapter"))
-    else:
-        from safetensors.torch import save_file
+            save_adapter(trainer.model, os.path.join(tmp, "adapter"))
+        elif main:
+            from safetensors.torch import save_file
 
-        state = {name: t.detach().to("cpu").contiguous() for name, t in trainer.named_weights_for_sync()}
-        save_file(state, os.path.join(tmp, "model.safetensors"))
-    torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, os.path.join(tmp, "rng.pt"))
-    with open(os.path.join(tmp, "state.json"), "w") as fh:
-        json.dump({"step": step, "iterator": iterator.state_dict(), "config": cfg.to_dict()}, fh, indent=1)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+            state = {name: t.detach().to("cpu").contiguous() for name, t in trainer.named_weights_for_sync()}
+            save_file(state, os.path.join(tmp, "model.safetensors"))
+    torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, _optimizer_file(dp)))
+    if main:
+        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, os.path.join(tmp, "rng.pt"))
+        with open(os.path.join(tmp, "state.json"), "w") as fh:
+            json.dump({"step": step, "iterator": iterator.state_dict(), "config": cfg.to_dict(),
+                       "world_size": 1 if dp is None else dp.world_size}, fh, indent=1)
+    if dp is not None:
+        dp.barrier()
+    if main:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    if dp is not None:
+        dp.barrier()
 
 
-def load_checkpoint(path: str, trainer: Any, iterator: Any, cfg: RLConfig) -> int:
-    """Restore a ckpt-N/ into the trainer and iterator; returns the number of steps already done."""
+def load_checkpoint_weights(path: str, trainer: Any, cfg: RLConfig) -> None:
+    """The weights (or adapter) of a ckpt-N/ into an unsharded trainer (before `trainer.shard`)."""
     if cfg.lora_rank > 0:
         from kiln.rl.lora import load_adapter
 
@@ -255,14 +367,30 @@ def load_checkpoint(path: str, trainer: Any, iterator: Any, cfg: RLConfig) -> in
         from safetensors.torch import load_file
 
         _load_full_weights(trainer, load_file(os.path.join(path, "model.safetensors")))
-    trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+
+
+def load_checkpoint_state(path: str, trainer: Any, iterator: Any, dp: Any = None) -> int:
+    """The optimizer (this rank's shard under FSDP), RNG and prompt-iterator state of a ckpt-N/;
+    returns the number of steps already done."""
+    with open(os.path.join(path, "state.json")) as fh:
+        state = json.load(fh)
+    world = 1 if dp is None else dp.world_size
+    if state.get("world_size", 1) != world:
+        raise ValueError(f"{path} was written by {state.get('world_size', 1)} trainer rank(s), this run has "
+                         f"{world}: resume with the same number of ranks (the optimizer state is sharded)")
+    opt = torch.load(os.path.join(path, _optimizer_file(dp)), weights_only=False)
+    trainer.optimizer.load_state_dict(opt)
     rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
-    with open(os.path.join(path, "state.json")) as fh:
-        state = json.load(fh)
     iterator.load_state_dict(state["iterator"])
     return int(state["step"])
+
+
+def load_checkpoint(path: str, trainer: Any, iterator: Any, cfg: RLConfig) -> int:
+    """Restore a ckpt-N/ into an unsharded trainer and the iterator; returns the steps already done."""
+    load_checkpoint_weights(path, trainer, cfg)
+    return load_checkpoint_state(path, trainer, iterator)
 
 
 def _load_full_weights(trainer: Any, state: dict) -> None:
@@ -306,7 +434,8 @@ def export_hf(trainer: Any, out_dir: str, model_path: Optional[str] = None) -> s
 
 # ---- metrics output --------------------------------------------------------------------------
 def plot_curves(history: list[dict], path: str) -> None:
-    """reward, train-rollout KL, response length and the step time split, one panel each."""
+    """reward, train-rollout mismatch, policy entropy, response length, the step time split and
+    the gradient norm, one panel each."""
     try:
         import matplotlib
 
@@ -318,11 +447,15 @@ def plot_curves(history: list[dict], path: str) -> None:
     if not history:
         return
     steps = [h["step"] for h in history]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+
+    def series(key: str) -> list[float]:
+        return [h.get(key, math.nan) for h in history]
+
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     ax = axes[0, 0]
-    ax.plot(steps, [h.get("reward_mean", math.nan) for h in history], marker=".", label="reward mean")
+    r = series("reward_mean")
+    ax.plot(steps, r, marker=".", label="reward mean")
     if len(history) >= 5:
-        r = [h.get("reward_mean", math.nan) for h in history]
         ax.plot(steps[4:], [sum(r[i - 4:i + 1]) / 5 for i in range(4, len(r))], label="5-step avg")
     ax.set_title("reward")
     ax.legend()
@@ -334,17 +467,26 @@ def plot_curves(history: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_title("train vs rollout mismatch")
     ax.legend()
+    ax = axes[0, 2]
+    ax.plot(steps, series("entropy"), marker=".")
+    ax.set_title("policy entropy (nats / token)")
     ax = axes[1, 0]
-    ax.plot(steps, [h.get("response_len_mean", math.nan) for h in history], marker=".")
+    ax.plot(steps, series("response_len_mean"), marker=".")
     ax.set_title("response length (tokens)")
     ax = axes[1, 1]
     bottom = [0.0] * len(steps)
-    for key, label in (("time_rollout_s", "rollout"), ("time_train_s", "train"), ("time_sync_s", "sync")):
+    for key, label in (("time_rollout_s", "rollout"), ("time_release_s", "release"), ("time_train_s", "train"),
+                       ("time_resume_s", "resume"), ("time_sync_s", "sync")):
+        if not any(key in h for h in history):
+            continue
         vals = [h.get(key, 0.0) for h in history]
         ax.bar(steps, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_title("step time (s)")
     ax.legend()
+    ax = axes[1, 2]
+    ax.plot(steps, series("grad_norm"), marker=".")
+    ax.set_title("grad norm (before clipping)")
     for a in axes.flat:
         a.set_xlabel("step")
     fig.tight_layout()
@@ -353,16 +495,20 @@ def plot_curves(history: list[dict], path: str) -> None:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def build(cfg: RLConfig) -> tuple[Any, Any, Optional[str], bool]:
-    """The trainer (LoRA applied when asked) and the rollout backend: a colocated engine, or the
-    `kiln serve` instances of `cfg.rollout_urls` (kiln.rl.rollout)."""
+def build(cfg: RLConfig, dp: Any = None) -> tuple[Any, Any, Optional[str], bool]:
+    """The trainer (LoRA applied when asked; not yet sharded) and the rollout backend: a colocated
+    engine, or the `kiln serve` instances of `cfg.rollout_urls` (kiln.rl.rollout). Under FSDP only
+    rank 0 has a rollout backend (None elsewhere)."""
     from kiln.rl.rollout import ColocatedRollout, RemoteRollout
     from kiln.rl.trainer import PolicyTrainer
 
-    trainer = _make_trainer(PolicyTrainer, cfg)
+    trainer = _make_trainer(PolicyTrainer, cfg, dp)
     moe = _moe_model_dir(cfg.model_path)
-    if cfg.rollout_urls:
-        engine: Any = RemoteRollout(cfg.rollout_urls, cfg.model_path)
+    engine: Any = None
+    if dp is not None and not dp.is_main:
+        pass
+    elif cfg.rollout_urls:
+        engine = RemoteRollout(cfg.rollout_urls, cfg.model_path)
     else:
         from kiln.offline import Engine
 
@@ -378,60 +524,100 @@ def build(cfg: RLConfig) -> tuple[Any, Any, Optional[str], bool]:
     return trainer, engine, lora, moe and cfg.routing_replay
 
 
-def _make_trainer(cls: Any, cfg: RLConfig) -> Any:
-    trainer = cls(cfg.model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip)
+def trainer_device(cfg: RLConfig, dp: Any = None) -> str:
+    """Where the trainer runs: the FSDP rank's device, else `cfg.trainer_device` ('auto': cuda
+    when available, else cpu)."""
+    if dp is not None:
+        return str(dp.device)
+    if cfg.trainer_device != "auto":
+        return cfg.trainer_device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _make_trainer(cls: Any, cfg: RLConfig, dp: Any = None) -> Any:
+    trainer = cls(cfg.model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
+                  device=trainer_device(cfg, dp))
     if cfg.lora_rank > 0:
         trainer.enable_lora(cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
     return trainer
 
 
+def _release_engine_memory(cfg: RLConfig, engine: Any) -> bool:
+    """Whether the loop frees the rollout engine's memory while the trainer runs: `cfg`'s choice,
+    or by default only for a colocated engine on CUDA (on CPU there is no device memory to share)."""
+    if engine is None:
+        return False
+    if cfg.release_engine_memory is not None:
+        return bool(cfg.release_engine_memory)
+    return not cfg.rollout_urls and getattr(engine, "device_type", "cpu") == "cuda"
+
+
 def run_grpo(cfg: RLConfig) -> list[dict]:
-    """Run GRPO for `cfg.num_steps` steps; returns the metrics of the steps run in this call."""
+    """Run GRPO for `cfg.num_steps` steps; returns the metrics of the steps run in this call.
+
+    Under torchrun (WORLD_SIZE > 1) every process calls this: the trainer is FSDP2-sharded over
+    the ranks and rank 0 owns the rollouts (kiln.rl.fsdp); every rank returns the same metrics."""
     from kiln.rl.data import PromptIterator
+    from kiln.rl.fsdp import DataParallel
     from kiln.rl.loss import LossConfig
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    dp = DataParallel.from_env(None if cfg.trainer_device == "auto" else cfg.trainer_device)
+    main = dp is None or dp.is_main
+    if main:
+        os.makedirs(cfg.out_dir, exist_ok=True)
     _seed_all(cfg.seed)
     loss_cfg = LossConfig(**cfg.loss)
     reward_fn = _reward_fn(cfg)
     iterator = PromptIterator(_load_prompts(cfg), cfg.prompts_per_step, seed=cfg.seed)
-    trainer, engine, lora, routed = build(cfg)
-    metrics_path = os.path.join(cfg.out_dir, METRICS_FILE)
-    start = 0
-    history: list[dict] = []
+    trainer = engine = None
     try:
+        trainer, engine, lora, routed = build(cfg, dp)
+        release = _release_engine_memory(cfg, engine)
+        metrics_path = os.path.join(cfg.out_dir, METRICS_FILE)
+        start = 0
+        history: list[dict] = []
         resume = cfg.resume
         if resume == "auto":
             found = _ckpt_dirs(cfg.out_dir)
             resume = found[-1][1] if found else None
+        if resume:  # weights before sharding, optimizer state after (it holds the shards)
+            load_checkpoint_weights(resume, trainer, cfg)
+        if dp is not None:
+            trainer.shard()
         if resume:
-            start = load_checkpoint(resume, trainer, iterator, cfg)
+            start = load_checkpoint_state(resume, trainer, iterator, dp)
             logger.info("Resumed from %s at step %d", resume, start)
             if os.path.exists(metrics_path):  # keep the lines of the steps before the checkpoint
                 with open(metrics_path) as fh:
                     history = [h for h in (json.loads(line) for line in fh if line.strip()) if h["step"] < start]
-        with open(metrics_path, "w") as fh:
-            for h in history:
-                fh.write(json.dumps(h) + "\n")
+        if main:
+            with open(metrics_path, "w") as fh:
+                for h in history:
+                    fh.write(json.dumps(h) + "\n")
         # The engine must start from the trainer's weights (remote servers may hold anything).
         if resume or lora is not None or cfg.rollout_urls:
-            sync_weights(trainer, engine, lora)
+            with trainer.gathered():
+                if main:
+                    sync_weights(trainer, engine, lora)
         bar = None
-        if cfg.progress:
+        if cfg.progress and main:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.num_steps, initial=start, desc="GRPO", unit="step")
         ran: list[dict] = []
         for step in range(start, cfg.num_steps):
-            m = grpo_step(cfg, step, engine, trainer, iterator, reward_fn, loss_cfg, routed, lora)
+            m = grpo_step(cfg, step, engine, trainer, iterator, reward_fn, loss_cfg, routed, lora, dp, release)
+            if dp is not None:  # rank 0 has the rollout-side metrics and timings
+                m = dp.broadcast(m)
             history.append(m)
             ran.append(m)
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(m) + "\n")
             done = step + 1
+            if main:
+                with open(metrics_path, "a") as fh:
+                    fh.write(json.dumps(m) + "\n")
             if (cfg.save_every and done % cfg.save_every == 0) or (cfg.save_final and done == cfg.num_steps):
-                save_checkpoint(os.path.join(cfg.out_dir, f"ckpt-{done}"), done, trainer, iterator, cfg)
-            if cfg.plot_every and done % cfg.plot_every == 0:
+                save_checkpoint(os.path.join(cfg.out_dir, f"ckpt-{done}"), done, trainer, iterator, cfg, dp)
+            if main and cfg.plot_every and done % cfg.plot_every == 0:
                 plot_curves(history, os.path.join(cfg.out_dir, CURVES_FILE))
             if bar is not None:
                 bar.update(1)
@@ -439,8 +625,14 @@ def run_grpo(cfg: RLConfig) -> list[dict]:
                                 len=f"{m['response_len_mean']:.1f}")
         if bar is not None:
             bar.close()
-        plot_curves(history, os.path.join(cfg.out_dir, CURVES_FILE))
-        run_grpo.last = (trainer, getattr(engine, "engine", engine))  # type: ignore[attr-defined]  # for export_hf after a run
+        if main:
+            plot_curves(history, os.path.join(cfg.out_dir, CURVES_FILE))
+        if dp is None:  # for export_hf after a run (an FSDP trainer is freed with its process group)
+            run_grpo.last = (trainer, getattr(engine, "engine", engine))  # type: ignore[attr-defined]
         return ran
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
+        if dp is not None:
+            trainer = engine = None  # DataParallel.close: free the sharded model before leaving
+            dp.close(barrier=sys.exc_info()[0] is None)

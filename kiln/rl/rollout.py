@@ -3,6 +3,7 @@
     rollout.generate(prompt_ids_list, params_list, routed) -> [[sample, ...] per prompt]
     rollout.sync_full(trainer) -> bytes sent        rollout.sync_lora(trainer, name) -> bytes sent
     rollout.tokenizer / rollout.apply_chat_template(messages)      rollout.shutdown()
+    rollout.release_memory() -> {"kv_cache_bytes": ...}    rollout.resume_memory()   (colocated training)
 
 A sample is {"prompt_ids", "output_ids", "text", "finish_reason", "rollout_logp", "routed_experts"}
 (routed_experts: [len(prompt) + len(output) - 1, num_moe_layers, k] or None).
@@ -26,6 +27,9 @@ from typing import Any, Optional
 import torch
 
 
+MEMORY_TAGS = ("kv_cache", "weights")  # what release_memory frees (EngineCore.release_memory_occupation)
+
+
 class ColocatedRollout:
     """Rollouts in a colocated `kiln.offline.Engine`."""
 
@@ -42,6 +46,21 @@ class ColocatedRollout:
         return [[{"prompt_ids": list(out.prompt_token_ids), "output_ids": list(o.token_ids), "text": o.text,
                   "finish_reason": o.finish_reason, "rollout_logp": [lp[0] for lp in (o.logprobs or [])],
                   "routed_experts": o.routed_experts} for o in out.outputs] for out in outs]
+
+    @property
+    def device_type(self) -> str:
+        """'cuda' or 'cpu': where the engine's weights and KV cache live."""
+        runner = getattr(getattr(self.engine, "core", None), "runner", None)
+        return getattr(getattr(runner, "device", None), "type", "cpu")
+
+    def release_memory(self) -> dict:
+        """Free the engine's KV cache (the pools; the prefix cache is flushed) and move its weights
+        to CPU (CUDA only), so the trainer can use the memory. Returns the engine's report."""
+        return self.engine.release_memory_occupation(list(MEMORY_TAGS))
+
+    def resume_memory(self) -> None:
+        """Weights back on the device, fresh (zeroed) KV pools of the same size."""
+        self.engine.resume_memory_occupation(list(MEMORY_TAGS))
 
     def sync_full(self, trainer: Any) -> int:
         from kiln.rl.sync import sync_full
@@ -173,6 +192,20 @@ class RemoteRollout:
             return os.path.getsize(os.path.join(d, ADAPTER_WEIGHTS)) * len(self.urls)
         finally:
             shutil.rmtree(d, ignore_errors=True)
+
+    def release_memory(self) -> dict:
+        """/release_memory_occupation on every server (useful only when they share the trainer's
+        GPUs, e.g. placed on the same node by kiln.rl.ray_launcher)."""
+        out: dict = {"kv_cache_bytes": 0}
+        for url in self.urls:
+            data = self._request("POST", url, "/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+            if isinstance(data, dict):
+                out["kv_cache_bytes"] += int(data.get("kv_cache_bytes", 0) or 0)
+        return out
+
+    def resume_memory(self) -> None:
+        for url in self.urls:
+            self._request("POST", url, "/resume_memory_occupation", {"tags": list(MEMORY_TAGS)})
 
     def shutdown(self) -> None:  # the servers belong to whoever started them
         pass

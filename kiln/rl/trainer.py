@@ -11,12 +11,13 @@ the gate weights from the live router (so the router still gets gradients).
     trainer.step(loss_fn(lps, ...))                                # backward, clip, AdamW, zero
     sync_full(trainer, engine)                                     # kiln.rl.sync
 
-Single process, single rank (tp_size 1); FSDP / TP training is future work.
+One process, or FSDP2 data parallelism over several (`shard`, `gathered`; see kiln.rl.fsdp).
+Tensor parallel training is future work.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -31,6 +32,38 @@ def _as_long(x: Any) -> torch.Tensor:
     return x.long() if isinstance(x, torch.Tensor) else torch.as_tensor(x).long()
 
 
+def _with_rows(batch: Any, rows: torch.Tensor) -> Any:
+    """`batch` with `logits_indices` set to `rows` (compute_logits reads only that field)."""
+    batch.logits_indices = rows
+    return batch
+
+
+def chunked_logprobs_entropy(logits_fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
+                             targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024,
+                             entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of `targets` [N], entropy [N]) of softmax(logits / temperature), where
+    `logits_fn(rows[i:j])` gives the fp32 logits [j - i, V] of those rows; `chunk` rows at a time.
+
+    logprobs: log_softmax(z / T)[target], exactly the unchunked formula (rows are independent),
+    under the caller's grad mode. entropy: -sum(p * log p) from the same log-softmax, computed
+    under no_grad unless `entropy_grad`, so each chunk's [chunk, V] temporaries die with the chunk
+    (autograd keeps only the log-softmax outputs the logprob gradient needs)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    picked, ents = [], []
+    for i in range(0, rows.numel(), chunk):
+        logp = torch.log_softmax(logits_fn(rows[i:i + chunk]).float() / temperature, dim=-1)
+        picked.append(logp.gather(1, targets[i:i + chunk, None]).squeeze(1))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            lp = logp if entropy_grad else logp.detach()
+            ents.append(-(lp.exp() * lp).sum(dim=-1))
+        del logp
+    if not picked:
+        empty = torch.zeros(0, dtype=torch.float32, device=targets.device)
+        return empty, empty
+    return torch.cat(picked), torch.cat(ents)
+
+
 class PolicyTrainer:
     """A trainable model + AdamW. `model` is the Kiln model (parameters trainable except the
     model's `frozen_in_training` fragments; buffers never train)."""
@@ -39,10 +72,11 @@ class PolicyTrainer:
                  device: str = "cpu", dtype: torch.dtype = torch.float32, lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, max_grad_norm: float = 1.0, max_positions: Optional[int] = None,
-                 load_format: str = "auto", seed: int = 0):
+                 load_format: str = "auto", seed: int = 0, logits_chunk: int = 1024):
         """`load_format="dummy"` (benchmarks, config-only dirs): no checkpoint read; the weights are
         `kiln.loader.init_dummy_weights(model, seed)`, the engine's dummy init, so a trainer and an
-        engine built with the same seed and dtype start from the same tensors."""
+        engine built with the same seed and dtype start from the same tensors. `logits_chunk`: rows
+        of [rows, vocab] logits computed at a time in the recompute (bounds its peak memory)."""
         source = source or resolve_model(model_path, load_format)
         self.source = source
         self.device = torch.device(device)
@@ -62,6 +96,9 @@ class PolicyTrainer:
             p.requires_grad_(not any(f in f".{name}" for f in frozen))
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.max_grad_norm = max_grad_norm
+        self.logits_chunk = logits_chunk
+        self.sharded = False  # FSDP2 (see shard)
+        self.replicated: list[torch.nn.Parameter] = []  # params FSDP cannot shard (0-dim)
         self._build_optimizer()
 
     # ---- parameters ------------------------------------------------------------------------
@@ -87,6 +124,28 @@ class PolicyTrainer:
     def uses_lora(self) -> bool:
         return hasattr(self.model, "lora_targets")
 
+    def shard(self, mesh: Any = None) -> None:
+        """FSDP2-shard the model over the default process group (`kiln.rl.fsdp.shard_model`: one
+        unit per decoder layer, then the root) and rebuild the optimizer over the shards. Call
+        after `enable_lora` and after loading any checkpoint weights."""
+        from kiln.rl.fsdp import shard_model
+
+        self.replicated = shard_model(self.model, mesh)
+        self.sharded = True
+        self._build_optimizer()
+
+    def gathered(self) -> Any:
+        """Context manager: whole weights inside (`kiln.rl.fsdp.full_weights`; every rank must
+        enter), so `named_weights_for_sync` and the LoRA export see whole tensors. A no-op unless
+        the trainer is sharded."""
+        from contextlib import nullcontext
+
+        if not self.sharded:
+            return nullcontext(self.model)
+        from kiln.rl.fsdp import full_weights
+
+        return full_weights(self.model)
+
     # ---- forward ---------------------------------------------------------------------------
 
     def sequence_logprobs(self, samples: Sequence[dict], temperature: float = 1.0,
@@ -97,6 +156,29 @@ class PolicyTrainer:
         Each sample: `prompt_ids`, `output_ids` and, for MoE replay, `routed_experts` (int32
         [len(prompt) + len(output) - 1, num_moe_layers, k], as the engine returns it). With
         `replay` and routed experts on every sample, MoE layers use the rollout's expert ids."""
+        return self.sequence_logprobs_and_entropy(samples, temperature, replay)[0]
+
+    def sequence_logprobs_and_entropy(self, samples: Sequence[dict], temperature: float = 1.0,
+                                      replay: bool = True, entropy_grad: bool = False
+                                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`sequence_logprobs` plus, per sample, the entropy [len(output_ids)] of the policy's
+        next-token distribution softmax(logits / T) at each output position (fp32).
+
+        Both come from one forward: the logits are computed `logits_chunk` rows at a time and the
+        entropy of each chunk is taken from that chunk's log-softmax before the next chunk, so no
+        [tokens, vocab] tensor beyond what autograd keeps for the logprobs is ever alive. The
+        entropy is detached (a metric) unless `entropy_grad` (an entropy bonus in the loss)."""
+        batch, hidden, targets = self._forward_outputs(samples, replay)
+        t = 1.0 if temperature == 0 else float(temperature)
+        picked, ent = chunked_logprobs_entropy(
+            lambda rows: self.model.compute_logits(hidden, _with_rows(batch, rows)),
+            batch.logits_indices, targets, t, self.logits_chunk, entropy_grad)
+        sizes = [len(s["output_ids"]) for s in samples]
+        return list(picked.split(sizes)), list(ent.split(sizes))
+
+    def _forward_outputs(self, samples: Sequence[dict], replay: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Pack `samples`, run the model; (batch with logits_indices = the output rows, hidden
+        states [T, H], target token ids [N_out])."""
         seqs, lens, out_rows, routed = [], [], [], []
         offset = 0
         for s in samples:
@@ -123,12 +205,9 @@ class PolicyTrainer:
         batch = packed_batch(input_ids, lens, replay_ids)
         # Only the output rows need logits (the prompt rows would be most of a [T, V] tensor).
         batch.logits_indices = torch.cat(out_rows).to(self.device)
-        logits = self.model.compute_logits(self.model(batch), batch)  # [N_out, V] fp32
-        t = 1.0 if temperature == 0 else float(temperature)
-        logp = torch.log_softmax(logits.float() / t, dim=-1)
+        hidden = self.model(batch)
         targets = torch.cat([torch.as_tensor(list(s["output_ids"]), dtype=torch.long) for s in samples])
-        picked = logp.gather(1, targets.to(self.device)[:, None]).squeeze(1)
-        return list(picked.split([len(s["output_ids"]) for s in samples]))
+        return batch, hidden, targets.to(self.device)
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -137,16 +216,32 @@ class PolicyTrainer:
         Returns {"grad_norm", "lr"}."""
         loss.backward()
         params = self.trainable_parameters()
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm) if self.max_grad_norm \
-            else torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        if self.sharded:  # DTensor grad shards (+ replicated scalars): kiln.rl.fsdp's reduction
+            from kiln.rl.fsdp import clip_grad_norm, reduce_replicated_grads
+
+            world = torch.distributed.get_world_size()
+            reduce_replicated_grads([p for p in self.replicated if p.requires_grad], world)
+            norm = clip_grad_norm(params, self.max_grad_norm)
+        elif self.max_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": self.optimizer.param_groups[0]["lr"]}
+        from kiln.rl.fsdp import scalar
+
+        return {"grad_norm": scalar(norm), "lr": self.optimizer.param_groups[0]["lr"]}
 
     # ---- export ----------------------------------------------------------------------------
 
     def named_weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(on-disk name, tensor view) for every weight, as the engine's `load_weights` expects
         (stacked q/k/v, gate/up and experts split back; LoRA adapters excluded: see
-        `kiln.rl.lora.lora_state_dict` for those)."""
+        `kiln.rl.lora.lora_state_dict` for those). A sharded trainer must be inside `gathered()`."""
+        if self.sharded:
+            from kiln.rl.fsdp import is_sharded
+
+            if is_sharded(self.model):
+                raise RuntimeError("named_weights_for_sync on an FSDP-sharded trainer: call it inside "
+                                   "`with trainer.gathered():` (on every rank)")
         return checkpoint_views(self.model)

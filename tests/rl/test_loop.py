@@ -61,7 +61,7 @@ def test_smoke_resume_and_export(tiny_model, tmp_path):
     # Before any update the trainer reproduces the engine's logprobs (same weights, same routing).
     assert first["train_rollout_kl"] <= 1e-6
     assert first["train_rollout_logprob_abs_diff"] < 1e-3
-    for key in ("reward_mean", "loss", "clip_frac", "response_len_mean", "time_rollout_s", "time_train_s",
+    for key in ("reward_mean", "loss", "clip_frac", "entropy", "response_len_mean", "time_rollout_s", "time_train_s",
                 "time_sync_s", "rollout_tok_s"):
         assert key in first, key
     assert any(m.get("grad_norm", 0) > 0 for m in ms), "no step trained"
@@ -71,7 +71,8 @@ def test_smoke_resume_and_export(tiny_model, tmp_path):
     # Resume from ckpt-2: step 2 must come out exactly as in the uninterrupted run.
     resumed = run_grpo(_cfg(tiny_model, out, resume=os.path.join(out, "ckpt-2")))
     assert [m["step"] for m in resumed] == [2]
-    for key in ("reward_mean", "train_rollout_kl", "train_rollout_logprob_abs_diff", "loss", "response_len_mean"):
+    for key in ("reward_mean", "train_rollout_kl", "train_rollout_logprob_abs_diff", "loss", "entropy",
+                "response_len_mean"):
         assert resumed[0][key] == ms[2][key], (key, resumed[0][key], ms[2][key])
     assert [m["step"] for m in _read(os.path.join(out, "metrics.jsonl"))] == [0, 1, 2]
 

@@ -1,0 +1,63 @@
+"""Two GRPO training steps on the fixed tiny batch, in one process or as one rank of an FSDP2
+group (run under torchrun). Used by tests/rl/test_fsdp.py:
+
+    python tests/rl/fsdp_worker.py MODEL_DIR OUT.pt full|lora [DTYPE]                    # one process
+    python -m torch.distributed.run --nproc-per-node 2 tests/rl/fsdp_worker.py ...  # FSDP2, gloo
+
+Writes (rank 0) {"weights": whole weights + adapter after both steps, "metrics": [m1, m2]}.
+Between the steps the optimizer state goes through a file and back (per rank under FSDP), as a
+checkpoint resume does. Step 1 uses token-mean aggregation, step 2 sequence-mean. DTYPE (default
+float32) is the trainer's parameter dtype."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from kiln.rl.fsdp import DataParallel  # noqa: E402
+from kiln.rl.loop import train_on_batch  # noqa: E402
+from kiln.rl.loss import LossConfig  # noqa: E402
+from tests.rl.tiny import fixed_batch, tiny_trainer  # noqa: E402
+
+
+def main(model_dir: str, out: str, mode: str, dtype: str = "float32") -> None:
+    torch.manual_seed(0)
+    dp = DataParallel.from_env("cpu")
+    rank = 0 if dp is None else dp.rank
+    # Adam's eps = 1 makes each update ~proportional to the gradient: with the default eps the first
+    # step is ~lr * sign(grad) and would hide a wrongly scaled gradient.
+    trainer = tiny_trainer(model_dir, dtype=getattr(torch, dtype), lr=0.5, eps=1.0)
+    if mode == "lora":
+        trainer.enable_lora(rank=4, alpha=8, seed=0)
+    if dp is not None:
+        trainer.shard()
+    samples, adv, keep = fixed_batch()
+    m1, up1 = train_on_batch(trainer, samples, adv, keep, LossConfig(), 1.0, False, dp)
+    opt_file = f"{out}.opt{rank}"
+    torch.save(trainer.optimizer.state_dict(), opt_file)
+    trainer._build_optimizer()
+    trainer.optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
+    m2, up2 = train_on_batch(trainer, samples, adv, keep, LossConfig(loss_agg="sequence"), 1.0, False, dp)
+    assert up1 and up2
+    with trainer.gathered():
+        if rank == 0:
+            weights = {n: t.detach().clone() for n, t in trainer.named_weights_for_sync()}
+            if mode == "lora":
+                from kiln.rl.lora import lora_state_dict
+
+                weights.update({k: v.detach().clone() for k, v in lora_state_dict(trainer.model).items()})
+            torch.save({"weights": weights, "metrics": [m1, m2],
+                        "sharded": trainer.sharded, "world": 1 if dp is None else dp.world_size}, out)
+    if dp is not None:
+        # Free the sharded model before leaving the group (kiln.rl.fsdp.DataParallel.close says why).
+        del trainer
+        dp.close()
+    print(f"fsdp_worker rank {rank}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
