@@ -16,8 +16,12 @@ __all__ = ["RLConfig", "run_grpo", "export_hf"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("run_grpo", "export_hf"):
-        from kiln.rl import loop
+    if name == "run_grpo":
+        from kiln.rl.loop import run_grpo
 
-        return getattr(loop, name)
+        return run_grpo
+    if name == "export_hf":
+        from kiln.rl.checkpoint import export_hf
+
+        return export_hf
     raise AttributeError(f"module 'kiln.rl' has no attribute {name!r}")

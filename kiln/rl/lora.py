@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
