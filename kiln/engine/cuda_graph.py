@@ -25,7 +25,7 @@ Kernels that run inside must not synchronise with the host or size their grids f
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -61,8 +61,7 @@ class CudaGraphRunner:
         self.win_locs = {c: z() for c in windows}
         self.arange = torch.arange(n, dtype=torch.int64, device=device)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict]] = {}
-        self.pool = None
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor, dict]] = {}
 
     def _batch(self, bs: int) -> ForwardBatch:
         """A decode batch of `bs` rows whose every tensor is a view of the static buffers."""
@@ -76,29 +75,15 @@ class CudaGraphRunner:
         return b
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first (later captures reuse the first one's pool)."""
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        stream = torch.cuda.Stream(self.device)
+    def capture(self, capturer: Optional["GraphCapturer"] = None) -> None:
+        """Capture every size, largest first (later captures reuse the first one's pool).
+        `capturer` defaults to CUDA graphs; tests pass one that re-runs the forward on replay."""
+        capturer = capturer or CudaGraphCapturer(self.device)
         for bs in reversed(self.sizes):
             batch = self._batch(bs)
-            # Warm up outside the capture: Triton compiles and autotunes on first use, and the
-            # allocator settles its blocks.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.forward(batch)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                logits = self.forward(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = (graph, logits, batch.extras)
-        torch.cuda.synchronize(self.device)
-        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
-        logger.info("captured CUDA graphs for decode batch sizes %s (%.2f GiB)", self.sizes, used)
+            replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
+            self.graphs[bs] = (replay, logits, batch.extras)
+        capturer.done(self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (bool(self.graphs) and batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
@@ -121,9 +106,48 @@ class CudaGraphRunner:
                       *self.win_locs.values()):
                 t[n:bs].zero_()
             self.seq_lens[n:bs].fill_(1)
-        graph, logits, extras = self.graphs[bs]
-        graph.replay()
+        replay, logits, extras = self.graphs[bs]
+        replay()
         routed = extras.get("routed_experts")
         if routed is not None:
             batch.extras["routed_experts"] = {i: ids[:n] for i, ids in routed.items()}
         return logits[:n]
+
+
+class GraphCapturer(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Record `fn` once; return (replay, the output tensor that each replay refreshes)."""
+
+    def done(self, sizes: list[int]) -> None:
+        """Called after the last capture."""
+
+
+class CudaGraphCapturer:
+    """`torch.cuda.CUDAGraph` capture on a side stream, all graphs in one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = None
+        torch.cuda.synchronize(device)
+        self.free_before = torch.cuda.mem_get_info(device)[0]
+
+    def capture(self, fn):
+        # Warm up outside the capture: Triton compiles and autotunes on first use, and the
+        # allocator settles its blocks.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, out
+
+    def done(self, sizes: list[int]) -> None:
+        torch.cuda.synchronize(self.device)
+        used = (self.free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        logger.info("captured CUDA graphs for decode batch sizes %s (%.2f GiB)", sizes, used)
