@@ -38,10 +38,13 @@ def model_dir(tmp_path_factory):
 
 
 def copy_drafter(core, alpha: float) -> None:
-    """Scale every main-layer output projection by alpha (h^0 ~ norm(Emb(t_i)) + O(alpha)) and make
-    each MTP layer the identity on enorm(Emb(t_{i+k})) with the main model's final norm: its
-    draft is then the target's argmax when alpha = 0 (the two logit vectors differ by a positive
-    scale), and mostly so for a small alpha."""
+    """Scale every output projection of the main layers and of the MTP blocks, and the hidden
+    half of each MTP `eh_proj`, by alpha; make the token half the identity (enorm = 1) and each
+    MTP final norm the main model's. Then h^0 = norm(Emb(t_i)) + O(alpha) and layer k's draft is
+    lm_head(norm(Emb(t_{i+k}))) + O(alpha): exactly the target's argmax when alpha = 0 (the two
+    logit vectors differ by a positive scale), mostly so for a small alpha, while every part of
+    the chain (attention masks, cached keys, hidden states carried between layers) still moves
+    the logits far beyond the tests' 1e-4."""
     model = core.runner.model
     with torch.no_grad():
         for name, p in model.model.layers.named_parameters():
@@ -50,10 +53,10 @@ def copy_drafter(core, alpha: float) -> None:
         h = model.config.hidden_size
         for layer in model.mtp:
             layer.enorm.weight.fill_(1.0)
-            layer.eh_proj.weight.zero_()
+            layer.eh_proj.weight[:, h:] *= alpha
             layer.eh_proj.weight[:, :h] = torch.eye(h)
-            layer.block.self_attn.o_proj.weight.zero_()
-            layer.block.mlp.down_proj.weight.zero_()
+            layer.block.self_attn.o_proj.weight.mul_(alpha)
+            layer.block.mlp.down_proj.weight.mul_(alpha)
             layer.final_norm.weight.copy_(model.model.norm.weight)
 
 
@@ -98,13 +101,16 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     for i, ids in enumerate(reqs):
         core.add_request(GenerateReq(rid=f"{tag}{i}", input_ids=ids, params=params))
     out, cached, last = {}, {}, {}
-    while core.has_work():
+    for _ in range(2000):  # a broken rollback can leave a request that is never scheduled again
+        if not core.has_work():
+            break
         for o in core.step():
             assert o.error is None, o.error
             out.setdefault(o.rid, []).extend(o.new_token_ids)
             cached[o.rid] = o.cached_tokens
             last[o.rid] = o
     spec._verify_and_commit, spec.drafter.run = verify, run
+    assert not core.has_work(), "requests still running after 2000 steps"
     core.check_integrity()
     res = {f"{tag}{i}": (ids, out[f"{tag}{i}"], rows[f"{tag}{i}"], cached[f"{tag}{i}"]) for i, ids in enumerate(reqs)}
     return res, drafts, last
@@ -267,3 +273,47 @@ def test_bad_flags_have_clear_errors(tmp_path, model_dir):
         make_core(str(tmp_path), speculative_algorithm="mtp")
     with pytest.raises(ValueError, match=r"--speculative-num-steps must be in \[1, 4\]"):
         make_core(model_dir, speculative_algorithm="mtp", speculative_num_steps=5)
+
+
+def test_finished_requests_cache_only_complete_mtp_state(model_dir):
+    # A request that finishes on a verify has committed tokens whose MTP state was never caught
+    # up (no pass runs for it); its pages past the MTP frontier must stay out of the prefix
+    # cache, or a prompt extending it would read stale MTP entries and hidden states.
+    ps_ = 4
+    core = spec_core(model_dir, 4, alpha=0.01, page_size=ps_)
+    ends = []
+    end = core.scheduler._end
+
+    def watch(r, reason):
+        ends.append((r.num_computed, r.cache_limit))
+        end(r, reason)
+
+    core.scheduler._end = watch
+    ps = prompts(8, seed=19, lo=20, hi=50)
+    first, _, _ = run_spec(core, ps, max_tokens=13, tag="a")
+    assert any(limit // ps_ < done // ps_ for done, limit in ends), "no request finished ahead of its MTP state"
+    follow = [p + first[f"a{i}"][1] + [5, 6] for i, p in enumerate(ps)]
+    second, drafts, _ = run_spec(core, follow, max_tokens=6, tag="b")
+    assert all(r[3] > 0 for r in second.values())
+    assert_reference(core, second)
+    assert assert_mtp_reference(core, second, drafts) > 0
+
+
+def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
+    from kiln.offline import Engine
+    from kiln.server.app import EngineMetrics
+
+    with Engine(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, max_total_tokens=1024,
+                speculative_algorithm="mtp", speculative_num_steps=2) as llm:
+        (res,) = llm.generate([list(range(20, 45))], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)
+        stats = llm.stats()
+    spec = res.outputs[0].spec
+    assert spec.verify_steps >= 1 and len(spec.proposed) == 2 and spec.accept_length >= 1.0
+    assert set(spec.to_dict()) == {"spec_verify_ct", "spec_accepted_tokens", "spec_accept_length",
+                                   "spec_accept_rate_per_position"}
+    assert stats.spec.verify_steps == spec.verify_steps
+    metrics = EngineMetrics()
+    metrics.update(stats)
+    names = {m.name for m in metrics.collect()}
+    assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps"} <= names
