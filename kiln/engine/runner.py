@@ -134,7 +134,9 @@ class ModelRunner:
         the main space (SGLang's default split)."""
         cfg, ps = self.config, self.page_size
         chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
-        floor = {c: chunk + cfg.max_running_requests * (h + 2 * ps) for c, h in self.window_history.items()}
+        # + the positions a speculative round verifies or drafts beyond a request's committed tokens
+        floor = {c: chunk + cfg.max_running_requests * (h + 2 * ps + self.spec_steps)
+                 for c, h in self.window_history.items()}
         ratio = {c: (cfg.swa_full_tokens_ratio if c == "swa" else 0.0) for c in self.window_history}
         if cfg.max_total_tokens:
             main = cfg.max_total_tokens
