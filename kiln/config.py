@@ -87,6 +87,12 @@ class EngineConfig:
         False, "CUDA: read each step's tokens back only after the next step is queued (overlap "
         "scheduling); this flag runs the steps one after the other.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
+    # Speculative decoding (docs/speculative.md)
+    speculative_algorithm: Optional[str] = opt(
+        None, "Draft tokens and verify them in one target forward per decode round: 'mtp' drafts with "
+        "the checkpoint's MTP layers (Inkling). Turns overlap scheduling and CUDA graphs off.", ["mtp"])
+    speculative_num_steps: Optional[int] = opt(
+        None, "Draft length K per round (mtp: at most the checkpoint's MTP layers; default: all of them).")
     # Server
     host: str = opt("127.0.0.1", "HTTP host.")
     port: int = opt(30000, "HTTP port.")

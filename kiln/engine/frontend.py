@@ -85,10 +85,13 @@ class SequenceState:
     matched_stop: Union[str, int, None] = None
     needs_abort: bool = False  # stopped on a stop string while the scheduler still runs it
     routed_experts: Any = None
+    spec: Any = None  # SpecCounts: speculative decoding's acceptance for this sequence
 
     def update(self, out: ReqOutput) -> Optional[SeqDelta]:
         if self.finished:
             return None  # tokens generated after a stop string are dropped
+        if getattr(out, "spec", None) is not None:
+            self.spec = out.spec
         new_ids, new_lps = list(out.new_token_ids), list(out.new_logprobs)
         if getattr(out, "routed_experts", None) is not None:
             self.routed_experts = out.routed_experts
@@ -163,7 +166,8 @@ class RequestState:
     def to_output(self) -> RequestOutput:
         want_lp = self.params.logprobs is not None
         outs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason,
-                                 list(s.logprobs) if want_lp else None, s.matched_stop, s.routed_experts)
+                                 list(s.logprobs) if want_lp else None, s.matched_stop, s.routed_experts,
+                                 s.spec)
                 for s in self.seqs]
         return RequestOutput(self.rid, self.prompt, list(self.prompt_ids), outs, self.prompt_logprobs,
                              self.cached_tokens, self.cached_tokens_details)

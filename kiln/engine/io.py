@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kiln.engine.request import SamplingParams
+from kiln.engine.spec.metrics import SpecCounts
 
 # One logprob entry: (logprob of the token, [(token_id, logprob), ...] top alternatives).
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -125,6 +126,8 @@ class ReqOutput:
     # Sent once, when finished and asked for: int32 [prompt + output - 1, num_moe_layers, top_k],
     # the expert ids of every forwarded token (the last sampled token is never forwarded).
     routed_experts: Optional[Any] = None
+    # Speculative decoding: this request's acceptance so far (None without speculation).
+    spec: Optional[SpecCounts] = None
 
 
 @dataclass
@@ -150,6 +153,7 @@ class SchedulerStats:
     cached_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_retractions_total: int = 0
+    spec: Optional[SpecCounts] = None  # speculative decoding's acceptance counters (None: off)
     # Cached prompt tokens by the tier that served them (device only without HiCache)
     cached_tokens_device_total: int = 0
     cached_tokens_host_total: int = 0

@@ -23,6 +23,8 @@ class CompletionOutput:
     logprobs: Optional[list[TokenLogprob]] = None
     matched_stop: Union[str, int, None] = None
     routed_experts: Any = None
+    # Speculative decoding: `SpecCounts` (verify steps, per-position proposed/accepted), or None.
+    spec: Any = None
 
 
 @dataclass

@@ -11,6 +11,11 @@ The math is the reference ops in `kiln.ops`; only the addressing lives here. Wit
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
 batch's lengths from device tensors (`ForwardBatch.attach_device_metadata`) so that a decode step
 has no host synchronisation and can be replayed from a CUDA graph.
+
+Speculative decoding's MTP layers (MODELS.md 2.4) attend with a `key_gap` (query i sees key j iff
+j == i or i - j >= gap) and keep their cache at `position + cache_offset`; their batches carry
+explicit query positions (`batch.extras["positions_cpu"]`: catch-up rows and a draft row further
+ahead). Those always run the reference op, also on CUDA (the Triton kernels know neither).
 """
 
 from __future__ import annotations
@@ -63,7 +68,6 @@ class PagedBackend:
 
     # ---- attention -----------------------------------------------------------------------
     def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
-        assert getattr(layer, "key_gap", 0) <= 1, "MTP attention masks are served with speculative decoding"
         swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)
@@ -72,6 +76,13 @@ class PagedBackend:
         v_cache[loc] = v.to(v_cache.dtype)
         table = self.tables[space]
         win = layer.sliding_window
+        gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
+        positions = batch.extras.get("positions_cpu")
+        if gap > 1 or offset or positions is not None:
+            slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
+            return attn_ops.paged_attention(q, k_cache, v_cache, table, slots, batch.prefix_lens, batch.extend_lens,
+                                            layer.scale, win, rel, key_gap=gap, positions=positions,
+                                            key_offset=offset)
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,

@@ -139,6 +139,11 @@ class Req:
     # logical page index, or None once it fell out of the window (or was never held).
     win_pages: dict = field(default_factory=dict)
     win_trimmed: dict = field(default_factory=dict)  # per component: pages before this are None
+    # Tokens whose state is complete in every component, when some component lags the computed
+    # prefix (speculative decoding's MTP caches); the prefix cache takes pages only up to here.
+    # None: num_computed.
+    cache_limit: Optional[int] = None
+    spec: object = None  # speculative decoding state (kiln.engine.spec.mtp_drafter.MTPState)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cached_tiers: dict = field(default_factory=dict)  # those tokens by tier: device / host / disk
     match_tiers: dict = field(default_factory=dict)  # the latest prefix match, by tier (CacheManager)

@@ -39,7 +39,13 @@ class ModelRunner:
         self.use_kernels = self._want_kernels()
         # Kernels read per-sequence lengths from the device, not from host lists.
         self.needs_device_metadata = self.use_kernels
-        self.specs = self.model.state_specs()
+        # Speculative decoding with MTP: the first `spec_steps` MTP layers get state of their own.
+        self.spec_steps = 0
+        if config.speculative_algorithm == "mtp":
+            from kiln.engine.spec.mtp_drafter import resolve_mtp_steps
+
+            self.spec_steps = resolve_mtp_steps(config, self.model)
+        self.specs = self.model.state_specs(num_mtp=self.spec_steps) if self.spec_steps else self.model.state_specs()
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
         self._build_pools()
@@ -70,7 +76,9 @@ class ModelRunner:
     def _want_graphs(self) -> bool:
         # Graph replay needs kernels that take lengths as device tensors (the reference ops read
         # host lists).
-        return self.device.type == "cuda" and self.use_kernels and not self.config.disable_cuda_graph
+        # Speculative rounds are extends (not captured) and need the hidden states (not kept).
+        return (self.device.type == "cuda" and self.use_kernels and not self.config.disable_cuda_graph
+                and self.config.speculative_algorithm is None)
 
     def _graph_reserve_bytes(self) -> int:
         """GPU memory kept out of the KV pools for the decode graphs' activations: the largest
@@ -126,7 +134,9 @@ class ModelRunner:
         the main space (SGLang's default split)."""
         cfg, ps = self.config, self.page_size
         chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
-        floor = {c: chunk + cfg.max_running_requests * (h + 2 * ps) for c, h in self.window_history.items()}
+        # + the positions a speculative round verifies or drafts beyond a request's committed tokens
+        floor = {c: chunk + cfg.max_running_requests * (h + 2 * ps + self.spec_steps)
+                 for c, h in self.window_history.items()}
         ratio = {c: (cfg.swa_full_tokens_ratio if c == "swa" else 0.0) for c in self.window_history}
         if cfg.max_total_tokens:
             main = cfg.max_total_tokens
@@ -171,7 +181,9 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         batch.backend = self.backend
-        return self.model.compute_logits(self.model(batch), batch)
+        hidden = self.model(batch)
+        batch.extras["hidden"] = hidden  # final hidden states [T, H] (speculative decoding's drafter reads them)
+        return self.model.compute_logits(hidden, batch)
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> set[str]:

@@ -7,6 +7,10 @@ One step = one forward over a mixed batch:
   2. running requests still in chunked prefill, then new requests admitted in policy order,
      each taking a prompt chunk under the step's token budget and the running-request cap.
 Sampling, finish checks, prefix caching of finished requests and incremental outputs follow.
+
+With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
+token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
+forward; overlap scheduling is off then.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampler import SampleOutput, SamplingBatch, compute_logprobs, make_generator
+from kiln.engine.spec.speculative import make_spec_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +66,12 @@ class Scheduler:
         # (SGLang's new_token_ratio): it jumps to 1 after a retraction and decays back, so memory
         # pressure makes admission conservative instead of thrashing between admit and retract.
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
-        # Overlap scheduling (CUDA): the sampled step whose tokens are still on the device.
-        self.overlap = runner.device.type == "cuda" and not config.disable_overlap_schedule
+        # Speculative decoding: drafts, verification and rollback (None: off).
+        self.spec = make_spec_decoder(self)
+        # Overlap scheduling (CUDA): the sampled step whose tokens are still on the device. Off with
+        # speculation: the next round's inputs are the drafts of this one, known only on the host.
+        self.overlap = (runner.device.type == "cuda" and not config.disable_overlap_schedule
+                        and self.spec is None)
         self.pending: Optional[_Sampled] = None
 
     INIT_NEW_TOKEN_RATIO = 0.5
@@ -134,6 +143,10 @@ class Scheduler:
         if launched is not None:
             logits, sample_reqs, sample_rows, prompt_lp = launched
             self._record_prompt_logprobs(logits, prompt_lp)
+            if self.spec is not None:
+                batch, row_starts = self._last_forward
+                self.spec.after_forward(plan, logits, sample_reqs, sample_rows, batch.extras["hidden"], row_starts)
+                sample_reqs = []
             alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
             if alive:
                 rows = [i for _, i in alive]
@@ -156,11 +169,14 @@ class Scheduler:
         i = 0
         while i < len(decodes):
             r = decodes[i]
-            if self.cache.grow(r, r.seq_len):
-                plan.append((r, r.num_computed, r.seq_len))
-                budget -= 1
+            end = r.seq_len + (self.spec.num_drafts(r) if self.spec else 0)  # + drafts to verify
+            if self.cache.grow(r, end):
+                plan.append((r, r.num_computed, end))
+                budget -= end - r.num_computed
                 i += 1
                 continue
+            if self.spec is not None and self.spec.drop_drafts(r):
+                continue  # verify nothing this round rather than retract someone
             victim = self._pick_victim(exclude=[p[0] for p in plan] + [r])
             if victim is None:
                 if not plan:  # alone and still out of pages: nothing can ever free memory for it
@@ -210,6 +226,8 @@ class Scheduler:
                 self.stats_counters.cached_tokens_total += r.num_computed
                 self.stats_counters.add_tier_hits(r.cached_tiers)
             r.status = ReqStatus.RUNNING
+            if self.spec is not None:
+                self.spec.on_admit(r)
             self.running.append(r)
             plan.append((r, r.num_computed, r.num_computed + n))
             budget -= n
@@ -227,6 +245,8 @@ class Scheduler:
             left_prefill = r.remaining_prefill() - 1
             left_out = r.params.max_tokens - len(r.output_ids)
             tokens += max(left_prefill, 0) + left_out * self.new_token_ratio
+            if self.spec is not None:  # the positions a round verifies before rolling back
+                tokens += self.spec.num_steps
         return cdiv(int(tokens), self.page_size) + len(self.running)
 
     def _chunk(self, r: Req, budget: int, batch_nonempty: bool) -> int:
@@ -293,10 +313,15 @@ class Scheduler:
         sample_reqs, sample_rows, prompt_lp = [], [], []
         pending_at, pending_src = [], []  # rows whose input token is still on the device
         row = 0
+        row_starts = []
         for r, start, end in plan:
             all_ids = r.all_ids
-            ids.extend(all_ids[start:end])
-            if all_ids[end - 1] == PENDING:
+            row_starts.append(row)
+            if end <= len(all_ids):
+                ids.extend(all_ids[start:end])
+            else:  # a speculative round: the last token, then the drafts to verify
+                ids.extend(all_ids[start:] + self.spec.drafts(r)[:end - len(all_ids)])
+            if end <= len(all_ids) and all_ids[end - 1] == PENDING:
                 pending_at.append(row + end - 1 - start)
                 pending_src.append(self.pending.rows[r.rid])
             pos.extend(range(start, end))
@@ -312,10 +337,10 @@ class Scheduler:
                 if hi > lo:
                     prompt_lp.append((r, lo, len(logit_rows)))
                     logit_rows.extend(range(row + lo - start, row + hi - start))
-            if end == r.seq_len:
+            if end >= r.seq_len:  # samples: the last token's row (and every draft's row)
                 sample_reqs.append(r)
                 sample_rows.append(len(logit_rows))
-                logit_rows.append(row + end - 1 - start)
+                logit_rows.extend(range(row + r.seq_len - 1 - start, row + end - start))
             row += end - start
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
         slots = [r.slot for r, _, _ in plan]
@@ -334,6 +359,11 @@ class Scheduler:
         if self.runner.needs_device_metadata:
             batch.attach_device_metadata(dev)
         logits = self.runner.forward(batch)
+        if self.spec is not None:  # the SpecDecoder commits, caches and trims after verifying
+            self._last_forward = (batch, row_starts)
+            for r, start, end in plan:
+                r.num_computed = min(end, r.seq_len)  # the drafts' positions are not committed yet
+            return logits, sample_reqs, sample_rows, prompt_lp
         for r, start, end in plan:
             r.num_computed = end
             if end - start > 1:
@@ -383,19 +413,34 @@ class Scheduler:
                 continue
             assert r.output_ids[-1] == PENDING, f"{r.rid}: no placeholder for the sampled token"
             r.output_ids[-1] = t
-            self.stats_counters.generation_tokens_total += 1
-            if r.params.logprobs is not None and lps is not None:
-                k = r.params.logprobs
-                r.output_logprobs.append((lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []))
-            reason = self._check_finish(r, t)
+            reason = self._accept_token(r, t, self._logprob_entry(r, i, lps, top_ids, top_lps))
             if reason is not None:
-                if r.return_routed_experts and r.slot != -1:
-                    r.routed_experts = self.runner.routing.gather(self.cache.req_to_token.table[r.slot],
-                                                                  r.seq_len - 1)
-                (self.running if r.status == ReqStatus.RUNNING else self.waiting).remove(r)
-                self._finish(r, reason)
-                self.cache.release(r)
+                self._end(r, reason)
             self.outbox.append(self._output(r, 1))
+
+    @staticmethod
+    def _logprob_entry(r: Req, i: int, lps, top_ids, top_lps):
+        """Row i's (logprob, top list) when the request asked for logprobs, else None."""
+        if r.params.logprobs is None or lps is None:
+            return None
+        k = r.params.logprobs
+        return lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []
+
+    def _accept_token(self, r: Req, t: int, logprob) -> Optional[FinishReason]:
+        """Count a token just placed at the end of the request's output; returns why the request
+        stops there, if it does."""
+        self.stats_counters.generation_tokens_total += 1
+        if logprob is not None:
+            r.output_logprobs.append(logprob)
+        return self._check_finish(r, t)
+
+    def _end(self, r: Req, reason: FinishReason) -> None:
+        """Finish a request that stopped: routed experts read back, pages released."""
+        if r.return_routed_experts and r.slot != -1:
+            r.routed_experts = self.runner.routing.gather(self.cache.req_to_token.table[r.slot], r.seq_len - 1)
+        (self.running if r.status == ReqStatus.RUNNING else self.waiting).remove(r)
+        self._finish(r, reason)
+        self.cache.release(r)
 
     def _check_finish(self, r: Req, t: int) -> Optional[FinishReason]:
         p = r.params
@@ -423,8 +468,10 @@ class Scheduler:
             out.new_logprobs = r.output_logprobs[-num_new:]
         if r.finished:
             out.routed_experts = r.routed_experts
-        if r.prompt_logprobs is not None and len(r.output_ids) == 1 and num_new:
+        if r.prompt_logprobs is not None and len(r.output_ids) == num_new and num_new:
             out.prompt_logprobs = r.prompt_logprobs
+        if r.spec is not None:
+            out.spec = r.spec.counts.copy()
         return out
 
     # ---- maintenance -----------------------------------------------------------------------
@@ -445,4 +492,6 @@ class Scheduler:
         s.kv_total_tokens = self.cache.allocator.capacity * self.page_size
         if self.cache.hicache is not None:
             s.set_hicache(self.cache.hicache.snapshot(), self.page_size)
-        return SchedulerStats(**vars(s))
+        snap = SchedulerStats(**vars(s))
+        snap.spec = s.spec.copy() if s.spec is not None else None
+        return snap

@@ -28,11 +28,13 @@ from kiln.ops import shortconv as conv_ops
 class Attention(nn.Module):
     """Softmax attention over (q, k, v) heads; `layer_id` indexes the KV pool. `rel_extent` (R)
     documents the width of the relative-logit bias the layer is called with (None: no bias).
-    `key_gap` g > 1 also hides keys at distances 1..g-1 (Inkling's MTP layer k: g = k - 1)."""
+    `key_gap` g > 1 also hides keys at distances 1..g-1 (Inkling's MTP layer k: g = k - 1).
+    `cache_offset`: the engine stores this layer's entry for position p at p + cache_offset
+    (MTP layer k: k, see `kiln.ops.attention`); the packed backend has no cache and ignores it."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                 rel_extent: Optional[int] = None, key_gap: int = 0):
+                 rel_extent: Optional[int] = None, key_gap: int = 0, cache_offset: int = 0):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -42,6 +44,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.rel_extent = rel_extent
         self.key_gap = key_gap
+        self.cache_offset = cache_offset
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rel: Optional[torch.Tensor] = None) -> torch.Tensor:

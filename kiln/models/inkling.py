@@ -151,8 +151,9 @@ class InklingMTPLayer(nn.Module):
     """MTP layer k (MODELS.md 2.4): u = [enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)] @ eh_proj^T, then a
     sliding-window decoder block without ShortConv, then final_norm and the shared LM head.
     Query i sees key j iff j == i or j <= i + 1 - k (and the window): the attention's key_gap.
-    Loaded with the checkpoint; not run by `InklingForCausalLM.forward` (serving it comes later);
-    `forward_mtp_reference` runs the chain on packed training sequences."""
+    The engine keeps entry i at position i + k (`cache_offset`), the last token it depends on.
+    Not run by `InklingForCausalLM.forward`: `kiln.engine.spec.mtp_drafter` runs the chain when
+    serving with speculative decoding, `forward_mtp_reference` on packed training sequences."""
 
     def __init__(self, cfg: InklingConfig, k: int, pc: ParallelContext):
         super().__init__()
@@ -165,6 +166,7 @@ class InklingMTPLayer(nn.Module):
         self.block = InklingDecoderLayer(cfg, cfg.num_hidden_layers + k - 1, sliding=True, moe_index=None,
                                          use_conv=False, pc=pc)
         self.block.self_attn.attn.key_gap = k - 1
+        self.block.self_attn.attn.cache_offset = k
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, tok_emb: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -216,14 +218,24 @@ class InklingForCausalLM(nn.Module):
     def num_conv_sites(self) -> int:
         return 4 * self.config.num_hidden_layers
 
-    def state_specs(self) -> list[StateSpec]:
+    def state_specs(self, num_mtp: int = 0) -> list[StateSpec]:
         """FULL_KV for full layers, SWA_KV (window W) for sliding layers, and CONV (window K-1) per
-        distinct channel size, keyed by conv_id: Hkv*D for k/v convs, H for o/out convs."""
+        distinct channel size, keyed by conv_id: Hkv*D for k/v convs, H for o/out convs.
+
+        With `num_mtp` = n > 0 (speculative decoding with the first n MTP layers), the MTP blocks'
+        attention joins SWA_KV (layer ids L .. L+n-1, entries stored at position + k), and CONV
+        gets n more sites of H channels, window 1, ids `mtp_hidden_site(k)` for k = 0..n-1: the
+        hidden state h^k each position feeds MTP layer k+1 at the next position (h^0 = the main
+        model's final hidden state). Both are per-token state in window spaces, so rollback,
+        retraction and the prefix cache handle them like every other component."""
         cfg = self.config
+        if num_mtp > cfg.num_mtp_layers:
+            raise ValueError(f"{num_mtp} MTP layers asked for; the checkpoint has {cfg.num_mtp_layers}")
         a = self.model.layers[0].self_attn.attn
         kv = (a.num_kv_heads, a.head_dim)
         full = [l for l in range(cfg.num_hidden_layers) if not cfg.is_sliding(l)]
         swa = [l for l in range(cfg.num_hidden_layers) if cfg.is_sliding(l)]
+        swa += [self.mtp[k].block.self_attn.attn.layer_id for k in range(num_mtp)]
         specs = []
         if full:
             specs.append(StateSpec(ComponentKind.FULL_KV, full, kv))
@@ -237,7 +249,14 @@ class InklingForCausalLM(nn.Module):
         for c, ids in by_channels.items():
             specs.append(StateSpec(ComponentKind.CONV, sorted(ids), (c,),
                                    window=cfg.shortconv_kernel_size - 1))
+        if num_mtp:
+            specs.append(StateSpec(ComponentKind.CONV, [self.mtp_hidden_site(k) for k in range(num_mtp)],
+                                   (cfg.hidden_size,), window=1))
         return specs
+
+    def mtp_hidden_site(self, k: int) -> int:
+        """CONV site id holding h^k per position (k = 0: the main model's final hidden state)."""
+        return self.num_conv_sites + k
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

@@ -6,6 +6,11 @@ query-conditioned relative-logit bias (Inkling, MODELS.md 2.2): `rel [n, Hq, R]`
 query row and head, R relative logits, and `rel[i, h, pos_i - pos_j]` is added to the logit
 (after q.k * scale) when 0 <= pos_i - pos_j < R. Farther keys get no bias. `key_gap` g (MTP
 layer k of MODELS.md 2.4 uses g = k - 1) also hides keys with 0 < pos_i - pos_j < g.
+
+Paged ops read a sequence's keys through `req_to_token[slot, pos + key_offset]`: positions are the
+math (masks, window, relative bias), `key_offset` only says where they are stored. The engine
+stores MTP layer k's entry for index j at position j + k, the last token it depends on, so that a
+page of the prefix cache holds only entries that are functions of the tokens it covers.
 """
 
 from __future__ import annotations
@@ -56,23 +61,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     req_to_token: torch.Tensor, req_slots: Sequence[int], prefix_lens: Sequence[int],
                     extend_lens: Sequence[int], scale: float,
                     sliding_window: Optional[int] = None,
-                    rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    rel: Optional[torch.Tensor] = None, key_gap: int = 0,
+                    positions: Optional[Sequence[int]] = None, key_offset: int = 0) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached + new K/V.
 
     q: [T, Hq, D] (sequences concatenated); k_cache/v_cache: [num_slots, Hkv, D] already holding
     this forward's K/V; req_to_token[slot, pos] = token slot of position pos; rel: [T, Hq, R].
+    By default sequence b's queries sit at positions prefix_b .. prefix_b + extend_b - 1;
+    `positions` ([T] host ints, ascending per sequence, `prefix_lens` then unused) places them
+    anywhere, e.g. the MTP chain's catch-up rows followed by a draft row further ahead. Keys are
+    every position up to the sequence's last query, read at `pos + key_offset`, masked per query
+    (causal, window, key_gap).
     """
     out = torch.empty_like(q)
     start = 0
-    for slot, prefix, n in zip(req_slots, prefix_lens, extend_lens):
-        total = prefix + n
-        lo = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
-        slots = req_to_token[slot, lo:total].long()
-        q_pos = torch.arange(prefix, total, device=q.device)
-        k_pos = torch.arange(lo, total, device=q.device)
+    for i, (slot, n) in enumerate(zip(req_slots, extend_lens)):
+        if positions is None:
+            first, last = prefix_lens[i], prefix_lens[i] + n - 1
+            q_pos = torch.arange(first, last + 1, device=q.device)
+        else:
+            rows = list(positions[start:start + n])
+            first, last = rows[0], rows[-1]
+            q_pos = torch.tensor(rows, device=q.device)
+        lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+        slots = req_to_token[slot, lo + key_offset:last + 1 + key_offset].long()
+        k_pos = torch.arange(lo, last + 1, device=q.device)
         out[start:start + n] = _attend(q[start:start + n], k_cache[slots], v_cache[slots],
                                        q_pos, k_pos, scale, sliding_window,
-                                       None if rel is None else rel[start:start + n])
+                                       None if rel is None else rel[start:start + n], key_gap)
         start += n
     return out
 

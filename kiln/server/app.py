@@ -260,8 +260,18 @@ class EngineMetrics:
             ("kiln_hicache_host_total_tokens", "HiCache host pool size in tokens (0: HiCache off).",
              s.hicache_host_total_tokens),
         ]
+        if s.spec is not None:
+            gauges.append(("kiln_spec_accept_length",
+                           "Speculative decoding: mean tokens produced per verify step (accepted drafts + 1).",
+                           s.spec.accept_length))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.spec is not None:
+            rate = GaugeMetricFamily("kiln_spec_accept_rate", "Speculative decoding: fraction of proposed "
+                                     "drafts accepted, per draft position.", labels=["position"])
+            for i, v in enumerate(s.spec.accept_rate_per_position):
+                rate.add_metric([str(i + 1)], v)
+            yield rate
         counters = [
             ("kiln_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
             ("kiln_cached_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens_total),
@@ -277,6 +287,10 @@ class EngineMetrics:
              s.hicache_disk_written_tokens_total),
             ("kiln_hicache_disk_read_tokens", "Tokens read from the HiCache disk tier.", s.hicache_disk_read_tokens_total),
         ]
+        if s.spec is not None:
+            counters += [("kiln_spec_verify_steps", "Speculative verify steps with at least one draft.",
+                          s.spec.verify_steps),
+                         ("kiln_spec_accepted_tokens", "Draft tokens accepted.", s.spec.accepted_tokens)]
         for name, doc, value in counters:  # exported as <name>_total
             yield CounterMetricFamily(name, doc, value=value)
         tiers = CounterMetricFamily("kiln_cached_tokens_by_tier",

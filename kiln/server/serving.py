@@ -282,6 +282,8 @@ class Serving:
                                               for e in pl]
         if s.routed_experts is not None:
             meta["routed_experts"] = _jsonable(s.routed_experts)
+        if s.spec is not None:  # spec_verify_ct, spec_accept_length, per-position acceptance rates
+            meta.update(s.spec.to_dict())
         return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
 
     # ---- shared pieces -------------------------------------------------------------------

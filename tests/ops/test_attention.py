@@ -46,3 +46,25 @@ def test_paged_extend_equals_packed_when_no_prefix():
     q = torch.randn(sum(seq_lens), 4, 8)
     got = paged_attention(q, k_cache, v_cache, table, slots, [0, 0], seq_lens, 0.3)
     torch.testing.assert_close(got, packed_attention(q, k, v, seq_lens, 0.3))
+
+
+@pytest.mark.parametrize("gap", [0, 2, 3])
+def test_paged_rows_at_explicit_positions_with_key_gap_and_offset(gap):
+    """MTP layers: queries at explicit positions (catch-up rows then a draft row further ahead),
+    keys stored at position + offset, key_gap visibility. Equals packed attention over the same
+    keys with the same mask, row for row."""
+    offset, window = 3, 6
+    n = 20  # positions 0..19; stored at 3..22
+    k_cache, v_cache, table = _paged([n + offset], 2, 8, seed=2)
+    q_rows = [12, 13, 14, 19]  # catch-up 12..14, then a draft row at 19
+    q_all = torch.randn(n, 4, 8, generator=torch.Generator().manual_seed(3))
+    rel = torch.randn(n, 4, 5)
+    got = paged_attention(q_all[q_rows], k_cache, v_cache, table, [1], [0], [len(q_rows)], 0.3, window,
+                          rel[q_rows], key_gap=gap, positions=q_rows, key_offset=offset)
+    stored = table[1, offset:offset + n]
+    want = packed_attention(q_all, k_cache[stored], v_cache[stored], [n], 0.3, window, rel, key_gap=gap)[q_rows]
+    torch.testing.assert_close(got, want)
+    if gap > 1:  # the mask matters: without it the draft row sees the keys the gap hides
+        plain = paged_attention(q_all[q_rows], k_cache, v_cache, table, [1], [0], [len(q_rows)], 0.3, window,
+                                rel[q_rows], positions=q_rows, key_offset=offset)
+        assert (plain[-1] - got[-1]).abs().max() > 1e-3

@@ -17,7 +17,9 @@ import torch
 class ComponentKind(enum.Enum):
     FULL_KV = "full_kv"  # K and V of every token (full-attention layers)
     SWA_KV = "swa_kv"  # K and V of the last W tokens (sliding-window layers)
-    CONV = "conv"  # ShortConv inputs: the last K-1 tokens per site
+    # Per-token vectors a later token reads within a short window: ShortConv inputs (the last K-1
+    # tokens per site) and, with speculative decoding, the MTP chain's hidden states (window 1).
+    CONV = "conv"
     INDEX_K = "index_k"  # MSA indexer keys of every token
 
 

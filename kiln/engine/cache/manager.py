@@ -251,6 +251,18 @@ class CacheManager:
         req.pages.extend(new)
         return True
 
+    def shrink(self, req: Req, num_tokens: int) -> None:
+        """Free the pages of every component beyond positions [0, num_tokens) (speculative
+        decoding's rejected positions). They are private: the request computed nothing there."""
+        keep = cdiv(num_tokens, self.page_size)
+        assert keep >= req.num_cached_pages and num_tokens >= req.num_computed, "shrink into computed state"
+        self.allocator.free(req.pages[keep:])
+        del req.pages[keep:]
+        for c in self.windows:
+            for i in range(keep, len(req.win_pages[c])):
+                self._drop_window_page(req, c, i)
+            del req.win_pages[c][keep:]
+
     def trim(self, req: Req) -> None:
         """Drop windowed pages that fell out of the request's history: private ones are freed,
         cached ones only stop being protected."""
@@ -280,7 +292,8 @@ class CacheManager:
         if self.tree is None:
             return
         ps = self.page_size
-        full = req.num_computed // ps
+        computed = req.num_computed if req.cache_limit is None else min(req.num_computed, req.cache_limit)
+        full = computed // ps
         if full <= req.num_cached_pages:
             return
         ids = req.all_ids[: full * ps]
@@ -330,6 +343,7 @@ class CacheManager:
         if req.slot != -1:
             self.req_to_token.free(req.slot)
         req.slot, req.pages, req.num_cached_pages, req.cache_node, req.num_computed = -1, [], 0, None, 0
+        req.cache_limit = None
         req.win_pages, req.win_trimmed = {}, {}
 
     def flush(self) -> None:

@@ -1,0 +1,190 @@
+"""`MTPDrafter`: Inkling's chained MTP layers (MODELS.md 2.4) as a drafter inside the engine.
+
+Coordinates. MTP layer k's entry for sequence index j depends on the tokens up to t_{j+k} (its
+input token) and nothing later, so the engine *stores* it at position p = j + k: in the "swa"
+page space for its attention K/V (the layer's `cache_offset` is k), and its output hidden state
+h^k_j in the "conv" space (site `mtp_hidden_site(k)`, window 1), where layer k+1 reads it one
+position later. h^0_j, the main model's final hidden state, is stored at position j (site 0).
+Every stored entry is then a function of the tokens up to its position, like any other per-token
+state: rollback is bookkeeping, and prefix-cache pages are valid for the MTP layers too.
+
+Per request, `frontier[k-1]` = F_k: layer k's entries at stored positions < F_k are complete
+(computed from committed tokens). An entry at p needs t_p committed (p < T = seq_len), h^{k-1} at
+p - 1 complete (p <= F_{k-1}, with F_0 = the main model's computed tokens) and a page (p < S).
+After every main forward one *pass* runs, layer by layer, batched over requests:
+  - catch-up rows: stored positions [F_k, F_k') with F_k' = min(F_{k-1}' + 1, T, S), teacher
+    forced (token t_p, hidden h^{k-1} at p - 1 read from the conv space);
+  - for a request that is ready to decode (main computed T - 1 tokens), the draft at anchor
+    n = T - 2: layer 1's draft is its catch-up row at p = T - 1 (complete: t_{T-1} is committed);
+    layer k >= 2 adds one row at index n (stored n + k) fed the previous layer's draft token and
+    draft hidden state. The draft row's K/V lands at a position no committed query can see before
+    the catch-up overwrites it (the key_gap hides it), so rejected drafts need no cleanup.
+This is the wavefront of MODELS.md 2.4 (layer k lags layer k-1 by one index) fused with the next
+round's draft chain, as one extend batch per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.request import Req
+from kiln.engine.spec.metrics import SpecCounts
+
+
+def resolve_mtp_steps(config, model) -> int:
+    """The draft length for `--speculative-algorithm mtp`, with a clear error when the model or the
+    flags cannot serve it."""
+    layers = getattr(model, "mtp", None)
+    if layers is None or len(layers) == 0:
+        raise ValueError(f"--speculative-algorithm mtp needs a model with MTP layers (Inkling with "
+                         f"num_mtp_layers > 0); {type(model).__name__} has none")
+    k = config.speculative_num_steps if config.speculative_num_steps is not None else len(layers)
+    if not 1 <= k <= len(layers):
+        raise ValueError(f"--speculative-num-steps must be in [1, {len(layers)}] (the checkpoint's MTP "
+                         f"layers); got {k}")
+    return k
+
+
+@dataclass
+class MTPState:
+    """A request's drafter state: completeness frontiers and the drafts for its next verify."""
+
+    frontier: list[int]  # F_k for k = 1..K, stored coordinates
+    drafts: list[int] = field(default_factory=list)
+    counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
+    draft_logits: list = field(default_factory=list)  # per layer [V], when the drafter keeps them
+
+    @classmethod
+    def fresh(cls, num_layers: int, num_computed: int) -> "MTPState":
+        """After admission with `num_computed` tokens from the prefix cache: every cached page holds
+        complete entries; stored positions < k hold no entry of layer k at all."""
+        return cls([max(k, num_computed) for k in range(1, num_layers + 1)])
+
+    @property
+    def complete(self) -> int:
+        """Tokens whose MTP state is complete in every layer (caps prefix caching)."""
+        return min(self.frontier)
+
+
+@dataclass
+class _Rows:
+    """One request's rows in one layer's batch."""
+
+    req: Req
+    catch_up: range  # stored positions
+    draft: bool  # one more row at the anchor (layer k >= 2), or layer 1's last row is the draft
+
+
+class MTPDrafter:
+    """Runs the MTP pass (catch-up + draft chain) for a batch of requests."""
+
+    def __init__(self, runner, num_layers: int):
+        self.runner = runner
+        self.model = runner.model
+        self.layers = list(self.model.mtp[:num_layers])
+        self.num_layers = num_layers
+        self.page_size = runner.page_size
+        self.swa_table = runner.window_tables["swa"]
+        self.conv_table = runner.window_tables["conv"]
+        self.keep_logits = False  # tests: keep each draft's logits on the request (MTPState.draft_logits)
+
+    def site(self, k: int) -> torch.Tensor:
+        """[conv slots, H] buffer of h^k per stored position."""
+        return self.runner.conv.layer(self.model.mtp_hidden_site(k))
+
+    def store_main_hidden(self, req: Req, first_pos: int, hidden: torch.Tensor) -> None:
+        """Keep h^0 of positions first_pos .. first_pos + len(hidden) - 1 (committed rows only)."""
+        if hidden.shape[0]:
+            pos = torch.arange(first_pos, first_pos + hidden.shape[0], device=hidden.device)
+            self.site(0)[self.conv_table[req.slot, pos]] = hidden.to(self.site(0).dtype)
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
+        """One pass: advance every request's frontiers as far as committed tokens, computed hidden
+        states and pages allow, and draft `num_drafts[rid]` tokens (0: none) into `req.spec.drafts`.
+        Pages must cover stored positions up to T - 2 + num_drafts (the caller grows them)."""
+        dev = self.runner.device
+        draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
+        for r in reqs:
+            r.spec.drafts, r.spec.draft_logits = [], []
+        prev_frontier = {r.rid: r.num_computed for r in reqs}
+        for k, layer in enumerate(self.layers, start=1):
+            items: list[_Rows] = []
+            for r in reqs:
+                st = r.spec
+                T, S = r.seq_len, len(r.pages) * self.page_size
+                f = st.frontier[k - 1]
+                new_f = max(f, min(prev_frontier[r.rid] + 1, T, S))
+                st.frontier[k - 1] = new_f
+                prev_frontier[r.rid] = new_f
+                wants = num_drafts.get(r.rid, 0) >= k
+                items.append(_Rows(r, range(f, new_f), wants and k >= 2))
+            items = [it for it in items if len(it.catch_up) or it.draft]
+            if not items:
+                continue
+            out, rows_of = self._forward_layer(k, layer, items, draft_hidden, dev)
+            for it in items:
+                r, (lo, n) = it.req, rows_of[it.req.rid]
+                if k < self.num_layers and len(it.catch_up):  # h^k for layer k + 1, one position later
+                    self.site(k)[self._conv_locs(r, it.catch_up, dev)] = out[lo:lo + len(it.catch_up)].to(self.site(k).dtype)
+                if num_drafts.get(r.rid, 0) >= k:
+                    # layer 1: the last catch-up row sits at the anchor (stored T - 1)
+                    row = lo + n - 1
+                    assert k >= 2 or (len(it.catch_up) and it.catch_up[-1] == r.seq_len - 1), \
+                        f"{r.rid}: layer 1 did not reach the anchor"
+                    draft_hidden[r.rid] = out[row]
+            drafting = [it.req for it in items if num_drafts.get(it.req.rid, 0) >= k]
+            if drafting:
+                h = torch.stack([draft_hidden[r.rid] for r in drafting])
+                logits = self.model.lm_head.compute_logits(layer.final_norm(h)).float()
+                for i, (r, t) in enumerate(zip(drafting, logits.argmax(dim=-1).tolist())):
+                    r.spec.drafts.append(int(t))
+                    if self.keep_logits:
+                        r.spec.draft_logits.append(logits[i])
+
+    def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, dev):
+        """Build layer k's batch (catch-up rows then the draft row, per request) and run it.
+        Returns (output hidden [rows, H], rid -> (first row, row count))."""
+        ps = self.page_size
+        tokens, positions, swa_locs, slots, lens = [], [], [], [], []
+        hid_rows: list[torch.Tensor] = []
+        rows_of, row = {}, 0
+        for it in items:
+            r = it.req
+            ids = r.all_ids
+            n = len(it.catch_up) + int(it.draft)
+            stored = list(it.catch_up)
+            tokens += [ids[p] for p in it.catch_up]
+            if len(it.catch_up):
+                prev = torch.tensor([p - 1 for p in it.catch_up], device=dev)
+                hid_rows.append(self.site(k - 1)[self.conv_table[r.slot, prev]])
+            if it.draft:
+                anchor = r.seq_len - 2
+                stored.append(anchor + k)
+                tokens.append(r.spec.drafts[k - 2])
+                hid_rows.append(draft_hidden[r.rid][None].to(self.site(0).dtype))
+            positions += [p - k for p in stored]  # sequence indices: the math
+            view = r.win_pages["swa"]
+            swa_locs += [view[p // ps] * ps + p % ps for p in stored]
+            slots.append(r.slot)
+            lens.append(n)
+            rows_of[r.rid] = (row, n)
+            row += n
+        t = torch.tensor(tokens + positions + swa_locs + slots, dtype=torch.int64, device=dev)
+        T = len(tokens)
+        ids_t, pos_t, locs_t, slots_t = t[:T], t[T:2 * T], t[2 * T:3 * T], t[3 * T:]
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
+                             prefix_lens=[0] * len(lens), extend_lens=lens, logits_indices=ids_t[:0],
+                             req_slots=slots_t, out_cache_loc=None, win_out_locs={"swa": locs_t},
+                             backend=self.runner.backend)
+        batch.extras["req_slots_cpu"] = slots
+        batch.extras["positions_cpu"] = positions
+        emb = self.model.model.embed_tokens(ids_t)
+        h_prev = torch.cat(hid_rows).to(emb.dtype)
+        return layer(emb, h_prev, batch), rows_of
+
+    def _conv_locs(self, r: Req, stored: range, dev) -> torch.Tensor:
+        return self.conv_table[r.slot, torch.arange(stored.start, stored.stop, device=dev)]

@@ -1,0 +1,181 @@
+"""`SpecDecoder`: the speculative decode round, for the whole batch, inside the scheduler's step.
+
+A round for a request that is ready to decode (seq_len L, L - 1 tokens computed, drafts
+d_1..d_k from the previous step's pass):
+  1. schedule: the request computes positions L-1 .. L-1+k with tokens [t_{L-1}, d_1..d_k] in
+     the step's one target forward (an extend of k + 1 tokens on top of its cache, mixed with the
+     other requests' prefill chunks and rounds);
+  2. verify: every one of the k + 1 rows is sampled by the engine's sampler (penalties and
+     min_tokens see the drafts before the row as output); n = the longest prefix with
+     sample_i == d_i (`verify.verify_greedy`); the request emits sample_0 .. sample_n. For greedy
+     requests this is greedy verification; for sampled requests it is exact too (each emitted
+     token is a draw from the target given the emitted prefix: the drafts act as point masses,
+     notes/algorithms.md 1.5), just with lower acceptance than rejection sampling;
+  3. commit and roll back: tokens are appended with the usual finish checks (a stop inside the
+     accepted run drops the rest); `num_computed` = L + n, so the K/V, sliding-window K/V and
+     ShortConv inputs the rejected positions wrote are beyond the computed prefix (overwritten
+     before anything reads them) and their pages are freed; the kept ShortConv state is the
+     verify-time inputs of the accepted positions, already in place;
+  4. the MTP pass (`MTPDrafter.run`): catch up the MTP caches over the newly committed tokens
+     and draft the next round's tokens, in one batch per MTP layer.
+Prefill chunks go through the same step: their rows feed the MTP catch-up, and a request whose
+prompt is done gets its first drafts right away. The prefix cache only takes pages whose state is
+complete in every component (`Req.cache_limit` = the MTP frontier), so cached pages stay exact.
+Overlap scheduling and CUDA graphs are off with speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kiln.engine.cache.manager import cdiv
+from kiln.engine.request import Req
+from kiln.engine.sampler import SamplingBatch, make_generator
+from kiln.engine.spec.metrics import SpecCounts
+from kiln.engine.spec.mtp_drafter import MTPDrafter, MTPState
+from kiln.engine.spec.verify import verify_greedy
+
+
+@dataclass
+class _RowView:
+    """What the sampler reads of a request, for verify row i: the drafts before it count as
+    output (penalties, min_tokens)."""
+
+    params: object
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: tuple
+    generator: object
+
+
+class SpecDecoder:
+    def __init__(self, scheduler, num_steps: int):
+        self.sched = scheduler
+        self.runner = scheduler.runner
+        self.cache = scheduler.cache
+        self.num_steps = num_steps
+        self.drafter = MTPDrafter(self.runner, num_steps)
+        self.page_size = scheduler.page_size
+        scheduler.stats_counters.spec = SpecCounts()
+
+    # ---- hooks the scheduler calls -------------------------------------------------------
+    def on_admit(self, r: Req) -> None:
+        """(Re)admission, after the prefix match: the MTP state restarts at the matched prefix."""
+        counts = r.spec.counts if r.spec is not None else SpecCounts()
+        r.spec = MTPState.fresh(self.num_steps, r.num_computed)
+        r.spec.counts = counts
+        r.cache_limit = r.spec.complete
+
+    def num_drafts(self, r: Req) -> int:
+        return len(r.spec.drafts) if r.spec is not None else 0
+
+    def drafts(self, r: Req) -> list[int]:
+        return r.spec.drafts
+
+    def drop_drafts(self, r: Req) -> bool:
+        """Out of pages: verify no drafts this round (a plain decode). False if there were none."""
+        had = bool(r.spec is not None and r.spec.drafts)
+        if had:
+            r.spec.drafts = []
+        return had
+
+    # ---- after the target forward --------------------------------------------------------
+    @torch.inference_mode()
+    def after_forward(self, plan: list[tuple[Req, int, int]], logits: torch.Tensor, sample_reqs: list[Req],
+                      sample_rows: list[int], hidden: torch.Tensor, row_starts: list[int]) -> None:
+        """Verify + commit every sampling request, then run the MTP pass for the plan's requests
+        that are still running, then trim windows and cache prompt pages."""
+        ends = {r.rid: end for r, _, end in plan}
+        self._verify_and_commit(logits, sample_reqs, sample_rows, ends)
+        alive = [(r, s, e, row) for (r, s, e), row in zip(plan, row_starts) if not r.finished]
+        num_drafts = {}
+        for r, start, _, row in alive:
+            done = r.num_computed - start  # committed rows of this forward
+            self.drafter.store_main_hidden(r, start, hidden[row:row + done])
+            num_drafts[r.rid] = self._make_room(r)
+        self.drafter.run([r for r, *_ in alive], num_drafts)
+        for r, start, end, _ in alive:
+            r.cache_limit = r.spec.complete
+            if min(end, r.seq_len) - start > 1:  # prompt chunks: cached as soon as complete
+                self.cache.cache(r)
+            self.cache.trim(r)
+
+    def _make_room(self, r: Req) -> int:
+        """Pages for the pass, and how many tokens the request drafts. A request ready to decode
+        needs its committed positions (MTP catch-up) and the draft rows' stored positions up to
+        T - 2 + k; pages beyond that (rejected positions of this round) are freed."""
+        T = r.seq_len
+        if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
+            return 0
+        k = min(self.num_steps, r.params.max_tokens - len(r.output_ids) - 1, self.sched.context_length - T)
+        k = max(k, 0)
+        need = max(T, T - 1 + k)
+        if len(r.pages) > cdiv(need, self.page_size):
+            self.cache.shrink(r, need)
+        elif not self.cache.grow(r, need):
+            k = 0
+            self.cache.grow(r, T)  # if even this fails the pass stops at the pages it has
+        return k
+
+    def _verify_and_commit(self, logits: torch.Tensor, reqs: list[Req], first_rows: list[int],
+                           ends: dict[str, int]) -> None:
+        sched = self.sched
+        views, rows, spans = [], [], []
+        for r, first in zip(reqs, first_rows):
+            if r.finished:
+                continue
+            k = ends[r.rid] - r.seq_len
+            drafts = r.spec.drafts[:k]
+            if r.generator is None and r.params.seed is not None:
+                r.generator = make_generator(r.params.seed, self.runner.device)
+            for i in range(k + 1):
+                views.append(_RowView(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.eos_token_ids,
+                                      r.generator))
+                rows.append(first + i)
+            spans.append((r, drafts))
+        if not spans:
+            return
+        sb = SamplingBatch.from_reqs(views, self.runner.device)
+        out = self.runner.sampler(logits[rows], sb)
+        tokens = out.token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        row = 0
+        for r, drafts in spans:
+            k = len(drafts)
+            sampled = tokens[row:row + k + 1]
+            n = int(verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, k),
+                                  torch.tensor([sampled]))[0][0])
+            if k:
+                r.spec.counts.record(k, n)
+                sched.stats_counters.spec.record(k, n)
+            L = r.seq_len
+            reason, emitted = None, 0
+            for i in range(n + 1):
+                t = sampled[i]
+                r.output_ids.append(t)
+                emitted += 1
+                reason = sched._accept_token(r, t, sched._logprob_entry(r, row + i, lps, top_ids, top_lps))
+                if reason is not None:
+                    break
+            # positions L-1 .. L-1+n were forwarded with committed tokens
+            r.num_computed = L + min(n, emitted)
+            r.spec.drafts = []
+            if reason is not None:
+                sched._end(r, reason)
+            sched.outbox.append(sched._output(r, emitted))
+            row += k + 1
+
+
+def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
+    """The scheduler's speculative decoder for `--speculative-algorithm`, or None."""
+    algo = scheduler.config.speculative_algorithm
+    if algo is None:
+        return None
+    if algo != "mtp":
+        raise ValueError(f"--speculative-algorithm {algo!r} is not implemented yet; use 'mtp'")
+    return SpecDecoder(scheduler, scheduler.runner.spec_steps)
