@@ -17,8 +17,7 @@ import multiprocessing as mp
 from kiln.config import EngineConfig
 from kiln.dist.init import init_tensor_parallel, shutdown
 from kiln.engine.core import EngineCore
-from kiln.engine.io import GenerateReq
-from kiln.engine.request import SamplingParams
+from tests.engine.test_kernel_path import greedy
 
 pytestmark = pytest.mark.slow
 
@@ -29,24 +28,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int = 6):
-    """Greedy outputs and the logit rows they were sampled from, per request."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    sample = core.scheduler._sample
-
-    def capture(logits, reqs):
-        for r, row in zip(reqs, logits):
-            rows.setdefault(r.rid, []).append(row.clone())
-        return sample(logits, reqs)
-
-    core.scheduler._sample = capture
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
-    out: dict[str, list[int]] = {}
-    while core.has_work():
-        for o in core.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-        core.check_integrity()
+    """Greedy outputs and the stacked logit rows they were sampled from, per request."""
+    core.scheduler.check_after_step = True
+    out, rows = greedy(core, prompts, max_tokens=max_tokens)
     return out, {k: torch.stack(v) for k, v in rows.items()}
 
 
