@@ -13,13 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.kernels import interpreting  # noqa: E402
 from kiln.kernels.attention import decode_attention, extend_attention  # noqa: E402
 from kiln.ops.attention import paged_attention, paged_decode_attention  # noqa: E402
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
 
-# With a GPU, Triton compiles for CUDA and cannot take CPU tensors: "cpu" cases need the interpreter.
-interpreter_only = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no GPU)")
-DEVICES = [pytest.param("cpu", marks=interpreter_only), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _paged_cache(ctx_lens, hkv, d, dtype, device, gen, index_dtype=torch.int32, page_size=1):
@@ -107,7 +104,7 @@ def test_decode(device, group, case):
                       window, rel_len, seed=group, page_size=16)
 
 
-@interpreter_only
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 20])
 def test_decode_cpu_splits(num_splits):
     # One split writes the output directly; more splits than a short sequence has blocks leave
@@ -115,13 +112,13 @@ def test_decode_cpu_splits(num_splits):
     _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits)
 
 
-@interpreter_only
+@INTERPRETER_ONLY
 def test_decode_cpu_int64_table_odd_head_dim_fp16_pages():
     _check_decode("cpu", [12, 30], 6, 3, 48, torch.float16, window=20, index_dtype=torch.int64,
                   page_size=4, max_len=30)
 
 
-@interpreter_only
+@INTERPRETER_ONLY
 def test_decode_cpu_empty_sequence_gives_zeros():
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, r2t, rows = _paged_cache([5, 9], 2, 16, torch.float32, "cpu", gen)
@@ -203,7 +200,7 @@ def test_extend(device, group, case):
                       seed=group, page_size=16)
 
 
-@interpreter_only
+@INTERPRETER_ONLY
 def test_extend_cpu_int64_table_odd_head_dim_fp16_pages():
     _check_extend("cpu", [(9, 12), (0, 5)], 4, 2, 48, torch.float16, window=6, rel_len=4,
                   index_dtype=torch.int64, page_size=4)

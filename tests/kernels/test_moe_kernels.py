@@ -14,14 +14,10 @@ import torch
 
 from kiln import kernels
 from kiln.ops import moe as ref
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        not kernels.interpreting(), reason="CPU tensors run only under Triton's interpreter")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 
 def _km():
@@ -251,8 +247,8 @@ def _layer(which, device, seed=0):
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """Let the layers take their kernel path for CPU tensors (run by the interpreter)."""
-    if not kernels.interpreting():
-        pytest.skip("CPU tensors run only under Triton's interpreter")
+    if not kernels.interpreting():  # a GPU machine: CPU tensors cannot reach compiled kernels
+        pytest.skip(INTERPRETER_ONLY.kwargs["reason"])
     monkeypatch.setattr(kernels, "kernels_supported", lambda device: True)
 
 

@@ -14,16 +14,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kiln.kernels import interpreting, triton_available
+from kiln.kernels import triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
 if triton_available():
     from kiln.kernels import msa as K
 from kiln.ops import msa as R
+from tests.kernels.devices import DEVICES  # noqa: E402
 
-_NO_INTERPRETER = pytest.mark.skipif(not interpreting(), reason="CPU tensors need Triton's interpreter")
-DEVICES = [pytest.param("cpu", marks=_NO_INTERPRETER), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @dataclass

@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 from kiln.engine import sampler as sampler_mod  # noqa: E402
 from kiln.engine.sampler import Sampler, SamplingBatch, make_generator  # noqa: E402
 from kiln.kernels import sampling  # noqa: E402
+from tests.kernels.devices import DEVICES  # noqa: E402
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TINY = torch.finfo(torch.float32).tiny
 
 

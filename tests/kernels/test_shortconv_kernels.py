@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 
 from kiln.kernels.shortconv import short_conv_decode, short_conv_extend  # noqa: E402
 from kiln.ops.shortconv import short_conv  # noqa: E402
+from tests.kernels.devices import DEVICES  # noqa: E402
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 class Paged:
