@@ -23,7 +23,7 @@ from kiln.engine.cache.storage import FileStorage, model_namespace, page_hash
 from kiln.engine.core import EngineCore
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
-from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, run
+from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, run, sampled_logits
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
@@ -179,47 +179,39 @@ def test_random_operations_keep_every_tier_consistent(model_dir, tmp_path, seed)
                         hicache_write_policy=rng.choice(["write_through", "write_back"]))
     docs = contexts(n=4, length=80, seed=seed + 10)
     finished, n = {}, 0
-    rows: dict[str, list] = {}
-    sample = core.scheduler._sample
-
-    def capture(logits, rs):
-        for r, row in zip(rs, logits):
-            rows.setdefault(r.rid, []).append(row.clone())
-        return sample(logits, rs)
-
-    core.scheduler._sample = capture
-    prompts, outs = {}, {}
-    for step in range(120):
-        if rng.random() < 0.3:
-            doc = rng.choice(docs)
-            ids = doc[:rng.randint(20, 70)] + [rng.randrange(512) for _ in range(rng.randint(0, 6))]
-            rid = f"q{n}"
-            n += 1
-            prompts[rid] = ids
-            core.add_request(GenerateReq(rid=rid, input_ids=ids, params=SamplingParams(
-                max_tokens=rng.randint(1, 8), temperature=0.0, ignore_eos=True)))
-        live = [r.rid for r in list(core.scheduler.running) + list(core.scheduler.waiting)]
-        if live and rng.random() < 0.05:
-            core.abort(rng.choice(live))
-        if rng.random() < 0.02:
-            core.flush_cache()  # refused while requests run
-        for o in core.step():
-            assert o.error is None, o.error
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                finished[o.rid] = o.finish_reason
-    while core.has_work():
-        for o in core.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                finished[o.rid] = o.finish_reason
-    core.check_integrity()
-    done = {rid: (prompts[rid], outs[rid], rows[rid], 0) for rid, why in finished.items() if why == "length"}
-    assert len(done) >= 5
-    assert_reference(core, done)
-    s = core.stats()  # every tier was exercised
-    assert s.hicache_backed_up_tokens_total > 0 and s.hicache_disk_written_tokens_total > 0, s
-    assert s.hicache_loaded_tokens_total + s.hicache_disk_read_tokens_total > 0, s
+    with sampled_logits(core) as rows:
+        prompts, outs = {}, {}
+        for step in range(120):
+            if rng.random() < 0.3:
+                doc = rng.choice(docs)
+                ids = doc[:rng.randint(20, 70)] + [rng.randrange(512) for _ in range(rng.randint(0, 6))]
+                rid = f"q{n}"
+                n += 1
+                prompts[rid] = ids
+                core.add_request(GenerateReq(rid=rid, input_ids=ids, params=SamplingParams(
+                    max_tokens=rng.randint(1, 8), temperature=0.0, ignore_eos=True)))
+            live = [r.rid for r in list(core.scheduler.running) + list(core.scheduler.waiting)]
+            if live and rng.random() < 0.05:
+                core.abort(rng.choice(live))
+            if rng.random() < 0.02:
+                core.flush_cache()  # refused while requests run
+            for o in core.step():
+                assert o.error is None, o.error
+                outs.setdefault(o.rid, []).extend(o.new_token_ids)
+                if o.finished:
+                    finished[o.rid] = o.finish_reason
+        while core.has_work():
+            for o in core.step():
+                outs.setdefault(o.rid, []).extend(o.new_token_ids)
+                if o.finished:
+                    finished[o.rid] = o.finish_reason
+        core.check_integrity()
+        done = {rid: (prompts[rid], outs[rid], rows[rid], 0) for rid, why in finished.items() if why == "length"}
+        assert len(done) >= 5
+        assert_reference(core, done)
+        s = core.stats()  # every tier was exercised
+        assert s.hicache_backed_up_tokens_total > 0 and s.hicache_disk_written_tokens_total > 0, s
+        assert s.hicache_loaded_tokens_total + s.hicache_disk_read_tokens_total > 0, s
 
 
 def test_bad_flags_are_named():

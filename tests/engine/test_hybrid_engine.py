@@ -7,6 +7,7 @@ check (every component's pages) runs after every scheduler step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -62,8 +63,9 @@ def prompts(n: int, seed: int = 0, lo: int = 40, hi: int = 90) -> list[list[int]
     return [torch.randint(0, 512, (k,), generator=g).tolist() for k in lens]
 
 
-def run(core: EngineCore, reqs: list[list[int]], max_tokens: int = 8, tag: str = "r"):
-    """Run requests concurrently; returns {rid: (prompt, output ids, [logit rows sampled])}."""
+@contextlib.contextmanager
+def sampled_logits(core: EngineCore):
+    """Yields {rid: [logit row each token was sampled from]}, filled while the block runs."""
     rows: dict[str, list[torch.Tensor]] = {}
     sample = core.scheduler._sample
 
@@ -73,6 +75,21 @@ def run(core: EngineCore, reqs: list[list[int]], max_tokens: int = 8, tag: str =
         return sample(logits, rs)
 
     core.scheduler._sample = capture
+    try:
+        yield rows
+    finally:
+        core.scheduler._sample = sample
+
+
+def run(core: EngineCore, reqs: list[list[int]], max_tokens: int = 8, tag: str = "r"):
+    """Run requests concurrently; returns {rid: (prompt, output ids, [logit rows sampled], cached)}."""
+    with sampled_logits(core) as rows:
+        out, cached = _run_greedy(core, reqs, max_tokens, tag)
+    core.check_integrity()
+    return {f"{tag}{i}": (ids, out[f"{tag}{i}"], rows[f"{tag}{i}"], cached[f"{tag}{i}"]) for i, ids in enumerate(reqs)}
+
+
+def _run_greedy(core: EngineCore, reqs: list[list[int]], max_tokens: int, tag: str):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(reqs):
         core.add_request(GenerateReq(rid=f"{tag}{i}", input_ids=ids, params=params))
@@ -83,9 +100,7 @@ def run(core: EngineCore, reqs: list[list[int]], max_tokens: int = 8, tag: str =
             assert o.error is None, o.error
             out.setdefault(o.rid, []).extend(o.new_token_ids)
             cached[o.rid] = o.cached_tokens
-    core.scheduler._sample = sample
-    core.check_integrity()
-    return {f"{tag}{i}": (ids, out[f"{tag}{i}"], rows[f"{tag}{i}"], cached[f"{tag}{i}"]) for i, ids in enumerate(reqs)}
+    return out, cached
 
 
 def assert_reference(core: EngineCore, results) -> None:

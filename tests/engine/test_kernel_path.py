@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_hybrid_engine import ARCHS, make_core, prompts
+from tests.engine.test_hybrid_engine import ARCHS, make_core, prompts, run
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -31,26 +31,9 @@ def arch_dir(request, tmp_path_factory):
 
 
 def greedy(core, reqs, max_tokens=5):
-    from kiln.engine.io import GenerateReq
-    from kiln.engine.request import SamplingParams
-
-    rows = {}
-    sample = core.scheduler._sample
-
-    def capture(logits, rs):
-        for r, row in zip(rs, logits):
-            rows.setdefault(r.rid, []).append(row.clone())
-        return sample(logits, rs)
-
-    core.scheduler._sample = capture
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(reqs):
-        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
-    out = {}
-    while core.has_work():
-        for o in core.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    return out, rows
+    """Greedy outputs {rid: ids} and {rid: [logit rows sampled]} of requests run together."""
+    res = run(core, reqs, max_tokens=max_tokens)
+    return {rid: r[1] for rid, r in res.items()}, {rid: r[2] for rid, r in res.items()}
 
 
 def test_kernel_path_equals_reference(arch_dir):
