@@ -31,6 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # `python benchmarks/x.py` from anywhere
     sys.path.insert(0, REPO_ROOT)
 
+from dummy_weights import device_dummy_weights, dummy_init_on_device, no_dummy_init, resolve_dummy_init  # noqa: F401,E402
 from kiln.config import EngineConfig  # noqa: E402
 from kiln.engine.io import GenerateReq  # noqa: E402
 from kiln.engine.request import SamplingParams  # noqa: E402
@@ -116,70 +117,6 @@ def model_config_of(path_or_cfg: Any) -> ModelConfig:
         return ModelConfig.from_dict(json.load(f))
 
 
-@contextlib.contextmanager
-def _no_dummy_init():
-    """Skip Kiln's dummy-weight fill while building a core whose weights are loaded right after.
-
-    The fill draws every parameter on the CPU from a per-name generator (single-threaded; about
-    2-3 minutes for an 8B model), which is wasted when the transformers twin's weights replace
-    it. `load_weights` raises if any parameter is left unloaded, so nothing stays uninitialised.
-    """
-    import kiln.engine.runner as runner_mod
-
-    original = getattr(runner_mod, "init_dummy_weights", None)
-    if original is None:  # the runner changed: fall back to the normal (slower) path
-        yield
-        return
-    runner_mod.init_dummy_weights = lambda model, seed: None
-    try:
-        yield
-    finally:
-        runner_mod.init_dummy_weights = original
-
-
-def _param_seed(seed: int, name: str) -> int:
-    import zlib
-
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def device_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Kiln's dummy-weight recipe (norm gains and scalars 1, everything else N(0, 0.02), one
-    generator per parameter seeded by `seed` and its name) drawn on the parameters' own device:
-    seconds instead of minutes for a multi-billion-parameter model on a GPU. Same distribution
-    as `kiln.loader.init_dummy_weights`, not the same values (that one draws on the CPU)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 0 or (param.dim() == 1 and "norm" in name.lower() and name.endswith("weight")):
-                param.fill_(1.0)
-                continue
-            gen = torch.Generator(device=param.device)
-            gen.manual_seed(_param_seed(seed, name))
-            param.normal_(0.0, 0.02, generator=gen)
-
-
-@contextlib.contextmanager
-def _dummy_init_on_device():
-    import kiln.engine.runner as runner_mod
-
-    original = getattr(runner_mod, "init_dummy_weights", None)
-    if original is None:
-        yield
-        return
-    runner_mod.init_dummy_weights = device_dummy_weights
-    try:
-        yield
-    finally:
-        runner_mod.init_dummy_weights = original
-
-
-def resolve_dummy_init(choice: str, device: str) -> str:
-    """`--dummy-init auto`: on the device for CUDA, Kiln's own CPU-drawn init elsewhere."""
-    if choice == "auto":
-        return "device" if str(device).startswith("cuda") else "kiln"
-    return choice
-
-
 def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None, dummy_init: str = "kiln"):
     """An `EngineCore` for `config`; with `hf_model`, Kiln's weights are that model's tensors.
     Without it and with dummy weights, `dummy_init="device"` draws them on the device
@@ -193,14 +130,14 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
         raise SystemExit(f"--tp-size {config.tp_size}: run under torchrun --nproc-per-node {config.tp_size}")
     if hf_model is None:
         on_device = dummy_init == "device" and config.load_format == "dummy"
-        with (_dummy_init_on_device() if on_device else contextlib.nullcontext()):
+        with (dummy_init_on_device() if on_device else contextlib.nullcontext()):
             core = EngineCore(config, pc=pc) if pc is not None else EngineCore(config)
     else:
         if config.tp_size != 1:
             raise ValueError("loading the transformers twin's weights needs --tp-size 1")
         from hf_baseline import load_hf_weights
 
-        with _no_dummy_init():
+        with no_dummy_init():
             core = EngineCore(config)
         load_hf_weights(core, hf_model)
     log(f"Kiln core ready in {time.perf_counter() - t0:.1f}s "
