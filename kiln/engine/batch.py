@@ -9,6 +9,7 @@ The trainer builds the same object for packed sequences with `prefix_len == 0` a
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,19 +40,25 @@ class ForwardBatch:
     # Per-forward scratch owned by layers (e.g. routing capture); never read across forwards.
     extras: dict = field(default_factory=dict)
     # Device copies of the per-sequence lengths for kernels, which must not read host lists
-    # (a CUDA graph replays them with new values). Set by `attach_device_metadata`.
+    # (a CUDA graph replays them with new values). Set by `set_device_metadata`.
     seq_lens_t: Optional[torch.Tensor] = None  # [B] int64, prefix + extend
     prefix_lens_t: Optional[torch.Tensor] = None  # [B] int64
     extend_lens_t: Optional[torch.Tensor] = None  # [B] int64
     extend_starts_t: Optional[torch.Tensor] = None  # [B] int64
     max_extend_len: int = 0  # host int: the extend kernels' grid
 
-    def attach_device_metadata(self, device) -> "ForwardBatch":
-        """Copy prefix/extend lengths to `device` (and the derived seq_lens and extend starts),
-        for kernels that take them as tensors."""
-        t = int64_to_device({"s": self.seq_lens, "p": self.prefix_lens, "e": self.extend_lens,
-                             "st": self.extend_starts}, device)
-        self.seq_lens_t, self.prefix_lens_t, self.extend_lens_t, self.extend_starts_t = t["s"], t["p"], t["e"], t["st"]
+    @staticmethod
+    def length_lists(prefix_lens: list[int], extend_lens: list[int]) -> dict[str, list[int]]:
+        """The per-sequence lengths kernels read, as lists to copy (with the batch's other inputs,
+        in one transfer) and hand to `set_device_metadata`."""
+        starts = list(itertools.accumulate(extend_lens[:-1], initial=0)) if extend_lens else []
+        return {"meta:seq": [p + e for p, e in zip(prefix_lens, extend_lens)], "meta:prefix": list(prefix_lens),
+                "meta:extend": list(extend_lens), "meta:start": starts}
+
+    def set_device_metadata(self, t: dict[str, torch.Tensor]) -> "ForwardBatch":
+        """Take the device copies of `length_lists` (keys as it names them)."""
+        self.seq_lens_t, self.prefix_lens_t = t["meta:seq"], t["meta:prefix"]
+        self.extend_lens_t, self.extend_starts_t = t["meta:extend"], t["meta:start"]
         self.max_extend_len = max(self.extend_lens, default=0)
         return self
 

@@ -9,7 +9,7 @@ the model's `state_specs()`:
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space.
 The math is the reference ops in `kiln.ops`; only the addressing lives here. With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
-batch's lengths from device tensors (`ForwardBatch.attach_device_metadata`) so that a decode step
+batch's lengths from device tensors (`ForwardBatch.set_device_metadata`) so that a decode step
 has no host synchronisation and can be replayed from a CUDA graph.
 
 Speculative decoding's MTP layers (MODELS.md 2.4) attend with a `key_gap` (query i sees key j iff

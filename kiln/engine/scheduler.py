@@ -344,20 +344,22 @@ class Scheduler:
             row += end - start
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
         slots = [r.slot for r, _, _ in plan]
+        prefix_lens, extend_lens = [s for _, s, _ in plan], [e - s for _, s, e in plan]
+        meta = ForwardBatch.length_lists(prefix_lens, extend_lens) if self.runner.needs_device_metadata else {}
         t = int64_to_device({"ids": ids, "pos": pos, "logits": logit_rows, "slots": slots, "locs": locs,
                              "pend_at": pending_at, "pend_src": pending_src,
-                             **{f"win:{c}": v for c, v in win_locs.items()}}, dev)
+                             **{f"win:{c}": v for c, v in win_locs.items()}, **meta}, dev)
         input_ids = t["ids"]
         if pending_at:  # the previous step's tokens, read on the device (no host round trip)
             input_ids = input_ids.index_copy(0, t["pend_at"], self.pending.out.token_ids[t["pend_src"]])
         batch = ForwardBatch(
             mode=mode, input_ids=input_ids, positions=t["pos"],
-            prefix_lens=[s for _, s, _ in plan], extend_lens=[e - s for _, s, e in plan],
+            prefix_lens=prefix_lens, extend_lens=extend_lens,
             logits_indices=t["logits"], req_slots=t["slots"], out_cache_loc=t["locs"],
             win_out_locs={c: t[f"win:{c}"] for c in win_locs})
         batch.extras["req_slots_cpu"] = slots
-        if self.runner.needs_device_metadata:
-            batch.attach_device_metadata(dev)
+        if meta:
+            batch.set_device_metadata(t)
         logits = self.runner.forward(batch)
         if self.spec is not None:  # the SpecDecoder commits, caches and trims after verifying
             self._last_forward = (batch, row_starts)
