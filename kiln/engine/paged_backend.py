@@ -7,7 +7,8 @@ the model's `state_specs()`:
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space.
-The math is the reference ops in `kiln.ops`; only the addressing lives here. With
+The math is the reference ops in `kiln.ops`; only the addressing lives here. Before a layer
+touches its buffers it waits for HiCache copies still running on them (`LayerGate`). With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
 batch's lengths from device tensors (`ForwardBatch.set_device_metadata`) so that a decode step
 has no host synchronisation and can be replayed from a CUDA graph.
@@ -25,6 +26,7 @@ from typing import Optional
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.cache.layer_gate import LayerGate
 from kiln.ops import attention as attn_ops
 from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
@@ -32,8 +34,9 @@ from kiln.ops import shortconv as conv_ops
 
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
-                 conv=None, use_kernels: bool = False):
+                 conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None):
         self.use_kernels = use_kernels
+        self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
             from kiln.kernels import msa as msa_kernels
@@ -71,6 +74,7 @@ class PagedBackend:
         swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)
+        self.gate.wait(k_cache, v_cache)
         loc = self._loc(batch, space)
         k_cache[loc] = k.to(k_cache.dtype)
         v_cache[loc] = v.to(v_cache.dtype)
@@ -107,6 +111,7 @@ class PagedBackend:
     # ---- ShortConv -----------------------------------------------------------------------
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         buf = self.conv.layer(conv.conv_id)  # [slots, C]
+        self.gate.wait(buf)
         k = conv.weight.shape[1]
         if self.use_kernels:
             table, locs = self.tables["conv"], batch.win_out_locs["conv"]
@@ -135,6 +140,7 @@ class PagedBackend:
     def msa_attention(self, layer, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.full_kv.layer(layer.layer_id)
         ki_cache = self.index_k.layer(layer.layer_id)
+        self.gate.wait(k_cache, v_cache, ki_cache)
         loc = batch.out_cache_loc
         k_cache[loc] = k.to(k_cache.dtype)
         v_cache[loc] = v.to(v_cache.dtype)

@@ -12,6 +12,7 @@ from kiln.config import EngineConfig
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind
+from kiln.engine.cache.layer_gate import LayerGate
 from kiln.engine.cuda_graph import CudaGraphRunner
 from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
 from kiln.engine.paged_backend import PagedBackend
@@ -48,6 +49,8 @@ class ModelRunner:
         self.specs = self.model.state_specs(num_mtp=self.spec_steps) if self.spec_steps else self.model.state_specs()
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
+        # HiCache's copies on the pool buffers, waited for layer by layer (cache/layer_gate.py)
+        self.load_gate = LayerGate()
         self._build_pools()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         num_moe, top_k = moe_shape(self.model)
@@ -123,7 +126,7 @@ class ModelRunner:
         self.window_tables = {c: torch.zeros_like(self.req_to_token.table) for c in self.window_pages}
         tables = {"main": self.req_to_token.table, **self.window_tables}
         self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
-                                    use_kernels=self.use_kernels)
+                                    use_kernels=self.use_kernels, gate=self.load_gate)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.swa_kv, self.conv) if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,
                     "".join(f", {c}: {n} pages" for c, n in self.window_pages.items()), total / 1e9)
@@ -172,9 +175,11 @@ class ModelRunner:
         """Logits [len(batch.logits_indices), vocab] in fp32: replayed from a CUDA graph for
         decode batches that have one, else eager."""
         if self.graphs is not None and self.graphs.can_run(batch):
+            self.load_gate.wait_all()  # a replay cannot wait between layers
             logits = self.graphs.replay(batch)
         else:
             logits = self._forward_eager(batch)
+            self.load_gate.wait_all()  # buffers the forward did not touch (the drafter may read them)
         if self.routing is not None:
             self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc)
         return logits

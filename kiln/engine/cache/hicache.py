@@ -504,7 +504,7 @@ def build_hicache(cfg: HiCacheConfig, tree: RadixCache, runner, source, config) 
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if sum(page_bytes[n] * p for n, p in plan(mid).items()) <= budget else (lo, mid)
         ratio = lo
-    host = HostPool(spaces, plan(ratio), config.page_size, runner.device)
+    host = HostPool(spaces, plan(ratio), config.page_size, runner.device, gate=runner.load_gate)
     storage = None
     if cfg.storage_backend == "file":
         identity = model_identity(source, config, runner)

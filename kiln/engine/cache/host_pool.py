@@ -9,9 +9,12 @@ Device -> host copies are staged and land in the host pool later, oldest first
 (`finish_pending`): before anything reads or overwrites those host pages, else at the step after
 next (`before_forward`), when the forward they followed has certainly finished. On CUDA the host
 buffers are page-locked, the copies gather pages on a side stream into pinned staging buffers,
-and host -> device copies go on the same stream, which the forward's stream waits for
-(`before_forward`). The side stream first waits for the work already queued on the compute
-stream, so a backup always reads fully computed pages. With overlap scheduling the scheduler
+and host -> device copies go on the same stream, straight from the page-locked host pool (one copy
+per run of consecutive host pages, then one scatter on the device). With a `LayerGate` the
+forward waits for each buffer's copies right before the layer that uses it (layer-wise overlap
+of load-back and forward); without one it waits for all of them (`before_forward`). The side
+stream first waits for the work already queued on the compute stream, so a backup always reads
+fully computed pages. With overlap scheduling the scheduler
 therefore never blocks on the queued forward because of a backup. On CPU the staging is a plain
 copy, so the tests exercise the same ordering.
 """
@@ -25,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from kiln.engine.cache.allocator import PageAllocator
+from kiln.engine.cache.layer_gate import LayerGate
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,18 @@ class _PendingCopy:
     index: torch.Tensor
 
 
+def page_runs(pages: list[int], page_size: int) -> list[tuple[int, int]]:
+    """(first slot, number of slots) of each run of consecutive pages, in the order given: the
+    slots of `pages` as few contiguous copies."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p * page_size:
+            runs[-1][1] += page_size
+        else:
+            runs.append([p * page_size, page_size])
+    return [(a, n) for a, n in runs]
+
+
 def available_host_bytes() -> Optional[int]:
     """MemAvailable from /proc/meminfo (None where unknown)."""
     try:
@@ -85,8 +101,9 @@ class HostPool:
     """Host spaces of `host_pages[name]` usable pages each."""
 
     def __init__(self, spaces: dict[str, DeviceTensors], host_pages: dict[str, int], page_size: int,
-                 device: torch.device):
+                 device: torch.device, gate: Optional[LayerGate] = None):
         self.page_size = page_size
+        self.gate = gate  # per-buffer copy events for the forward (CUDA); None: wait for all
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -150,6 +167,7 @@ class HostPool:
                 t = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, pin_memory=True)
                 t.copy_(d.index_select(0, didx), non_blocking=True)
                 staged.append(t)
+                self._gate(d)  # the forward may overwrite these pages once they are read
             done = torch.cuda.Event()
             done.record(self.stream)
         self._pending.append(_PendingCopy(space, frozenset(host_pages), self.generation, done, s.tensors,
@@ -167,12 +185,26 @@ class HostPool:
             for h, d in zip(s.tensors, s.device_tensors()):
                 d.index_copy_(0, didx, h.index_select(0, hidx))
             return
+        runs = page_runs(host_pages, self.page_size)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
-                src = h.index_select(0, hidx).pin_memory()
-                d.index_copy_(0, didx, src.to(self.device, non_blocking=True))
+                # DMA straight from the page-locked pool: no gather on the host.
+                stage = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, device=self.device)
+                at = 0
+                for first, n in runs:
+                    stage[at:at + n].copy_(h[first:first + n], non_blocking=True)
+                    at += n
+                d.index_copy_(0, didx, stage)
+                self._gate(d)
+
+    def _gate(self, buffer: torch.Tensor) -> None:
+        """Record that the side stream's copies on `buffer` so far end here (CUDA, with a gate)."""
+        if self.gate is not None:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.gate.record(buffer, ev)
 
     def read(self, space: str, host_pages: list[int]) -> list[torch.Tensor]:
         """Copies of the host pages' data, one tensor per buffer ([n * page_size, *shape])."""
@@ -223,10 +255,13 @@ class HostPool:
         overwrite)."""
         self.finish_pending(before_generation=self.generation - 1)
         self.generation += 1
-        self.wait_device()
+        if self.gate is None:
+            self.wait_device()
 
     def wait_device(self) -> None:
         """The compute stream waits for the side stream's copies (CUDA)."""
+        if self.gate is not None:
+            self.gate.wait_all()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
