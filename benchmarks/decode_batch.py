@@ -16,6 +16,9 @@ tokens each (ignore_eos, greedy), all submitted at once. Reported per B:
 - `roofline_tok_s`: B / (bytes one step reads at the mean decode context / measured bandwidth),
   with `roofline.roofline_bytes` (weights read at this batch: for MoE the distinct experts hit,
   plus each sequence's state), and `frac_of_roofline` = decode_tok_s / roofline_tok_s.
+- `round_ms`: decode time / scheduler steps in the decode phase (one speculative round each with
+  `--speculative-algorithm`; = `step_ms` without), and `accept_len`: tokens per round per request
+  (accepted drafts + 1, from the engine's speculative counters; None without speculation);
 - with `--profile`: `gpu_idle_frac`, measured with torch.profiler over `--profile-steps` decode
   steps in the middle of the decode phase: 1 - (union of the GPU kernel and memcpy intervals) /
   (wall time from the first to the last GPU activity). A CUDA-graph replay appears as its kernels.
@@ -38,8 +41,8 @@ from common import log  # noqa: E402
 from kiln.engine.io import GenerateReq  # noqa: E402
 from kiln.engine.request import SamplingParams  # noqa: E402
 
-COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "decode_tok_s", "total_tok_s",
-           "roofline_tok_s", "frac_of_roofline", "gpu_idle_frac", "note"]
+COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "round_ms", "accept_len", "decode_tok_s",
+           "total_tok_s", "roofline_tok_s", "frac_of_roofline", "gpu_idle_frac", "note"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=None, help="Generated tokens (default 1024; --quick 8).")
     p.add_argument("--profile", action="store_true", help="Measure the GPU idle fraction (CUDA).")
     p.add_argument("--profile-steps", type=int, default=20, help="Decode steps inside the profile window.")
+    p.add_argument("--host-profile", action="store_true",
+                   help="After the GPU profile window, profile the host (cProfile) over as many steps.")
     p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
     common.add_bench_args(p)
     return p
@@ -67,17 +72,52 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_idle_fraction(prof) -> Optional[float]:
-    """1 - busy / span over the GPU activities (kernels, memcpy, memset) a torch.profiler trace
-    recorded; None when it recorded none."""
-    intervals = []
+def gpu_activity(prof) -> tuple[Optional[float], float, dict[str, tuple[float, int]]]:
+    """From a torch.profiler trace: the GPU idle fraction 1 - busy / span over its activities
+    (kernels, memcpy, memset; None when it recorded none), the busy microseconds, and per
+    activity name its total microseconds and count."""
+    intervals, by_name = [], {}
     for ev in prof.events():
         if ev.device_type is not None and "CUDA" in str(ev.device_type) and ev.time_range.elapsed_us() > 0:
             intervals.append((ev.time_range.start, ev.time_range.end))
+            us, n = by_name.get(ev.name, (0.0, 0))
+            by_name[ev.name] = (us + ev.time_range.elapsed_us(), n + 1)
     if not intervals:
-        return None
+        return None, 0.0, {}
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
-    return 1.0 - _union_us(intervals) / span if span > 0 else None
+    busy = _union_us(intervals)
+    return (1.0 - busy / span if span > 0 else None), busy, by_name
+
+
+def gpu_idle_fraction(prof) -> Optional[float]:
+    """1 - busy / span over the GPU activities a torch.profiler trace recorded (None if none)."""
+    return gpu_activity(prof)[0]
+
+
+def print_kernel_table(by_name: dict[str, tuple[float, int]], steps: int, busy_us: float, top: int = 12) -> None:
+    """The GPU activities that took the most time per decode step: where a step's time goes."""
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    log(f"GPU busy {busy_us / steps / 1e3:.3f} ms per step; top activities per step:")
+    for name, (us, n) in rows:
+        log(f"  {us / steps:9.1f} us  x{n / steps:6.1f}  {name[:110]}")
+
+
+def print_host_profile(prof, steps: int, top: int = 15) -> None:
+    """The host functions that took the most time per scheduler step (cProfile, own time)."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())
+    log(f"host time {total / steps * 1e3:.3f} ms per step (cProfile, inflated by the profiler); top own time:")
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, fn), (cc, nc, tt, ct, _) in rows:
+        log(f"  {tt / steps * 1e6:9.1f} us  x{nc / steps:6.1f}  {os.path.basename(file)}:{line} {fn}")
+
+
+def _spec_counts(core):
+    """The engine's speculative counters so far (a copy), or None without speculation."""
+    spec = core.stats().spec
+    return spec.copy() if spec is not None else None
 
 
 def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
@@ -91,7 +131,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
                                      params=params))
     # Profile a window a quarter of the way into the decode phase (steady state, graphs warm).
     want_profile = args.profile and device == "cuda"
-    decode_step = prof = prof_from = idle = None
+    decode_step = prof = prof_from = idle = host_prof = host_from = spec0 = None
     note = ""
     while core.has_work():
         if want_profile and prof is None and decode_step is not None and \
@@ -112,11 +152,24 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
                 done[o.rid] = now
         if decode_step is None and len(first) == bs:
             decode_step = steps
+            spec0 = _spec_counts(core)
         if prof_from is not None and steps - prof_from >= args.profile_steps:
             common.synchronize(device)
             prof.__exit__(None, None, None)
-            idle, prof_from = gpu_idle_fraction(prof), None
+            idle, busy, by_name = gpu_activity(prof)
+            prof_from = None
             note += f"idle over {args.profile_steps} steps; "
+            log(f"batch {bs}: GPU idle {idle if idle is None else round(idle, 3)}")
+            print_kernel_table(by_name, args.profile_steps, busy)
+            if args.host_profile:
+                import cProfile
+
+                host_prof, host_from = cProfile.Profile(), steps
+                host_prof.enable()
+        if host_from is not None and steps - host_from >= args.profile_steps:
+            host_prof.disable()
+            host_from = None
+            print_host_profile(host_prof, args.profile_steps)
         if args.time_limit and now - start > args.time_limit and core.has_work():
             for i in range(bs):
                 core.abort(f"b{bs}-{i}")
@@ -131,8 +184,15 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     decode_start = max(first.values())
     decode_s = max(done.values()) - decode_start
     steps_decode = args.output_len - 1
+    rounds = steps - decode_step
+    spec1 = _spec_counts(core)
+    accept_len = None
+    if spec0 is not None and spec1 is not None and spec1.verify_steps > spec0.verify_steps:
+        n = spec1.verify_steps - spec0.verify_steps
+        accept_len = 1.0 + (spec1.accepted_tokens - spec0.accepted_tokens) / n
     return {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
             "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
+            "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None, "accept_len": accept_len,
             "decode_tok_s": len(done) * steps_decode / decode_s if decode_s > 0 else None,
             "total_tok_s": len(done) * args.output_len / (end - start), "gpu_idle_frac": idle,
             "note": note + f"{steps} steps"}

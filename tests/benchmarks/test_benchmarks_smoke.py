@@ -135,11 +135,14 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
 
 
 def test_gpu_idle_fraction_union():
-    """The idle fraction counts overlapping GPU intervals once."""
+    """The idle fraction counts overlapping GPU intervals once; per-kernel totals add up."""
     class Ev:
-        def __init__(self, s, e):
+        def __init__(self, s, e, name="k"):
             self.device_type = "DeviceType.CUDA"
+            self.name = name
             self.time_range = type("R", (), {"start": s, "end": e, "elapsed_us": lambda self: e - s})()
 
-    prof = type("P", (), {"events": lambda self: [Ev(0, 10), Ev(5, 20), Ev(30, 40)]})()
+    prof = type("P", (), {"events": lambda self: [Ev(0, 10, "a"), Ev(5, 20), Ev(30, 40)]})()
     assert decode_batch.gpu_idle_fraction(prof) == pytest.approx(1 - 30 / 40)
+    idle, busy, by_name = decode_batch.gpu_activity(prof)
+    assert busy == 30 and by_name == {"a": (10, 1), "k": (25, 2)}
