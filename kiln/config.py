@@ -93,6 +93,13 @@ class EngineConfig:
         "the checkpoint's MTP layers (Inkling). Turns overlap scheduling and CUDA graphs off.", ["mtp"])
     speculative_num_steps: Optional[int] = opt(
         None, "Draft length K per round (mtp: at most the checkpoint's MTP layers; default: all of them).")
+    speculative_use_rejection_sampling: bool = opt(
+        False, "Sampled requests (temperature > 0): draw each draft from the drafter's processed "
+        "distribution q and verify by token-wise rejection sampling (accept with min(1, p/q), resample "
+        "from max(0, p - q)). Exact; greedy requests keep greedy verification.")
+    speculative_use_block_verification: bool = opt(
+        False, "Like --speculative-use-rejection-sampling, but verify the draft block jointly (Sun et al., "
+        "block verification): exact, and never fewer accepted tokens in expectation.")
     # Server
     host: str = opt("127.0.0.1", "HTTP host.")
     port: int = opt(30000, "HTTP port.")
@@ -104,6 +111,16 @@ class EngineConfig:
     tool_call_parser: Optional[str] = opt(
         None, "Chat API: return the model's tool calls as message.tool_calls (when the request has tools).",
         sorted(TOOL_CALL_PARSERS))
+
+    def __post_init__(self) -> None:
+        if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
+            raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
+                             "are two ways to verify sampled drafts; pick one")
+        if self.speculative_algorithm is None:
+            for flag in ("speculative_use_rejection_sampling", "speculative_use_block_verification"):
+                if getattr(self, flag):
+                    raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-algorithm "
+                                     f"(it verifies a drafter's proposals)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

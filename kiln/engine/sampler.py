@@ -34,7 +34,9 @@ logprob and the top-Kmax (Kmax = the largest k asked by any row; rows asking few
 columns); nothing is computed when no row asks.
 
 `processed_probs` gives the distribution each row actually samples from (one-hot for greedy rows);
-the sampler and speculative decoding use the same steps.
+the sampler and speculative decoding use the same steps. Exact speculative verification also draws
+its drafts with `Sampler.draw` (the same race, the same per-row generators) and its acceptance
+uniforms with `Sampler.uniforms`.
 
 Which code runs where:
 - CPU (and any device without Triton): the torch reference below, `filtered_probs` with one
@@ -275,6 +277,22 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(_greedy_mask(batch).unsqueeze(1), one_hot, probs)
 
 
+def _race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """`argmax(probs / e)` with `e ~ Exp(1)`: an exact draw from each row of `probs`."""
+    # Exp(1) can round to 0 on some backends; a 0 would turn 0/0 into a NaN argmax.
+    return (probs / e.clamp_min(torch.finfo(e.dtype).tiny)).argmax(dim=-1)
+
+
+def attach_logprobs(out: SampleOutput, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Fill `out`'s logprobs (chosen = `out.token_ids`, and the top-Kmax) when any row asks."""
+    kmax = max(batch.num_top_logprobs, default=-1)
+    if kmax >= 0:
+        lp = compute_logprobs(logits, batch.temperatures)
+        out.logprobs = lp.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+        out.top_logprobs, out.top_ids = torch.topk(lp, min(kmax, logits.shape[1]), dim=-1)
+    return out
+
+
 class Sampler:
     """Samples one token per row from a batch of logits (see the module docstring)."""
 
@@ -308,23 +326,36 @@ class Sampler:
 
                 drawn = sampling.sample(xs, *params, e)  # filter + race, fused
             else:
-                probs = filtered_probs(xs, *params)
-                # Exp(1) can round to 0 on some backends; a 0 would turn 0/0 into a NaN argmax.
-                e = e.clamp_min(torch.finfo(e.dtype).tiny)
-                drawn = (probs / e).argmax(dim=-1)
+                drawn = _race(filtered_probs(xs, *params), e)
             if greedy is None:
                 token_ids = torch.where(_greedy_mask(batch).to(dev, non_blocking=True), token_ids, drawn)
             elif idx is None:
                 token_ids = drawn
             else:
                 token_ids = token_ids.index_copy(0, idx, drawn)
-        out = SampleOutput(token_ids=token_ids)
-        kmax = max(batch.num_top_logprobs, default=-1)
-        if kmax >= 0:
-            lp = compute_logprobs(logits, batch.temperatures)
-            out.logprobs = lp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            out.top_logprobs, out.top_ids = torch.topk(lp, min(kmax, V), dim=-1)
-        return out
+        return attach_logprobs(SampleOutput(token_ids=token_ids), logits, batch)
+
+    def draw(self, probs: torch.Tensor, generators: list) -> torch.Tensor:
+        """One token per row of `probs` `[S, V]` (final distributions, e.g. `processed_probs`),
+        by the same exponential race and per-row generators as `__call__` (speculative decoding
+        samples its drafts with it)."""
+        return _race(probs, self._exponentials(generators, probs.shape[1], probs.device))
+
+    def uniforms(self, generators: list, counts: list[int], dev) -> torch.Tensor:
+        """`[S, max(counts)]` float32 U(0, 1): row i draws `counts[i]` values from its own
+        generator (the rest of the row is padding), so a seeded stream does not depend on the
+        batch; rows without one share one draw from the shared generator."""
+        width = max(counts, default=0)
+        n_shared = sum(g is None for g in generators)
+        shared = iter(torch.rand(n_shared, width, device=dev, generator=self.generator) if n_shared else ())
+        rows = []
+        for g, c in zip(generators, counts):
+            if g is None:
+                rows.append(next(shared))
+            else:
+                own = torch.rand(c, device=dev, generator=g)
+                rows.append(torch.cat([own, own.new_zeros(width - c)]) if c < width else own)
+        return torch.stack(rows) if rows else torch.zeros(0, width, device=dev)
 
     def _exponentials(self, gens: list, V: int, dev) -> torch.Tensor:
         """`[S, V]` Exp(1) noise: one draw of V from each row's own generator; the rows without

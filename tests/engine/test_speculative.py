@@ -98,8 +98,9 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
 
     spec._verify_and_commit, spec.drafter.run = capture_verify, capture_drafts
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(reqs):
-        core.add_request(GenerateReq(rid=f"{tag}{i}", input_ids=ids, params=params))
+    for i, ids in enumerate(reqs):  # params: one for all, or a list with one per request
+        core.add_request(GenerateReq(rid=f"{tag}{i}", input_ids=ids,
+                                     params=params[i] if isinstance(params, list) else params))
     out, cached, last = {}, {}, {}
     for _ in range(2000):  # a broken rollback can leave a request that is never scheduled again
         if not core.has_work():

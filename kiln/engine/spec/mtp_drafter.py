@@ -21,17 +21,22 @@ After every main forward one *pass* runs, layer by layer, batched over requests:
     the catch-up overwrites it (the key_gap hides it), so rejected drafts need no cleanup.
 This is the wavefront of MODELS.md 2.4 (layer k lags layer k-1 by one index) fused with the next
 round's draft chain, as one extend batch per layer.
+Drafts are the argmax of each layer's logits, except for sampled requests when exact verification
+is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
+counted as output) and keep q in `MTPState.draft_q` for the verify (`sampled_verify`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.request import Req
 from kiln.engine.spec.metrics import SpecCounts
+from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 
 
 def resolve_mtp_steps(config, model) -> int:
@@ -56,6 +61,9 @@ class MTPState:
     drafts: list[int] = field(default_factory=list)
     counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
     draft_logits: list = field(default_factory=list)  # per layer [V], when the drafter keeps them
+    # q [k, V]: the distributions the drafts were sampled from (sampled requests with exact
+    # verification on; None: argmax drafts, verified as point masses). See sampled_verify.
+    draft_q: Optional[torch.Tensor] = None
 
     @classmethod
     def fresh(cls, num_layers: int, num_computed: int) -> "MTPState":
@@ -90,6 +98,8 @@ class MTPDrafter:
         self.swa_table = runner.window_tables["swa"]
         self.conv_table = runner.window_tables["conv"]
         self.keep_logits = False  # tests: keep each draft's logits on the request (MTPState.draft_logits)
+        # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
+        self.sample_drafts = False
 
     def site(self, k: int) -> torch.Tensor:
         """[conv slots, H] buffer of h^k per stored position."""
@@ -109,7 +119,8 @@ class MTPDrafter:
         dev = self.runner.device
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
         for r in reqs:
-            r.spec.drafts, r.spec.draft_logits = [], []
+            r.spec.drafts, r.spec.draft_logits, r.spec.draft_q = [], [], None
+        q_rows: dict[str, list[torch.Tensor]] = {}
         prev_frontier = {r.rid: r.num_computed for r in reqs}
         for k, layer in enumerate(self.layers, start=1):
             items: list[_Rows] = []
@@ -140,10 +151,21 @@ class MTPDrafter:
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
                 logits = self.model.lm_head.compute_logits(layer.final_norm(h)).float()
-                for i, (r, t) in enumerate(zip(drafting, logits.argmax(dim=-1).tolist())):
+                tokens = logits.argmax(dim=-1).tolist()
+                sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
+                if sampled:  # d_k ~ q_k, processed like the target's rows (d_1..d_{k-1} as output)
+                    drawn, q = draw_drafts(self.runner.sampler, logits[sampled],
+                                           [row_view(drafting[i], drafting[i].spec.drafts, dev) for i in sampled])
+                    for j, i in enumerate(sampled):
+                        tokens[i] = drawn[j]
+                        q_rows.setdefault(drafting[i].rid, []).append(q[j])
+                for i, (r, t) in enumerate(zip(drafting, tokens)):
                     r.spec.drafts.append(int(t))
                     if self.keep_logits:
                         r.spec.draft_logits.append(logits[i])
+        for r in reqs:
+            if r.rid in q_rows:
+                r.spec.draft_q = torch.stack(q_rows[r.rid])
 
     def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, dev):
         """Build layer k's batch (catch-up rows then the draft row, per request) and run it.

@@ -10,7 +10,11 @@ d_1..d_k from the previous step's pass):
      sample_i == d_i (`verify.verify_greedy`); the request emits sample_0 .. sample_n. For greedy
      requests this is greedy verification; for sampled requests it is exact too (each emitted
      token is a draw from the target given the emitted prefix: the drafts act as point masses,
-     notes/algorithms.md 1.5), just with lower acceptance than rejection sampling;
+     notes/algorithms.md 1.5), just with lower acceptance than rejection sampling. With
+     --speculative-use-rejection-sampling / --speculative-use-block-verification, a sampled
+     request whose drafter gave q rows (the distributions its drafts were sampled from) is
+     verified instead by `sampled_verify.verify_rounds` (token-wise rejection sampling or block
+     verification on the processed p and q) and emits d_1..d_n plus the residual/bonus token;
   3. commit and roll back: tokens are appended with the usual finish checks (a stop inside the
      accepted run drops the rest); `num_computed` = L + n, so the K/V, sliding-window K/V and
      ShortConv inputs the rejected positions wrote are beyond the computed prefix (overwritten
@@ -26,29 +30,17 @@ Overlap scheduling and CUDA graphs are off with speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kiln.engine.cache.manager import cdiv
 from kiln.engine.request import Req
-from kiln.engine.sampler import SamplingBatch, make_generator
+from kiln.engine.sampler import SamplingBatch
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.mtp_drafter import MTPDrafter, MTPState
+from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
 from kiln.engine.spec.verify import verify_greedy
-
-
-@dataclass
-class _RowView:
-    """What the sampler reads of a request, for verify row i: the drafts before it count as
-    output (penalties, min_tokens)."""
-
-    params: object
-    prompt_ids: list[int]
-    output_ids: list[int]
-    eos_token_ids: tuple
-    generator: object
 
 
 class SpecDecoder:
@@ -58,6 +50,10 @@ class SpecDecoder:
         self.cache = scheduler.cache
         self.num_steps = num_steps
         self.drafter = MTPDrafter(self.runner, num_steps)
+        # 'tokenwise' / 'block': sampled requests draw their drafts from q and verify exactly
+        # (sampled_verify); None: drafts are argmax and verified as point masses.
+        self.method = verify_method(scheduler.config)
+        self.drafter.sample_drafts = self.method is not None
         self.page_size = scheduler.page_size
         scheduler.stats_counters.spec = SpecCounts()
 
@@ -79,7 +75,7 @@ class SpecDecoder:
         """Out of pages: verify no drafts this round (a plain decode). False if there were none."""
         had = bool(r.spec is not None and r.spec.drafts)
         if had:
-            r.spec.drafts = []
+            r.spec.drafts, r.spec.draft_q = [], None
         return had
 
     # ---- after the target forward --------------------------------------------------------
@@ -122,41 +118,65 @@ class SpecDecoder:
 
     def _verify_and_commit(self, logits: torch.Tensor, reqs: list[Req], first_rows: list[int],
                            ends: dict[str, int]) -> None:
-        sched = self.sched
-        views, rows, spans = [], [], []
+        """Verify every round: sampled requests whose drafter gave q rows by rejection sampling or
+        block verification (`sampled_verify`) when a flag asks for it, the others by sampling every
+        row from the target (point masses; greedy verification for greedy requests)."""
+        dev = self.runner.device
+        point, exact = [], []  # (req, drafts, first row, q rows)
         for r, first in zip(reqs, first_rows):
             if r.finished:
                 continue
             k = ends[r.rid] - r.seq_len
             drafts = r.spec.drafts[:k]
-            if r.generator is None and r.params.seed is not None:
-                r.generator = make_generator(r.params.seed, self.runner.device)
-            for i in range(k + 1):
-                views.append(_RowView(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.eos_token_ids,
-                                      r.generator))
-                rows.append(first + i)
-            spans.append((r, drafts))
-        if not spans:
-            return
-        sb = SamplingBatch.from_reqs(views, self.runner.device)
-        out = self.runner.sampler(logits[rows], sb)
+            q = getattr(r.spec, "draft_q", None)
+            if self.method is not None and drafts and q is not None and not r.params.greedy:
+                exact.append((r, drafts, first, q[:k]))
+            else:
+                point.append((r, drafts, first, None))
+        for group, verify in ((point, self._verify_point), (exact, self._verify_exact)):
+            if not group:
+                continue
+            views, rows = [], []
+            for r, drafts, first, _ in group:
+                views += verify_views(r, drafts, dev)
+                rows += range(first, first + len(drafts) + 1)
+            out, accepted = verify(logits[rows], SamplingBatch.from_reqs(views, dev), group)
+            self._commit(group, out, accepted)
+
+    def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
+        """Sample every row; n = the longest prefix with sample_i == d_i."""
+        out = self.runner.sampler(logits, sb)
+        tokens, accepted, row = out.token_ids.tolist(), [], 0
+        for _, drafts, _, _ in group:
+            k = len(drafts)
+            n, _ = verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, k),
+                                 torch.tensor([tokens[row:row + k + 1]]))
+            accepted.append(int(n[0]))
+            row += k + 1
+        return out, accepted
+
+    def _verify_exact(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
+        return verify_rounds(self.runner.sampler, logits, sb, [d for _, d, _, _ in group],
+                             torch.cat([q for *_, q in group]), [r.generator for r, *_ in group], self.method)
+
+    def _commit(self, group, out, accepted: list[int]) -> None:
+        """Append each round's emitted tokens (row i of a round holds its i-th emitted token) with
+        the usual finish checks, and roll back past the accepted drafts."""
+        sched = self.sched
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         row = 0
-        for r, drafts in spans:
+        for (r, drafts, _, _), n in zip(group, accepted):
             k = len(drafts)
-            sampled = tokens[row:row + k + 1]
-            n = int(verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, k),
-                                  torch.tensor([sampled]))[0][0])
             if k:
                 r.spec.counts.record(k, n)
                 sched.stats_counters.spec.record(k, n)
             L = r.seq_len
             reason, emitted = None, 0
             for i in range(n + 1):
-                t = sampled[i]
+                t = tokens[row + i]
                 r.output_ids.append(t)
                 emitted += 1
                 reason = sched._accept_token(r, t, sched._logprob_entry(r, row + i, lps, top_ids, top_lps))
@@ -164,7 +184,7 @@ class SpecDecoder:
                     break
             # positions L-1 .. L-1+n were forwarded with committed tokens
             r.num_computed = L + min(n, emitted)
-            r.spec.drafts = []
+            r.spec.drafts, r.spec.draft_q = [], None
             if reason is not None:
                 sched._end(r, reason)
             sched.outbox.append(sched._output(r, emitted))

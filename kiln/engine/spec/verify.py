@@ -90,7 +90,7 @@ def verify_tokenwise(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     n = torch.cumprod(accept.long(), dim=1).sum(dim=1)
 
     p_n = p[rows, n]                                   # [B, V]; n == g selects p_{g+1}
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[2])], dim=1)  # (g = 0 too)
     q_n = q_pad[rows, n]                               # zero row for the bonus: residual == p
     next_token = _sample_residual(p_n, q_n, torch.ones_like(p_n[:, 0]), residual_uniform)
     return n, next_token
@@ -139,7 +139,7 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
         tau = torch.where((tau == 0) & hit[:, i - 1], torch.full_like(tau, i), tau)
 
     p_t = p[rows, tau]
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[2])], dim=1)  # (g = 0 too)
     q_t = q_pad[rows, tau]                                    # zero row at tau == g -> sample p
     w_t = torch.where(tau == g, torch.ones_like(w[:, 0]), w[rows, tau])
     next_token = _sample_residual(p_t, q_t, w_t, residual_uniform)

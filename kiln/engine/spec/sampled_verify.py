@@ -1,0 +1,114 @@
+"""Exact verification of sampled drafts (`--speculative-use-rejection-sampling`,
+`--speculative-use-block-verification`), drafter-agnostic.
+
+The contract with a drafter: per request, `drafts` d_1..d_k (list[int]) and, for a sampled request,
+`q` `[k, V]`: row i is the distribution d_{i+1} was drawn from, the drafter's *final* sampling
+distribution processed exactly like the target's (`draft_probs`: temperature, top-k, top-p,
+min-p, penalties and min_tokens, with d_1..d_i counted as output), drawn with `draw_drafts` (the
+request's own generator). A drafter that gives no q (greedy drafts) is verified by the point-mass
+rule in `SpecDecoder` instead, which is exact for deterministic drafts.
+
+`verify_rounds` is the engine's verification stage for such requests, vectorised over requests:
+p rows from the target logits through the sampler's `processed_probs` (row i sees d_1..d_i as
+output), uniforms from each request's generator (k + 1 per round: k acceptance draws, then the
+residual/bonus draw), `verify.verify_tokenwise` or `verify.verify_block` per group of equal k,
+and the emitted tokens d_1..d_n, y laid out per verify row. See docs/speculative.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kiln.engine.sampler import SampleOutput, SamplingBatch, attach_logprobs, make_generator, processed_probs
+from kiln.engine.spec.verify import verify_block, verify_tokenwise
+
+METHODS = {"tokenwise": verify_tokenwise, "block": verify_block}
+
+
+def verify_method(config) -> Optional[str]:
+    """'tokenwise', 'block', or None (point-mass verification) from the engine's flags."""
+    if config.speculative_use_block_verification:
+        return "block"
+    if config.speculative_use_rejection_sampling:
+        return "tokenwise"
+    return None
+
+
+@dataclass
+class RowView:
+    """What the sampler reads of a request for one row (a draft's or a verify row's): the drafts
+    before that row count as output (penalties, min_tokens)."""
+
+    params: object
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: tuple
+    generator: object
+
+
+def row_view(req, drafts_before: list[int], device) -> RowView:
+    """The sampler's view of `req` with `drafts_before` appended to its output. Creates the
+    request's generator first when it has a seed (on the Req, not on the view)."""
+    if req.generator is None and req.params.seed is not None:
+        req.generator = make_generator(req.params.seed, device)
+    return RowView(req.params, req.prompt_ids, req.output_ids + drafts_before, req.eos_token_ids, req.generator)
+
+
+def verify_views(req, drafts: list[int], device) -> list[RowView]:
+    """The sampler's views of a round's k + 1 verify rows: row i counts d_1..d_i as output."""
+    return [row_view(req, drafts[:i], device) for i in range(len(drafts) + 1)]
+
+
+def draft_probs(logits: torch.Tensor, views: list) -> torch.Tensor:
+    """q `[B, V]`: the final distribution each draft row samples from (the sampler's own
+    processing, `processed_probs`), for draft logits `[B, V]` and one view per row."""
+    return processed_probs(logits, SamplingBatch.from_reqs(views, logits.device))
+
+
+def draw_drafts(sampler, logits: torch.Tensor, views: list) -> tuple[list[int], torch.Tensor]:
+    """Sample one draft per row from q = `draft_probs(logits, views)` with each row's generator
+    (the sampler's exponential race). Returns (tokens, q `[B, V]`)."""
+    q = draft_probs(logits, views)
+    return sampler.draw(q, [v.generator for v in views]).tolist(), q
+
+
+def verify_rounds(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+                  q: torch.Tensor, generators: list, method: str) -> tuple[SampleOutput, list[int]]:
+    """Verify B rounds of sampled drafts.
+
+    logits `[R, V]`: the target rows of every round, round b's k_b + 1 rows in order (row i
+    predicts the token after d_1..d_i); `batch`: the sampler's batch of those rows (row i counts
+    d_1..d_i as output); `drafts[b]` = d_1..d_{k_b} (k_b >= 0); q `[sum k_b, V]`: the rounds' q rows
+    concatenated in the same order; `generators[b]`: round b's generator (None: the sampler's
+    shared one); method 'tokenwise' or 'block'.
+
+    Returns (out, num_accepted): `out.token_ids[R]` holds, at round b's rows 0..n_b, the emitted
+    tokens d_1..d_{n_b}, y (0 beyond), with logprobs when the batch asks; num_accepted[b] = n_b."""
+    fn = METHODS[method]
+    dev = logits.device
+    p = processed_probs(logits, batch)
+    ks = [len(d) for d in drafts]
+    B = len(ks)
+    k_t = torch.tensor(ks, dtype=torch.long)
+    starts = torch.cumsum(k_t + 1, 0) - (k_t + 1)  # first row of each round
+    q_starts = torch.cumsum(k_t, 0) - k_t
+    u = sampler.uniforms(generators, [k + 1 for k in ks], dev)  # k acceptance draws + 1 residual
+    tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=dev)
+    accepted = torch.zeros(B, dtype=torch.long)
+    for k in sorted(set(ks)):
+        idx = torch.nonzero(k_t == k).squeeze(1)
+        rows = (starts[idx].unsqueeze(1) + torch.arange(k + 1)).to(dev)  # [b, k + 1]
+        q_rows = (q_starts[idx].unsqueeze(1) + torch.arange(k)).to(dev)  # [b, k]
+        d = torch.tensor([drafts[i] for i in idx.tolist()], dtype=torch.long, device=dev).reshape(len(idx), k)
+        ui = u[idx.to(dev)]
+        n, y = fn(p[rows], q[q_rows], d, ui[:, :k], ui[:, k])
+        emitted = torch.cat([d, y.unsqueeze(1)], 1)  # d_1..d_k, y ...
+        j = torch.arange(k + 1, device=dev).unsqueeze(0)
+        emitted = torch.where(j < n.unsqueeze(1), emitted, 0)
+        emitted = emitted.scatter(1, n.unsqueeze(1), y.unsqueeze(1))  # ... is d_1..d_n, y, 0..
+        tokens[rows.reshape(-1)] = emitted.reshape(-1)
+        accepted[idx] = n.cpu()
+    return attach_logprobs(SampleOutput(token_ids=tokens), logits, batch), accepted.tolist()
