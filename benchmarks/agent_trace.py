@@ -261,6 +261,8 @@ def serve_args(base: str, extra: str) -> list[str]:
 
 def run_variant(name: str, url: str, trace: list[Session], levels: list[int], opts) -> list[dict]:
     rows = []
+    if opts.warmup_s > 0:  # compile the kernels' prefill shapes before measuring (not reported)
+        asyncio.run(replay(url, trace[-2:], 2, 0.0, opts.warmup_s))
     for c in levels:
         httpx.post(url + "/flush_cache", timeout=60)
         sessions = trace[:c * opts.sessions_per_user]
@@ -317,6 +319,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-gpus", type=int, default=1, help="Divide throughput by this.")
     p.add_argument("--level-time-limit", type=float, default=None, help="Seconds per level before no new turn starts.")
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="Seconds of unreported turns (two sessions from the end of the trace) per server first.")
     p.add_argument("--log-dir", default=None, help="Server logs (default: next to --out, else /tmp).")
     p.add_argument("--out", default=None, help="JSON rows + metadata.")
     p.add_argument("--plot", default=None, help="PNG of throughput and per-user speed against concurrency.")

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Two H200s (device kind nvidia-h200-x2), bf16, dummy weights: two lanes side by side, one per
+# GPU (CUDA_VISIBLE_DEVICES), so that one call measures twice as much; `PHASE` picks the call.
+#   PHASE=diag   lane 0: gpu-marked tests; decode profiles (GPU kernel table, host cProfile) of the
+#                        8B shape at batch 1/64, Inkling bench at 1/8/64 (8K), MiniMax-M3 bench at
+#                        1/32 (8K); Inkling MTP rounds (k=3) against plain decode at batch 1/8/32
+#                lane 1: the agent trace, GPU-only caching against HiCache 2x and 4x
+#   PHASE=tables lane 0: Inkling and MiniMax-M3 bench at batch 8/32/64/128, input 8192 / output 1024;
+#                        8B batch-1 latency against transformers
+#                lane 1: nano-vllm's offline workload, Qwen3-0.6B and 8B shapes, against
+#                        transformers' generate_batch
+#   PHASE=tp2    both GPUs: `run_h200_tp2.sh`
+# Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
+#
+#   PHASE=diag bash benchmarks/run_h200_x2.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+R=${OUT:-benchmarks/results/h200-x2-$(date +%Y%m%d-%H%M)}; mkdir -p "$R" "$R/json"
+LLAMA=benchmarks/configs/llama-3.1-8b; QWEN=benchmarks/configs/qwen3-0.6b
+INK=preset:inkling/bench; MM=preset:minimax_m3/bench
+C="--dummy-init auto"
+PHASE=${PHASE:-diag}
+
+step() {  # step NAME LIMIT CMD...: one bounded command, its stdout and stderr into the lane log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s, started $(date -u +%T))"
+  timeout "$limit" "$@" 2>&1 || echo "=== $name: exit $? (124 = stopped by its limit)"
+}
+decode() { python benchmarks/decode_batch.py "$@" $C; }
+
+lane0_diag() {
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 90
+  step decode_llama8b ${T_8B:-90} decode --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+    --profile --host-profile --out "$R/json/decode_llama8b.json"
+  step decode_inkling ${T_INK:-100} decode --model-path $INK --batch-sizes 1,8,64 --input-len 8192 --output-len 128 \
+    --profile --host-profile --out "$R/json/decode_inkling_diag.json"
+  step decode_minimax ${T_MM:-80} decode --model-path $MM --batch-sizes 1,32 --input-len 8192 --output-len 128 \
+    --profile --out "$R/json/decode_minimax_diag.json"
+  step spec_inkling ${T_SPEC:-70} decode --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
+}
+
+lane1_diag() {
+  step agent_trace ${T_AGENT:-470} python benchmarks/agent_trace.py \
+    --serve-args "--model-path $INK --load-format dummy --skip-tokenizer-init --max-total-tokens 60000 --cuda-graph-max-bs 64" \
+    --variant device= \
+    --variant hicache-2x="--enable-hierarchical-cache --hicache-ratio 2" \
+    --variant hicache-4x="--enable-hierarchical-cache --hicache-ratio 4" \
+    --concurrency 8,32 --level-time-limit ${AGENT_LEVEL_S:-40} --time-scale 0.25 --warmup-s 10 \
+    --startup-timeout 120 --log-dir "$R/json" --out "$R/agent_trace_h200.json" --plot "$R/agent_trace_h200.png"
+}
+
+lane0_tables() {
+  step decode_inkling ${T_INK:-260} decode --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 80 --out "$R/json/decode_inkling.json"
+  step decode_minimax ${T_MM:-200} decode --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 60 --out "$R/json/decode_minimax.json"
+  step latency_llama8b ${T_LAT:-100} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+}
+
+lane1_tables() {
+  step offline_qwen ${T_QWEN:-200} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
+    --time-limit 60 --no-progress --out "$R/json/offline_qwen.json"
+  step offline_llama8b ${T_OFF8B:-300} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --time-limit 90 --no-progress --out "$R/json/offline_llama8b.json"
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
+case $PHASE in
+  diag|tables)
+    (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
+    wait
+    tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
+    grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
+  tp2) bash benchmarks/run_h200_tp2.sh ;;
+  *) echo "PHASE must be diag, tables or tp2"; exit 2 ;;
+esac
