@@ -27,17 +27,18 @@ step() {  # step NAME LIMIT CMD...: one bounded command, its stdout and stderr i
   echo "=== $name (limit ${limit}s, started $(date -u +%T))"
   timeout "$limit" "$@" 2>&1 || echo "=== $name: exit $? (124 = stopped by its limit)"
 }
-decode() { python benchmarks/decode_batch.py "$@" $C; }
+DECODE="python benchmarks/decode_batch.py $C"
 
 lane0_diag() {
-  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 90
-  step decode_llama8b ${T_8B:-90} decode --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 90 \
+    --continue-on-collection-errors
+  step decode_llama8b ${T_8B:-90} $DECODE --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
     --profile --host-profile --out "$R/json/decode_llama8b.json"
-  step decode_inkling ${T_INK:-100} decode --model-path $INK --batch-sizes 1,8,64 --input-len 8192 --output-len 128 \
+  step decode_inkling ${T_INK:-100} $DECODE --model-path $INK --batch-sizes 1,8,64 --input-len 8192 --output-len 128 \
     --profile --host-profile --out "$R/json/decode_inkling_diag.json"
-  step decode_minimax ${T_MM:-80} decode --model-path $MM --batch-sizes 1,32 --input-len 8192 --output-len 128 \
+  step decode_minimax ${T_MM:-80} $DECODE --model-path $MM --batch-sizes 1,32 --input-len 8192 --output-len 128 \
     --profile --out "$R/json/decode_minimax_diag.json"
-  step spec_inkling ${T_SPEC:-70} decode --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+  step spec_inkling ${T_SPEC:-70} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
     --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
 }
 
@@ -52,9 +53,9 @@ lane1_diag() {
 }
 
 lane0_tables() {
-  step decode_inkling ${T_INK:-260} decode --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+  step decode_inkling ${T_INK:-260} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
     --output-len 1024 --time-limit 80 --out "$R/json/decode_inkling.json"
-  step decode_minimax ${T_MM:-200} decode --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
+  step decode_minimax ${T_MM:-200} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
     --output-len 1024 --time-limit 60 --out "$R/json/decode_minimax.json"
   step latency_llama8b ${T_LAT:-100} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
     --out "$R/json/latency_llama8b.json"
