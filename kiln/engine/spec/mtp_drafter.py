@@ -31,7 +31,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.request import Req
-from kiln.engine.spec.metrics import SpecCounts
+from kiln.engine.spec.drafter import DraftState
 
 
 def resolve_mtp_steps(config, model) -> int:
@@ -49,19 +49,16 @@ def resolve_mtp_steps(config, model) -> int:
 
 
 @dataclass
-class MTPState:
-    """A request's drafter state: completeness frontiers and the drafts for its next verify."""
+class MTPState(DraftState):
+    """A request's MTP state: completeness frontiers, plus the drafts for its next verify."""
 
-    frontier: list[int]  # F_k for k = 1..K, stored coordinates
-    drafts: list[int] = field(default_factory=list)
-    counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
-    draft_logits: list = field(default_factory=list)  # per layer [V], when the drafter keeps them
+    frontier: list[int] = field(default_factory=list)  # F_k for k = 1..K, stored coordinates
 
     @classmethod
     def fresh(cls, num_layers: int, num_computed: int) -> "MTPState":
         """After admission with `num_computed` tokens from the prefix cache: every cached page holds
         complete entries; stored positions < k hold no entry of layer k at all."""
-        return cls([max(k, num_computed) for k in range(1, num_layers + 1)])
+        return cls(frontier=[max(k, num_computed) for k in range(1, num_layers + 1)])
 
     @property
     def complete(self) -> int:
@@ -90,6 +87,24 @@ class MTPDrafter:
         self.swa_table = runner.window_tables["swa"]
         self.conv_table = runner.window_tables["conv"]
         self.keep_logits = False  # tests: keep each draft's logits on the request (MTPState.draft_logits)
+
+    # ---- the drafter contract (kiln.engine.spec.drafter) ----------------------------------
+    @property
+    def num_steps(self) -> int:
+        return self.num_layers
+
+    def new_state(self, r: Req) -> MTPState:
+        return MTPState.fresh(self.num_layers, r.num_computed)
+
+    def pages_needed(self, seq_len: int, k: int) -> int:
+        """The committed positions (catch-up) and the draft rows' stored positions up to T - 2 + k."""
+        return max(seq_len, seq_len - 1 + k)
+
+    def on_forward(self, batch) -> None:
+        """Nothing before verification: h^0 is stored for committed rows only (`on_commit`)."""
+
+    def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
+        self.store_main_hidden(r, first_pos, batch.extras["hidden"][rows])
 
     def site(self, k: int) -> torch.Tensor:
         """[conv slots, H] buffer of h^k per stored position."""
