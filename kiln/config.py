@@ -90,9 +90,12 @@ class EngineConfig:
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(
         None, "Draft tokens and verify them in one target forward per decode round: 'mtp' drafts with "
-        "the checkpoint's MTP layers (Inkling). Turns overlap scheduling and CUDA graphs off.", ["mtp"])
+        "the checkpoint's MTP layers (Inkling), 'dflash' with a block drafter from "
+        "--speculative-draft-model-path, 'dspark' with the block drafter in a MiniMax-M3 checkpoint. "
+        "Turns overlap scheduling and CUDA graphs off.", ["mtp", "dflash", "dspark"])
     speculative_num_steps: Optional[int] = opt(
-        None, "Draft length K per round (mtp: at most the checkpoint's MTP layers; default: all of them).")
+        None, "Draft length K per round (mtp: at most the checkpoint's MTP layers, default all of them; "
+        "dflash/dspark: at most block_size - 1, default block_size - 1).")
     speculative_use_rejection_sampling: bool = opt(
         False, "Sampled requests (temperature > 0): draw each draft from the drafter's processed "
         "distribution q and verify by token-wise rejection sampling (accept with min(1, p/q), resample "
@@ -100,6 +103,8 @@ class EngineConfig:
     speculative_use_block_verification: bool = opt(
         False, "Like --speculative-use-rejection-sampling, but verify the draft block jointly (Sun et al., "
         "block verification): exact, and never fewer accepted tokens in expectation.")
+    speculative_draft_model_path: Optional[str] = opt(
+        None, "dflash: directory of the drafter (config.json with model_type 'dflash' + safetensors).")
     # Server
     host: str = opt("127.0.0.1", "HTTP host.")
     port: int = opt(30000, "HTTP port.")

@@ -46,6 +46,19 @@ class ForwardBatch:
     extend_lens_t: Optional[torch.Tensor] = None  # [B] int64
     extend_starts_t: Optional[torch.Tensor] = None  # [B] int64
     max_extend_len: int = 0  # host int: the extend kernels' grid
+    # Taps for block drafters (speculative decoding): the model's layer loop keeps the input hidden
+    # state of every layer listed here (the residual entering it, SGLang's capture convention).
+    capture_layers: tuple = ()
+    captured: dict = field(default_factory=dict)  # layer id -> [T, H]
+
+    def capture(self, layer_id: int, h: torch.Tensor) -> None:
+        """Called by the model loop with the hidden state entering layer `layer_id`."""
+        if layer_id in self.capture_layers:
+            self.captured[layer_id] = h
+
+    def taps(self) -> torch.Tensor:
+        """The captured hidden states concatenated in `capture_layers` order: [T, len * H]."""
+        return torch.cat([self.captured[i] for i in self.capture_layers], dim=-1)
 
     @staticmethod
     def length_lists(prefix_lens: list[int], extend_lens: list[int]) -> dict[str, list[int]]:

@@ -143,7 +143,7 @@ class Req:
     # prefix (speculative decoding's MTP caches); the prefix cache takes pages only up to here.
     # None: num_computed.
     cache_limit: Optional[int] = None
-    spec: object = None  # speculative decoding state (kiln.engine.spec.mtp_drafter.MTPState)
+    spec: object = None  # speculative decoding state (kiln.engine.spec.drafter.DraftState)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cached_tiers: dict = field(default_factory=dict)  # those tokens by tier: device / host / disk
     match_tiers: dict = field(default_factory=dict)  # the latest prefix match, by tier (CacheManager)

@@ -40,13 +40,25 @@ class ModelRunner:
         self.use_kernels = self._want_kernels()
         # Kernels read per-sequence lengths from the device, not from host lists.
         self.needs_device_metadata = self.use_kernels
-        # Speculative decoding with MTP: the first `spec_steps` MTP layers get state of their own.
-        self.spec_steps = 0
+        # Speculative decoding: the draft length, and the state the drafter keeps in the page spaces.
+        # MTP: the first `spec_steps` MTP layers' own state. Block drafters (dflash, dspark): the
+        # drafter module, its context K/V (DRAFT_KV, main space) and the target layers it taps.
+        self.spec_steps, num_mtp, draft_specs = 0, 0, []
+        self.draft_model, self.draft_identity, self.capture_layers = None, None, ()
         if config.speculative_algorithm == "mtp":
             from kiln.engine.spec.mtp_drafter import resolve_mtp_steps
 
-            self.spec_steps = resolve_mtp_steps(config, self.model)
-        self.specs = self.model.state_specs(num_mtp=self.spec_steps) if self.spec_steps else self.model.state_specs()
+            self.spec_steps = num_mtp = resolve_mtp_steps(config, self.model)
+        elif config.speculative_algorithm in ("dflash", "dspark"):
+            from kiln.engine.spec.block_drafter import draft_kv_spec, resolve_block_drafter
+
+            self.draft_model, self.spec_steps, self.draft_identity = resolve_block_drafter(
+                config, source, self.model, self.context_length, self.device, self.dtype)
+            self.capture_layers = tuple(self.draft_model.config.target_layer_ids)
+            draft_specs = [draft_kv_spec(self.draft_model)]
+        if config.speculative_draft_model_path and config.speculative_algorithm != "dflash":
+            raise ValueError("--speculative-draft-model-path is only read with --speculative-algorithm dflash")
+        self.specs = (self.model.state_specs(num_mtp=num_mtp) if num_mtp else self.model.state_specs()) + draft_specs
         self.page_size = config.page_size
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_length, self.device)
         # HiCache's copies on the pool buffers, waited for layer by layer (cache/layer_gate.py)
@@ -101,7 +113,8 @@ class ModelRunner:
         specs = {k: [s for s in self.specs if s.kind == k] for k in ComponentKind}
         ps = self.page_size
         per_token = {
-            "main": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.FULL_KV] + specs[ComponentKind.INDEX_K]),
+            "main": sum(s.bytes_per_token(self.dtype) for s in
+                        specs[ComponentKind.FULL_KV] + specs[ComponentKind.INDEX_K] + specs[ComponentKind.DRAFT_KV]),
             "swa": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.SWA_KV]),
             "conv": sum(s.bytes_per_token(self.dtype) for s in specs[ComponentKind.CONV]),
         }
@@ -119,6 +132,8 @@ class ModelRunner:
             if specs[ComponentKind.FULL_KV] else None
         self.index_k = TokenStatePool(specs[ComponentKind.INDEX_K][0], slots, self.dtype, self.device) \
             if specs[ComponentKind.INDEX_K] else None
+        self.draft_kv = KVPool(specs[ComponentKind.DRAFT_KV][0], slots, self.dtype, self.device) \
+            if specs[ComponentKind.DRAFT_KV] else None
         self.swa_kv = KVPool(specs[ComponentKind.SWA_KV][0], self.window_pages["swa"] * ps, self.dtype, self.device) \
             if specs[ComponentKind.SWA_KV] else None
         self.conv = MergedStatePool([TokenStatePool(s, self.window_pages["conv"] * ps, self.dtype, self.device)
@@ -127,7 +142,8 @@ class ModelRunner:
         tables = {"main": self.req_to_token.table, **self.window_tables}
         self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
                                     use_kernels=self.use_kernels, gate=self.load_gate)
-        total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.swa_kv, self.conv) if p is not None)
+        total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
+                    if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,
                     "".join(f", {c}: {n} pages" for c, n in self.window_pages.items()), total / 1e9)
 
@@ -186,6 +202,7 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         batch.backend = self.backend
+        batch.capture_layers = self.capture_layers  # a block drafter's taps (empty: none)
         hidden = self.model(batch)
         batch.extras["hidden"] = hidden  # final hidden states [T, H] (speculative decoding's drafter reads them)
         return self.model.compute_logits(hidden, batch)
@@ -203,7 +220,7 @@ class ModelRunner:
     def _pool_tensors(self) -> list[tuple[object, object]]:
         """(container, key) of every state-pool tensor: list/dict slots that hold one tensor."""
         refs: list[tuple[object, object]] = []
-        for pool in (self.full_kv, self.swa_kv):
+        for pool in (self.full_kv, self.swa_kv, self.draft_kv):
             if pool is not None:
                 refs += [(pool.k, i) for i in range(len(pool.k))] + [(pool.v, i) for i in range(len(pool.v))]
         pools = [self.index_k] + (list(self.conv.pools) if self.conv is not None else [])
@@ -258,11 +275,15 @@ class ModelRunner:
         """Move the parameters and buffers to CPU (CUDA only; on CPU there is nothing to free)."""
         if self.device.type == "cuda" and not self.weights_released:
             self.model.to("cpu")
+            if self.draft_model is not None:  # a DFlash drafter is not part of the model
+                self.draft_model.to("cpu")
             self._weights_on_cpu = True
             torch.cuda.empty_cache()
 
     def resume_weights(self) -> None:
         if self.weights_released:
             self.model.to(self.device)
+            if self.draft_model is not None:
+                self.draft_model.to(self.device)
             self._weights_on_cpu = False
             self._recapture_graphs()

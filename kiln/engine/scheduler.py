@@ -145,7 +145,7 @@ class Scheduler:
             self._record_prompt_logprobs(logits, prompt_lp)
             if self.spec is not None:
                 batch, row_starts = self._last_forward
-                self.spec.after_forward(plan, logits, sample_reqs, sample_rows, batch.extras["hidden"], row_starts)
+                self.spec.after_forward(plan, logits, sample_reqs, sample_rows, batch, row_starts)
                 sample_reqs = []
             alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
             if alive:

@@ -187,7 +187,8 @@ class InklingModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            batch.capture(i, h)
             h = layer(h, batch)
         return self.norm(h)
 

@@ -80,7 +80,8 @@ class MiniMaxM3Model(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            batch.capture(i, h)
             h = layer(batch.positions, h, batch)
         return self.norm(h)
 

@@ -6,55 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from kiln.models.block_drafter_config import BlockDrafterConfig
+
+# The DSpark drafter is the generic block drafter read from `dspark_config` (MODELS.md 3.3).
+DSparkConfig = BlockDrafterConfig
+
 MODEL_TYPE = "minimax_m3"
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-
-
-@dataclass
-class DSparkConfig:
-    """The drafter's shape. Missing sizes default to the target's (the drafter shares its
-    embedding and LM head, so its hidden size is the target's)."""
-
-    target_layer_ids: list[int]
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    block_size: int = 16
-    mask_token_id: Optional[int] = None
-
-    @classmethod
-    def from_dict(cls, d: dict, target: "MiniMaxM3Config") -> "DSparkConfig":
-        if not d.get("target_layer_ids"):
-            raise ValueError("config.json: dspark_config needs target_layer_ids.")
-        bad = [i for i in d["target_layer_ids"] if not 0 <= int(i) < target.num_hidden_layers]
-        if bad:
-            raise ValueError(f"config.json: dspark_config.target_layer_ids {bad} are not layers of the "
-                             f"target ({target.num_hidden_layers} layers).")
-        hidden = int(d.get("hidden_size", target.hidden_size))
-        if hidden != target.hidden_size:
-            raise ValueError("config.json: dspark_config.hidden_size must equal the target's hidden_size "
-                             "(the drafter uses the target's embedding and LM head).")
-        heads = int(d.get("num_attention_heads", target.num_attention_heads))
-        return cls(
-            target_layer_ids=[int(i) for i in d["target_layer_ids"]],
-            num_layers=int(d.get("num_layers", d.get("num_hidden_layers", 1))),
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads", target.num_key_value_heads)),
-            head_dim=int(d.get("head_dim", target.head_dim)),
-            intermediate_size=int(d.get("intermediate_size", target.intermediate_size)),
-            rms_norm_eps=float(d.get("rms_norm_eps", target.rms_norm_eps)),
-            rope_theta=float(d.get("rope_theta", target.rope_theta)),
-            block_size=int(d.get("block_size", 16)),
-            mask_token_id=d.get("mask_token_id"),
-        )
 
 
 @dataclass

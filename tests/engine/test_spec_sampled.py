@@ -220,7 +220,7 @@ def watch(core):
         run(reqs, num_drafts)
         for r in reqs:
             if r.spec.drafts:
-                passes.append((r, list(r.output_ids), list(r.spec.drafts), list(r.spec.draft_logits), r.spec.draft_q))
+                passes.append((r, list(r.output_ids), list(r.spec.drafts), list(r.spec.draft_logits), r.spec.q))
 
     def accept_and_record(r, t, logprob):
         tokens.append((r, t, logprob))

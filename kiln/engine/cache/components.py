@@ -21,6 +21,9 @@ class ComponentKind(enum.Enum):
     # tokens per site) and, with speculative decoding, the MTP chain's hidden states (window 1).
     CONV = "conv"
     INDEX_K = "index_k"  # MSA indexer keys of every token
+    # With a block drafter (speculative decoding, dflash/dspark): each drafter layer's K and V of
+    # the context feature of every token, in the main page space like FULL_KV.
+    DRAFT_KV = "draft_kv"
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class StateSpec:
         n = 1
         for s in self.shape:
             n *= s
-        per_layer = n * (2 if self.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV) else 1)
+        per_layer = n * (2 if self.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV, ComponentKind.DRAFT_KV) else 1)
         return per_layer * len(self.layer_ids) * (self.dtype or default_dtype).itemsize
 
     def bytes_per_request(self, default_dtype: torch.dtype) -> int | None:

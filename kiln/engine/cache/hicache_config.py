@@ -66,7 +66,7 @@ def model_identity(source, config, runner) -> dict:
     for f in source.weight_files:
         st = os.stat(f)
         weights.append((os.path.basename(f), st.st_size, st.st_mtime_ns))
-    return {
+    identity = {
         "format": 1,
         "model_dir": os.path.realpath(source.model_dir),
         "config": source.config,
@@ -79,6 +79,9 @@ def model_identity(source, config, runner) -> dict:
         "tp_rank": runner.pc.tp_rank,  # each rank stores its own shard of the heads
         "specs": [(s.kind.value, list(s.layer_ids), list(s.shape), str(s.dtype), s.window) for s in runner.specs],
     }
+    if getattr(runner, "draft_identity", None):  # a DFlash drafter's context K/V rides in the main pages
+        identity["draft_model"] = runner.draft_identity
+    return identity
 
 
 def host_pages_plan(ratio: float, device_pages: dict[str, int], histories: dict[str, int], page_size: int,

@@ -42,7 +42,7 @@ def device_spaces(runner) -> dict[str, DeviceTensors]:
     def space(*pools):
         return lambda: [t for p in pools if p is not None for t in p.tensors()]
 
-    spaces = {"main": space(runner.full_kv, runner.index_k)}
+    spaces = {"main": space(runner.full_kv, runner.index_k, getattr(runner, "draft_kv", None))}
     if runner.swa_kv is not None:
         spaces["swa"] = space(runner.swa_kv)
     if runner.conv is not None:

@@ -55,10 +55,10 @@ def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: li
 
 
 class KVPool:
-    """K and V buffers for one FULL_KV (or SWA_KV) component: per layer [num_slots, Hkv, D]."""
+    """K and V buffers for one FULL_KV (or SWA_KV, DRAFT_KV) component: per layer [num_slots, Hkv, D]."""
 
     def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype, device):
-        assert spec.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV)
+        assert spec.kind in (ComponentKind.FULL_KV, ComponentKind.SWA_KV, ComponentKind.DRAFT_KV)
         self.spec = spec
         self.num_slots = num_slots
         self.layer_index = {layer: i for i, layer in enumerate(spec.layer_ids)}

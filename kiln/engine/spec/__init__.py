@@ -1,7 +1,9 @@
-"""Speculative decoding: verification math.
+"""Speculative decoding (docs/speculative.md).
 
-`verify` holds pure, deterministic, batched functions (greedy prefix matching,
-token-wise rejection sampling, and Sun et al. block verification) that take the
-target's and the draft's final sampling distributions plus explicit uniforms.
-See notes/algorithms.md section 1.
+`speculative` holds the round (`SpecDecoder`: verify, commit, rollback); `drafter` the contract a
+drafter follows; `mtp_drafter` (Inkling's MTP chain) and `block_drafter` (DFlash, DSpark) the
+drafters; `verify` pure, deterministic, batched verification functions (greedy prefix matching,
+token-wise rejection sampling, Sun et al. block verification) over the target's and the draft's
+final sampling distributions plus explicit uniforms (notes/algorithms.md section 1); `metrics`
+the acceptance counters.
 """

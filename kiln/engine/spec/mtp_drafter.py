@@ -23,19 +23,18 @@ This is the wavefront of MODELS.md 2.4 (layer k lags layer k-1 by one index) fus
 round's draft chain, as one extend batch per layer.
 Drafts are the argmax of each layer's logits, except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
-counted as output) and keep q in `MTPState.draft_q` for the verify (`sampled_verify`).
+counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.request import Req
-from kiln.engine.spec.metrics import SpecCounts
+from kiln.engine.spec.drafter import DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 
 
@@ -54,22 +53,16 @@ def resolve_mtp_steps(config, model) -> int:
 
 
 @dataclass
-class MTPState:
-    """A request's drafter state: completeness frontiers and the drafts for its next verify."""
+class MTPState(DraftState):
+    """A request's MTP state: completeness frontiers, plus the drafts for its next verify."""
 
-    frontier: list[int]  # F_k for k = 1..K, stored coordinates
-    drafts: list[int] = field(default_factory=list)
-    counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
-    draft_logits: list = field(default_factory=list)  # per layer [V], when the drafter keeps them
-    # q [k, V]: the distributions the drafts were sampled from (sampled requests with exact
-    # verification on; None: argmax drafts, verified as point masses). See sampled_verify.
-    draft_q: Optional[torch.Tensor] = None
+    frontier: list[int] = field(default_factory=list)  # F_k for k = 1..K, stored coordinates
 
     @classmethod
     def fresh(cls, num_layers: int, num_computed: int) -> "MTPState":
         """After admission with `num_computed` tokens from the prefix cache: every cached page holds
         complete entries; stored positions < k hold no entry of layer k at all."""
-        return cls([max(k, num_computed) for k in range(1, num_layers + 1)])
+        return cls(frontier=[max(k, num_computed) for k in range(1, num_layers + 1)])
 
     @property
     def complete(self) -> int:
@@ -101,6 +94,24 @@ class MTPDrafter:
         # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
         self.sample_drafts = False
 
+    # ---- the drafter contract (kiln.engine.spec.drafter) ----------------------------------
+    @property
+    def num_steps(self) -> int:
+        return self.num_layers
+
+    def new_state(self, r: Req) -> MTPState:
+        return MTPState.fresh(self.num_layers, r.num_computed)
+
+    def pages_needed(self, seq_len: int, k: int) -> int:
+        """The committed positions (catch-up) and the draft rows' stored positions up to T - 2 + k."""
+        return max(seq_len, seq_len - 1 + k)
+
+    def on_forward(self, batch) -> None:
+        """Nothing before verification: h^0 is stored for committed rows only (`on_commit`)."""
+
+    def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
+        self.store_main_hidden(r, first_pos, batch.extras["hidden"][rows])
+
     def site(self, k: int) -> torch.Tensor:
         """[conv slots, H] buffer of h^k per stored position."""
         return self.runner.conv.layer(self.model.mtp_hidden_site(k))
@@ -119,7 +130,7 @@ class MTPDrafter:
         dev = self.runner.device
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
         for r in reqs:
-            r.spec.drafts, r.spec.draft_logits, r.spec.draft_q = [], [], None
+            r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
         q_rows: dict[str, list[torch.Tensor]] = {}
         prev_frontier = {r.rid: r.num_computed for r in reqs}
         for k, layer in enumerate(self.layers, start=1):
@@ -165,7 +176,7 @@ class MTPDrafter:
                         r.spec.draft_logits.append(logits[i])
         for r in reqs:
             if r.rid in q_rows:
-                r.spec.draft_q = torch.stack(q_rows[r.rid])
+                r.spec.q = torch.stack(q_rows[r.rid])
 
     def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, dev):
         """Build layer k's batch (catch-up rows then the draft row, per request) and run it.

@@ -20,11 +20,13 @@ d_1..d_k from the previous step's pass):
      ShortConv inputs the rejected positions wrote are beyond the computed prefix (overwritten
      before anything reads them) and their pages are freed; the kept ShortConv state is the
      verify-time inputs of the accepted positions, already in place;
-  4. the MTP pass (`MTPDrafter.run`): catch up the MTP caches over the newly committed tokens
-     and draft the next round's tokens, in one batch per MTP layer.
-Prefill chunks go through the same step: their rows feed the MTP catch-up, and a request whose
-prompt is done gets its first drafts right away. The prefix cache only takes pages whose state is
-complete in every component (`Req.cache_limit` = the MTP frontier), so cached pages stay exact.
+  4. the drafter pass (`drafter.run`): catch up the drafter's state over the newly committed
+     tokens and draft the next round's tokens. The drafter is `MTPDrafter` (mtp: one batch per
+     MTP layer) or `BlockDraftRunner` (dflash, dspark: one block forward for all ready requests);
+     the contract is in `kiln.engine.spec.drafter`.
+Prefill chunks go through the same step: their rows feed the drafter, and a request whose prompt
+is done gets its first drafts right away. The prefix cache only takes pages whose state is
+complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cached pages stay exact.
 Overlap scheduling and CUDA graphs are off with speculation.
 """
 
@@ -38,30 +40,33 @@ from kiln.engine.cache.manager import cdiv
 from kiln.engine.request import Req
 from kiln.engine.sampler import SamplingBatch
 from kiln.engine.spec.metrics import SpecCounts
-from kiln.engine.spec.mtp_drafter import MTPDrafter, MTPState
+from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
 from kiln.engine.spec.verify import verify_greedy
 
 
 class SpecDecoder:
-    def __init__(self, scheduler, num_steps: int):
+    """The speculative round for the whole batch, around one `Drafter`."""
+
+    def __init__(self, scheduler, drafter: Drafter):
         self.sched = scheduler
         self.runner = scheduler.runner
         self.cache = scheduler.cache
-        self.num_steps = num_steps
-        self.drafter = MTPDrafter(self.runner, num_steps)
+        self.drafter = drafter
+        self.num_steps = drafter.num_steps
         # 'tokenwise' / 'block': sampled requests draw their drafts from q and verify exactly
-        # (sampled_verify); None: drafts are argmax and verified as point masses.
+        # (sampled_verify); None: drafts are argmax and verified as point masses. Drafters that
+        # cannot sample (the block drafters today) leave q None and are verified as point masses.
         self.method = verify_method(scheduler.config)
-        self.drafter.sample_drafts = self.method is not None
+        drafter.sample_drafts = self.method is not None
         self.page_size = scheduler.page_size
         scheduler.stats_counters.spec = SpecCounts()
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
-        """(Re)admission, after the prefix match: the MTP state restarts at the matched prefix."""
+        """(Re)admission, after the prefix match: the drafter state restarts at the matched prefix."""
         counts = r.spec.counts if r.spec is not None else SpecCounts()
-        r.spec = MTPState.fresh(self.num_steps, r.num_computed)
+        r.spec = self.drafter.new_state(r)
         r.spec.counts = counts
         r.cache_limit = r.spec.complete
 
@@ -75,22 +80,24 @@ class SpecDecoder:
         """Out of pages: verify no drafts this round (a plain decode). False if there were none."""
         had = bool(r.spec is not None and r.spec.drafts)
         if had:
-            r.spec.drafts, r.spec.draft_q = [], None
+            r.spec.drafts, r.spec.q = [], None
         return had
 
     # ---- after the target forward --------------------------------------------------------
     @torch.inference_mode()
     def after_forward(self, plan: list[tuple[Req, int, int]], logits: torch.Tensor, sample_reqs: list[Req],
-                      sample_rows: list[int], hidden: torch.Tensor, row_starts: list[int]) -> None:
-        """Verify + commit every sampling request, then run the MTP pass for the plan's requests
-        that are still running, then trim windows and cache prompt pages."""
+                      sample_rows: list[int], batch, row_starts: list[int]) -> None:
+        """Hand the forward's rows to the drafter, verify + commit every sampling request, then
+        run the drafter pass for the plan's requests that are still running, then trim windows
+        and cache prompt pages."""
+        self.drafter.on_forward(batch)
         ends = {r.rid: end for r, _, end in plan}
         self._verify_and_commit(logits, sample_reqs, sample_rows, ends)
         alive = [(r, s, e, row) for (r, s, e), row in zip(plan, row_starts) if not r.finished]
         num_drafts = {}
         for r, start, _, row in alive:
             done = r.num_computed - start  # committed rows of this forward
-            self.drafter.store_main_hidden(r, start, hidden[row:row + done])
+            self.drafter.on_commit(r, start, slice(row, row + done), batch)
             num_drafts[r.rid] = self._make_room(r)
         self.drafter.run([r for r, *_ in alive], num_drafts)
         for r, start, end, _ in alive:
@@ -101,14 +108,15 @@ class SpecDecoder:
 
     def _make_room(self, r: Req) -> int:
         """Pages for the pass, and how many tokens the request drafts. A request ready to decode
-        needs its committed positions (MTP catch-up) and the draft rows' stored positions up to
-        T - 2 + k; pages beyond that (rejected positions of this round) are freed."""
+        needs what the drafter writes (MTP: its committed positions for the catch-up and the draft
+        rows' stored positions up to T - 2 + k); pages beyond that (rejected positions of this
+        round) are freed."""
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
             return 0
         k = min(self.num_steps, r.params.max_tokens - len(r.output_ids) - 1, self.sched.context_length - T)
         k = max(k, 0)
-        need = max(T, T - 1 + k)
+        need = self.drafter.pages_needed(T, k)
         if len(r.pages) > cdiv(need, self.page_size):
             self.cache.shrink(r, need)
         elif not self.cache.grow(r, need):
@@ -128,7 +136,7 @@ class SpecDecoder:
                 continue
             k = ends[r.rid] - r.seq_len
             drafts = r.spec.drafts[:k]
-            q = getattr(r.spec, "draft_q", None)
+            q = getattr(r.spec, "q", None)
             if self.method is not None and drafts and q is not None and not r.params.greedy:
                 exact.append((r, drafts, first, q[:k]))
             else:
@@ -184,7 +192,7 @@ class SpecDecoder:
                     break
             # positions L-1 .. L-1+n were forwarded with committed tokens
             r.num_computed = L + min(n, emitted)
-            r.spec.drafts, r.spec.draft_q = [], None
+            r.spec.drafts, r.spec.q = [], None
             if reason is not None:
                 sched._end(r, reason)
             sched.outbox.append(sched._output(r, emitted))
@@ -192,10 +200,19 @@ class SpecDecoder:
 
 
 def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
-    """The scheduler's speculative decoder for `--speculative-algorithm`, or None."""
+    """The scheduler's speculative decoder for `--speculative-algorithm`, or None. The runner has
+    already resolved the draft length and loaded what the drafter needs (`runner.spec_steps`,
+    `runner.draft_model`)."""
     algo = scheduler.config.speculative_algorithm
+    runner = scheduler.runner
     if algo is None:
         return None
-    if algo != "mtp":
-        raise ValueError(f"--speculative-algorithm {algo!r} is not implemented yet; use 'mtp'")
-    return SpecDecoder(scheduler, scheduler.runner.spec_steps)
+    if algo == "mtp":
+        from kiln.engine.spec.mtp_drafter import MTPDrafter
+
+        return SpecDecoder(scheduler, MTPDrafter(runner, runner.spec_steps))
+    if algo in ("dflash", "dspark"):
+        from kiln.engine.spec.block_drafter import BlockDraftRunner
+
+        return SpecDecoder(scheduler, BlockDraftRunner(runner, runner.spec_steps))
+    raise ValueError(f"--speculative-algorithm {algo!r} is not one of mtp, dflash, dspark")

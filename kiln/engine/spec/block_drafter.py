@@ -1,0 +1,181 @@
+"""`BlockDraftRunner`: a block drafter (DFlash, MODELS.md 4; DSpark, 3.3) as a drafter inside the
+engine (`--speculative-algorithm dflash|dspark`).
+
+Context cache. The drafter's layers see the committed positions j < anchor only through their
+keys and values of the context feature c_j = RMSNorm(fc(taps_j)), with taps_j the target's hidden
+states entering `target_layer_ids` at j. Those K/V depend on the tokens up to j and nothing later,
+so the engine keeps them as one more per-token component of the target's main page space
+(`ComponentKind.DRAFT_KV`, one K and one V per drafter layer, stored at the target's token slot of
+position j). Every target forward computes them for all its rows (`on_forward`, right after the
+forward, before verification), exactly as the target writes its own K/V. Then:
+
+- rollback is bookkeeping: rows of rejected drafts lie past `num_computed` and are overwritten
+  before any block reads them (a block for anchor position T - 1 reads positions < T - 1 only);
+  "cropping the context back to the committed length" is `num_computed` itself;
+- prefix-cache hits are exact: a cached page carries the drafter's K/V with the target's, so a
+  request admitted with a matched prefix has its whole context, and retraction, HiCache's host and
+  disk tiers and abort handle the component like any other of the main space;
+- memory is accounted with the KV pool: 2 * num_layers * Hkv * D values per token (for a Qwen3-8B
+  sized drafter of 5 layers, 8 KV heads of 128, bf16: 20 KB per token, the target's 144 KB).
+
+Drafting. A request ready to decode (seq_len T, T - 1 tokens computed) runs one block at anchor
+position T - 1: input [t_{T-1}, MASK x (B-1)] embedded by the target, all B rows (the block is
+bidirectional, so fewer rows would change the outputs), keys = its context K/V at positions
+0 .. T-2 read from the pool + the block's own; drafts = argmax of the target's LM head at block
+positions 1..k. Every ready request's block runs in one batch (contexts padded and masked; split
+into groups when the padded contexts would exceed `max_padded_tokens`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kiln.engine.cache.components import ComponentKind, StateSpec
+from kiln.engine.request import Req
+from kiln.engine.spec.drafter import DraftState
+from kiln.models.block_drafter import BlockDrafter
+
+
+def resolve_block_drafter(config, source, model, context_length: int, device, dtype
+                          ) -> tuple[BlockDrafter, int, Optional[dict]]:
+    """(the drafter module, the draft length K, the drafter's identity for HiCache's disk keys)
+    for `--speculative-algorithm dflash|dspark`, with clear errors when the flags or the
+    checkpoints cannot serve it."""
+    algo = config.speculative_algorithm
+    identity = None
+    if algo == "dspark":
+        if config.speculative_draft_model_path:
+            raise ValueError("--speculative-draft-model-path is only read with --speculative-algorithm dflash; "
+                             "dspark drafts with the drafter inside the target's checkpoint")
+        drafter = getattr(model, "dspark", None)
+        if drafter is None:
+            raise ValueError(f"--speculative-algorithm dspark needs a MiniMax-M3 checkpoint with dspark_config "
+                             f"(MODELS.md 3.3); {type(model).__name__} has none")
+        if drafter.config.mask_token_id is None:
+            raise ValueError("--speculative-algorithm dspark: the checkpoint's dspark_config has no mask_token_id")
+    else:
+        import os
+
+        from kiln.models.dflash import load_dflash
+
+        path = config.speculative_draft_model_path
+        seed = config.seed if source.load_format == "dummy" else None
+        drafter = load_dflash(path, model.config, context_length, device, dtype, dummy_seed=seed)
+        files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".json")))
+        identity = {"path": os.path.realpath(path), "dummy_seed": seed,
+                    "files": [(f, os.stat(os.path.join(path, f)).st_mtime_ns) for f in files]}
+    B = drafter.config.block_size
+    k = config.speculative_num_steps if config.speculative_num_steps is not None else B - 1
+    if not 1 <= k <= B - 1:
+        raise ValueError(f"--speculative-num-steps must be in [1, {B - 1}] (the drafter's block_size - 1); got {k}")
+    return drafter, k, identity
+
+
+def draft_kv_spec(drafter: BlockDrafter) -> StateSpec:
+    """The drafter's context K/V as a main-space component: K and V per drafter layer per token."""
+    cfg = drafter.config
+    return StateSpec(ComponentKind.DRAFT_KV, list(range(cfg.num_layers)), (cfg.num_key_value_heads, cfg.head_dim))
+
+
+class BlockDraftRunner:
+    """Keeps the drafter's context K/V in the DRAFT_KV pool and drafts one block per ready request
+    (the `kiln.engine.spec.drafter` contract)."""
+
+    # Padded context rows (requests x longest context) one block batch may gather per layer.
+    max_padded_tokens = 1 << 16
+
+    def __init__(self, runner, num_steps: int):
+        self.runner = runner
+        self.target = runner.model
+        self.drafter: BlockDrafter = runner.draft_model
+        self.pool = runner.draft_kv
+        self.table = runner.req_to_token.table
+        self.num_steps = num_steps
+        self.block_size = self.drafter.config.block_size
+        self.keep_logits = False  # tests: keep each draft's logits on the request
+
+    # ---- the drafter contract --------------------------------------------------------------
+    def new_state(self, r: Req) -> DraftState:
+        """Nothing to rebuild: the matched prefix's pages hold the drafter's context K/V."""
+        return DraftState()
+
+    def pages_needed(self, seq_len: int, k: int) -> int:
+        """Only the committed positions: a block's rows are never stored."""
+        return seq_len
+
+    @torch.inference_mode()
+    def on_forward(self, batch) -> None:
+        """Context K/V of every row of the target forward, at the rows' token slots."""
+        if batch.num_tokens == 0:
+            return
+        self.store_context(batch.taps(), batch.positions, batch.out_cache_loc)
+        batch.captured.clear()  # the taps are not needed any more
+
+    def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
+        """Nothing: `on_forward` stored every row."""
+
+    def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype))
+        for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
+            kc, vc = self.pool.layer(layer)
+            kc[slots] = k.to(kc.dtype)
+            vc[slots] = v.to(vc.dtype)
+
+    def context_kv(self, r: Req, n: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per drafter layer, the kept K and V [n, Hkv, D] of the request's positions 0..n-1
+        (default: every computed one). For tests and debugging."""
+        n = r.num_computed if n is None else n
+        slots = self.table[r.slot, :n]
+        return [(self.pool.k[i][slots], self.pool.v[i][slots]) for i in range(len(self.pool.k))]
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
+        """Draft `num_drafts[rid]` tokens (0: none) for every ready request into `req.spec.drafts`."""
+        for r in reqs:
+            r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
+        ready = [r for r in reqs if num_drafts.get(r.rid, 0) > 0]
+        for group in self._groups(ready):
+            self._draft(group, [num_drafts[r.rid] for r in group])
+
+    def _groups(self, reqs: list[Req]) -> list[list[Req]]:
+        """Requests in batches whose padded contexts stay under `max_padded_tokens`."""
+        groups: list[list[Req]] = []
+        longest = 0
+        for r in sorted(reqs, key=lambda r: r.num_computed):
+            n = r.num_computed
+            if groups and (len(groups[-1]) + 1) * max(longest, n) <= self.max_padded_tokens:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+            longest = n
+        return groups
+
+    def _draft(self, reqs: list[Req], ks: list[int]) -> None:
+        dev = self.runner.device
+        for r in reqs:
+            assert r.num_computed == r.seq_len - 1, f"{r.rid}: drafting needs every token but the last computed"
+        ctx_lens = [r.num_computed for r in reqs]
+        R, C, B = len(reqs), max(ctx_lens), self.block_size
+        anchors = [r.all_ids[r.seq_len - 1] for r in reqs]
+        mask_id = self.drafter.config.mask_token_id
+        host = torch.tensor([t for a in anchors for t in [a] + [mask_id] * (B - 1)] + ctx_lens +
+                            [r.slot for r in reqs], dtype=torch.int64)
+        t = host.to(dev)
+        ids, lens, slots = t[:R * B], t[R * B:R * B + R], t[R * B + R:]
+        ctx_mask = torch.arange(C, device=dev)[None, :] < lens[:, None]  # [R, C]
+        # Padding reads slot 0 (never a request's token): masked out, and a valid index.
+        locs = torch.where(ctx_mask, self.table[slots, :C], 0)
+        ctx_kv = [(self.pool.k[i][locs], self.pool.v[i][locs]) for i in range(len(self.pool.k))]
+        emb = self.target.model.embed_tokens(ids).view(R, B, -1)
+        hidden = self.drafter.forward_blocks(emb.to(self.drafter.fc.weight.dtype), lens, ctx_kv, ctx_mask)
+        kmax = max(ks)
+        logits = self.target.lm_head.compute_logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype))
+        logits = logits.float().view(R, kmax, -1)
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, (r, k) in enumerate(zip(reqs, ks)):
+            r.spec.drafts = [int(x) for x in tokens[i][:k]]
+            if self.keep_logits:
+                r.spec.draft_logits = list(logits[i, :k].clone())
+

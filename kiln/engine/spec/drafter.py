@@ -1,0 +1,66 @@
+"""The contract between `SpecDecoder` (the speculative round) and a drafter.
+
+A drafter is chosen by `--speculative-algorithm`: `MTPDrafter` (mtp) or `BlockDraftRunner`
+(dflash, dspark). Per step, after the target forward over the step's mixed batch, `SpecDecoder`
+calls, in this order:
+
+  1. `on_forward(batch)`: before verification, with every row of the forward (prefill chunks and
+     verify rows, committed or not). A drafter whose per-token state lives in the engine's page
+     spaces writes it here for every row, like the target's own K/V: rows past the committed
+     prefix are overwritten before anything reads them (rollback is bookkeeping).
+  2. verification and commit (`num_computed` becomes the committed length);
+  3. `on_commit(req, first_pos, rows, batch)` for each request still running: `rows` are the
+     forward's rows of its newly committed positions first_pos .. first_pos + len(rows) - 1;
+  4. `run(reqs, num_drafts)`: catch up and draft `num_drafts[rid]` tokens (0: none) for the
+     requests that are ready to decode, into `req.spec` (a `DraftState`).
+
+`DraftState.drafts` are the tokens the next round verifies. `DraftState.q` is for drafters that
+*sample* their drafts: row i is the distribution d_{i+1} was drawn from ([k, V], the final
+sampling distribution after temperature/top-k/top-p/min-p/penalties), what token-wise rejection
+sampling and block verification need. None means the drafts are deterministic (greedy argmax):
+verification then treats them as point masses, which is exact too (notes/algorithms.md 1.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+
+from kiln.engine.request import Req
+from kiln.engine.spec.metrics import SpecCounts
+
+
+@dataclass
+class DraftState:
+    """A request's drafter state: its drafts for the next verify and its acceptance counters."""
+
+    drafts: list[int] = field(default_factory=list)
+    q: Optional[torch.Tensor] = None  # [len(drafts), V] when sampled, None for greedy drafts
+    counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
+    draft_logits: list = field(default_factory=list)  # per draft [V], when the drafter keeps them (tests)
+
+    @property
+    def complete(self) -> Optional[int]:
+        """Tokens whose drafter state is complete (caps prefix caching); None: every computed one."""
+        return None
+
+
+class Drafter(Protocol):
+    """What `SpecDecoder` needs of a drafter (see the module docstring for the call order)."""
+
+    num_steps: int  # the longest draft
+    keep_logits: bool  # keep each draft's logits in `DraftState.draft_logits` (tests)
+
+    def new_state(self, r: Req) -> DraftState:
+        """State for a request just (re)admitted with `r.num_computed` tokens from the prefix cache."""
+
+    def pages_needed(self, seq_len: int, k: int) -> int:
+        """Positions the request's pages must cover to draft k tokens after this step."""
+
+    def on_forward(self, batch) -> None: ...
+
+    def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None: ...
+
+    def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None: ...

@@ -1,0 +1,182 @@
+"""DFlash training (MODELS.md 4; notes/algorithms.md 3): a block drafter against a frozen target,
+on target-generated sequences (self-distillation).
+
+Per step, a batch of sequences is run once through the frozen target with its taps captured; the
+drafter turns the taps into context features c_j (with gradients through fc and hidden_norm) and
+the K/V of every layer. Random anchors a are drawn inside each sequence's continuation; block a is
+[t_a, MASK x (B-1)] at positions a .. a+B-1 and sees the context j < a plus its own rows
+(bidirectional), nothing else: exactly what serving sees, because the block forward *is* the
+serving path (`BlockDrafter.context_kv` + `forward_blocks`, a padded context per block with the
+mask j < a). Block row k predicts t_{a+k}; the loss is sum_k exp(-(k-1)/gamma) * CE_k over
+k = 1..B-1, CE_k the mean over the anchors whose label a+k lies inside the sequence.
+
+`train_dflash` is the library entry point (the `kiln train-draft --method dflash` command wraps it:
+data generation, checkpoint and plots live there); `save_dflash` (kiln.models.dflash) writes what
+`--speculative-algorithm dflash` serves.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from kiln.models.block_drafter import BlockDrafter
+from kiln.models.block_drafter_config import BlockDrafterConfig
+from kiln.models.reference import packed_batch
+
+# A training sequence: token ids (all of them continuation), or (ids, prompt length): anchors are
+# then drawn so that every label is a token the target generated.
+Sequence_ = Union[Sequence[int], tuple[Sequence[int], int]]
+
+
+def _split(item: Sequence_) -> tuple[list[int], int]:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int):
+        return list(item[0]), int(item[1])
+    return list(item), 0
+
+
+def sample_anchors(lens: list[int], prompt_lens: list[int], per_seq: int, rng: random.Random) -> list[tuple[int, int]]:
+    """Up to `per_seq` distinct anchors (sequence index, position) per sequence, drawn uniformly
+    from positions a with a label a + 1 in the continuation: max(p - 1, 0) <= a <= n - 2."""
+    out = []
+    for s, (n, p) in enumerate(zip(lens, prompt_lens)):
+        valid = list(range(max(p - 1, 0), n - 1))
+        out += [(s, a) for a in sorted(rng.sample(valid, min(per_seq, len(valid))))]
+    return out
+
+
+def target_taps(target, ids: torch.Tensor, lens: list[int], layer_ids: Sequence[int]) -> torch.Tensor:
+    """The frozen target's taps [N, len(layer_ids) * H] of packed sequences (no gradient)."""
+    with torch.no_grad():
+        batch = packed_batch(ids, lens)
+        batch.capture_layers = tuple(layer_ids)
+        target(batch)
+        return batch.taps()
+
+
+def block_logits(target, drafter: BlockDrafter, ids: torch.Tensor, lens: list[int], taps: torch.Tensor,
+                 anchors: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits [R, B - 1, V] of block rows 1..B-1 for each anchor (sequence index, position) of the
+    packed sequences `ids` / `lens`, with gradients into the drafter only."""
+    dev, B = ids.device, drafter.config.block_size
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    ctx = drafter.context_features(taps)
+    kv_all = drafter.context_kv(ctx, positions)
+    R = len(anchors)
+    C = max(max(a for _, a in anchors), 1)
+    first = torch.tensor([starts[s] for s, _ in anchors], device=dev)
+    anchor_pos = torch.tensor([a for _, a in anchors], device=dev)
+    cols = torch.arange(C, device=dev)[None, :]
+    mask = cols < anchor_pos[:, None]  # block a sees context j < a
+    index = torch.where(mask, first[:, None] + cols, 0)
+    ctx_kv = [(k[index], v[index]) for k, v in kv_all]
+    mask_id = drafter.config.mask_token_id
+    block_ids = torch.tensor([[int(ids[starts[s] + a])] + [mask_id] * (B - 1) for s, a in anchors], device=dev)
+    with torch.no_grad():
+        emb = target.model.embed_tokens(block_ids.view(-1)).view(R, B, -1)
+    h = drafter.forward_blocks(emb, anchor_pos, ctx_kv, mask)
+    return target.lm_head.compute_logits(h[:, 1:]).float()
+
+
+def dflash_loss(logits: torch.Tensor, ids: torch.Tensor, lens: list[int], anchors: list[tuple[int, int]],
+                gamma: float) -> tuple[torch.Tensor, list[float], list[float]]:
+    """(loss = sum_k exp(-(k-1)/gamma) * CE_k, CE_k per position, top-1 accuracy per position);
+    position k counts the anchors whose label a + k lies inside their sequence."""
+    R, K, _ = logits.shape
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    dev = logits.device
+    label_pos = torch.tensor([[a + k for k in range(1, K + 1)] for _, a in anchors], device=dev)
+    seq_len = torch.tensor([lens[s] for s, _ in anchors], device=dev)[:, None]
+    valid = label_pos < seq_len
+    flat = torch.tensor([starts[s] for s, _ in anchors], device=dev)[:, None] + label_pos.clamp(max=seq_len - 1)
+    labels = ids[flat]
+    ce = F.cross_entropy(logits.reshape(R * K, -1), labels.reshape(-1), reduction="none").view(R, K)
+    hit = (logits.argmax(-1) == labels).float()
+    counts = valid.sum(0).clamp(min=1)
+    ce_k = (ce * valid).sum(0) / counts
+    acc_k = (hit * valid).sum(0) / counts
+    w = torch.exp(-torch.arange(K, device=dev, dtype=torch.float32) / gamma)
+    return (w * ce_k).sum(), ce_k.tolist(), acc_k.tolist()
+
+
+def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequence_], steps: int, *,
+                 lr: float = 1e-3, gamma: float = 7.0, batch_seqs: int = 8, anchors_per_seq: int = 32,
+                 grad_clip: float = 1.0, weight_decay: float = 0.0, warmup_steps: int = 0, seed: int = 0,
+                 drafter: Optional[BlockDrafter] = None, max_positions: Optional[int] = None,
+                 on_step: Optional[Callable[[dict], None]] = None) -> tuple[BlockDrafter, list[dict]]:
+    """Train a DFlash drafter against the frozen `target` (any Kiln model, on its device).
+
+    data: target-generated sequences, each token ids or (ids, prompt length); steps: optimizer
+    steps, each over `batch_seqs` sequences (reshuffled every epoch) with up to `anchors_per_seq`
+    random anchors each. gamma: the loss decay over block positions (DFlash uses 7 for B = 16).
+    drafter: continue training this one (else a fresh `BlockDrafter(drafter_cfg)` with Kiln's dummy
+    initialisation from `seed`). AdamW with linear warmup and cosine decay. `on_step(row)` sees every
+    history row: {"step", "loss", "ce_k", "acc_k", "grad_norm", "lr", "anchors"}.
+    Returns (the drafter in eval mode, the history)."""
+    from kiln.loader.weights import init_dummy_weights
+
+    if drafter_cfg.mask_token_id is None:
+        raise ValueError("train_dflash: drafter_cfg needs mask_token_id")
+    seqs = [_split(item) for item in data]
+    seqs = [(ids, p) for ids, p in seqs if len(ids) - max(p - 1, 0) >= 2]
+    if not seqs:
+        raise ValueError("train_dflash: no sequence has a continuation of at least two tokens")
+    dev = next(target.parameters()).device
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.eval()
+    if drafter is None:
+        longest = max(len(ids) for ids, _ in seqs)
+        with torch.device(dev):
+            drafter = BlockDrafter(drafter_cfg, max_positions or longest + 1)
+        init_dummy_weights(drafter, seed)
+    params = list(drafter.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        done = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    rng = random.Random(seed)
+    order: list[int] = []
+    history: list[dict] = []
+    drafter.train()
+    for step in range(1, steps + 1):
+        if len(order) < batch_seqs:  # a new epoch
+            more = list(range(len(seqs)))
+            rng.shuffle(more)
+            order += more
+        pick, order = order[:batch_seqs], order[batch_seqs:]
+        lens = [len(seqs[i][0]) for i in pick]
+        ids = torch.tensor([t for i in pick for t in seqs[i][0]], device=dev)
+        anchors = sample_anchors(lens, [seqs[i][1] for i in pick], anchors_per_seq, rng)
+        taps = target_taps(target, ids, lens, drafter_cfg.target_layer_ids)
+        logits = block_logits(target, drafter, ids, lens, taps.to(drafter.fc.weight.dtype), anchors)
+        loss, ce_k, acc_k = dflash_loss(logits, ids, lens, anchors, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf))
+        opt.step()
+        sched.step()
+        row = {"step": step, "loss": loss.item(), "ce_k": ce_k, "acc_k": acc_k, "grad_norm": gnorm,
+               "lr": sched.get_last_lr()[0], "anchors": len(anchors)}
+        history.append(row)
+        if on_step is not None:
+            on_step(row)
+    for p in params:
+        p.requires_grad_(False)  # engine convention: the trainer enables what it trains
+    return drafter.eval(), history
