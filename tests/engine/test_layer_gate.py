@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from kiln.engine.cache.host_pool import page_runs
+from kiln.engine.cache.host_pool import _by_host_page, page_runs
 from kiln.engine.cache.layer_gate import LayerGate
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
@@ -25,6 +25,9 @@ def test_page_runs_coalesce_consecutive_pages():
     assert page_runs([3, 4, 5], 4) == [(12, 12)]
     assert page_runs([3, 5, 6, 2], 4) == [(12, 4), (20, 8), (8, 4)]  # order kept: it is the copy order
     assert sum(n for _, n in page_runs([7, 1, 2, 9], 16)) == 4 * 16
+    # Pages freed in any order come back as runs once the (host, device) pairs are sorted.
+    host, dev = _by_host_page([6, 5, 4], [11, 30, 2])
+    assert (host, dev) == ([4, 5, 6], [2, 30, 11]) and page_runs(host, 4) == [(16, 12)]
 
 
 def test_gate_waits_once_per_recorded_buffer():

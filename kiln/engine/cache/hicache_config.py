@@ -91,11 +91,14 @@ def host_pages_plan(ratio: float, device_pages: dict[str, int], histories: dict[
     Main: ratio x the device's main pages. A window space keeps only the window before each
     cached node's end, so it needs about (window pages + 1) per node, and nodes are about one
     prefill chunk long: the host window space gets that fraction of the host main pages (at
-    most all of them), and never less than ratio x its device space."""
+    most all of them); at least ratio x its device space, but never more pages than the host main
+    space (a node never has more window pages than pages). The device window spaces are sized for
+    every running request's window (`ModelRunner._pool_tokens`), which for long windows dwarfs
+    what cached prefixes need: ratio x that would pin hundreds of GB of host memory for nothing."""
     main = max(1, int(ratio * (device_pages["main"] - 1)))
     plan = {"main": main}
     node_pages = max(1, chunk_tokens // page_size)
     for c, h in histories.items():
         per_node = -(-h // page_size) + 1
-        plan[c] = max(int(ratio * (device_pages[c] - 1)), int(main * min(1.0, per_node / node_pages)), 1)
+        plan[c] = max(int(main * min(1.0, per_node / node_pages)), min(int(ratio * (device_pages[c] - 1)), main), 1)
     return plan

@@ -5,18 +5,18 @@ every layer's K and V of the main space, or every ShortConv site of the "conv" s
 `PageAllocator`, so host page h holds token slots [h * page_size, (h + 1) * page_size) of every
 buffer. Copies move whole pages between the tiers.
 
-Device -> host copies are staged and land in the host pool later, oldest first
-(`finish_pending`): before anything reads or overwrites those host pages, else at the step after
-next (`before_forward`), when the forward they followed has certainly finished. On CUDA the host
-buffers are page-locked, the copies gather pages on a side stream into pinned staging buffers,
-and host -> device copies go on the same stream, straight from the page-locked host pool (one copy
-per run of consecutive host pages, then one scatter on the device). With a `LayerGate` the
-forward waits for each buffer's copies right before the layer that uses it (layer-wise overlap
-of load-back and forward); without one it waits for all of them (`before_forward`). The side
-stream first waits for the work already queued on the compute stream, so a backup always reads
-fully computed pages. With overlap scheduling the scheduler
-therefore never blocks on the queued forward because of a backup. On CPU the staging is a plain
-copy, so the tests exercise the same ordering.
+Device -> host copies land in the host pool later (`finish_pending` waits for them before
+anything on the host reads or overwrites those pages). On CUDA the host buffers are page-locked
+and both directions run on one side stream, straight between the device pages and the pool: a
+device -> host copy gathers the pages on the device and DMAs each run of consecutive host pages
+into the pool; a host -> device copy DMAs the runs into a device buffer and scatters it. Because
+both directions share the stream, a load-back of a page whose backup is still in flight reads
+it after it lands, with no host wait. With a `LayerGate` the forward waits for each buffer's
+copies right before the layer that uses it (layer-wise overlap of load-back and forward);
+without one it waits for all of them (`before_forward`). The side stream first waits for the
+work already queued on the compute stream, so a backup always reads fully computed pages. On CPU
+a backup is staged and scattered into the pool at `finish_pending`, so the tests exercise the
+same ordering.
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ class HostSpace:
 @dataclass
 class _PendingCopy:
     """A device -> host copy of some pages of one space that has not landed in the host pool:
-    once `done` (CUDA; None on CPU: already copied), `staged[i]` goes to `host[i][index]`."""
+    on CUDA it has once `done` fires (`staged` is None: the DMA writes the pool directly); on CPU
+    `staged[i]` still has to go to `host[i][index]`."""
 
     space: str
     pages: frozenset
     generation: int  # HostPool.generation when issued (one per forward)
     done: Optional[torch.cuda.Event]
     host: list[torch.Tensor]
-    staged: list[torch.Tensor]
+    staged: Optional[list[torch.Tensor]]
     index: torch.Tensor
 
 
@@ -83,6 +84,13 @@ def page_runs(pages: list[int], page_size: int) -> list[tuple[int, int]]:
         else:
             runs.append([p * page_size, page_size])
     return [(a, n) for a, n in runs]
+
+
+def _by_host_page(host_pages: list[int], dev_pages: list[int]) -> tuple[list[int], list[int]]:
+    """The (host page, device page) pairs ordered by host page, so that host pages freed and
+    reused in any order still form runs of consecutive pages (`page_runs`)."""
+    pairs = sorted(zip(host_pages, dev_pages))
+    return [h for h, _ in pairs], [d for _, d in pairs]
 
 
 def available_host_bytes() -> Optional[int]:
@@ -159,39 +167,48 @@ class HostPool:
             self._pending.append(_PendingCopy(space, frozenset(host_pages), self.generation, None,
                                               s.tensors, staged, hidx))
             return
+        host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
+        runs = page_runs(host_pages, self.page_size)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):  # device temporaries belong to the side stream
             didx = self._slots(dev_pages, self.device)
-            staged = []
             for h, d in zip(s.tensors, s.device_tensors()):
-                t = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, pin_memory=True)
-                t.copy_(d.index_select(0, didx), non_blocking=True)
-                staged.append(t)
+                # One gather on the device, then DMA of each run of host pages straight into the
+                # page-locked pool: no staging buffer and no scatter on the host.
+                g = d.index_select(0, didx)
                 self._gate(d)  # the forward may overwrite these pages once they are read
+                at = 0
+                for first, n in runs:
+                    h[first:first + n].copy_(g[at:at + n], non_blocking=True)
+                    at += n
             done = torch.cuda.Event()
             done.record(self.stream)
         self._pending.append(_PendingCopy(space, frozenset(host_pages), self.generation, done, s.tensors,
-                                          staged, hidx))
+                                          None, hidx))
 
     def to_device(self, space: str, host_pages: list[int], dev_pages: list[int]) -> None:
         """Copy host pages into device pages of one space (ready before the next forward)."""
         if not dev_pages:
             return
-        self.finish_pending(space, host_pages)
         s = self.spaces[space]
-        hidx = self._slots(host_pages, "cpu")
         if not self.cuda:
+            self.finish_pending(space, host_pages)
+            hidx = self._slots(host_pages, "cpu")
             didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 d.index_copy_(0, didx, h.index_select(0, hidx))
             return
+        # On CUDA a pending device -> host copy into these pages is on the same side stream, so
+        # this copy reads after it lands: no host wait.
+        host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
         runs = page_runs(host_pages, self.page_size)
+        n_slots = len(host_pages) * self.page_size
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             didx = self._slots(dev_pages, self.device)
             for h, d in zip(s.tensors, s.device_tensors()):
                 # DMA straight from the page-locked pool: no gather on the host.
-                stage = torch.empty((len(hidx),) + tuple(h.shape[1:]), dtype=h.dtype, device=self.device)
+                stage = torch.empty((n_slots,) + tuple(h.shape[1:]), dtype=h.dtype, device=self.device)
                 at = 0
                 for first, n in runs:
                     stage[at:at + n].copy_(h[first:first + n], non_blocking=True)
@@ -243,7 +260,7 @@ class HostPool:
         for p in self._pending[:k]:
             if p.done is not None:
                 p.done.synchronize()
-            for h, t in zip(p.host, p.staged):
+            for h, t in zip(p.host, p.staged or ()):  # CPU: scatter the staged copy
                 h.index_copy_(0, p.index, t)
         del self._pending[:k]
 
