@@ -5,11 +5,14 @@
 #                        8B shape at batch 1/64, Inkling bench at 1/8/64 (8K), MiniMax-M3 bench at
 #                        1/32 (8K); Inkling MTP rounds (k=3) against plain decode at batch 1/8/32
 #                lane 1: the agent trace, GPU-only caching against HiCache 2x and 4x
-#   PHASE=tables lane 0: Inkling and MiniMax-M3 bench at batch 8/32/64/128, input 8192 / output 1024;
-#                        8B batch-1 latency against transformers
-#                lane 1: nano-vllm's offline workload, Qwen3-0.6B and 8B shapes, against
-#                        transformers' generate_batch
-#   PHASE=tp2    both GPUs: `run_h200_tp2.sh`
+#   PHASE=tables lane 0: Inkling bench at batch 8/32/64/128, input 8192 / output 1024; MiniMax-M3
+#                        bench at 8/32/64 (output 256); 8B batch-1 latency against transformers
+#                lane 1: the agent trace again (as in diag)
+#   PHASE=final  lane 0: gpu-marked tests (verbose); nano-vllm's offline workload, Qwen3-0.6B shape,
+#                        against transformers' continuous batching
+#                lane 1: the offline workload at the 8B shape; Inkling MTP rounds vs plain decode
+#                then both GPUs: `run_h200_tp2.sh` (tp 2 tests, 8B and Inkling tables)
+#   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
 #   PHASE=diag bash benchmarks/run_h200_x2.sh
@@ -44,7 +47,7 @@ lane0_diag() {
 
 lane1_diag() {
   step agent_trace ${T_AGENT:-470} python benchmarks/agent_trace.py \
-    --serve-args "--model-path $INK --load-format dummy --skip-tokenizer-init --max-total-tokens 60000 --cuda-graph-max-bs 64" \
+    --serve-args "--model-path $INK --load-format dummy --skip-tokenizer-init --max-total-tokens 60000 --max-running-requests 64 --cuda-graph-max-bs 64" \
     --variant device= \
     --variant hicache-2x="--enable-hierarchical-cache --hicache-ratio 2" \
     --variant hicache-4x="--enable-hierarchical-cache --hicache-ratio 4" \
@@ -53,28 +56,40 @@ lane1_diag() {
 }
 
 lane0_tables() {
-  step decode_inkling ${T_INK:-260} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
-    --output-len 1024 --time-limit 80 --out "$R/json/decode_inkling.json"
-  step decode_minimax ${T_MM:-200} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
-    --output-len 1024 --time-limit 60 --out "$R/json/decode_minimax.json"
+  step decode_inkling ${T_INK:-240} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 90 --out "$R/json/decode_inkling.json"
+  step decode_minimax ${T_MM:-150} $DECODE --model-path $MM --batch-sizes 8,32,64 --input-len 8192 \
+    --output-len 256 --time-limit 60 --out "$R/json/decode_minimax.json"
   step latency_llama8b ${T_LAT:-100} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
     --out "$R/json/latency_llama8b.json"
 }
 
-lane1_tables() {
-  step offline_qwen ${T_QWEN:-200} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
-    --time-limit 60 --no-progress --out "$R/json/offline_qwen.json"
-  step offline_llama8b ${T_OFF8B:-300} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
-    --time-limit 90 --no-progress --out "$R/json/offline_llama8b.json"
+lane1_tables() { lane1_diag; }
+
+lane0_final() {
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -v -rfE -p no:cacheprovider --timeout 90 \
+    --continue-on-collection-errors --durations 10
+  step offline_qwen ${T_QWEN:-150} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
+    --time-limit 45 --no-progress --out "$R/json/offline_qwen.json"
+}
+
+lane1_final() {
+  step offline_llama8b ${T_OFF8B:-220} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --time-limit 70 --no-progress --out "$R/json/offline_llama8b.json"
+  step spec_inkling ${T_SPEC:-120} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
+  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --out "$R/json/plain_inkling.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables)
+  diag|tables|final)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
+    if [ "$PHASE" = final ]; then OUT=$R/json/tp2 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
