@@ -180,10 +180,15 @@ class HiCache:
         self.tree.adopt(node, dev_pages, {})
         self.stats.loaded_pages += len(dev_pages)
 
-    def load_window(self, node: TreeNode, comp: str, j: int, dev_page: int) -> None:
-        self.host.to_device(comp, [node.host_win[comp][j]], [dev_page])
-        node.win[comp][j] = dev_page
-        self.stats.loaded_window_pages += 1
+    def load_windows(self, comp: str, items: list[tuple[TreeNode, int, int]]) -> None:
+        """Copy host-only windowed pages (node, page index j, device page) of one component back
+        to the device in one batch; each node's window entry points at its device page."""
+        if not items:
+            return
+        self.host.to_device(comp, [n.host_win[comp][j] for n, j, _ in items], [d for _, _, d in items])
+        for n, j, d in items:
+            n.win[comp][j] = d
+        self.stats.loaded_window_pages += len(items)
 
     # ---- host allocation and eviction ----------------------------------------------------------
     def _alloc_host(self, space: str, n: int, exclude: Optional[TreeNode] = None) -> Optional[list[int]]:

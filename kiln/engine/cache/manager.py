@@ -154,6 +154,7 @@ class CacheManager:
             self.hicache.load_node(n, dev)
         path = self.tree.path(node)
         held: list[tuple[str, int]] = []  # loaded windowed pages, protected while we allocate more
+        loads: dict[str, list] = {c: [] for c in self.windows}  # (node, j, device page), copied at once
         try:
             for c, w in self.windows.items():
                 for i in range(self._first_needed_page(num_pages * self.page_size, w.history), num_pages):
@@ -162,10 +163,13 @@ class CacheManager:
                         page = self._alloc_win(c, 1)
                         if page is None:
                             return num_pages - 1
-                        self.hicache.load_window(n, c, j, page[0])
+                        n.win[c][j] = page[0]  # claimed now; its data comes with the batch below
+                        loads[c].append((n, j, page[0]))
                     self.win_refs[c][n.win[c][j]] += 1
                     held.append((c, n.win[c][j]))
         finally:
+            for c, items in loads.items():  # one copy per component (per-page copies cost ~ms each)
+                self.hicache.load_windows(c, items)
             for c, p in held:
                 self.win_refs[c][p] -= 1
         return num_pages
