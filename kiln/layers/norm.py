@@ -1,6 +1,18 @@
-"""RMSNorm as the model contract defines it: statistics and scaling in fp32, one cast back."""
+"""RMSNorm as the model contract defines it: statistics and scaling in fp32, one cast back.
+
+`RMSNorm(x, batch, residual)` also takes the residual add in front of it (vLLM's pattern): the
+decoder layers carry the residual stream separately from each sublayer's output, and every norm
+after the first computes `residual = x + residual; out = norm(residual)`. On the engine's kernel
+path (`batch.backend.use_kernels`: CUDA with Triton, or the interpreter in tests) both run as one
+Triton launch (`kiln.kernels.norm`); elsewhere (the CPU engine, `--kernel-backend reference`, the
+trainer, anything autograd records) the reference ops below run, the add in the model's dtype as
+before, so those paths are bit-identical to the plain `h = h + f(norm(h))` formulation.
+"""
 
 from __future__ import annotations
+
+import functools
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -13,11 +25,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    # Imported on first use: it needs Triton, which the CPU build of torch does not ship.
+    from kiln.kernels import norm
+    return norm
+
+
+def use_norm_kernels(batch, *tensors: Optional[torch.Tensor]) -> bool:
+    """The forward runs on the engine's kernel path and autograd records nothing through
+    `tensors` (the kernels have no backward)."""
+    if batch is None or not getattr(batch.backend, "use_kernels", False):
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, batch=None, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """norm(x) over the last dim; with `residual`: (norm(x + residual), x + residual).
+        `batch` only chooses the path (see the module doc); without one the reference runs."""
+        fast = use_norm_kernels(batch, x, residual, self.weight)
+        if residual is None:
+            return _kernels().rms_norm(x, self.weight, self.eps) if fast else rms_norm(x, self.weight, self.eps)
+        if fast:
+            return _kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x  # the models' `h + f`, in the model's dtype
+        return rms_norm(residual, self.weight, self.eps), residual
