@@ -17,6 +17,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from kiln.kernels import kernel_path
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32 and cast back once."""
@@ -32,14 +34,6 @@ def _kernels():
     return norm
 
 
-def use_norm_kernels(batch, *tensors: Optional[torch.Tensor]) -> bool:
-    """The forward runs on the engine's kernel path and autograd records nothing through
-    `tensors` (the kernels have no backward)."""
-    if batch is None or not getattr(batch.backend, "use_kernels", False):
-        return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -50,7 +44,7 @@ class RMSNorm(nn.Module):
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """norm(x) over the last dim; with `residual`: (norm(x + residual), x + residual).
         `batch` only chooses the path (see the module doc); without one the reference runs."""
-        fast = use_norm_kernels(batch, x, residual, self.weight)
+        fast = kernel_path(batch, x, residual, self.weight)
         if residual is None:
             return _kernels().rms_norm(x, self.weight, self.eps) if fast else rms_norm(x, self.weight, self.eps)
         if fast:

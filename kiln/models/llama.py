@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, -1, d)
         if self.qk_norm:
             q, k = self.q_norm(q, batch), self.k_norm(k, batch)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, batch)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch)
         return self.o_proj(o)
 
