@@ -51,10 +51,11 @@ class ForwardBatch:
     capture_layers: tuple = ()
     captured: dict = field(default_factory=dict)  # layer id -> [T, H]
 
-    def capture(self, layer_id: int, h: torch.Tensor) -> None:
-        """Called by the model loop with the hidden state entering layer `layer_id`."""
+    def capture(self, layer_id: int, h: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
+        """Called by the model loop with the stream entering layer `layer_id`: the layers carry it
+        as (h, residual) (vLLM's layout), so the tap is h + residual (h alone before layer 0)."""
         if layer_id in self.capture_layers:
-            self.captured[layer_id] = h
+            self.captured[layer_id] = h if residual is None else h + residual
 
     def taps(self) -> torch.Tensor:
         """The captured hidden states concatenated in `capture_layers` order: [T, len * H]."""

@@ -37,6 +37,16 @@ def kernels_supported(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and triton_available()
 
 
+def kernel_path(batch, *tensors) -> bool:
+    """Whether a layer op (RMSNorm, RoPE) takes its kernel: the forward runs on the engine's kernel
+    path (`batch.backend.use_kernels`: CUDA with Triton, or the interpreter in tests; never the
+    trainer's packed backend) and autograd records nothing through `tensors` (kernels have no
+    backward)."""
+    if batch is None or not getattr(batch.backend, "use_kernels", False):
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
+
+
 def _patch_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
     with int(array), which NumPy >= 2.4 refuses, so `range(start, end)` over tensor bounds fails

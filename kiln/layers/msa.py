@@ -80,12 +80,12 @@ class MSAAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.reshape(t, self.num_heads, d))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
-        q, k = self.rotary(positions, q, k)
+        q = self.q_norm(q.reshape(t, self.num_heads, d), batch)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, d), batch)
+        q, k = self.rotary(positions, q, k, batch)
         v = v.reshape(t, self.num_kv_heads, d)
         qI, kI = self.indexer(x)
-        qI, kI = self.index_rotary(positions, qI, kI)
+        qI, kI = self.index_rotary(positions, qI, kI, batch)
         o = self._attend(q, k, v, qI, kI, batch)
         return self.o_proj(o.reshape(t, self.num_heads * d))
 

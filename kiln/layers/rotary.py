@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kiln.kernels import kernel_path
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the attention factor for a rope_scaling dict."""
@@ -54,6 +56,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * self.attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * self.attention_factor, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, batch=None):
+        """q [T, Hq, D], k [T, Hk, D] rotated by each token's position. On the engine's kernel path
+        (`batch`, see `kiln.kernels.kernel_path`) one Triton launch does both, bit-identically."""
+        if kernel_path(batch, q, k):
+            from kiln.kernels.rotary import rope  # needs Triton: imported only on the kernel path
+
+            return rope(positions, q, k, self.cos, self.sin)
         cos, sin = self.cos[positions], self.sin[positions]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -111,8 +111,8 @@ class InklingAttention(nn.Module):
         q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
         if self.use_conv:  # on the raw projections, before the per-head norm
             k, v = self.k_conv(k, batch), self.v_conv(v, batch)
-        q = self.q_norm(q.reshape(t, nh, d))
-        k = self.k_norm(k.reshape(t, nkv, d))
+        q = self.q_norm(q.reshape(t, nh, d), batch)
+        k = self.k_norm(k.reshape(t, nkv, d), batch)
         rel = self.rel_proj(r.reshape(t, nh, self.qkvr_proj.rel_dim))  # [T, Hq, R]
         if self.full:
             lam = attn_scale(batch.positions, self.beta, self.floor_scale)[:, None, None]
@@ -138,13 +138,19 @@ class InklingDecoderLayer(nn.Module):
         if use_conv:  # lives under `mlp.` on disk (mlp.out_conv.weight)
             self.mlp.out_conv = ShortConv(4 * layer_id + 3, h, cfg.shortconv_kernel_size)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
-        m = self.post_attention_layernorm(h)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input h + residual (h alone when residual is None), output f + residual as returned:
+        the residual stream is carried apart and added inside the next norm (see
+        `LlamaDecoderLayer.forward`); the reference path is exactly `h = h + attn(norm(h));
+        h = h + out_conv(mlp(norm(h)))`."""
+        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
+            else self.input_layernorm(h, batch, residual)
+        m, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch, residual)
         f = self.mlp(m, batch) if self.is_moe else self.mlp(m)
         if self.use_conv:
             f = self.mlp.out_conv(f, batch)
-        return h + f
+        return f, residual
 
 
 class InklingMTPLayer(nn.Module):
@@ -171,8 +177,9 @@ class InklingMTPLayer(nn.Module):
 
     def forward(self, tok_emb: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """tok_emb = Emb(t_{i+k}), h_prev = h^{k-1}_i, both [T, H] -> h^k_i [T, H] (before final_norm)."""
-        u = self.eh_proj(torch.cat([self.enorm(tok_emb), self.hnorm(h_prev)], dim=-1))
-        return self.block(u, batch)
+        u = self.eh_proj(torch.cat([self.enorm(tok_emb, batch), self.hnorm(h_prev, batch)], dim=-1))
+        f, residual = self.block(u, batch)
+        return residual + f
 
 
 class InklingModel(nn.Module):
@@ -186,11 +193,11 @@ class InklingModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            batch.capture(i, h)
-            h = layer(h, batch)
-        return self.norm(h)
+            batch.capture(i, h, residual)
+            h, residual = layer(h, batch, residual)
+        return self.norm(h, batch, residual)[0]
 
 
 class InklingForCausalLM(nn.Module):

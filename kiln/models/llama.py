@@ -54,8 +54,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, -1, d)
         k = k.reshape(t, -1, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.q_norm(q, batch), self.k_norm(k, batch)
+        q, k = self.rotary(positions, q, k, batch)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch)
         return self.o_proj(o)
 
@@ -68,9 +68,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc)
 
-    def forward(self, positions, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h: torch.Tensor, batch: ForwardBatch,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual stream carried apart (vLLM's layout): the layer's input
+        is h + residual (h alone for the first layer), its output f + residual as returned. The
+        adds happen inside the norms, fused with them on the kernel path; the reference path
+        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
+        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
+            else self.input_layernorm(h, batch, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -83,11 +90,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            batch.capture(i, h)
-            h = layer(batch.positions, h, batch)
-        return self.norm(h)
+            batch.capture(i, h, residual)
+            h, residual = layer(batch.positions, h, batch, residual)
+        return self.norm(h, batch, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -57,10 +57,14 @@ class MiniMaxM3DecoderLayer(nn.Module):
         else:
             self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        m = self.post_attention_layernorm(h)
-        return h + (self.mlp(m, batch) if self.is_moe else self.mlp(m))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input h + residual (h alone when residual is None), output f + residual as returned
+        (the residual stream carried apart, see `LlamaDecoderLayer.forward`)."""
+        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
+            else self.input_layernorm(h, batch, residual)
+        m, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
+        return (self.mlp(m, batch) if self.is_moe else self.mlp(m)), residual
 
 
 class MiniMaxM3Model(nn.Module):
@@ -79,11 +83,11 @@ class MiniMaxM3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            batch.capture(i, h)
-            h = layer(batch.positions, h, batch)
-        return self.norm(h)
+            batch.capture(i, h, residual)
+            h, residual = layer(batch.positions, h, batch, residual)
+        return self.norm(h, batch, residual)[0]
 
 
 class MiniMaxM3ForCausalLM(nn.Module):

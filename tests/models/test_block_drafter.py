@@ -128,11 +128,12 @@ def test_taps_are_the_residual_entering_each_layer(cfg):
         out = model(batch)
         assert torch.equal(out, plain), "capturing must not change the forward"
         assert torch.equal(batch.captured[0], model.model.embed_tokens(ids))
-        h = model.model.embed_tokens(ids)
-        for i, layer in enumerate(model.model.layers):  # the residual entering layer i
-            assert torch.equal(batch.captured[i], h), i
+        h, residual = model.model.embed_tokens(ids), None
+        for i, layer in enumerate(model.model.layers):  # the residual stream entering layer i
+            assert torch.equal(batch.captured[i], h if residual is None else h + residual), i
             probe = packed_batch(ids, [20])
-            h = layer(probe.positions, h, probe) if cfg["model_type"] != "inkling" else layer(h, probe)
+            h, residual = layer(probe.positions, h, probe, residual) if cfg["model_type"] != "inkling" \
+                else layer(h, probe, residual)
         taps = batch.taps()
     assert taps.shape == (20, 64 * len(layers))
     assert torch.equal(taps[:, :64], batch.captured[layers[-1]])  # in capture_layers order

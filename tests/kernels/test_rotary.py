@@ -1,0 +1,59 @@
+"""Triton RoPE vs the reference `RotaryEmbedding.forward`: bit-identical (the kernel rounds every
+product and sum like the reference's separate ops).
+
+"cpu" cases run under Triton's interpreter (fp32); "cuda" cases compile in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.kernels.rotary import rope  # noqa: E402
+from kiln.layers.rotary import RotaryEmbedding  # noqa: E402
+from tests.kernels.devices import DEVICES  # noqa: E402
+
+DTYPES = [pytest.param(torch.float32, id="fp32"),
+          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)]
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def _check(device, dtype, t, hq, hk, d, scaling=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rot = RotaryEmbedding(d, 1000, 10000.0, scaling).to(device)
+    # q and k as views of one fused projection, like the models hand them over.
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype).to(device)
+    q = qkv[:, :hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].reshape(t, hk, d)
+    positions = torch.randint(0, 1000, (t,), generator=gen).to(device)
+    got_q, got_k = rope(positions, q, k, rot.cos, rot.sin)
+    want_q, want_k = rot(positions, q, k)
+    assert got_q.dtype == dtype and got_q.shape == q.shape and got_k.shape == k.shape
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 4, 2, 16), (7, 32, 8, 128), (64, 8, 8, 64), (5, 6, 3, 96)])
+def test_rope_matches_reference(device, dtype, t, hq, hk, d):
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter cases run fp32")
+    _check(device, dtype, t, hq, hk, d, seed=t + d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_llama3_scaling_many_heads_and_empty(device):
+    _check(device, torch.float32, 3, 80, 1, 32, scaling=LLAMA3)  # more heads than one block
+    rot = RotaryEmbedding(16, 8, 10000.0).to(device)
+    q, k = torch.zeros(0, 2, 16, device=device), torch.zeros(0, 1, 16, device=device)
+    got_q, got_k = rope(torch.zeros(0, dtype=torch.long, device=device), q, k, rot.cos, rot.sin)
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+
+
+@pytest.mark.gpu
+def test_rope_bf16_prefill_shape():
+    _check("cuda", torch.bfloat16, 4096, 32, 8, 128, scaling=LLAMA3, seed=1)
