@@ -45,12 +45,22 @@ lane0_diag() {
     --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
 }
 
+variant_args() {  # VARGS: the agent trace's servers from VARIANTS=device,hicache-2x,hicache-4x
+  VARGS=()
+  for v in ${VARIANTS//,/ }; do
+    case $v in
+      device) VARGS+=(--variant "device=") ;;
+      hicache-*x) VARGS+=(--variant "$v=--enable-hierarchical-cache --hicache-ratio ${v//[!0-9]/}") ;;
+    esac
+  done
+}
+VARIANTS=${VARIANTS:-device,hicache-2x,hicache-4x}
+
 lane1_diag() {
+  variant_args
   step agent_trace ${T_AGENT:-470} python benchmarks/agent_trace.py \
     --serve-args "--model-path $INK --load-format dummy --skip-tokenizer-init --max-total-tokens 60000 --max-running-requests 64 --cuda-graph-max-bs 64" \
-    --variant device= \
-    --variant hicache-2x="--enable-hierarchical-cache --hicache-ratio 2" \
-    --variant hicache-4x="--enable-hierarchical-cache --hicache-ratio 4" \
+    "${VARGS[@]}" \
     --concurrency 8,32 --level-time-limit ${AGENT_LEVEL_S:-40} --time-scale 0.25 --warmup-s 10 \
     --startup-timeout 120 --log-dir "$R/json" --out "$R/agent_trace_h200.json" --plot "$R/agent_trace_h200.png"
 }
@@ -67,19 +77,18 @@ lane0_tables() {
 lane1_tables() { lane1_diag; }
 
 lane0_final() {
-  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -v -rfE -p no:cacheprovider --timeout 90 \
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -v -rfE -p no:cacheprovider --timeout 60 \
     --continue-on-collection-errors --durations 10
-  step offline_qwen ${T_QWEN:-150} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
-    --time-limit 45 --no-progress --out "$R/json/offline_qwen.json"
+  step spec_inkling ${T_SPEC:-80} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
+  step plain_inkling ${T_PLAIN:-50} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --out "$R/json/plain_inkling.json"
 }
 
 lane1_final() {
-  step offline_llama8b ${T_OFF8B:-220} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
-    --time-limit 70 --no-progress --out "$R/json/offline_llama8b.json"
-  step spec_inkling ${T_SPEC:-120} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-    --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
-  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-    --out "$R/json/plain_inkling.json"
+  VARIANTS=${AGENT_VARIANTS:-hicache-4x} lane1_diag
+  step offline_qwen ${T_QWEN:-100} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
+    --time-limit 30 --no-progress --out "$R/json/offline_qwen.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -89,7 +98,7 @@ case $PHASE in
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
-    if [ "$PHASE" = final ]; then OUT=$R/json/tp2 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
+    if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T3=${TP_T3:-0} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
