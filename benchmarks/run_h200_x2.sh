@@ -8,9 +8,10 @@
 #   PHASE=tables lane 0: Inkling bench at batch 8/32/64/128, input 8192 / output 1024; MiniMax-M3
 #                        bench at 8/32/64 (output 256); 8B batch-1 latency against transformers
 #                lane 1: the agent trace again (as in diag)
-#   PHASE=final  lane 0: gpu-marked tests (verbose); nano-vllm's offline workload, Qwen3-0.6B shape,
-#                        against transformers' continuous batching
-#                lane 1: the offline workload at the 8B shape; Inkling MTP rounds vs plain decode
+#   PHASE=final  lane 0: gpu-marked tests (verbose); 8B batch-1 latency (Kiln only); Inkling MTP
+#                        rounds (k=3) against plain decode at batch 1/8/32
+#                lane 1: the agent trace's hicache-4x variant; nano-vllm's offline workload at the
+#                        Qwen3-0.6B shape against transformers' continuous batching
 #                then both GPUs: `run_h200_tp2.sh` (tp 2 tests, 8B and Inkling tables)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
@@ -77,8 +78,10 @@ lane0_tables() {
 lane1_tables() { lane1_diag; }
 
 lane0_final() {
-  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -v -rfE -p no:cacheprovider --timeout 60 \
+  step gpu_tests ${T_TESTS:-130} python -m pytest -m gpu tests -v -rfE -p no:cacheprovider --timeout 60 \
     --continue-on-collection-errors --durations 10
+  step latency_llama8b ${T_LAT:-45} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
+    --out "$R/json/latency_llama8b_final.json"
   step spec_inkling ${T_SPEC:-80} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
     --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
   step plain_inkling ${T_PLAIN:-50} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
@@ -98,7 +101,7 @@ case $PHASE in
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
-    if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T3=${TP_T3:-0} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
+    if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
