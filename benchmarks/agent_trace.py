@@ -337,6 +337,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     trace = make_trace(spec)
     log(f"trace: {len(trace)} sessions, {sum(len(s.turns) for s in trace)} turns")
     rows: list[dict] = []
+    meta = {"trace": asdict(spec), "argv": sys.argv if argv is None else argv, "variants": opts.variant,
+            "serve_args": opts.serve_args}
     if opts.url:
         rows += run_variant("server", opts.url, trace, levels, opts)
     else:
@@ -349,11 +351,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 rows += run_variant(name, url, trace, levels, opts)
             finally:
                 stop_server(proc)
+            save_json(opts.out, rows, meta)  # after every server: a time limit keeps what was measured
     cols = ["variant", "concurrency", "requests", "throughput_tok_s_gpu", "per_user_tok_s", "ttft_p50_s",
             "ttft_p90_s", "ttft_p99_s", "hit_rate", "hit_device", "hit_host", "hit_disk", "errors"]
     print_table(rows, cols, title="agent trace")
-    save_json(opts.out, rows, {"trace": asdict(spec), "argv": sys.argv if argv is None else argv,
-                               "variants": opts.variant, "serve_args": opts.serve_args})
+    save_json(opts.out, rows, meta)
     if opts.plot:
         plot(rows, opts.plot)
     return rows
