@@ -101,6 +101,12 @@ class SamplingBatch:
     # without a device -> host sync. None: derived from the tensors (one small sync) on the CPU
     # path; on the CUDA path every row draws instead (see the module docstring).
     greedy: Optional[list[bool]] = None
+    # The rows that draw (not greedy) as a device int64 tensor, copied with top_ks in `from_reqs`
+    # so that the sampler's call makes no host -> device copy. None: built in the call.
+    draw_rows: Optional[torch.Tensor] = None
+    # (row, token id) device tensors of the output / prompt / suppress lists, copied in
+    # `from_reqs` with the other ints (None: no ids in that list); None: built in the call.
+    id_pairs: Optional[dict[str, Optional[tuple[torch.Tensor, torch.Tensor]]]] = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
@@ -135,14 +141,28 @@ class SamplingBatch:
             num_top.append(p.logprobs if p.logprobs is not None else -1)
             greedy.append(p.greedy)
 
-        # One copy for the six float columns, one for top-k, both from pinned memory (see to_device).
+        # One copy for the six float columns, one for top-k and the drawing rows, both from pinned
+        # memory (see to_device).
         floats = to_device(torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
                            .reshape(6, -1), device)
         temps_t, top_ps_t, min_ps_t, reps_t, freqs_t, press_t = floats.unbind(0)
+        draw = [i for i, g in enumerate(greedy) if not g]
+        segments = [top_ks, draw]
+        for lists in (outputs, prompts, suppress):
+            segments += [[i for i, x in enumerate(lists) for _ in x], list(itertools.chain.from_iterable(lists))]
+        ints = to_device(torch.tensor(list(itertools.chain.from_iterable(segments)), dtype=torch.int64), device)
+        parts, at = [], 0
+        for seg in segments:
+            parts.append(ints[at:at + len(seg)])
+            at += len(seg)
+        id_pairs = {name: (parts[2 + 2 * j], parts[3 + 2 * j]) if segments[3 + 2 * j] else None
+                    for j, name in enumerate(("output", "prompt", "suppress"))}
         return cls(
             temperatures=temps_t,
             top_ps=top_ps_t,
-            top_ks=to_device(torch.tensor(top_ks, dtype=torch.int64), device),
+            top_ks=parts[0],
+            draw_rows=parts[1],
+            id_pairs=id_pairs,
             min_ps=min_ps_t,
             repetition_penalties=reps_t,
             frequency_penalties=freqs_t,
@@ -172,8 +192,12 @@ def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.
     return torch.log_softmax(logits.float() / t.unsqueeze(1).float(), dim=-1)
 
 
-def _flat_ids(lists: list[list[int]], vocab: int, device) -> Optional[torch.Tensor]:
-    """Flat indices `row * V + id` of every id in `lists`, or None when all lists are empty."""
+def _flat_ids(lists: list[list[int]], vocab: int, device, pairs=False) -> Optional[torch.Tensor]:
+    """Flat indices `row * V + id` of every id in `lists`, or None when all lists are empty.
+    `pairs`: the batch's (rows, ids) already on the device (`SamplingBatch.id_pairs` entry, or
+    None for empty lists); False: copy `lists` now."""
+    if pairs is not False:
+        return None if pairs is None else pairs[0] * vocab + pairs[1]
     lengths = [len(x) for x in lists]
     if sum(lengths) == 0:
         return None
@@ -193,8 +217,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output) penalties; out of place."""
     B, V = logits.shape
     dev = logits.device
-    out_flat = _flat_ids(batch.output_token_ids, V, dev)
-    prompt_flat = _flat_ids(batch.prompt_token_ids, V, dev)
+    pre = batch.id_pairs or {}
+    out_flat = _flat_ids(batch.output_token_ids, V, dev, pre.get("output", False))
+    prompt_flat = _flat_ids(batch.prompt_token_ids, V, dev, pre.get("prompt", False))
     if out_flat is None and prompt_flat is None:
         return logits
     out_counts = _counts(out_flat, (B, V), dev) if out_flat is not None else None
@@ -216,7 +241,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def apply_suppression(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Set `suppress_ids` to -inf; out of place."""
     B, V = logits.shape
-    flat = _flat_ids(batch.suppress_ids, V, logits.device)
+    flat = _flat_ids(batch.suppress_ids, V, logits.device, (batch.id_pairs or {}).get("suppress", False))
     if flat is None:
         return logits
     return logits.reshape(-1).index_fill(0, flat, float("-inf")).view(B, V)
@@ -317,7 +342,8 @@ class Sampler:
             if len(rows) == B:
                 xs, idx = x, None
             else:
-                idx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+                idx = batch.draw_rows if batch.draw_rows is not None and batch.greedy is greedy else \
+                    to_device(torch.tensor(rows, dtype=torch.int64), dev)
                 xs = x.index_select(0, idx)
                 params = tuple(t.index_select(0, idx) for t in params)
             e = self._exponentials([batch.generators[i] for i in rows], V, dev)

@@ -363,3 +363,31 @@ def test_from_reqs_maps_params():
     assert batch.generators[0] is None and batch.generators[2] is None
     assert batch.generators[1] is b.generator is not None
     assert SamplingBatch.from_reqs([b], "cpu").generators[0] is b.generator
+
+
+def test_from_reqs_precopied_ids_match_the_in_call_path():
+    """`from_reqs` copies the drawing rows and the (row, id) pairs of the penalty / suppression
+    lists with its other ints, so the sampler's call copies nothing: same processed logits and
+    the same draws as building them in the call."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kiln.engine import sampler as sampler_mod
+
+    def req(i, **kw):
+        return SimpleNamespace(params=SamplingParams(max_tokens=8, seed=10 + i, **kw), generator=None,
+                               prompt_ids=[1, 2, 3 + i], output_ids=[4, 5, 5][:i], eos_token_ids=(7,))
+
+    reqs = [req(0, temperature=0.0), req(1, repetition_penalty=1.3, temperature=0.8),
+            req(2, frequency_penalty=0.5, presence_penalty=0.2, temperature=0.7, min_tokens=5), req(3, top_k=1)]
+    batch = SamplingBatch.from_reqs(reqs, "cpu")
+    assert batch.draw_rows.tolist() == [1, 2] and batch.id_pairs["suppress"] is not None
+    plain = dataclasses.replace(batch, draw_rows=None, id_pairs=None)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampler_mod.processed_logits(logits, batch), sampler_mod.processed_logits(logits, plain))
+    for r in reqs:
+        r.generator = None
+    again = SamplingBatch.from_reqs(reqs, "cpu")
+    a = Sampler(seed=3, device="cpu")(logits, batch).token_ids
+    b = Sampler(seed=3, device="cpu")(logits, dataclasses.replace(again, draw_rows=None, id_pairs=None)).token_ids
+    assert torch.equal(a, b)

@@ -238,13 +238,25 @@ def test_sample_captures_in_a_cuda_graph():
 
 
 def _batch(n, device, temps, top_ks, top_ps, min_ps, gens, greedy):
+    """Like `SamplingBatch.from_reqs`: every host -> device copy happens here, before the call
+    (the drawing rows and the (row, id) pairs of the id lists too, when `greedy` is given)."""
     f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+    prompts, outputs, suppress = [[1, 2, 3]] + [[] for _ in range(n - 1)], [[4, 4]] + [[] for _ in range(n - 1)], [[7]] * n
+
+    def pairs(lists):
+        rows = [i for i, x in enumerate(lists) for _ in x]
+        ids = [t for x in lists for t in x]
+        return (torch.tensor(rows, device=device), torch.tensor(ids, device=device)) if ids else None
+
+    pre = {}
+    if greedy is not None:
+        pre = dict(draw_rows=torch.tensor([i for i, g in enumerate(greedy) if not g], device=device),
+                   id_pairs={"output": pairs(outputs), "prompt": pairs(prompts), "suppress": pairs(suppress)})
     return SamplingBatch(
         temperatures=f(temps), top_ps=f(top_ps), top_ks=torch.tensor(top_ks, device=device), min_ps=f(min_ps),
         repetition_penalties=f([1.2] + [1.0] * (n - 1)), frequency_penalties=f([0.0] * n),
-        presence_penalties=f([0.0] * n), generators=gens, prompt_token_ids=[[1, 2, 3]] + [[] for _ in range(n - 1)],
-        output_token_ids=[[4, 4]] + [[] for _ in range(n - 1)], suppress_ids=[[7]] * n,
-        num_top_logprobs=[-1] * n, greedy=greedy)
+        presence_penalties=f([0.0] * n), generators=gens, prompt_token_ids=prompts,
+        output_token_ids=outputs, suppress_ids=suppress, num_top_logprobs=[-1] * n, greedy=greedy, **pre)
 
 
 @pytest.mark.gpu
