@@ -134,16 +134,17 @@ def run_plain(core, reqs, max_tokens=16, tag="r"):
     return out
 
 
-def assert_mtp_reference(core, res, drafts) -> int:
-    """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference.
-    Returns how many (anchor, layer) pairs were compared."""
+def assert_mtp_reference(core, res, drafts, reference=forward_mtp_reference) -> int:
+    """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference
+    (`reference(model, ids, lens, hidden)` -> per-layer logits of every row; the trainer's forward
+    in tests/spec_train). Returns how many (anchor, layer) pairs were compared."""
     model, checked = core.runner.model, 0
     for rid, (prompt, output, _, _) in res.items():
         ids = torch.tensor(prompt + output)
         n_tok = len(ids)
         with torch.no_grad():
             hidden = model(packed_batch(ids, [n_tok]))
-            ref = forward_mtp_reference(model, ids, [n_tok], hidden)
+            ref = reference(model, ids, [n_tok], hidden)
         for anchor, ds, logits in drafts.get(rid, []):
             for k in range(1, len(ds) + 1):
                 teacher_forced = ds[:k - 1] == ids[anchor + 2:anchor + k + 1].tolist()
