@@ -221,6 +221,10 @@ def train_mtp(cfg) -> dict:
     t0, tokens = time.time(), 0
     autocast = torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
     with open(metrics_path, "w") as mf:
+        if val:  # the untrained drafter's validation loss: where the curve starts
+            with autocast:
+                history.append({"step": 0, **evaluate(model, samples, hidden, val, cfg)})
+            mf.write(json.dumps(history[-1]) + "\n")
         bar = tqdm(range(1, cfg.num_steps + 1), desc="train mtp", unit="step", disable=not cfg.progress)
         for step in bar:
             if not batches:  # a new epoch: reshuffle, repack

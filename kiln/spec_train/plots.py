@@ -28,11 +28,12 @@ def plot_losses(history: list[dict], path: str) -> None:
     except ImportError:
         logger.warning("matplotlib is not installed (pip install 'kiln[bench]'); skipping %s", path)
         return
+    val = [h for h in history if "val_loss_k" in h]
+    history = [h for h in history if "loss_k" in h]  # step 0 has only the validation loss
     if not history:
         return
     steps = [h["step"] for h in history]
     n = len(history[0]["loss_k"])
-    val = [h for h in history if "val_loss_k" in h]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
     w = max(1, len(history) // 20)
     for k in range(n):
