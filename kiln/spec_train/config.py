@@ -50,9 +50,10 @@ class TrainDraftConfig:
     mtp_sliding_window: int = opt(1024, "mtp: attention window of the MTP blocks (MODELS.md 2.4).")
     mtp_intermediate_size: Optional[int] = opt(None, "mtp: SwiGLU width of the MTP blocks (default: the "
                                                "target's intermediate_size).")
-    mtp_init: str = opt("last-layer", "mtp: initialise each MTP block from the target's last decoder layer "
-                        "('last-layer') or randomly ('random'); eh_proj, norms always fresh.",
-                        ["last-layer", "random"])
+    mtp_init: str = opt("identity", "mtp: 'identity' starts each MTP layer as a pass-through of h^{k-1} (zero "
+                        "residual branches, random elsewhere); 'last-layer' also copies the target's last decoder "
+                        "layer into the block; 'random' draws every matrix (kiln.spec_train.mtp.init_mtp).",
+                        ["identity", "last-layer", "random"])
     # Training
     num_steps: int = opt(200, "Optimizer steps.")
     batch_tokens: int = opt(1024, "Tokens per step (whole sequences packed up to this).")
