@@ -47,7 +47,9 @@ class TrainDraftConfig:
     chat_template: bool = opt(True, "Wrap text prompts as a user turn in the target's chat template.")
     # MTP
     num_mtp_layers: int = opt(3, "mtp: MTP layers to train (the draft length K they allow).")
-    mtp_sliding_window: int = opt(1024, "mtp: attention window of the MTP blocks (MODELS.md 2.4).")
+    mtp_sliding_window: int = opt(256, "mtp: attention window of the MTP blocks (MODELS.md 2.4). Serving keeps "
+                                  "this many tokens of MTP K/V per running request (the engine reserves it for "
+                                  "--max-running-requests of them), so it stays small; training sequences are short.")
     mtp_intermediate_size: Optional[int] = opt(None, "mtp: SwiGLU width of the MTP blocks (default: the "
                                                "target's intermediate_size).")
     mtp_init: str = opt("identity", "mtp: 'identity' starts each MTP layer as a pass-through of h^{k-1} (zero "

@@ -253,6 +253,8 @@ def train_mtp(cfg) -> dict:
             history.append(row)
             mf.write(json.dumps(row) + "\n")
             mf.flush()
+            if "val_loss" in row and step < cfg.num_steps:  # a curve to look at while it runs
+                plot_losses(history, os.path.join(cfg.out, "loss.png"))
             bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in row["loss_k"]))
         bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
