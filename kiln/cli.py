@@ -1,4 +1,4 @@
-"""The `kiln` command: `serve`, `generate`, `init-model`, `rl`, `version`."""
+"""The `kiln` command: `serve`, `generate`, `init-model`, `rl`, `train-draft`, `version`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rl_args(rl)
 
+    draft = sub.add_parser("train-draft", help="Train a speculative-decoding drafter (MTP layers or DFlash) "
+                           "against a frozen target on its own continuations (see docs/speculative.md).")
+    from kiln.spec_train.cli import add_cli_args as add_draft_args
+
+    add_draft_args(draft)
+
     sub.add_parser("version", help="Print the version.")
     return parser
 
@@ -77,6 +83,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         _generate(args)
     elif args.command == "init-model":
         _init_model(args)
+    elif args.command == "train-draft":
+        from kiln.spec_train.cli import main as train_draft_main
+
+        train_draft_main(args)
 
 
 def _init_model(args: argparse.Namespace) -> None:

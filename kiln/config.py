@@ -90,8 +90,8 @@ class EngineConfig:
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(
         None, "Draft tokens and verify them in one target forward per decode round: 'mtp' drafts with "
-        "the checkpoint's MTP layers (Inkling), 'dflash' with a block drafter from "
-        "--speculative-draft-model-path, 'dspark' with the block drafter in a MiniMax-M3 checkpoint. "
+        "the checkpoint's MTP layers (Inkling, or Llama with num_mtp_layers), 'dflash' with a block drafter "
+        "from --speculative-draft-model-path, 'dspark' with the block drafter in a MiniMax-M3 checkpoint. "
         "Turns overlap scheduling and CUDA graphs off.", ["mtp", "dflash", "dspark"])
     speculative_num_steps: Optional[int] = opt(
         None, "Draft length K per round (mtp: at most the checkpoint's MTP layers, default all of them; "

@@ -38,6 +38,12 @@ class ModelConfig:
     torch_dtype: Optional[str] = None  # the checkpoint's dtype, for information only
     hidden_act: str = "silu"
     mlp_bias: bool = False
+    # MTP layers for speculative decoding (MODELS.md 2.4 on a Llama decoder layer; docs/models.md):
+    # `mtp.{k}.` on disk, each block a sliding-window layer of `mtp_sliding_window` keys with a
+    # dense SwiGLU of `mtp_intermediate_size` (default: intermediate_size).
+    num_mtp_layers: int = 0
+    mtp_sliding_window: int = 1024
+    mtp_intermediate_size: Optional[int] = None
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -67,6 +73,11 @@ class ModelConfig:
         if hidden_act != "silu":
             raise ValueError(f"config.json: hidden_act {hidden_act!r} is not supported (only 'silu').")
         rope_theta, rope_scaling = _rope(d)
+        num_mtp = int(d.get("num_mtp_layers") or 0)
+        mtp_window = int(d.get("mtp_sliding_window") or 1024)
+        if num_mtp < 0 or mtp_window < 1:
+            raise ValueError(f"config.json: num_mtp_layers ({num_mtp}) must be >= 0 and "
+                             f"mtp_sliding_window ({mtp_window}) >= 1.")
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -89,6 +100,9 @@ class ModelConfig:
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             hidden_act=hidden_act,
             mlp_bias=bool(d.get("mlp_bias", False)),
+            num_mtp_layers=num_mtp,
+            mtp_sliding_window=mtp_window,
+            mtp_intermediate_size=int(d["mtp_intermediate_size"]) if d.get("mtp_intermediate_size") else None,
             raw=dict(d),
         )
 

@@ -25,6 +25,7 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.shortconv import ShortConv
 from kiln.models.inkling_config import InklingConfig
 from kiln.models.llama import LlamaMLP
+from kiln.models.mtp import MTPHost, MTPLayer, replicated_linear
 
 
 def attn_scale(positions: torch.Tensor, beta: float, floor_scale: float) -> torch.Tensor:
@@ -38,12 +39,6 @@ def attn_scale(positions: torch.Tensor, beta: float, floor_scale: float) -> torc
     else:
         n = torch.floor(pos.double() / floor_scale).float()
     return 1.0 + beta * torch.log1p(n)
-
-
-def _replicated_linear(in_features: int, out_features: int) -> nn.Linear:
-    lin = nn.Linear(in_features, out_features, bias=False)
-    lin.weight.requires_grad_(False)  # engine convention: the trainer enables what it trains
-    return lin
 
 
 class QKVRParallelLinear(ColumnParallelLinear):
@@ -97,7 +92,7 @@ class InklingAttention(nn.Module):
             self.o_conv = ShortConv(4 * layer_id + 2, h, kk)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rel_proj = _replicated_linear(cfg.rel_dim, cfg.rel_extent)  # P_l [R, d_r], frozen in RL
+        self.rel_proj = replicated_linear(cfg.rel_dim, cfg.rel_extent)  # P_l [R, d_r], frozen in RL
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, pc=pc)
         # Full layers scale q and rel by lam_i; sliding layers have lam = 1.
         self.full = not sliding
@@ -153,33 +148,12 @@ class InklingDecoderLayer(nn.Module):
         return f, residual
 
 
-class InklingMTPLayer(nn.Module):
-    """MTP layer k (MODELS.md 2.4): u = [enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)] @ eh_proj^T, then a
-    sliding-window decoder block without ShortConv, then final_norm and the shared LM head.
-    Query i sees key j iff j == i or j <= i + 1 - k (and the window): the attention's key_gap.
-    The engine keeps entry i at position i + k (`cache_offset`), the last token it depends on.
-    Not run by `InklingForCausalLM.forward`: `kiln.engine.spec.mtp_drafter` runs the chain when
-    serving with speculative decoding, `forward_mtp_reference` on packed training sequences."""
-
-    def __init__(self, cfg: InklingConfig, k: int, pc: ParallelContext):
-        super().__init__()
-        h = cfg.hidden_size
-        self.k = k
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.eh_proj = _replicated_linear(2 * h, h)
-        # Attention layer ids after the main model's, so a future MTP KV pool can address them.
-        self.block = InklingDecoderLayer(cfg, cfg.num_hidden_layers + k - 1, sliding=True, moe_index=None,
-                                         use_conv=False, pc=pc)
-        self.block.self_attn.attn.key_gap = k - 1
-        self.block.self_attn.attn.cache_offset = k
-        self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
-
-    def forward(self, tok_emb: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """tok_emb = Emb(t_{i+k}), h_prev = h^{k-1}_i, both [T, H] -> h^k_i [T, H] (before final_norm)."""
-        u = self.eh_proj(torch.cat([self.enorm(tok_emb, batch), self.hnorm(h_prev, batch)], dim=-1))
-        f, residual = self.block(u, batch)
-        return residual + f
+def inkling_mtp_layer(cfg: InklingConfig, k: int, pc: ParallelContext) -> MTPLayer:
+    """MTP layer k (MODELS.md 2.4) around a sliding-window Inkling decoder block without ShortConv
+    and with a dense SwiGLU. Its attention layer id comes after the main model's (L + k - 1)."""
+    block = InklingDecoderLayer(cfg, cfg.num_hidden_layers + k - 1, sliding=True, moe_index=None,
+                                use_conv=False, pc=pc)
+    return MTPLayer(cfg.hidden_size, cfg.rms_norm_eps, k, block)
 
 
 class InklingModel(nn.Module):
@@ -200,7 +174,7 @@ class InklingModel(nn.Module):
         return self.norm(h, batch, residual)[0]
 
 
-class InklingForCausalLM(nn.Module):
+class InklingForCausalLM(MTPHost, nn.Module):
     """Causal LM over a `ForwardBatch`: `forward` returns final hidden states [T, H] (after
     model.norm); `compute_logits` projects the rows the batch asks for.
 
@@ -217,7 +191,7 @@ class InklingForCausalLM(nn.Module):
         self.pc = pc
         self.max_positions = max_positions or cfg.max_position_embeddings  # no table depends on it
         self.model = InklingModel(cfg, pc)
-        self.mtp = nn.ModuleList(InklingMTPLayer(cfg, k, pc) for k in range(1, cfg.num_mtp_layers + 1))
+        self.mtp = nn.ModuleList(inkling_mtp_layer(cfg, k, pc) for k in range(1, cfg.num_mtp_layers + 1))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -228,22 +202,14 @@ class InklingForCausalLM(nn.Module):
 
     def state_specs(self, num_mtp: int = 0) -> list[StateSpec]:
         """FULL_KV for full layers, SWA_KV (window W) for sliding layers, and CONV (window K-1) per
-        distinct channel size, keyed by conv_id: Hkv*D for k/v convs, H for o/out convs.
-
-        With `num_mtp` = n > 0 (speculative decoding with the first n MTP layers), the MTP blocks'
-        attention joins SWA_KV (layer ids L .. L+n-1, entries stored at position + k), and CONV
-        gets n more sites of H channels, window 1, ids `mtp_hidden_site(k)` for k = 0..n-1: the
-        hidden state h^k each position feeds MTP layer k+1 at the next position (h^0 = the main
-        model's final hidden state). Both are per-token state in window spaces, so rollback,
-        retraction and the prefix cache handle them like every other component."""
+        distinct channel size, keyed by conv_id: Hkv*D for k/v convs, H for o/out convs; with
+        `num_mtp` = n > 0, the first n MTP layers' state as well (`MTPHost.with_mtp_state_specs`:
+        their attention joins SWA_KV, their hidden states get window-1 CONV sites)."""
         cfg = self.config
-        if num_mtp > cfg.num_mtp_layers:
-            raise ValueError(f"{num_mtp} MTP layers asked for; the checkpoint has {cfg.num_mtp_layers}")
         a = self.model.layers[0].self_attn.attn
         kv = (a.num_kv_heads, a.head_dim)
         full = [l for l in range(cfg.num_hidden_layers) if not cfg.is_sliding(l)]
         swa = [l for l in range(cfg.num_hidden_layers) if cfg.is_sliding(l)]
-        swa += [self.mtp[k].block.self_attn.attn.layer_id for k in range(num_mtp)]
         specs = []
         if full:
             specs.append(StateSpec(ComponentKind.FULL_KV, full, kv))
@@ -257,27 +223,13 @@ class InklingForCausalLM(nn.Module):
         for c, ids in by_channels.items():
             specs.append(StateSpec(ComponentKind.CONV, sorted(ids), (c,),
                                    window=cfg.shortconv_kernel_size - 1))
-        if num_mtp:
-            specs.append(StateSpec(ComponentKind.CONV, [self.mtp_hidden_site(k) for k in range(num_mtp)],
-                                   (cfg.hidden_size,), window=1))
-        return specs
-
-    def mtp_hidden_site(self, k: int) -> int:
-        """CONV site id holding h^k per position (k = 0: the main model's final hidden state)."""
-        return self.num_conv_sites + k
+        return self.with_mtp_state_specs(specs, num_mtp)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
-
-    def forward_mtp_reference(self, input_ids: torch.Tensor, seq_lens: list[int],
-                              hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Teacher-forced MTP logits on packed sequences (see `kiln.models.inkling_mtp`)."""
-        from kiln.models.inkling_mtp import forward_mtp_reference
-
-        return forward_mtp_reference(self, input_ids, seq_lens, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters;

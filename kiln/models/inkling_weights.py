@@ -10,19 +10,14 @@ Differences between disk and memory:
 
 from __future__ import annotations
 
-import re
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from kiln.layers.moe import Experts, SharedExperts, moe_param_for
+from kiln.models.mtp import shift_mtp as _shift_mtp
 
 _DENSE_STACKED = [(".mlp.gate_proj.", ".mlp.gate_up_proj.", 0), (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
-_MTP = re.compile(r"^mtp\.(\d+)\.")
-
-
-def _shift_mtp(name: str, delta: int) -> str:
-    return _MTP.sub(lambda m: f"mtp.{int(m.group(1)) + delta}.", name)
 
 
 def param_for(name: str) -> tuple[str, Optional[object]]:

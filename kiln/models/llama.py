@@ -2,11 +2,16 @@
 
 Differences between members are config switches: attention bias (qwen2), per-head qk-norm
 (qwen3), sliding window (mistral), tied head. Matches Hugging Face transformers exactly in fp32.
+A config with `num_mtp_layers > 0` adds MTP layers (`kiln.models.mtp`, MODELS.md 2.4) whose block
+is a Llama decoder layer with a sliding window, for `--speculative-algorithm mtp`; the main
+forward never runs them, so the model's logits do not change.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -21,6 +26,7 @@ from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Ro
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.config import ModelConfig
+from kiln.models.mtp import MTPHost, MTPLayer, mtp_index, shift_mtp
 
 
 class LlamaMLP(nn.Module):
@@ -80,6 +86,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class LlamaMTPBlock(LlamaDecoderLayer):
+    """The block of a Llama MTP layer: a decoder layer called as `block(u, batch)`, with RoPE at
+    the rows' sequence indices (`batch.positions`)."""
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(batch.positions, h, batch)
+
+
+def llama_mtp_layer(cfg: ModelConfig, k: int, rotary: RotaryEmbedding, pc: ParallelContext) -> MTPLayer:
+    """MTP layer k: a sliding-window (`mtp_sliding_window`) Llama decoder layer with a dense SwiGLU
+    of `mtp_intermediate_size`, attention layer id L + k - 1 (after the main layers)."""
+    block_cfg = dataclasses.replace(cfg, sliding_window=cfg.mtp_sliding_window,
+                                    intermediate_size=cfg.mtp_intermediate_size or cfg.intermediate_size)
+    block = LlamaMTPBlock(block_cfg, cfg.num_hidden_layers + k - 1, rotary, pc)
+    return MTPLayer(cfg.hidden_size, cfg.rms_norm_eps, k, block)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, pc: ParallelContext, max_positions: int):
         super().__init__()
@@ -97,9 +120,10 @@ class LlamaModel(nn.Module):
         return self.norm(h, batch, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(MTPHost, nn.Module):
     """Causal LM over a `ForwardBatch`: `forward` returns final hidden states [T, H];
-    `compute_logits` projects the rows the batch asks for."""
+    `compute_logits` projects the rows the batch asks for. MTP layers (if the config has them)
+    live in `self.mtp[k - 1]` for checkpoint prefix `mtp.{k}.`."""
 
     # checkpoint name fragment -> (our parameter fragment, shard id)
     stacked_params = [
@@ -115,15 +139,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.pc = pc
         self.model = LlamaModel(cfg, pc, max_positions or cfg.max_position_embeddings)
+        rotary = self.model.layers[0].self_attn.rotary  # the MTP blocks share the RoPE table
+        self.mtp = nn.ModuleList(llama_mtp_layer(cfg, k, rotary, pc) for k in range(1, cfg.num_mtp_layers + 1))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def state_specs(self) -> list[StateSpec]:
-        """Per-token state this model needs the engine to keep: K and V for every layer."""
+    def state_specs(self, num_mtp: int = 0) -> list[StateSpec]:
+        """Per-token state this model needs the engine to keep: K and V for every layer, and with
+        `num_mtp` > 0 the first num_mtp MTP layers' (`MTPHost.with_mtp_state_specs`)."""
         a = self.model.layers[0].self_attn.attn
-        return [StateSpec(ComponentKind.FULL_KV, list(range(self.config.num_hidden_layers)),
-                          (a.num_kv_heads, a.head_dim))]
+        specs = [StateSpec(ComponentKind.FULL_KV, list(range(self.config.num_hidden_layers)),
+                           (a.num_kv_heads, a.head_dim))]
+        return self.with_mtp_state_specs(specs, num_mtp)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
@@ -141,6 +169,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            k = mtp_index(name)
+            if k is not None:
+                if not 1 <= k <= len(self.mtp):
+                    raise KeyError(f"checkpoint tensor {name!r}: the config has {len(self.mtp)} MTP layers")
+                name = shift_mtp(name, -1)
             for ckpt, ours, shard in self.stacked_params:
                 if ckpt in name:
                     target = name.replace(ckpt, ours)

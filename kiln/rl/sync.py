@@ -35,6 +35,7 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     Single rank only (tp_size 1): the names are those of whole checkpoint tensors."""
     assert model.pc.tp_size == 1, "checkpoint_views yields whole tensors: use an unsharded model"
     from kiln.layers.moe import Experts, SharedExperts
+    from kiln.models.mtp import shift_mtp
 
     if model.config.model_type == "inkling":
         # Inkling's own exporter (MTP prefix shift, stacked dense MLPs, experts), views only.
@@ -56,17 +57,18 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
         if name in done or _is_lora(name) or (tied and name == "lm_head.weight"):
             continue
         t = t.detach()
+        disk = shift_mtp(name, +1)  # MTP layer k is mtp.{k-1} in memory, mtp.{k} on disk
         if ".qkv_proj." in name:  # weight [q+k+v, H] or bias [q+k+v]: split rows
             mod = model.get_submodule(name.rsplit(".", 2)[0] + ".qkv_proj")
             parts = t.split([mod.q_size, mod.kv_size, mod.kv_size], dim=0)
             for part, p in zip(("q", "k", "v"), parts):
-                yield name.replace(".qkv_proj.", f".{part}_proj."), p
+                yield disk.replace(".qkv_proj.", f".{part}_proj."), p
         elif ".gate_up_proj." in name:
             gate, up = t.chunk(2, dim=0)
-            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-            yield name.replace(".gate_up_proj.", ".up_proj."), up
+            yield disk.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield disk.replace(".gate_up_proj.", ".up_proj."), up
         else:
-            yield name, t
+            yield disk, t
 
 
 @torch.no_grad()

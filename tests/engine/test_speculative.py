@@ -1,4 +1,6 @@
-"""Speculative decoding with Inkling's MTP chain (`--speculative-algorithm mtp`), on the CPU in fp32.
+"""Speculative decoding with an MTP chain (`--speculative-algorithm mtp`), on the CPU in fp32, for
+both model families that have one: tiny Inkling, and a tiny Llama with `num_mtp_layers` (MTP blocks
+are RoPE decoder layers with a sliding window there; the main layers have no window state at all).
 
 What must hold, whatever the draft length, the acceptance, the batching, prefix hits and
 retraction (the integrity check runs after every scheduler step):
@@ -23,17 +25,22 @@ import torch
 
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
-from kiln.models.inkling_mtp import forward_mtp_reference
+from kiln.models.mtp import forward_mtp_reference
 from kiln.models.reference import packed_batch
 from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, prompts
 
 SPEC_INKLING = {**INKLING, "num_mtp_layers": 4}
+# Tiny Llama with MTP: window 16 so that prefix hits land inside and beyond the MTP window.
+SPEC_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=512,
+                  tie_word_embeddings=False, num_mtp_layers=4, mtp_sliding_window=16, mtp_intermediate_size=80)
+SPEC_ARCHS = {"inkling": SPEC_INKLING, "llama": SPEC_LLAMA}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("inkling_mtp")
-    (d / "config.json").write_text(json.dumps(SPEC_INKLING))
+@pytest.fixture(scope="module", params=sorted(SPEC_ARCHS))
+def model_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    (d / "config.json").write_text(json.dumps(SPEC_ARCHS[request.param]))
     return str(d)
 
 
@@ -128,16 +135,17 @@ def run_plain(core, reqs, max_tokens=16, tag="r"):
     return out
 
 
-def assert_mtp_reference(core, res, drafts) -> int:
-    """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference.
-    Returns how many (anchor, layer) pairs were compared."""
+def assert_mtp_reference(core, res, drafts, reference=forward_mtp_reference) -> int:
+    """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference
+    (`reference(model, ids, lens, hidden)` -> per-layer logits of every row; the trainer's forward
+    in tests/spec_train). Returns how many (anchor, layer) pairs were compared."""
     model, checked = core.runner.model, 0
     for rid, (prompt, output, _, _) in res.items():
         ids = torch.tensor(prompt + output)
         n_tok = len(ids)
         with torch.no_grad():
             hidden = model(packed_batch(ids, [n_tok]))
-            ref = forward_mtp_reference(model, ids, [n_tok], hidden)
+            ref = reference(model, ids, [n_tok], hidden)
         for anchor, ds, logits in drafts.get(rid, []):
             for k in range(1, len(ds) + 1):
                 teacher_forced = ds[:k - 1] == ids[anchor + 2:anchor + k + 1].tolist()

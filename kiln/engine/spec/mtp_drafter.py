@@ -1,4 +1,5 @@
-"""`MTPDrafter`: Inkling's chained MTP layers (MODELS.md 2.4) as a drafter inside the engine.
+"""`MTPDrafter`: a model's chained MTP layers (MODELS.md 2.4; Inkling, or a Llama-family checkpoint
+with `num_mtp_layers`, see `kiln.models.mtp`) as a drafter inside the engine.
 
 Coordinates. MTP layer k's entry for sequence index j depends on the tokens up to t_{j+k} (its
 input token) and nothing later, so the engine *stores* it at position p = j + k: in the "swa"
@@ -43,8 +44,9 @@ def resolve_mtp_steps(config, model) -> int:
     flags cannot serve it."""
     layers = getattr(model, "mtp", None)
     if layers is None or len(layers) == 0:
-        raise ValueError(f"--speculative-algorithm mtp needs a model with MTP layers (Inkling with "
-                         f"num_mtp_layers > 0); {type(model).__name__} has none")
+        raise ValueError(f"--speculative-algorithm mtp needs a model with MTP layers (num_mtp_layers > 0 "
+                         f"in config.json: Inkling, or a Llama-family checkpoint from `kiln train-draft "
+                         f"--method mtp`); {type(model).__name__} has none")
     k = config.speculative_num_steps if config.speculative_num_steps is not None else len(layers)
     if not 1 <= k <= len(layers):
         raise ValueError(f"--speculative-num-steps must be in [1, {len(layers)}] (the checkpoint's MTP "

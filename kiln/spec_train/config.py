@@ -1,0 +1,123 @@
+"""`TrainDraftConfig`: every option of `kiln train-draft`, and the CLI flags built from it.
+
+    kiln train-draft --target MODEL --method mtp --out DIR [--num-mtp-layers 3 ...]
+    cfg = TrainDraftConfig(target="DIR", method="mtp", out="runs/mtp", num_steps=100)   # Python
+
+Like `EngineConfig`, the fields carry `opt()` metadata (help text, choices) and the flags are
+generated from them, so the CLI and the Python keywords cannot drift apart. Fields without a
+default (`target`, `method`, `out`) are required flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_args, get_origin, get_type_hints
+
+from kiln.config import opt
+
+METHODS = ("mtp", "dflash")
+
+
+def required(help: str, choices: Optional[list] = None):
+    """A dataclass field without a default: a required CLI flag."""
+    return field(metadata={"help": help, "choices": choices, "flag": None})
+
+
+@dataclass
+class TrainDraftConfig:
+    """Options of one `kiln train-draft` run: data generation by the frozen target, then training
+    of the drafter (MTP layers, or a DFlash drafter), then a servable checkpoint in `out`."""
+
+    target: str = required("The frozen target: an HF directory or a .gguf file ('embedded': the embedded "
+                           "SmolLM2-135M-Instruct).")
+    method: str = required("What to train: 'mtp' (MTP layers added to the target's checkpoint) or "
+                           "'dflash' (a standalone block drafter).", list(METHODS))
+    out: str = required("Output directory: the drafter checkpoint, plus data/ (cached generations) and "
+                        "metrics.jsonl / loss.png.")
+    # Data: the target's own continuations (self-distillation)
+    prompts: Optional[str] = opt(None, "A JSONL file of prompts ({\"prompt\": text or chat messages} or "
+                                 "{\"prompt_ids\": [...]} per line); default: Kiln's built-in prompt set.")
+    num_prompts: int = opt(256, "Prompts to generate from (the first N of the file or the built-in set).")
+    samples_per_prompt: int = opt(1, "Continuations per prompt.")
+    max_new_tokens: int = opt(128, "Most tokens the target generates per continuation.")
+    temperature: float = opt(0.0, "Sampling temperature of the data (0: greedy, the distribution greedy "
+                             "serving verifies against).")
+    chat_template: bool = opt(True, "Wrap text prompts as a user turn in the target's chat template.")
+    # MTP
+    num_mtp_layers: int = opt(3, "mtp: MTP layers to train (the draft length K they allow).")
+    mtp_sliding_window: int = opt(256, "mtp: attention window of the MTP blocks (MODELS.md 2.4). Serving keeps "
+                                  "this many tokens of MTP K/V per running request (the engine reserves it for "
+                                  "--max-running-requests of them), so it stays small; training sequences are short.")
+    mtp_intermediate_size: Optional[int] = opt(None, "mtp: SwiGLU width of the MTP blocks (default: the "
+                                               "target's intermediate_size).")
+    mtp_init: str = opt("identity", "mtp: 'identity' starts each MTP layer as a pass-through of h^{k-1} (zero "
+                        "residual branches, random elsewhere); 'last-layer' also copies the target's last decoder "
+                        "layer into the block; 'random' draws every matrix (kiln.spec_train.mtp.init_mtp).",
+                        ["identity", "last-layer", "random"])
+    # Training
+    num_steps: int = opt(200, "Optimizer steps.")
+    batch_tokens: int = opt(1024, "Tokens per step (whole sequences packed up to this).")
+    max_seq_len: int = opt(384, "Sequences (prompt + continuation) are cut to this many tokens.")
+    lr: float = opt(1e-3, "AdamW peak learning rate (linear warmup, cosine decay).")
+    warmup_steps: int = opt(10, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: no clipping).")
+    autocast_bf16: bool = opt(False, "Run the drafter's forward/backward under bfloat16 autocast (about 2x on "
+                              "CPUs with bf16 matmuls); weights and the optimizer stay fp32.")
+    val_fraction: float = opt(0.05, "Fraction of sequences held out for the validation loss.")
+    eval_every: int = opt(25, "Validation loss every this many steps (0: only at the end).")
+    seed: int = opt(0, "Seed of prompt order, batching, sampling and initialisation.")
+    threads: int = opt(1, "torch CPU threads (the engine and the trainer).")
+    device: str = opt("cpu", "Where the target and the drafter run.", ["cpu", "cuda"])
+    progress: bool = opt(True, "Show tqdm progress bars.")
+    engine: dict = opt({}, "Extra kiln.Engine options for data generation (JSON), e.g. {\"max_running_requests\": 64}.")
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
+        for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "num_mtp_layers", "batch_tokens",
+                     "max_seq_len", "threads", "mtp_sliding_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_steps < 0 or self.temperature < 0 or not 0 <= self.val_fraction < 1:
+            raise ValueError("--num-steps and --temperature must be >= 0 and --val-fraction in [0, 1)")
+        self.engine = dict(self.engine or {})
+
+    # ---- CLI -------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            typ = hints[f.name]
+            if get_origin(typ) is not None and type(None) in get_args(typ):
+                typ = next(a for a in get_args(typ) if a is not type(None))
+            kw: dict[str, Any] = {"dest": f.name, "help": meta.get("help")}
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                kw.update(required=True, choices=meta.get("choices"))
+            elif typ is bool:  # --progress / --no-progress
+                kw.update(action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                kw.update(type=_json_dict if typ is dict else typ, default=default, choices=meta.get("choices"))
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "TrainDraftConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return v

@@ -1,0 +1,320 @@
+"""`kiln train-draft --method mtp`: train MTP layers (MODELS.md 2.4) against a frozen Llama-family
+target on its own continuations, and write a checkpoint `--speculative-algorithm mtp` serves.
+
+Training is teacher-forced with the masks serving uses: the chain is `kiln.models.mtp.
+mtp_hidden_chain`, the function the engine's drafter is tested against, so query i of layer k sees
+key j iff j == i or j <= i + 1 - k, within the MTP window, and rows keep their index i as RoPE
+position. Layer k at row i predicts t_{i+k+1}; only labels inside the target's continuation count
+(the prompt is context, not the target's own distribution). Loss = mean over layers of the mean CE
+per layer. The target is frozen (only `mtp.*` trains) and runs once: its final hidden states h^0
+are computed up front and cached beside the data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kiln.models.mtp import mtp_hidden_chain
+from kiln.models.reference import packed_batch
+from kiln.spec_train.data import Sample, load_or_generate, target_path
+from kiln.spec_train.plots import plot_losses
+
+logger = logging.getLogger("kiln.spec_train")
+
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+
+
+# ---- the model ---------------------------------------------------------------------------------
+def build_model(cfg, source, device: str = "cpu"):
+    """The target (weights loaded, frozen) with `cfg.num_mtp_layers` fresh MTP layers (`init_mtp`)."""
+    from kiln.loader import iter_weights
+    from kiln.models.registry import get_model_class, parse_model_config
+
+    mtype = source.config.get("model_type")
+    if mtype not in LLAMA_FAMILY:
+        raise ValueError(f"--method mtp trains MTP layers for Llama-family targets ({', '.join(LLAMA_FAMILY)}); "
+                         f"the target is {mtype!r}")
+    config = mtp_config(source.config, cfg)
+    with torch.device(device):
+        model = get_model_class(mtype)(parse_model_config(config), max_positions=cfg.max_seq_len + 1)
+    loaded = model.load_weights(((n, t) for n, t in iter_weights(source) if not n.startswith("mtp.")), strict=False)
+    missing = [n for n, _ in model.named_parameters() if n not in loaded and not n.startswith("mtp.")]
+    if missing:
+        raise ValueError(f"the target checkpoint lacks {missing[:4]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    init_mtp(model, cfg.mtp_init, cfg.seed)
+    for p in model.mtp.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def mtp_config(target_config: dict, cfg) -> dict:
+    """The target's config.json with the MTP fields of this run."""
+    out = {k: v for k, v in target_config.items() if not k.startswith("mtp_")}
+    out.update(num_mtp_layers=cfg.num_mtp_layers, mtp_sliding_window=cfg.mtp_sliding_window)
+    if cfg.mtp_intermediate_size:
+        out["mtp_intermediate_size"] = cfg.mtp_intermediate_size
+    return out
+
+
+@torch.no_grad()
+def init_mtp(model, how: str, seed: int) -> None:
+    """'random': matrices N(0, 0.02), norm gains 1. 'identity' (the default) and 'last-layer' start
+    every layer as a pass-through, h^k = hnorm(h^{k-1}): eh_proj = [N(0, 0.02) | I] and the block's
+    residual branches (o_proj, down_proj) zero, so layer k first predicts what layer k - 1 does,
+    with calibrated logits (on SmolLM2 the first losses are ~9 nats instead of 13-50, and 15 steps
+    reach ~5 instead of ~7); 'last-layer' also copies the target's last decoder layer into the
+    block's other weights. final_norm starts at 1 (hnorm(h^0) . w_final == normalised h^0)."""
+    g = torch.Generator().manual_seed(seed)
+    last = dict(model.model.layers[-1].named_parameters())
+    h = model.config.hidden_size
+    for layer in model.mtp:
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0)
+        if how == "random":
+            continue
+        if how == "last-layer":
+            for name, p in layer.block.named_parameters():
+                if last[name].shape != p.shape:
+                    raise ValueError(f"--mtp-init last-layer: {name} is {tuple(p.shape)} in the MTP block but "
+                                     f"{tuple(last[name].shape)} in the target (use --mtp-init identity)")
+                p.copy_(last[name])
+        layer.eh_proj.weight[:, h:] = torch.eye(h)
+        layer.block.self_attn.o_proj.weight.zero_()
+        layer.block.mlp.down_proj.weight.zero_()
+
+
+# ---- data --------------------------------------------------------------------------------------
+@torch.no_grad()
+def target_hidden(model, samples: list[Sample], max_seq_len: int, cache: str, progress: bool) -> list[torch.Tensor]:
+    """h^0 (the target's final hidden states, fp32) of every sample's first max_seq_len tokens,
+    computed in packed batches and cached at `cache` (reused while it matches the samples)."""
+    key = [len(s.prompt_ids) for s in samples] + [len(s.ids) for s in samples] + [max_seq_len]
+    if os.path.isfile(cache):
+        saved = torch.load(cache)
+        if saved["key"] == key and saved["sum"] == sum(sum(s.ids[:max_seq_len]) for s in samples):
+            return list(saved["hidden"].split(saved["lens"]))
+    from tqdm import tqdm
+
+    lens = [min(len(s.ids), max_seq_len) for s in samples]
+    out: list[torch.Tensor] = []
+    dev = next(model.parameters()).device
+    bar = tqdm(total=sum(lens), desc="target hidden states", unit="tok", disable=not progress)
+    i = 0
+    while i < len(samples):
+        j, n = i, 0
+        while j < len(samples) and (j == i or n + lens[j] <= 4096):
+            n += lens[j]
+            j += 1
+        ids = torch.tensor([t for s, m in zip(samples[i:j], lens[i:j]) for t in s.ids[:m]], device=dev)
+        out += list(model(packed_batch(ids, lens[i:j])).float().cpu().split(lens[i:j]))
+        bar.update(n)
+        i = j
+    bar.close()
+    torch.save({"key": key, "sum": sum(sum(s.ids[:max_seq_len]) for s in samples), "lens": lens,
+                "hidden": torch.cat(out)}, cache)
+    return out
+
+
+def pack(seqs: list[int], batch_tokens: int, lens: list[int]) -> list[list[int]]:
+    """Whole sequences (indices) packed in order into batches of at most batch_tokens tokens."""
+    batches, cur, n = [], [], 0
+    for i in seqs:
+        if cur and n + lens[i] > batch_tokens:
+            batches.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += lens[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+def label_rows(lens: list[int], prompt_lens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of layer k (over the packed sequences) that have a label inside the continuation, and
+    the packed index of that label: row i of a sequence predicts its token i + k + 1."""
+    rows, labels, row0, tok0 = [], [], 0, 0
+    for n, p in zip(lens, prompt_lens):
+        for i in range(max(p - k - 1, 0), n - k - 1):
+            rows.append(row0 + i)
+            labels.append(tok0 + i + k + 1)
+        row0 += max(n - k, 0)
+        tok0 += n
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+
+
+def teacher_forced_logits(model, ids: torch.Tensor, lens: list[int], hidden: torch.Tensor,
+                          num_layers: int | None = None) -> list[torch.Tensor]:
+    """Per MTP layer, fp32 logits of every row (as `forward_mtp_reference`), through exactly the
+    code path the loss uses."""
+    chain = mtp_hidden_chain(model, ids, lens, hidden, num_layers)
+    return [_head(model, k, h) for k, h in enumerate(chain, start=1)]
+
+
+def _head(model, k: int, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head.compute_logits(model.mtp[k - 1].final_norm(h)).float()
+
+
+def mtp_losses(model, ids: torch.Tensor, lens: list[int], prompt_lens: list[int], hidden: torch.Tensor
+               ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Per layer: the mean CE over rows with a label in the continuation, and (correct top-1, rows)."""
+    chain = mtp_hidden_chain(model, ids, lens, hidden)
+    losses, acc = [], []
+    for k, h in enumerate(chain, start=1):
+        rows, labels = label_rows(lens, prompt_lens, k)
+        if not len(rows):
+            losses.append(h.sum() * 0.0)
+            acc.append((0, 0))
+            continue
+        logits = _head(model, k, h[rows.to(h.device)])
+        target = ids[labels.to(ids.device)]
+        losses.append(F.cross_entropy(logits, target))
+        acc.append((int((logits.argmax(-1) == target).sum()), len(rows)))
+    return losses, acc
+
+
+def _batch(samples, hidden, idx, max_seq_len, dev):
+    lens = [min(len(samples[i].ids), max_seq_len) for i in idx]
+    ids = torch.tensor([t for i, n in zip(idx, lens) for t in samples[i].ids[:n]], device=dev)
+    h0 = torch.cat([hidden[i][:n] for i, n in zip(idx, lens)]).to(dev)
+    return ids, lens, [min(len(samples[i].prompt_ids), n) for i, n in zip(idx, lens)], h0
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def train_mtp(cfg) -> dict:
+    """Generate (or reuse) the data, train, write the checkpoint, metrics.jsonl and loss.png into
+    cfg.out. Returns the final validation metrics."""
+    from tqdm import tqdm
+
+    from kiln.loader import resolve_model
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    source = resolve_model(target_path(cfg.target))
+    samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
+    dev = cfg.device
+    model = build_model(cfg, source, dev)
+    hidden = target_hidden(model, samples, cfg.max_seq_len, os.path.join(cfg.out, "data", "hidden.pt"), cfg.progress)
+    order = list(range(len(samples)))
+    random.Random(cfg.seed).shuffle(order)
+    n_val = int(round(cfg.val_fraction * len(order))) if len(order) > 1 else 0
+    val, train = order[:n_val], order[n_val:]
+    lens = [min(len(s.ids), cfg.max_seq_len) for s in samples]
+    params = [p for p in model.mtp.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, cfg.num_steps))
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    history: list[dict] = []
+    rng = random.Random(cfg.seed + 1)
+    batches: list[list[int]] = []
+    t0, tokens = time.time(), 0
+    autocast = torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
+    with open(metrics_path, "w") as mf:
+        if val:  # the untrained drafter's validation loss: where the curve starts
+            with autocast:
+                history.append({"step": 0, **evaluate(model, samples, hidden, val, cfg)})
+            mf.write(json.dumps(history[-1]) + "\n")
+        bar = tqdm(range(1, cfg.num_steps + 1), desc="train mtp", unit="step", disable=not cfg.progress)
+        for step in bar:
+            if not batches:  # a new epoch: reshuffle, repack
+                rng.shuffle(train)
+                batches = pack(train, cfg.batch_tokens, lens)
+            ids, blens, plens, h0 = _batch(samples, hidden, batches.pop(), cfg.max_seq_len, dev)
+            model.mtp.train()
+            with autocast:
+                losses, _ = mtp_losses(model, ids, blens, plens, h0)
+                loss = torch.stack(losses).float().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+            opt.step()
+            sched.step()
+            tokens += len(ids)
+            row = {"step": step, "loss": loss.item(), "loss_k": [x.item() for x in losses], "grad_norm": gnorm,
+                   "lr": sched.get_last_lr()[0], "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
+            if val and (step == cfg.num_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+                with autocast:
+                    row.update(evaluate(model, samples, hidden, val, cfg))
+            history.append(row)
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+            if "val_loss" in row and step < cfg.num_steps:  # a curve to look at while it runs
+                plot_losses(history, os.path.join(cfg.out, "loss.png"))
+            bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in row["loss_k"]))
+        bar.close()
+    plot_losses(history, os.path.join(cfg.out, "loss.png"))
+    export_checkpoint(model, source, cfg)
+    last = next((h for h in reversed(history) if "val_loss_k" in h), history[-1] if history else {})
+    return {k: v for k, v in last.items() if k.startswith("val_")}
+
+
+@torch.no_grad()
+def evaluate(model, samples, hidden, idx: list[int], cfg) -> dict:
+    """Validation CE and top-1 accuracy per layer (teacher forced: layer k's accuracy is the
+    acceptance rate of draft k given drafts 1..k-1 were right)."""
+    model.mtp.eval()
+    lens = [min(len(samples[i].ids), cfg.max_seq_len) for i in idx]
+    tot = [0.0] * cfg.num_mtp_layers
+    hits, rows = [0] * cfg.num_mtp_layers, [0] * cfg.num_mtp_layers
+    for b in pack(idx, cfg.batch_tokens, {i: n for i, n in zip(idx, lens)}):
+        ids, blens, plens, h0 = _batch(samples, hidden, b, cfg.max_seq_len, cfg.device)
+        losses, acc = mtp_losses(model, ids, blens, plens, h0)
+        for k, (loss, (hit, n)) in enumerate(zip(losses, acc)):
+            tot[k] += loss.item() * n
+            hits[k] += hit
+            rows[k] += n
+    val_k = [t / max(n, 1) for t, n in zip(tot, rows)]
+    return {"val_loss": sum(val_k) / len(val_k), "val_loss_k": val_k,
+            "val_acc_k": [h / max(n, 1) for h, n in zip(hits, rows)]}
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = (step - warmup) / max(total - warmup, 1)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def export_checkpoint(model, source, cfg) -> None:
+    """cfg.out becomes a servable checkpoint: the target's tensors as they are on disk plus the
+    trained `mtp.{k}.*`, config.json with the MTP fields, tokenizer and generation config."""
+    from safetensors.torch import save_file
+
+    from kiln.loader import iter_weights
+    from kiln.loader.source import TOKENIZER_FILES
+    from kiln.rl.sync import checkpoint_views
+
+    state = {n: t.contiguous() for n, t in iter_weights(source) if not n.startswith("mtp.")}
+    dtype = next(iter(state.values())).dtype
+    for name, t in checkpoint_views(model):
+        if name.startswith("mtp."):
+            state[name] = t.detach().to("cpu", dtype).contiguous().clone()
+    for name in os.listdir(cfg.out):
+        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+            os.remove(os.path.join(cfg.out, name))
+    save_file(state, os.path.join(cfg.out, "model.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)  # safetensors writes owner-only files; the rest of the checkpoint follows the umask
+    os.umask(mask)
+    os.chmod(os.path.join(cfg.out, "model.safetensors"), 0o666 & ~mask)
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump(mtp_config(source.config, cfg), f, indent=2)
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        p = os.path.join(source.model_dir, name)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(cfg.out, name))
