@@ -9,8 +9,8 @@ import sys
 
 from kiln.spec_train.config import TrainDraftConfig
 
-# --method -> (module, function called with the config). The DFlash trainer lands separately.
-TRAINERS = {"mtp": ("kiln.spec_train.mtp", "train_mtp"), "dflash": ("kiln.spec_train.dflash", "train_dflash")}
+# --method -> (module, function called with the config)
+TRAINERS = {"mtp": ("kiln.spec_train.mtp", "train_mtp"), "dflash": ("kiln.spec_train.dflash_run", "train_dflash_run")}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -56,6 +56,15 @@ class TrainDraftConfig:
                         "residual branches, random elsewhere); 'last-layer' also copies the target's last decoder "
                         "layer into the block; 'random' draws every matrix (kiln.spec_train.mtp.init_mtp).",
                         ["identity", "last-layer", "random"])
+    # DFlash
+    dflash_num_layers: int = opt(1, "dflash: drafter layers.")
+    dflash_block_size: int = opt(8, "dflash: block size B (the anchor + B-1 drafts; serve with K <= B-1).")
+    dflash_layer_ids: Optional[list] = opt(None, "dflash: target layers whose input hidden state is tapped "
+                                           "(JSON list; default: second, middle and last layer).")
+    dflash_mask_token_id: Optional[int] = opt(None, "dflash: the token filling the block after the anchor "
+                                              "(default: the last id of the vocabulary).")
+    dflash_gamma: float = opt(7.0, "dflash: loss weight decay over block positions, exp(-(k-1)/gamma).")
+    dflash_anchors_per_seq: int = opt(32, "dflash: random anchors per training sequence per step.")
     # Training
     num_steps: int = opt(200, "Optimizer steps.")
     batch_tokens: int = opt(1024, "Tokens per step (whole sequences packed up to this).")
@@ -78,9 +87,12 @@ class TrainDraftConfig:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
         for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "num_mtp_layers", "batch_tokens",
-                     "max_seq_len", "threads", "mtp_sliding_window"):
+                     "max_seq_len", "threads", "mtp_sliding_window", "dflash_num_layers",
+                     "dflash_anchors_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dflash_block_size < 2 or self.dflash_gamma <= 0:
+            raise ValueError("--dflash-block-size must be >= 2 and --dflash-gamma > 0")
         if self.num_steps < 0 or self.temperature < 0 or not 0 <= self.val_fraction < 1:
             raise ValueError("--num-steps and --temperature must be >= 0 and --val-fraction in [0, 1)")
         self.engine = dict(self.engine or {})
@@ -102,13 +114,26 @@ class TrainDraftConfig:
                 kw.update(action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                kw.update(type=_json_dict if typ is dict else typ, default=default, choices=meta.get("choices"))
+                parse = {dict: _json_dict, list: _json_list}.get(typ, typ)
+                kw.update(type=parse, default=default, choices=meta.get("choices"))
             parser.add_argument(flag, **kw)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "TrainDraftConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _json_list(text: str) -> list:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, list):
+        raise argparse.ArgumentTypeError("expected a JSON list, e.g. [1, 15, 29]")
+    return v
 
 
 def _json_dict(text: str) -> dict:

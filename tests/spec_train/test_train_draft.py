@@ -55,7 +55,7 @@ def test_missing_target_and_missing_trainer_are_clear(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as e:
         main(["train-draft", "--target", str(tmp_path / "nope"), "--method", "mtp", "--out", str(tmp_path / "o")])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
-    # A method whose trainer module is not in this build (dflash until its trainer lands).
+    # A method whose trainer module is not in this build.
     monkeypatch.setitem(TRAINERS, "dflash", ("kiln.spec_train.not_there", "train"))
     with pytest.raises(ValueError, match="--method dflash is not available yet"):
         trainer_for("dflash")
@@ -165,3 +165,37 @@ def test_train_mtp_on_a_tiny_target_then_serve(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data, "generate", lambda *a: pytest.fail("generations were not reused"))
     train_draft(TrainDraftConfig(out=out, num_steps=1, **kw))
+
+
+def test_train_dflash_on_a_tiny_target_then_serve(tmp_path):
+    """`--method dflash`: the loss falls, the directory serves with --speculative-algorithm
+    dflash token-identical to the target, with a higher acceptance than chance."""
+    from kiln.cli import main
+
+    target = _write_target(str(tmp_path / "target"))
+    out = str(tmp_path / "dflash")
+    main(["train-draft", "--target", target, "--method", "dflash", "--out", out, "--prompts",
+          os.path.join(target, "prompts.jsonl"), "--num-prompts", "40", "--max-new-tokens", "40",
+          "--dflash-block-size", "4", "--dflash-layer-ids", "[0, 1]", "--num-steps", "60", "--lr", "3e-3",
+          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--no-progress"])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(rows) == 60
+    first = sum(r["loss"] for r in rows[:10]) / 10
+    last = sum(r["loss"] for r in rows[-10:]) / 10
+    assert last < first - 0.3, (first, last)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert (cfg["model_type"], cfg["block_size"], cfg["target_layer_ids"]) == ("dflash", 4, [0, 1])
+    assert os.path.exists(os.path.join(out, "loss.png"))
+
+    from kiln.engine.request import SamplingParams
+    from kiln.offline import Engine
+
+    ps = [json.loads(line)["prompt_ids"] for line in open(os.path.join(target, "prompts.jsonl"))][40:]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _ = _acceptance(target, ps, spec=False)
+    with Engine(target, skip_tokenizer_init=True, max_total_tokens=2048, speculative_algorithm="dflash",
+                speculative_draft_model_path=out, speculative_num_steps=3) as llm:
+        outs = llm.generate(ps, params, use_tqdm=False)
+        tau = llm.stats().spec.accept_length
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert tau > 1.1, tau

@@ -1,0 +1,99 @@
+"""`kiln train-draft --method dflash`: a DFlash block drafter (MODELS.md 4) trained against any
+frozen Kiln target on its own continuations, written as a directory that
+`--speculative-algorithm dflash --speculative-draft-model-path DIR` serves.
+
+The data step is the MTP method's (`data.load_or_generate`, cached in DIR/data); the training
+loop is `dflash.train_dflash` (random anchors, the block mask, loss weighted by
+exp(-(k-1)/gamma) over block positions); this file only builds the target and the drafter's
+config from the flags, reports progress, and writes DIR (config.json + model.safetensors,
+metrics.jsonl, loss.png).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import torch
+
+from kiln.models.block_drafter_config import BlockDrafterConfig
+from kiln.spec_train.data import load_or_generate, target_path
+
+logger = logging.getLogger("kiln.spec_train")
+
+
+def load_target(source, device: str, max_positions: int):
+    """The target model with its weights, frozen, in eval mode (any architecture Kiln serves)."""
+    from kiln.loader import iter_weights
+    from kiln.models.registry import get_model_class, parse_model_config
+
+    config = parse_model_config(source.config)
+    with torch.device(device):
+        model = get_model_class(source.config["model_type"])(config, max_positions=max_positions)
+    skip = ("mtp.", "dspark.")  # drafters inside the checkpoint are not the target
+    loaded = model.load_weights(((n, t) for n, t in iter_weights(source) if not n.startswith(skip)), strict=False)
+    missing = [n for n, _ in model.named_parameters() if n not in loaded and not n.startswith(skip)]
+    if missing:
+        raise ValueError(f"the target checkpoint lacks {missing[:4]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), config
+
+
+def drafter_config(cfg, target_config) -> BlockDrafterConfig:
+    """The drafter's shape from the flags; taps default to three target layers spread over the
+    depth (first, middle, last: the residual entering each)."""
+    layers = target_config.num_hidden_layers
+    ids = cfg.dflash_layer_ids or sorted({1 if layers > 1 else 0, layers // 2, layers - 1})
+    mask = cfg.dflash_mask_token_id if cfg.dflash_mask_token_id is not None else target_config.vocab_size - 1
+    return BlockDrafterConfig.from_dict({"target_layer_ids": ids, "num_layers": cfg.dflash_num_layers,
+                                         "block_size": cfg.dflash_block_size, "mask_token_id": mask},
+                                        target_config, where="kiln train-draft --method dflash")
+
+
+def train_dflash_run(cfg) -> dict:
+    """Generate (or reuse) the data, train, write the drafter directory, metrics.jsonl and
+    loss.png into cfg.out. Returns the mean loss and per-position accuracy of the last steps."""
+    from tqdm import tqdm
+
+    from kiln.loader import resolve_model
+    from kiln.models.dflash import save_dflash
+    from kiln.spec_train.dflash import train_dflash
+    from kiln.spec_train.plots import plot_losses
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    source = resolve_model(target_path(cfg.target))
+    samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
+    data = [(s.ids[:cfg.max_seq_len], len(s.prompt_ids)) for s in samples]
+    random.Random(cfg.seed).shuffle(data)
+    target, target_config = load_target(source, cfg.device, cfg.max_seq_len + 1)
+    dcfg = drafter_config(cfg, target_config)
+    batch_seqs = max(1, cfg.batch_tokens // cfg.max_seq_len)
+    history: list[dict] = []
+    bar = tqdm(total=cfg.num_steps, desc="train dflash", unit="step", disable=not cfg.progress)
+    with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as mf:
+        def on_step(row: dict) -> None:
+            # plot_losses reads per-position CE as `loss_k` (the MTP trainer's name)
+            history.append({**row, "loss_k": row["ce_k"]})
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['acc_k'][0]:.2f}")
+
+        drafter, _ = train_dflash(target, dcfg, data, cfg.num_steps, lr=cfg.lr, gamma=cfg.dflash_gamma,
+                                  batch_seqs=batch_seqs, anchors_per_seq=cfg.dflash_anchors_per_seq,
+                                  grad_clip=cfg.grad_clip, weight_decay=cfg.weight_decay,
+                                  warmup_steps=cfg.warmup_steps, seed=cfg.seed, max_positions=cfg.max_seq_len + 1,
+                                  on_step=on_step)
+    bar.close()
+    plot_losses(history, os.path.join(cfg.out, "loss.png"))
+    save_dflash(drafter, cfg.out, extra={"trained_by": "kiln train-draft", "target": cfg.target})
+    tail = history[-min(10, len(history)):]
+    if not tail:
+        return {}
+    return {"loss": sum(r["loss"] for r in tail) / len(tail),
+            "acc_k": [sum(r["acc_k"][k] for r in tail) / len(tail) for k in range(len(tail[0]["acc_k"]))]}
