@@ -118,10 +118,10 @@ def _param_bytes(p: torch.Tensor) -> int:
 
 def _not_run_in_decode(module: torch.nn.Module) -> bool:
     """MTP layers and the DSpark drafter: loaded with the checkpoint, not run by a decode step."""
-    from kiln.models.dspark import DSpark
-    from kiln.models.inkling import InklingMTPLayer
+    from kiln.models.block_drafter import BlockDrafter
+    from kiln.models.mtp import MTPLayer
 
-    return isinstance(module, (InklingMTPLayer, DSpark))
+    return isinstance(module, (MTPLayer, BlockDrafter))
 
 
 def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
