@@ -124,25 +124,19 @@ class TrainDraftConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _json_list(text: str) -> list:
-    import json
+def _json_of(kind: type):
+    """An argparse type: the flag's text parsed as JSON, which must be a `kind` (dict or list)."""
+    def parse(text: str):
+        import json
 
-    try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, list):
-        raise argparse.ArgumentTypeError("expected a JSON list, e.g. [1, 15, 29]")
-    return v
+        try:
+            v = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(v, kind):
+            raise argparse.ArgumentTypeError(f"expected a JSON {'object' if kind is dict else 'list'}")
+        return v
+    return parse
 
 
-def _json_dict(text: str) -> dict:
-    import json
-
-    try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return v
+_json_dict, _json_list = _json_of(dict), _json_of(list)
