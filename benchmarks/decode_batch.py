@@ -218,7 +218,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if row is None:
             rows.append({"batch": bs, "note": f"failed: {err}"})
             continue
-        rl = roofline.roofline_bytes(meta_model, [args.input_len + args.output_len / 2] * bs)
+        rl = roofline.per_gpu(roofline.roofline_bytes(meta_model, [args.input_len + args.output_len / 2] * bs),
+                              config.tp_size)
         if bw and row.get("decode_tok_s"):
             row["roofline_tok_s"] = bs * bw / rl["bytes_per_step"]
             row["frac_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]

@@ -127,6 +127,8 @@ def roofline_lines(rl: dict, ctx: float, bw: Optional[float]) -> list[str]:
     p, kv = rl["params"], rl["kv"]
     tail = (f"bandwidth measured {(bw or float('nan')) / 1e12:.3f} TB/s, "
             f"nominal {roofline.H200_NOMINAL_BW / 1e12:.1f} TB/s")
+    if rl.get("tp_size", 1) > 1:  # bytes are one rank's (roofline.per_gpu); the breakdowns are the model's
+        tail += f"; per GPU: 1/{rl['tp_size']} of the model's bytes (tp {rl['tp_size']})"
     moe = rl.get("moe")
     if not moe and set(k for k, v in kv.items() if v) <= {"full_kv"}:  # dense full-attention (Llama family)
         return [f"# roofline: {rl['bytes_per_step'] / 1e9:.4f} GB/step = {rl['weight_bytes'] / 1e9:.4f} GB weights "
@@ -169,7 +171,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # Roofline at the mean decode context (the first decode step sees input_len + 1 tokens).
     mean_ctx = args.input_len + args.output_len / 2
-    rl = roofline.roofline_bytes(roofline.meta_model(config.model_path, dtype), [mean_ctx])
+    rl = roofline.per_gpu(roofline.roofline_bytes(roofline.meta_model(config.model_path, dtype), [mean_ctx]),
+                          config.tp_size)
     bw = roofline.measure_bandwidth(device)
     log(f"bytes per decode step: {rl['weight_bytes'] / 1e9:.3f} GB weights + {rl['kv_bytes'] / 1e9:.4f} GB KV "
         f"(ctx {mean_ctx:.0f}); measured copy bandwidth "

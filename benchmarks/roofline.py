@@ -260,6 +260,18 @@ def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
             "bytes_per_step": _num(weight_bytes + kv_bytes), "params": params}
 
 
+def per_gpu(rl: dict, tp_size: int) -> dict:
+    """`roofline_bytes` for one of `tp_size` tensor-parallel ranks: each reads 1/tp of the bytes
+    (every linear layer, the vocabulary-parallel LM head and the KV heads are split; the replicated
+    norms and router gates are a rounding error), so the per-GPU roofline is tp times higher."""
+    if tp_size <= 1:
+        return rl
+    out = dict(rl, tp_size=tp_size)
+    for key in ("weight_bytes", "active_weight_bytes", "kv_bytes", "bytes_per_step"):
+        out[key] = rl[key] / tp_size
+    return out
+
+
 def measure_bandwidth(device: Any, nbytes: Optional[int] = None, iters: int = 20) -> Optional[float]:
     """Memory bandwidth in bytes/s from a large same-device copy: each copy reads and writes
     `nbytes`, so bandwidth = 2 * nbytes * iters / time. On CPU a smaller copy gives DRAM speed."""

@@ -146,3 +146,13 @@ def test_gpu_idle_fraction_union():
     assert decode_batch.gpu_idle_fraction(prof) == pytest.approx(1 - 30 / 40)
     idle, busy, by_name = decode_batch.gpu_activity(prof)
     assert busy == 30 and by_name == {"a": (10, 1), "k": (25, 2)}
+
+
+def test_roofline_per_gpu_splits_the_bytes_over_tensor_parallel_ranks():
+    import roofline
+
+    rl = {"weight_bytes": 8.0, "active_weight_bytes": 6.0, "kv_bytes": 2.0, "bytes_per_step": 10.0, "kv": {}}
+    assert roofline.per_gpu(rl, 1) is rl
+    two = roofline.per_gpu(rl, 2)
+    assert (two["bytes_per_step"], two["weight_bytes"], two["kv_bytes"], two["tp_size"]) == (5.0, 4.0, 1.0, 2)
+    assert rl["bytes_per_step"] == 10.0  # the model's numbers stay as they were
