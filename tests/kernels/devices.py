@@ -6,8 +6,15 @@ cases skip there. "cuda": compiled kernels at real shapes, marked gpu (skipped w
 """
 
 import pytest
+import torch
 
 from kiln.kernels import interpreting
 
 INTERPRETER_ONLY = pytest.mark.skipif(not interpreting(), reason="CPU tensors run only under Triton's interpreter")
 DEVICES = [pytest.param("cpu", marks=INTERPRETER_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+# (device, dtype) cases for kernels tested in both precisions: the interpreter runs fp32 only; the
+# GPU runs fp32 (tight tolerances) and bf16 (the serving dtype).
+DEVICE_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-fp32", marks=INTERPRETER_ONLY),
+                 pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
+                 pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu)]

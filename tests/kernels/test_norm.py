@@ -15,12 +15,10 @@ pytest.importorskip("triton")
 
 from kiln.kernels import norm as norm_kernels  # noqa: E402
 from kiln.layers.norm import rms_norm as rms_norm_ref  # noqa: E402
-from tests.kernels.devices import DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICE_DTYPES, DEVICES  # noqa: E402
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=1.6e-2, atol=1e-2)  # one bf16 rounding of values of order 1..4
-DTYPES = [pytest.param(torch.float32, id="fp32"),
-          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)]
 
 
 def _inputs(shape, dtype, device, seed, scale=1.0):
@@ -31,33 +29,24 @@ def _inputs(shape, dtype, device, seed, scale=1.0):
     return x, r, w
 
 
-def _skip_cpu_bf16(device, dtype):
-    if device == "cpu" and dtype != torch.float32:
-        pytest.skip("the interpreter cases run fp32")
-
-
 def _tol(dtype):
     return FP32 if dtype == torch.float32 else BF16
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("h", [64, 576, 4096, 5120])
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_rms_norm_matches_reference(device, dtype, h, t):
-    _skip_cpu_bf16(device, dtype)
     x, _, w = _inputs((t, h), dtype, device, seed=h + t)
     got = norm_kernels.rms_norm(x, w, 1e-6)
     assert got.dtype == x.dtype and got.shape == x.shape
     torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-6), **_tol(dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("h", [64, 576, 4096, 5120])
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_fused_add_rms_norm_matches_reference(device, dtype, h, t):
-    _skip_cpu_bf16(device, dtype)
     x, r, w = _inputs((t, h), dtype, device, seed=10 * h + t)
     x0, r0 = x.clone(), r.clone()
     out, res = norm_kernels.fused_add_rms_norm(x, r, w, 1e-5)
@@ -67,12 +56,10 @@ def test_fused_add_rms_norm_matches_reference(device, dtype, h, t):
     assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched: results are new tensors
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_per_head_norm_on_a_strided_view(device, dtype):
     """qk-norm: q split out of a fused qkv projection is a [T, heads, D] view whose rows are not
     contiguous; the kernel reads it in place."""
-    _skip_cpu_bf16(device, dtype)
     t, heads, kv_heads, d = 9, 8, 2, 128
     qkv, _, w = _inputs((t, (heads + 2 * kv_heads) * d), dtype, device, seed=3)
     w = w[:d].contiguous()
@@ -87,12 +74,10 @@ def test_per_head_norm_on_a_strided_view(device, dtype):
     torch.testing.assert_close(norm_kernels.rms_norm(x4, w, 1e-6), rms_norm_ref(x4, w, 1e-6), **_tol(dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_two_pass_loop_over_wide_rows(device, dtype, monkeypatch):
     """Rows wider than MAX_BLOCK_H take the two-pass loop; lower the limit to reach it cheaply
     (on the GPU also at a real width)."""
-    _skip_cpu_bf16(device, dtype)
     shapes = [(5, 300), (3, 1000)]
     if device == "cuda":
         shapes.append((4, 16384 + 100))

@@ -13,10 +13,8 @@ pytest.importorskip("triton")
 
 from kiln.kernels.rotary import rope  # noqa: E402
 from kiln.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernels.devices import DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICE_DTYPES, DEVICES  # noqa: E402
 
-DTYPES = [pytest.param(torch.float32, id="fp32"),
-          pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 
@@ -36,12 +34,9 @@ def _check(device, dtype, t, hq, hk, d, scaling=None, seed=0):
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("t,hq,hk,d", [(1, 4, 2, 16), (7, 32, 8, 128), (64, 8, 8, 64), (5, 6, 3, 96)])
 def test_rope_matches_reference(device, dtype, t, hq, hk, d):
-    if device == "cpu" and dtype != torch.float32:
-        pytest.skip("the interpreter cases run fp32")
     _check(device, dtype, t, hq, hk, d, seed=t + d)
 
 
