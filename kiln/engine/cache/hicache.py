@@ -45,7 +45,7 @@ import torch
 
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.cache.allocator import check_owners
-from kiln.engine.cache.hicache_config import HiCacheConfig, host_pages_plan, model_identity
+from kiln.engine.cache.hicache_config import HiCacheConfig, host_pages_sized, model_identity
 from kiln.engine.cache.host_pool import HostPool, device_spaces
 from kiln.engine.cache.radix import RadixCache, TreeNode
 from kiln.engine.cache.storage import FileStorage, default_storage_dir, model_namespace, page_hash
@@ -495,21 +495,8 @@ def build_hicache(cfg: HiCacheConfig, tree: RadixCache, runner, source, config) 
         min(config.max_prefill_tokens, config.chunked_prefill_size)
     page_bytes = {name: config.page_size * sum(t[0].numel() * t.element_size() for t in get())
                   for name, get in spaces.items()}
-
-    def plan(ratio: float) -> dict[str, int]:
-        return host_pages_plan(ratio, device_pages, histories, config.page_size, chunk)
-
-    ratio = cfg.ratio
-    if cfg.size_gb > 0:  # the largest ratio whose plan fits in the size (bisection: bytes grow with it)
-        budget = cfg.size_gb * 1e9
-        lo, hi = 0.0, 1.0
-        while sum(page_bytes[n] * p for n, p in plan(hi).items()) < budget and hi < 1e6:
-            hi *= 2
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if sum(page_bytes[n] * p for n, p in plan(mid).items()) <= budget else (lo, mid)
-        ratio = lo
-    host = HostPool(spaces, plan(ratio), config.page_size, runner.device, gate=runner.load_gate)
+    plan = host_pages_sized(cfg, device_pages, histories, config.page_size, chunk, page_bytes)
+    host = HostPool(spaces, plan, config.page_size, runner.device, gate=runner.load_gate)
     storage = None
     if cfg.storage_backend == "file":
         identity = model_identity(source, config, runner)

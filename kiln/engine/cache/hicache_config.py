@@ -102,3 +102,23 @@ def host_pages_plan(ratio: float, device_pages: dict[str, int], histories: dict[
         per_node = -(-h // page_size) + 1
         plan[c] = max(int(main * min(1.0, per_node / node_pages)), min(int(ratio * (device_pages[c] - 1)), main), 1)
     return plan
+
+
+def host_pages_sized(cfg: HiCacheConfig, device_pages: dict[str, int], histories: dict[str, int], page_size: int,
+                     chunk_tokens: int, page_bytes: dict[str, int]) -> dict[str, int]:
+    """`host_pages_plan` at `--hicache-ratio`, or, with `--hicache-size`, at the largest ratio whose
+    plan fits in that many GB (bisection: the bytes grow with the ratio)."""
+    def plan(ratio: float) -> dict[str, int]:
+        return host_pages_plan(ratio, device_pages, histories, page_size, chunk_tokens)
+
+    if cfg.size_gb <= 0:
+        return plan(cfg.ratio)
+    budget = cfg.size_gb * 1e9
+    nbytes = lambda r: sum(page_bytes[n] * p for n, p in plan(r).items())  # noqa: E731
+    lo, hi = 0.0, 1.0
+    while nbytes(hi) < budget and hi < 1e6:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if nbytes(mid) <= budget else (lo, mid)
+    return plan(lo)
