@@ -24,11 +24,10 @@ import random
 import pytest
 import torch
 
-from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
 from kiln.models.reference import packed_batch
 from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, prompts
-from tests.engine.test_speculative import run_plain, run_spec
+from tests.engine.test_speculative import assert_abort_frees_every_page, run_plain, run_spec
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
@@ -233,30 +232,23 @@ def test_retraction_with_a_block_drafter(target):
 
 
 def test_abort_frees_every_page(target):
-    core = spec_core(target, 3, page_size=4)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts(3, seed=27)):
-        core.add_request(GenerateReq(rid=f"x{i}", input_ids=ids, params=params))
-    for _ in range(4):
-        core.step()
-    core.abort("x1")
-    while core.has_work():
-        core.step()
-    core.check_integrity()
-    assert core.scheduler.flush_cache() and core.cache.allocator.num_free == core.cache.allocator.capacity
-    for w in core.cache.windows.values():
-        assert w.allocator.num_free == w.allocator.capacity
+    assert_abort_frees_every_page(spec_core(target, 3, page_size=4), prompts(3, seed=27), 40)
+
+
+def dflash_dirs(tmp_path):
+    """A tiny Llama target directory and a DFlash drafter directory (config only: dummy weights)."""
+    model_dir, draft = tmp_path / "llama", tmp_path / "draft"
+    model_dir.mkdir()
+    draft.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA))
+    (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": [0, 2]}))
+    return model_dir, draft
 
 
 def test_hicache_tiers_carry_the_drafter_context(tmp_path):
     # Prefixes evicted to host memory and disk come back with the drafter's context K/V (a
     # component of the main space): drafts after such hits equal the fresh reference.
-    model_dir = tmp_path / "llama"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(LLAMA))
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": [0, 2]}))
+    model_dir, draft = dflash_dirs(tmp_path)
     target = (str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft)})
     small = dict(page_size=4, max_total_tokens=128, max_running_requests=2, chunked_prefill_size=16,
                  max_prefill_tokens=32)
@@ -279,12 +271,7 @@ def test_hicache_tiers_carry_the_drafter_context(tmp_path):
 def test_drafter_weights_are_read_from_the_directory(tmp_path):
     from kiln.models.dflash import save_dflash
 
-    model_dir = tmp_path / "llama"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(LLAMA))
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": [0, 2]}))
+    model_dir, draft = dflash_dirs(tmp_path)
     made = spec_core((str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft)}), 2)
     save_dflash(made.runner.draft_model, str(tmp_path / "saved"))
     core = make_core(str(model_dir), speculative_algorithm="dflash", speculative_draft_model_path=str(tmp_path / "saved"))

@@ -246,10 +246,11 @@ def test_stop_token_inside_an_accepted_run_drops_the_rest(model_dir):
     assert out == free[:free.index(stop) + 1] and last["r0"].finish_reason == "stop"
 
 
-def test_abort_during_speculation_frees_everything(model_dir):
-    core = spec_core(model_dir, 3, alpha=0.01, page_size=4)
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts(3, seed=17)):
+def assert_abort_frees_every_page(core, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    """Abort one of several speculating requests mid-run; after the rest finish and the cache is
+    flushed, every page of every space is free again (shared by the drafters' tests)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompt_ids):
         core.add_request(GenerateReq(rid=f"x{i}", input_ids=ids, params=params))
     for _ in range(4):
         core.step()
@@ -260,6 +261,10 @@ def test_abort_during_speculation_frees_everything(model_dir):
     assert core.scheduler.flush_cache() and core.cache.allocator.num_free == core.cache.allocator.capacity
     for w in core.cache.windows.values():
         assert w.allocator.num_free == w.allocator.capacity
+
+
+def test_abort_during_speculation_frees_everything(model_dir):
+    assert_abort_frees_every_page(spec_core(model_dir, 3, alpha=0.01, page_size=4), prompts(3, seed=17), 50)
 
 
 def test_seeded_sampling_is_exact_in_form_and_reproducible(model_dir):
