@@ -24,6 +24,19 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def copy_into_param(p: torch.nn.Parameter, tensor: torch.Tensor, shard=None) -> None:
+    """Copy one checkpoint tensor into parameter `p` in its dtype: through the parameter's
+    `weight_loader` when it has one (tensor-parallel slicing, `shard` of a stacked parameter such
+    as gate_up), else whole."""
+    loader = getattr(p, "weight_loader", None)
+    if loader is None:
+        p.data.copy_(tensor.to(p.dtype))
+    elif shard is None:
+        loader(p, tensor.to(p.dtype))
+    else:
+        loader(p, tensor.to(p.dtype), shard)
+
+
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter of `model` deterministically; buffers are left alone.
 

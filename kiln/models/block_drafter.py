@@ -31,6 +31,7 @@ from kiln.dist.parallel import SINGLE
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
+from kiln.loader.weights import copy_into_param
 from kiln.models.block_drafter_config import BlockDrafterConfig
 from kiln.models.llama import LlamaMLP
 
@@ -169,14 +170,7 @@ class BlockDrafter(nn.Module):
                     target, shard = name.replace(part, ".mlp.gate_up_proj."), shard_id
             if target not in params:
                 raise KeyError(f"drafter checkpoint tensor {name!r} has no parameter in the block drafter")
-            p = params[target]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None and shard is not None:
-                loader(p, tensor.to(p.dtype), shard)
-            elif loader is not None:
-                loader(p, tensor.to(p.dtype))
-            else:
-                p.data.copy_(tensor.to(p.dtype))
+            copy_into_param(params[target], tensor, shard)
             loaded.add(target)
         missing = set(params) - loaded
         if missing and strict:

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from kiln.layers.moe import Experts, SharedExperts, moe_param_for
+from kiln.loader.weights import copy_into_param
 from kiln.models.mtp import shift_mtp as _shift_mtp
 
 _DENSE_STACKED = [(".mlp.gate_proj.", ".mlp.gate_up_proj.", 0), (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
@@ -51,14 +52,7 @@ def load_inkling_weights(model, weights: Iterable[tuple[str, torch.Tensor]], str
             continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {disk_name!r} has no parameter in {type(model).__name__}")
-        p = params[name]
-        loader = getattr(p, "weight_loader", None)
-        if loader is None:
-            p.data.copy_(tensor.to(p.dtype))
-        elif shard is None:
-            loader(p, tensor.to(p.dtype))
-        else:
-            loader(p, tensor.to(p.dtype), shard)
+        copy_into_param(params[name], tensor, shard)
         loaded.add(name)
         seen.add(disk_name)
     # Stacked parameters fill from several tensors, so check completeness by on-disk name.

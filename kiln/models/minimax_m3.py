@@ -28,6 +28,7 @@ from kiln.layers.moe import Experts, MiniMaxMoE, SharedExperts, moe_param_for
 from kiln.layers.msa import MSAAttention
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
+from kiln.loader.weights import copy_into_param
 from kiln.models.dspark import DSpark
 from kiln.models.llama import LlamaMLP
 from kiln.models.minimax_m3_config import MiniMaxM3Config
@@ -162,14 +163,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
             if name.startswith("dspark.") and self.dspark is None:
                 continue  # drafter weights without dspark_config: nothing would run them
             target, shard = self._target(name, ours)
-            p = ours[target]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None and shard is not None:
-                loader(p, tensor.to(p.dtype), shard)
-            elif loader is not None:
-                loader(p, tensor.to(p.dtype))
-            else:
-                p.data.copy_(tensor.to(p.dtype))
+            copy_into_param(ours[target], tensor, shard)
             loaded.add(target)
         missing = set(self.state_dict().keys()) - loaded
         if self.config.tie_word_embeddings:
