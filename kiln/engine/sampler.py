@@ -342,7 +342,8 @@ class Sampler:
             if len(rows) == B:
                 xs, idx = x, None
             else:
-                idx = batch.draw_rows if batch.draw_rows is not None and batch.greedy is greedy else \
+                # from_reqs copied these rows already (they come from the same host greedy list)
+                idx = batch.draw_rows if batch.draw_rows is not None else \
                     to_device(torch.tensor(rows, dtype=torch.int64), dev)
                 xs = x.index_select(0, idx)
                 params = tuple(t.index_select(0, idx) for t in params)
