@@ -26,20 +26,13 @@ logger = logging.getLogger("kiln.spec_train")
 
 def load_target(source, device: str, max_positions: int):
     """The target model with its weights, frozen, in eval mode (any architecture Kiln serves)."""
-    from kiln.loader import iter_weights
     from kiln.models.registry import get_model_class, parse_model_config
+    from kiln.spec_train.target import load_frozen
 
     config = parse_model_config(source.config)
     with torch.device(device):
         model = get_model_class(source.config["model_type"])(config, max_positions=max_positions)
-    skip = ("mtp.", "dspark.")  # drafters inside the checkpoint are not the target
-    loaded = model.load_weights(((n, t) for n, t in iter_weights(source) if not n.startswith(skip)), strict=False)
-    missing = [n for n, _ in model.named_parameters() if n not in loaded and not n.startswith(skip)]
-    if missing:
-        raise ValueError(f"the target checkpoint lacks {missing[:4]}")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval(), config
+    return load_frozen(model, source).eval(), config
 
 
 def drafter_config(cfg, target_config) -> BlockDrafterConfig:

@@ -36,8 +36,8 @@ LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 # ---- the model ---------------------------------------------------------------------------------
 def build_model(cfg, source, device: str = "cpu"):
     """The target (weights loaded, frozen) with `cfg.num_mtp_layers` fresh MTP layers (`init_mtp`)."""
-    from kiln.loader import iter_weights
     from kiln.models.registry import get_model_class, parse_model_config
+    from kiln.spec_train.target import load_frozen
 
     mtype = source.config.get("model_type")
     if mtype not in LLAMA_FAMILY:
@@ -46,12 +46,7 @@ def build_model(cfg, source, device: str = "cpu"):
     config = mtp_config(source.config, cfg)
     with torch.device(device):
         model = get_model_class(mtype)(parse_model_config(config), max_positions=cfg.max_seq_len + 1)
-    loaded = model.load_weights(((n, t) for n, t in iter_weights(source) if not n.startswith("mtp.")), strict=False)
-    missing = [n for n, _ in model.named_parameters() if n not in loaded and not n.startswith("mtp.")]
-    if missing:
-        raise ValueError(f"the target checkpoint lacks {missing[:4]}")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    load_frozen(model, source)
     init_mtp(model, cfg.mtp_init, cfg.seed)
     for p in model.mtp.parameters():
         p.requires_grad_(True)
