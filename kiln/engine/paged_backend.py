@@ -15,8 +15,8 @@ has no host synchronisation and can be replayed from a CUDA graph.
 
 Speculative decoding's MTP layers (MODELS.md 2.4) attend with a `key_gap` (query i sees key j iff
 j == i or i - j >= gap) and keep their cache at `position + cache_offset`; their batches carry
-explicit query positions (`batch.extras["positions_cpu"]`: catch-up rows and a draft row further
-ahead). Those always run the reference op, also on CUDA (the Triton kernels know neither).
+explicit query positions (`batch.extras["positions_cpu"]`, and `batch.positions` on the device:
+catch-up rows and a draft row further ahead). The extend kernel knows all three.
 """
 
 from __future__ import annotations
@@ -82,7 +82,12 @@ class PagedBackend:
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
         positions = batch.extras.get("positions_cpu")
-        if gap > 1 or offset or positions is not None:
+        if gap > 1 or offset or positions is not None:  # an MTP layer (explicit query positions)
+            if self.use_kernels:
+                return self.k_attn.extend_attention(
+                    q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t, batch.extend_lens_t,
+                    batch.extend_starts_t, layer.scale, win, rel, max_extend_len=batch.max_extend_len,
+                    positions=batch.positions if positions is not None else None, key_gap=gap, key_offset=offset)
             slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
             return attn_ops.paged_attention(q, k_cache, v_cache, table, slots, batch.prefix_lens, batch.extend_lens,
                                             layer.scale, win, rel, key_gap=gap, positions=positions,

@@ -331,3 +331,18 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
     metrics.update(stats)
     names = {m.name for m in metrics.collect()}
     assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps"} <= names
+
+
+def test_kernel_path_mtp_matches_reference_path(model_dir):
+    # The Triton kernels (under the interpreter on the CPU) serve the MTP layers too: explicit
+    # query positions, key_gap and key_offset in the extend kernel. Partial acceptance, so that
+    # catch-up rows, draft rows and rejected drafts all occur; drafts must equal the reference.
+    pytest.importorskip("triton")
+    ps = prompts(2, seed=21, lo=18, hi=40)
+    core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton")
+    assert core.runner.use_kernels
+    res, drafts, _ = run_spec(core, ps, max_tokens=12)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,
+                                                              max_tokens=12)
+    assert_reference(core, res)
+    assert assert_mtp_reference(core, res, drafts) > 0

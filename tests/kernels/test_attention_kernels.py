@@ -217,3 +217,40 @@ def test_extend_cpu_int64_table_odd_head_dim_fp16_pages():
 ])
 def test_extend_cuda_shapes(hq, hkv, d, window, rel_len, seqs):
     _check_extend("cuda", seqs, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
+
+
+# ---- extend with MTP addressing: explicit positions, key_gap, key_offset -------------------
+
+def _check_mtp_extend(device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset,
+                      seed=0, page_size=1):
+    """rows_per_seq: ascending query positions per sequence, with jumps (catch-up rows then a
+    draft row further ahead, as the MTP drafter builds them)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [r[-1] + 1 + key_offset for r in rows_per_seq]
+    k_cache, v_cache, r2t, slots = _paged_cache(ctx, hkv, d, dtype, device, gen, page_size=page_size)
+    ext = [len(r) for r in rows_per_seq]
+    positions = [p for r in rows_per_seq for p in r]
+    t = len(positions)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype).to(device)
+    rel = None if rel_len is None else torch.randn(t, hq, rel_len, generator=gen).to(device)
+    as_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    starts = as_t([0] + ext[:-1]).cumsum(0)
+    got = extend_attention(q, k_cache, v_cache, r2t, slots, as_t([0] * len(ext)), as_t(ext), starts, d ** -0.5,
+                           window, rel, positions=as_t(positions), key_gap=key_gap, key_offset=key_offset)
+    want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
+                           key_gap=key_gap, positions=positions, key_offset=key_offset)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
+def test_extend_mtp_addressing(device, key_gap, key_offset):
+    # Per sequence: catch-up rows (consecutive) then a draft row past a hole the key_gap hides;
+    # one sequence is a lone draft row, one has catch-up rows only.
+    if device == "cpu":
+        seqs = [[5, 6, 7, 10], [30], list(range(3, 24)), [12, 13, 16]]
+        _check_mtp_extend(device, seqs, 4, 2, 32, torch.float32, 9, 6, key_gap, key_offset, seed=key_gap)
+    else:
+        seqs = [[900, 901, 902, 905], [3000], list(range(100, 230)), [4500, 4501, 4504]]
+        _check_mtp_extend(device, seqs, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
+                          seed=key_gap, page_size=16)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.request import Req
 from kiln.engine.spec.drafter import DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -208,13 +208,17 @@ class MTPDrafter:
             lens.append(n)
             rows_of[r.rid] = (row, n)
             row += n
-        t = torch.tensor(tokens + positions + swa_locs + slots, dtype=torch.int64, device=dev)
-        T = len(tokens)
-        ids_t, pos_t, locs_t, slots_t = t[:T], t[T:2 * T], t[2 * T:3 * T], t[3 * T:]
-        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
+        lists = {"ids": tokens, "pos": positions, "locs": swa_locs, "slots": slots}
+        if self.runner.needs_device_metadata:  # the Triton extend kernel reads the lengths on the device
+            lists.update(ForwardBatch.length_lists([0] * len(lens), lens))
+        t = int64_to_device(lists, dev)
+        ids_t = t["ids"]
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids_t, positions=t["pos"],
                              prefix_lens=[0] * len(lens), extend_lens=lens, logits_indices=ids_t[:0],
-                             req_slots=slots_t, out_cache_loc=None, win_out_locs={"swa": locs_t},
+                             req_slots=t["slots"], out_cache_loc=None, win_out_locs={"swa": t["locs"]},
                              backend=self.runner.backend)
+        if self.runner.needs_device_metadata:
+            batch.set_device_metadata(t)
         batch.extras["req_slots_cpu"] = slots
         batch.extras["positions_cpu"] = positions
         emb = self.model.model.embed_tokens(ids_t)
