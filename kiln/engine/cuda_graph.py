@@ -14,8 +14,12 @@ How it works (the same scheme as SGLang's and vLLM's decode graphs):
   allocators never hand out, so padding never touches a live request.
 - Captures run largest first and share one memory pool, so the graphs together need about the
   activation memory of the largest; the runner reserves that memory before it sizes the KV pools.
-- Outputs (logits, and the routed-expert ids the MoE gates record) are static tensors too: callers
-  consume them before the next replay.
+- Outputs (logits, the final hidden states, block-drafter taps and the routed-expert ids the MoE
+  gates record) are static tensors too: callers consume them before the next replay.
+- With speculative decoding, the verify forward gets graphs too: a *uniform extend* of q = k + 1
+  tokens per sequence (the last committed token and k drafts) with logits for every row, over the
+  same batch-size ladder (padding sequences have no prefix and write to slot 0). Its attention
+  is the extend kernel, whose grid is sized by q, a constant of the graph.
 
 Kernels that run inside must not synchronise with the host or size their grids from tensor values:
 `kiln.kernels` is written that way, and a replay is checked against an eager forward in
@@ -25,13 +29,15 @@ Kernels that run inside must not synchronise with the host or size their grids f
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+MAX_VERIFY_TOKENS = 1024
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -42,76 +48,117 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures `forward(batch) -> logits` for decode batches and replays it.
+    """Captures `forward(batch) -> logits` for decode batches (and speculative verify batches)
+    and replays it.
 
     `forward` is the runner's eager forward; `windows` the names of the window spaces whose write
-    slots the batch carries (`ForwardBatch.win_out_locs`)."""
+    slots the batch carries (`ForwardBatch.win_out_locs`). `tokens_per_seq` lists the batch shapes
+    to capture: 1 is decode; q > 1 is a *uniform extend* of q tokens per sequence on top of any
+    cached prefix, with logits for every row (a speculative round verifying q - 1 drafts). Every
+    shape shares the static buffers and one memory pool."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_bs: int,
-                 windows: list[str], device: torch.device):
+                 windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,)):
         self.forward = forward
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
+        self.tokens_per_seq = sorted(set(tokens_per_seq))
+        assert self.tokens_per_seq[0] >= 1, self.tokens_per_seq
+        # Verify shapes stop at MAX_VERIFY_TOKENS tokens (logits for every row are large): a
+        # bigger verify batch runs eager, where its launch overhead matters less.
+        self.sizes_of = {q: [s for s in self.sizes if q == 1 or s * q <= max(MAX_VERIFY_TOKENS, q)]
+                         for q in self.tokens_per_seq}
         self.device = device
         n = self.max_bs
-        z = lambda: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.req_slots, self.out_loc = z(), z(), z(), z()
+        nt = max(self.sizes_of[q][-1] * q for q in self.tokens_per_seq)
+        z = lambda size: torch.zeros(size, dtype=torch.int64, device=device)  # noqa: E731
+        # per token
+        self.input_ids, self.positions, self.out_loc = z(nt), z(nt), z(nt)
+        self.win_locs = {c: z(nt) for c in windows}
+        self.arange = torch.arange(nt, dtype=torch.int64, device=device)
+        # per sequence
+        self.req_slots, self.prefix_lens = z(n), z(n)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
-        self.prefix_lens = torch.zeros(n, dtype=torch.int64, device=device)
-        self.win_locs = {c: z() for c in windows}
-        self.arange = torch.arange(n, dtype=torch.int64, device=device)
-        self.ones = torch.ones(n, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor, dict]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, ForwardBatch]] = {}
 
-    def _batch(self, bs: int) -> ForwardBatch:
-        """A decode batch of `bs` rows whose every tensor is a view of the static buffers."""
-        b = ForwardBatch(mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-                         prefix_lens=[0] * bs, extend_lens=[1] * bs, logits_indices=self.arange[:bs],
-                         req_slots=self.req_slots[:bs], out_cache_loc=self.out_loc[:bs],
-                         win_out_locs={c: t[:bs] for c, t in self.win_locs.items()})
+    def _batch(self, bs: int, q: int) -> ForwardBatch:
+        """A batch of `bs` sequences of `q` new tokens whose every tensor is a view of the static
+        buffers (extend lengths and starts are constants of the shape)."""
+        t = bs * q
+        b = ForwardBatch(mode=ForwardMode.DECODE if q == 1 else ForwardMode.EXTEND,
+                         input_ids=self.input_ids[:t], positions=self.positions[:t],
+                         prefix_lens=[0] * bs, extend_lens=[q] * bs, logits_indices=self.arange[:t],
+                         req_slots=self.req_slots[:bs], out_cache_loc=self.out_loc[:t],
+                         win_out_locs={c: w[:t] for c, w in self.win_locs.items()})
         b.seq_lens_t, b.prefix_lens_t = self.seq_lens[:bs], self.prefix_lens[:bs]
-        b.extend_lens_t, b.extend_starts_t = self.ones[:bs], self.arange[:bs]
-        b.max_extend_len = 1
+        b.extend_lens_t = torch.full((bs,), q, dtype=torch.int64, device=self.device)
+        b.extend_starts_t = self.arange[:bs] * q
+        b.max_extend_len = q
         return b
 
     @torch.inference_mode()
     def capture(self, capturer: Optional["GraphCapturer"] = None) -> None:
-        """Capture every size, largest first (later captures reuse the first one's pool).
-        `capturer` defaults to CUDA graphs; tests pass one that re-runs the forward on replay."""
+        """Capture every (shape, size), the most tokens first (later captures reuse the first
+        one's pool). `capturer` defaults to CUDA graphs; tests pass one that re-runs the forward
+        on replay."""
         capturer = capturer or CudaGraphCapturer(self.device)
-        for bs in reversed(self.sizes):
-            batch = self._batch(bs)
-            replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
-            self.graphs[bs] = (replay, logits, batch.extras)
+        for q in sorted(self.tokens_per_seq, key=lambda q: -q * self.sizes_of[q][-1]):
+            for bs in reversed(self.sizes_of[q]):
+                batch = self._batch(bs, q)
+                replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
+                self.graphs[(q, bs)] = (replay, logits, batch)
         capturer.done(self.sizes)
 
+    def shape_of(self, batch: ForwardBatch) -> Optional[int]:
+        """The captured tokens-per-sequence that `batch` is an instance of, or None."""
+        if not self.graphs or batch.extras.get("replay_experts"):
+            return None
+        if batch.mode == ForwardMode.DECODE:
+            q = 1
+        else:
+            q = batch.extend_lens[0] if batch.extend_lens else 0
+            # logit rows are ascending and distinct, so as many as tokens means every row in order
+            if q <= 1 or any(e != q for e in batch.extend_lens) or batch.logits_indices.shape[0] != batch.num_tokens:
+                return None
+        if q not in self.sizes_of or batch.batch_size > self.sizes_of[q][-1]:
+            return None
+        return q
+
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (bool(self.graphs) and batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
-                and not batch.extras.get("replay_experts"))
+        return self.shape_of(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n, V] of a decode batch of n rows (a view of a static buffer)."""
+        """Logits [rows, V] of a batch `can_run` accepted (a view of a static buffer); the final
+        hidden states, block-drafter taps and routed-expert ids land in `batch` as views too."""
+        q = self.shape_of(batch)
         n = batch.batch_size
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
+        bs = next(s for s in self.sizes_of[q] if s >= n)
+        t, tp = n * q, bs * q
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.out_loc[:t].copy_(batch.out_cache_loc)
+        for c, w in self.win_locs.items():
+            w[:t].copy_(batch.win_out_locs[c])
         self.req_slots[:n].copy_(batch.req_slots)
-        self.out_loc[:n].copy_(batch.out_cache_loc)
         self.seq_lens[:n].copy_(batch.seq_lens_t)
         self.prefix_lens[:n].copy_(batch.prefix_lens_t)
-        for c, t in self.win_locs.items():
-            t[:n].copy_(batch.win_out_locs[c])
-        if bs > n:  # padding rows: request row 0 at length 1, writing to the scratch slot 0
-            for t in (self.input_ids, self.positions, self.req_slots, self.out_loc, self.prefix_lens,
-                      *self.win_locs.values()):
-                t[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-        replay, logits, extras = self.graphs[bs]
+        if bs > n:  # padding sequences: request row 0, no prefix, writing to the scratch slot 0
+            for buf in (self.input_ids, self.positions, self.out_loc, *self.win_locs.values()):
+                buf[t:tp].zero_()
+            self.req_slots[n:bs].zero_()
+            self.prefix_lens[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(q)
+        replay, logits, captured = self.graphs[(q, bs)]
         replay()
-        routed = extras.get("routed_experts")
+        routed = captured.extras.get("routed_experts")
         if routed is not None:
-            batch.extras["routed_experts"] = {i: ids[:n] for i, ids in routed.items()}
-        return logits[:n]
+            batch.extras["routed_experts"] = {i: ids[:t] for i, ids in routed.items()}
+        hidden = captured.extras.get("hidden")
+        if hidden is not None:
+            batch.extras["hidden"] = hidden[:t]
+        batch.capture_layers = captured.capture_layers
+        batch.captured = {i: h[:t] for i, h in captured.captured.items()}
+        return logits[:t]
 
 
 class GraphCapturer(Protocol):

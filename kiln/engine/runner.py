@@ -13,7 +13,7 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind
 from kiln.engine.cache.layer_gate import LayerGate
-from kiln.engine.cuda_graph import CudaGraphRunner
+from kiln.engine.cuda_graph import MAX_VERIFY_TOKENS, CudaGraphRunner
 from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
 from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.routing import RoutingCapture, moe_shape
@@ -71,8 +71,7 @@ class ModelRunner:
             if config.enable_return_routed_experts and num_moe else None
         self.graphs = None
         if self._want_graphs():
-            self.graphs = CudaGraphRunner(self._forward_eager, min(config.cuda_graph_max_bs, config.max_running_requests),
-                                          list(self.window_tables), self.device)
+            self.graphs = self._new_graphs()
             self.graphs.capture()
 
     def _want_kernels(self) -> bool:
@@ -91,9 +90,14 @@ class ModelRunner:
     def _want_graphs(self) -> bool:
         # Graph replay needs kernels that take lengths as device tensors (the reference ops read
         # host lists).
-        # Speculative rounds are extends (not captured) and need the hidden states (not kept).
-        return (self.device.type == "cuda" and self.use_kernels and not self.config.disable_cuda_graph
-                and self.config.speculative_algorithm is None)
+        return self.device.type == "cuda" and self.use_kernels and not self.config.disable_cuda_graph
+
+    def _new_graphs(self) -> CudaGraphRunner:
+        """The graph runner (not captured yet): decode, and with speculative decoding the verify
+        forward of a full round (the last token + `spec_steps` drafts per request)."""
+        shapes = (1, self.spec_steps + 1) if self.spec_steps else (1,)
+        return CudaGraphRunner(self._forward_eager, min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
+                               list(self.window_tables), self.device, tokens_per_seq=shapes)
 
     def _graph_reserve_bytes(self) -> int:
         """GPU memory kept out of the KV pools for the decode graphs' activations: the largest
@@ -103,6 +107,8 @@ class ModelRunner:
         if not self._want_graphs():
             return 0
         mc, bs = self.model_config, min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        if self.spec_steps:  # the verify graphs' rows (capped like CudaGraphRunner caps them)
+            bs = max(bs, min(bs * (self.spec_steps + 1), MAX_VERIFY_TOKENS))
         width = 8 * mc.hidden_size + 4 * getattr(mc, "intermediate_size", 4 * mc.hidden_size)
         per_row = 4 * mc.vocab_size * 4 + width * self.dtype.itemsize
         return 2 * bs * per_row + (512 << 20)
@@ -246,8 +252,7 @@ class ModelRunner:
             holder[key] = torch.empty(0, dtype=t.dtype, device=t.device)
         self._released_pools = saved
         if self.graphs is not None:  # drop the graphs' own memory pool too
-            self.graphs = CudaGraphRunner(self._forward_eager, self.graphs.max_bs, list(self.window_tables),
-                                          self.device)
+            self.graphs = self._new_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -263,8 +268,7 @@ class ModelRunner:
         """Graphs hold the addresses of the pools and weights they were captured with: after a
         release + resume those are new allocations, so the graphs are captured again."""
         if self.graphs is not None and not self.kv_released and not self.weights_released:
-            self.graphs = CudaGraphRunner(self._forward_eager, self.graphs.max_bs, list(self.window_tables),
-                                          self.device)
+            self.graphs = self._new_graphs()
             self.graphs.capture()
 
     @property

@@ -41,3 +41,24 @@ def test_graphs_equal_eager_and_cpu(arch_dir):
         torch.testing.assert_close(torch.stack(eager_rows[rid]).cpu(), want, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(torch.stack(graph_rows[rid]).cpu(), torch.stack(eager_rows[rid]).cpu(),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
+    # MTP rounds (k = 3) on the GPU: verify forwards replay from the uniform-extend graphs, the
+    # MTP layers run the extend kernel with key_gap. Greedy output equals plain greedy decoding
+    # (graphs and all), with partial acceptance (copy drafter, small alpha).
+    import json
+
+    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    reqs = prompts(5, seed=5, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = spec_core(str(tmp_path), 3, alpha=0.01, **kw)
+    assert {q for q, _ in core.runner.graphs.graphs} == {1, 4}
+    res, _, _ = run_spec(core, reqs, max_tokens=16)
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=16)
+    assert {rid: r[1] for rid, r in res.items()} == want
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < 3 * counts.verify_steps

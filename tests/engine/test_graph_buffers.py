@@ -56,10 +56,46 @@ def test_padded_replays_equal_eager(arch, tmp_path):
     runner.graphs = CudaGraphRunner(runner._forward_eager, 8, list(runner.window_tables), runner.device)
     capturer = RecomputeCapturer()
     runner.graphs.capture(capturer)
-    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs.graphs) == [(1, 1), (1, 2), (1, 4), (1, 8)]
     got_out, got_rows = greedy(core, reqs, max_tokens=6)
     assert capturer.replays > 0  # decode steps went through the graph path (5 rows -> padded 8)
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-5, rtol=1e-5)
     core.check_integrity()
+
+
+def test_verify_shape_ladder_is_capped():
+    g = CudaGraphRunner(lambda b: None, 256, [], torch.device("cpu"), tokens_per_seq=(1, 4))
+    assert g.sizes_of[1][-1] == 256 and g.sizes_of[4][-1] == 256  # 256 x 4 = MAX_VERIFY_TOKENS
+    g = CudaGraphRunner(lambda b: None, 256, [], torch.device("cpu"), tokens_per_seq=(1, 16))
+    assert g.sizes_of[16][-1] == 64 and g.input_ids.shape[0] == 1024
+
+
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_speculative_verify_replays_equal_plain_greedy(arch, tmp_path):
+    # The verify forward of MTP rounds (k = 3: 4 tokens per request) replays from the uniform-
+    # extend graphs (padded 3 -> 4 requests), decode steps from the decode graphs; the drafter
+    # reads the replayed hidden states. Partial acceptance (copy drafter, small alpha), so
+    # rejected drafts are rolled back after graph replays too.
+    from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain,
+                                               run_spec, spec_core)
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    reqs = prompts(3, seed=4, lo=10, hi=30)
+    core = spec_core(str(tmp_path), 3, alpha=0.01, page_size=4, kernel_backend="triton")
+    runner = core.runner
+    runner.graphs = runner._new_graphs()
+    capturer = RecomputeCapturer()
+    runner.graphs.capture(capturer)
+    assert {q for q, _ in runner.graphs.graphs} == {1, 4}
+    shapes = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda batch: (shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
+    res, drafts, _ = run_spec(core, reqs, max_tokens=12)
+    assert 4 in shapes, "no verify forward replayed"
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, page_size=4), reqs, max_tokens=12)
+    assert {rid: r[1] for rid, r in res.items()} == want
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
+    assert assert_mtp_reference(core, res, drafts) > 0
