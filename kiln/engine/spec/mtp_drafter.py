@@ -90,11 +90,10 @@ class MTPDrafter:
         self.layers = list(self.model.mtp[:num_layers])
         self.num_layers = num_layers
         self.page_size = runner.page_size
-        self.swa_table = runner.window_tables["swa"]
-        self.conv_table = runner.window_tables["conv"]
         self.keep_logits = False  # tests: keep each draft's logits on the request (MTPState.draft_logits)
         # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
         self.sample_drafts = False
+        self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []  # queued by on_commit
 
     # ---- the drafter contract (kiln.engine.spec.drafter) ----------------------------------
     @property
@@ -112,25 +111,38 @@ class MTPDrafter:
         """Nothing before verification: h^0 is stored for committed rows only (`on_commit`)."""
 
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
-        self.store_main_hidden(r, first_pos, batch.extras["hidden"][rows])
+        """Queue h^0 of the committed rows; `run` stores every request's in one copy."""
+        n = rows.stop - rows.start
+        if n:
+            self._h0_hidden = batch.extras["hidden"]
+            self._h0_rows += range(rows.start, rows.stop)
+            self._h0_locs += [_slot(r.win_pages["conv"], p, self.page_size) for p in range(first_pos, first_pos + n)]
+
+    def _store_queued_h0(self, dev) -> None:
+        if self._h0_rows:
+            t = int64_to_device({"rows": self._h0_rows, "locs": self._h0_locs}, dev)
+            self.site(0)[t["locs"]] = self._h0_hidden[t["rows"]].to(self.site(0).dtype)
+        self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []
 
     def site(self, k: int) -> torch.Tensor:
         """[conv slots, H] buffer of h^k per stored position."""
         return self.runner.conv.layer(self.model.mtp_hidden_site(k))
 
-    def store_main_hidden(self, req: Req, first_pos: int, hidden: torch.Tensor) -> None:
-        """Keep h^0 of positions first_pos .. first_pos + len(hidden) - 1 (committed rows only)."""
-        if hidden.shape[0]:
-            pos = torch.arange(first_pos, first_pos + hidden.shape[0], device=hidden.device)
-            self.site(0)[self.conv_table[req.slot, pos]] = hidden.to(self.site(0).dtype)
-
     @torch.inference_mode()
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """One pass: advance every request's frontiers as far as committed tokens, computed hidden
         states and pages allow, and draft `num_drafts[rid]` tokens (0: none) into `req.spec.drafts`.
-        Pages must cover stored positions up to T - 2 + num_drafts (the caller grows them)."""
+        Pages must cover stored positions up to T - 2 + num_drafts (the caller grows them).
+
+        Argmax drafts stay on the device through the chain (layer k reads layer k - 1's draft
+        token by index) and are read back once at the end, so the layers' launches queue without
+        waiting for each other; drafts drawn from q (sampled requests under exact verification)
+        need the host between layers (their penalties count the earlier drafts)."""
         dev = self.runner.device
+        self._store_queued_h0(dev)
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
+        draft_token: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft token (0-d, device)
+        chain: dict[str, list[torch.Tensor]] = {}  # rid -> draft tokens so far (0-d, device)
         for r in reqs:
             r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
         q_rows: dict[str, list[torch.Tensor]] = {}
@@ -149,11 +161,12 @@ class MTPDrafter:
             items = [it for it in items if len(it.catch_up) or it.draft]
             if not items:
                 continue
-            out, rows_of = self._forward_layer(k, layer, items, draft_hidden, dev)
+            out, rows_of, keep = self._forward_layer(k, layer, items, draft_hidden, draft_token, dev)
+            if k < self.num_layers and keep is not None:  # h^k of catch-up rows for layer k + 1
+                rows, locs = keep
+                self.site(k)[locs] = out[rows].to(self.site(k).dtype)
             for it in items:
                 r, (lo, n) = it.req, rows_of[it.req.rid]
-                if k < self.num_layers and len(it.catch_up):  # h^k for layer k + 1, one position later
-                    self.site(k)[self._conv_locs(r, it.catch_up, dev)] = out[lo:lo + len(it.catch_up)].to(self.site(k).dtype)
                 if num_drafts.get(r.rid, 0) >= k:
                     # layer 1: the last catch-up row sits at the anchor (stored T - 1)
                     row = lo + n - 1
@@ -164,28 +177,42 @@ class MTPDrafter:
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
                 logits = self.model.lm_head.compute_logits(layer.final_norm(h)).float()
-                tokens = logits.argmax(dim=-1).tolist()
+                tokens = logits.argmax(dim=-1)
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
                 if sampled:  # d_k ~ q_k, processed like the target's rows (d_1..d_{k-1} as output)
-                    drawn, q = draw_drafts(self.runner.sampler, logits[sampled],
-                                           [row_view(drafting[i], drafting[i].spec.drafts, dev) for i in sampled])
+                    views = [row_view(drafting[i], [int(t) for t in chain.get(drafting[i].rid, [])], dev)
+                             for i in sampled]
+                    drawn, q = draw_drafts(self.runner.sampler, logits[sampled], views)
+                    tokens = tokens.index_copy(0, torch.tensor(sampled, device=dev),
+                                               torch.tensor(drawn, dtype=tokens.dtype, device=dev))
                     for j, i in enumerate(sampled):
-                        tokens[i] = drawn[j]
                         q_rows.setdefault(drafting[i].rid, []).append(q[j])
-                for i, (r, t) in enumerate(zip(drafting, tokens)):
-                    r.spec.drafts.append(int(t))
+                for i, r in enumerate(drafting):
+                    draft_token[r.rid] = tokens[i]
+                    chain.setdefault(r.rid, []).append(tokens[i])
                     if self.keep_logits:
                         r.spec.draft_logits.append(logits[i])
+        if chain:  # the one read-back of the pass
+            rids = list(chain)
+            flat = torch.cat([torch.stack(chain[rid]) for rid in rids]).tolist()
+            at = 0
+            for r in reqs:
+                if r.rid in chain:
+                    n = len(chain[r.rid])
+                    r.spec.drafts = flat[at:at + n]
+                    at += n
         for r in reqs:
             if r.rid in q_rows:
                 r.spec.q = torch.stack(q_rows[r.rid])
 
-    def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, dev):
+    def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, draft_token: dict, dev):
         """Build layer k's batch (catch-up rows then the draft row, per request) and run it.
-        Returns (output hidden [rows, H], rid -> (first row, row count))."""
+        Returns (output hidden [rows, H], rid -> (first row, row count), (catch-up rows, conv slots
+        to keep their h^k in) or None)."""
         ps = self.page_size
-        tokens, positions, swa_locs, slots, lens = [], [], [], [], []
-        hid_rows: list[torch.Tensor] = []
+        tokens, positions, swa_locs, hid_locs, slots, lens = [], [], [], [], [], []
+        keep_rows, keep_locs = [], []  # catch-up rows and the conv slots of their stored positions
+        draft_rows, draft_ids, draft_h = [], [], []  # rows fed by the previous layer's draft (on the device)
         rows_of, row = {}, 0
         for it in items:
             r = it.req
@@ -193,26 +220,34 @@ class MTPDrafter:
             n = len(it.catch_up) + int(it.draft)
             stored = list(it.catch_up)
             tokens += [ids[p] for p in it.catch_up]
-            if len(it.catch_up):
-                prev = torch.tensor([p - 1 for p in it.catch_up], device=dev)
-                hid_rows.append(self.site(k - 1)[self.conv_table[r.slot, prev]])
+            hid_locs += [_slot(r.win_pages["conv"], p - 1, ps) for p in it.catch_up]  # h^{k-1} one position back
+            if k < self.num_layers:
+                keep_rows += range(row, row + len(it.catch_up))
+                keep_locs += [_slot(r.win_pages["conv"], p, ps) for p in it.catch_up]
             if it.draft:
                 anchor = r.seq_len - 2
                 stored.append(anchor + k)
-                tokens.append(r.spec.drafts[k - 2])
-                hid_rows.append(draft_hidden[r.rid][None].to(self.site(0).dtype))
+                draft_rows.append(row + n - 1)
+                draft_ids.append(draft_token[r.rid])
+                draft_h.append(draft_hidden[r.rid])
+                tokens.append(0)  # both filled on the device below
+                hid_locs.append(0)
             positions += [p - k for p in stored]  # sequence indices: the math
-            view = r.win_pages["swa"]
-            swa_locs += [view[p // ps] * ps + p % ps for p in stored]
+            swa_locs += [_slot(r.win_pages["swa"], p, ps) for p in stored]
             slots.append(r.slot)
             lens.append(n)
             rows_of[r.rid] = (row, n)
             row += n
-        lists = {"ids": tokens, "pos": positions, "locs": swa_locs, "slots": slots}
+        lists = {"ids": tokens, "pos": positions, "locs": swa_locs, "hid": hid_locs, "slots": slots,
+                 "draft_rows": draft_rows, "keep_rows": keep_rows, "keep_locs": keep_locs}
         if self.runner.needs_device_metadata:  # the Triton extend kernel reads the lengths on the device
             lists.update(ForwardBatch.length_lists([0] * len(lens), lens))
         t = int64_to_device(lists, dev)
         ids_t = t["ids"]
+        h_prev = self.site(k - 1)[t["hid"]]
+        if draft_rows:
+            ids_t = ids_t.index_copy(0, t["draft_rows"], torch.stack(draft_ids).to(ids_t.dtype))
+            h_prev = h_prev.index_copy(0, t["draft_rows"], torch.stack(draft_h).to(h_prev.dtype))
         batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids_t, positions=t["pos"],
                              prefix_lens=[0] * len(lens), extend_lens=lens, logits_indices=ids_t[:0],
                              req_slots=t["slots"], out_cache_loc=None, win_out_locs={"swa": t["locs"]},
@@ -222,8 +257,12 @@ class MTPDrafter:
         batch.extras["req_slots_cpu"] = slots
         batch.extras["positions_cpu"] = positions
         emb = self.model.model.embed_tokens(ids_t)
-        h_prev = torch.cat(hid_rows).to(emb.dtype)
-        return layer(emb, h_prev, batch), rows_of
+        keep = (t["keep_rows"], t["keep_locs"]) if keep_rows else None
+        return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep
 
-    def _conv_locs(self, r: Req, stored: range, dev) -> torch.Tensor:
-        return self.conv_table[r.slot, torch.arange(stored.start, stored.stop, device=dev)]
+
+def _slot(view: list, pos: int, page_size: int) -> int:
+    """The token slot of position `pos` through a request's page view (a window space's pages)."""
+    page = view[pos // page_size]
+    assert page is not None, f"position {pos}'s window page was already trimmed"
+    return page * page_size + pos % page_size
