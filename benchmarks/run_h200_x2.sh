@@ -13,6 +13,10 @@
 #                lane 1: the agent trace's hicache-4x variant; nano-vllm's offline workload at the
 #                        Qwen3-0.6B shape against transformers' continuous batching
 #                then both GPUs: `run_h200_tp2.sh` (tp 2 tests, 8B and Inkling tables)
+#   PHASE=spec   lane 0: gpu-marked tests of the fast path (kernels, graphs, speculative graphs);
+#                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
+#                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
+#                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
@@ -94,10 +98,36 @@ lane1_final() {
     --time-limit 30 --no-progress --out "$R/json/offline_qwen.json"
 }
 
+lane0_spec() {
+  step gpu_tests ${T_TESTS:-170} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 120 \
+    tests/kernels/test_kv_store.py tests/kernels/test_activation.py tests/kernels/test_conv_qk_norm.py \
+    tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing tests/engine/test_cuda_graph.py \
+    tests/engine/test_kernel_path.py tests/kernels/test_norm.py tests/kernels/test_rotary.py
+  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
+  for K in 3 1; do
+    step spec_inkling_k$K ${T_SPEC:-80} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps $K --out "$R/json/spec_inkling_k$K.json"
+  done
+  step spec_inkling_profile ${T_SPROF:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 48 \
+    --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --profile --host-profile \
+    --out "$R/json/spec_inkling_profile.json"
+}
+
+lane1_spec() {
+  step latency_llama8b ${T_LAT:-110} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+  step decode_llama8b ${T_8B:-100} $DECODE --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+    --profile --out "$R/json/decode_llama8b.json"
+  step decode_inkling ${T_INK:-80} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --profile --out "$R/json/decode_inkling_bs1.json"
+  step small_ops ${T_OPS:-60} python -m benchmarks.kernels.small_ops
+}
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final)
+  diag|tables|final|spec)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -105,5 +135,5 @@ case $PHASE in
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
-  *) echo "PHASE must be diag, tables or tp2"; exit 2 ;;
+  *) echo "PHASE must be diag, tables, final, spec or tp2"; exit 2 ;;
 esac

@@ -83,7 +83,7 @@ def test_speculative_verify_replays_equal_plain_greedy(arch, tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
     reqs = prompts(3, seed=4, lo=10, hi=30)
-    core = spec_core(str(tmp_path), 3, alpha=0.01, page_size=4, kernel_backend="triton")
+    core = spec_core(str(tmp_path), 3, alpha=0.01, page_size=4, kernel_backend="triton", cuda_graph_max_bs=4)
     runner = core.runner
     runner.graphs = runner._new_graphs()
     capturer = RecomputeCapturer()
