@@ -41,8 +41,12 @@ class PagedBackend:
             from kiln.kernels import attention as attn_kernels
             from kiln.kernels import msa as msa_kernels
             from kiln.kernels import shortconv as conv_kernels
+            from kiln.kernels.kv_store import store_kv
 
             self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
+        # The cache write of every attention layer: one launch for K and V (and MSA's indexer
+        # keys) on the kernel path, per-tensor index_put otherwise.
+        self.store_kv = store_kv if use_kernels else attn_ops.store_kv
         self.full_kv = full_kv  # KVPool or None
         self.swa_kv = swa_kv  # KVPool or None
         self.index_k = index_k  # TokenStatePool or None
@@ -75,9 +79,7 @@ class PagedBackend:
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache)
-        loc = self._loc(batch, space)
-        k_cache[loc] = k.to(k_cache.dtype)
-        v_cache[loc] = v.to(v_cache.dtype)
+        self.store_kv(k, v, k_cache, v_cache, self._loc(batch, space))
         table = self.tables[space]
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
@@ -141,10 +143,7 @@ class PagedBackend:
         k_cache, v_cache = self.full_kv.layer(layer.layer_id)
         ki_cache = self.index_k.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache, ki_cache)
-        loc = batch.out_cache_loc
-        k_cache[loc] = k.to(k_cache.dtype)
-        v_cache[loc] = v.to(v_cache.dtype)
-        ki_cache[loc] = kI.to(ki_cache.dtype)
+        self.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, kI, ki_cache)
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
