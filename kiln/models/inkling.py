@@ -142,7 +142,7 @@ class InklingDecoderLayer(nn.Module):
         x, residual = (self.input_layernorm(h, batch), h) if residual is None \
             else self.input_layernorm(h, batch, residual)
         m, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch, residual)
-        f = self.mlp(m, batch) if self.is_moe else self.mlp(m)
+        f = self.mlp(m, batch)
         if self.use_conv:
             f = self.mlp.out_conv(f, batch)
         return f, residual
