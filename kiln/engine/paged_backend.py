@@ -6,7 +6,9 @@ the model's `state_specs()`:
   "swa" window space (SWA_KV) when the model declares one;
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
-- `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space.
+- `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space;
+- `conv_qk_norm_decode` (kernel path, decode only): Inkling's k/v ShortConvs over the "conv"
+  space fused with the q/k norms (`kiln.kernels.conv_qk_norm`).
 The math is the reference ops in `kiln.ops`; only the addressing lives here. Before a layer
 touches its buffers it waits for HiCache copies still running on them (`LayerGate`). With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
@@ -39,10 +41,16 @@ class PagedBackend:
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
+            from kiln.kernels import conv_qk_norm as prologue_kernels
             from kiln.kernels import msa as msa_kernels
             from kiln.kernels import shortconv as conv_kernels
+            from kiln.kernels.kv_store import store_kv
 
             self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
+            self.k_prologue = prologue_kernels
+        # The cache write of every attention layer: one launch for K and V (and MSA's indexer
+        # keys) on the kernel path, per-tensor index_put otherwise.
+        self.store_kv = store_kv if use_kernels else attn_ops.store_kv
         self.full_kv = full_kv  # KVPool or None
         self.swa_kv = swa_kv  # KVPool or None
         self.index_k = index_k  # TokenStatePool or None
@@ -75,9 +83,7 @@ class PagedBackend:
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache)
-        loc = self._loc(batch, space)
-        k_cache[loc] = k.to(k_cache.dtype)
-        v_cache[loc] = v.to(v_cache.dtype)
+        self.store_kv(k, v, k_cache, v_cache, self._loc(batch, space))
         table = self.tables[space]
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
@@ -128,6 +134,20 @@ class PagedBackend:
         buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
 
+    def conv_qk_norm_decode(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                            q_scale: Optional[torch.Tensor] = None):
+        """Inkling's attention prologue of a decode step in one launch (kernel path only,
+        `kiln.kernels.conv_qk_norm`): layer.k_conv / v_conv on k and v with their conv-space
+        history and state writes (as `short_conv`), then layer.q_norm / k_norm per head and q
+        times `q_scale` [B] (lam). q [B, Hq*D], k / v [B, Hkv*D] -> ([B, Hq, D], [B, Hkv, D], [B, Hkv*D])."""
+        assert self.use_kernels and batch.mode == ForwardMode.DECODE
+        k_buf, v_buf = self.conv.layer(layer.k_conv.conv_id), self.conv.layer(layer.v_conv.conv_id)
+        self.gate.wait(k_buf, v_buf)
+        return self.k_prologue.conv_qk_norm_decode(
+            q, k, v, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, layer.k_norm.eps,
+            layer.k_conv.weight, layer.v_conv.weight, k_buf, v_buf, self.tables["conv"], batch.req_slots,
+            batch.seq_lens_t, batch.win_out_locs["conv"], layer.attn.head_dim, q_scale)
+
     def _conv_history(self, buf: torch.Tensor, batch: ForwardBatch, k: int, device) -> torch.Tensor:
         """[B, K-1, C]: each sequence's K-1 inputs before its first new token (zeros before the
         sequence start)."""
@@ -146,10 +166,7 @@ class PagedBackend:
         k_cache, v_cache = self.full_kv.layer(layer.layer_id)
         ki_cache = self.index_k.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache, ki_cache)
-        loc = batch.out_cache_loc
-        k_cache[loc] = k.to(k_cache.dtype)
-        v_cache[loc] = v.to(v_cache.dtype)
-        ki_cache[loc] = kI.to(ki_cache.dtype)
+        self.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, kI, ki_cache)
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,

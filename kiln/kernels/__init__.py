@@ -38,10 +38,10 @@ def kernels_supported(device: torch.device | str) -> bool:
 
 
 def kernel_path(batch, *tensors) -> bool:
-    """Whether a layer op (RMSNorm, RoPE) takes its kernel: the forward runs on the engine's kernel
-    path (`batch.backend.use_kernels`: CUDA with Triton, or the interpreter in tests; never the
-    trainer's packed backend) and autograd records nothing through `tensors` (kernels have no
-    backward)."""
+    """Whether a layer op (RMSNorm, RoPE, SiLU-and-mul) takes its kernel: the forward runs on the
+    engine's kernel path (`batch.backend.use_kernels`: CUDA with Triton, or the interpreter in
+    tests; never the trainer's packed backend) and autograd records nothing through `tensors`
+    (kernels have no backward)."""
     if batch is None or not getattr(batch.backend, "use_kernels", False):
         return False
     return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)

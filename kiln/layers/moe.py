@@ -54,6 +54,17 @@ def _use_kernels(x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
         t is not None and t.requires_grad for t in (x, *tensors))
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """The experts' fp32 silu(gate) * up (`kiln.ops.moe.swiglu_act`): one Triton launch with an fp32
+    result when `_use_kernels` allows it (the expert paths the fused GEMMs do not cover: shared
+    experts they cannot fold in, LoRA experts under no_grad), else the reference."""
+    if _use_kernels(gate_up):
+        from kiln.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up, torch.float32)
+    return ref_ops.swiglu_act(gate_up)
+
+
 def _routing(gate: nn.Module, batch, compute):
     """Run `compute(forced_ids)` with replayed ids if the batch has some for this gate, and record
     the ids used."""
@@ -190,7 +201,7 @@ class SharedExperts(nn.Module):
                            loaded.to(param.dtype), *self._rows(s))
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return ref_ops.shared_experts_ref(x, self.w13, self.w2, weights)
+        return ref_ops.shared_experts_ref(x, self.w13, self.w2, weights, act=swiglu)
 
     def checkpoint_items(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         for s in range(self.num_shared):

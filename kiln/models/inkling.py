@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from kiln.dist.parallel import SINGLE, ParallelContext
-from kiln.engine.batch import ForwardBatch
+from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.cache.components import ComponentKind, StateSpec
+from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -100,19 +101,29 @@ class InklingAttention(nn.Module):
         self.attn = Attention(layer_id, nh, nkv, d, sliding_window=cfg.sliding_window if sliding else None,
                               rel_extent=cfg.rel_extent)
 
+    def _fused_prologue(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
+        """A decode step on the engine's kernel path runs the k/v convs, the q/k norms and q's lam
+        scale as one launch (`PagedBackend.conv_qk_norm_decode`)."""
+        return (self.use_conv and batch.mode == ForwardMode.DECODE and kernel_path(batch, x)
+                and hasattr(batch.backend, "conv_qk_norm_decode"))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.attn.head_dim
         nh, nkv = self.attn.num_heads, self.attn.num_kv_heads
         q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
-        if self.use_conv:  # on the raw projections, before the per-head norm
-            k, v = self.k_conv(k, batch), self.v_conv(v, batch)
-        q = self.q_norm(q.reshape(t, nh, d), batch)
-        k = self.k_norm(k.reshape(t, nkv, d), batch)
+        lam = attn_scale(batch.positions, self.beta, self.floor_scale) if self.full else None  # [T] fp32
+        if self._fused_prologue(x, batch):
+            q, k, v = batch.backend.conv_qk_norm_decode(self, q, k, v, batch, lam)
+        else:
+            if self.use_conv:  # on the raw projections, before the per-head norm
+                k, v = self.k_conv(k, batch), self.v_conv(v, batch)
+            q = self.q_norm(q.reshape(t, nh, d), batch)
+            k = self.k_norm(k.reshape(t, nkv, d), batch)
+            if lam is not None:
+                q = (q.float() * lam[:, None, None]).to(q.dtype)
         rel = self.rel_proj(r.reshape(t, nh, self.qkvr_proj.rel_dim))  # [T, Hq, R]
-        if self.full:
-            lam = attn_scale(batch.positions, self.beta, self.floor_scale)[:, None, None]
-            q = (q.float() * lam).to(q.dtype)
-            rel = rel.float() * lam
+        if lam is not None:
+            rel = rel.float() * lam[:, None, None]
         o = self.o_proj(self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel))
         return self.o_conv(o, batch) if self.use_conv else o
 
@@ -142,7 +153,7 @@ class InklingDecoderLayer(nn.Module):
         x, residual = (self.input_layernorm(h, batch), h) if residual is None \
             else self.input_layernorm(h, batch, residual)
         m, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch, residual)
-        f = self.mlp(m, batch) if self.is_moe else self.mlp(m)
+        f = self.mlp(m, batch)
         if self.use_conv:
             f = self.mlp.out_conv(f, batch)
         return f, residual

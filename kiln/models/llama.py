@@ -35,8 +35,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], pc=pc)
         self.down_proj = RowParallelLinear(intermediate, hidden, pc=pc)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)); `batch` only picks the activation's path (see
+        `kiln.layers.activation`)."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), batch))
 
 
 class LlamaAttention(nn.Module):
@@ -83,7 +85,7 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = (self.input_layernorm(h, batch), h) if residual is None \
             else self.input_layernorm(h, batch, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, batch), residual
 
 
 class LlamaMTPBlock(LlamaDecoderLayer):

@@ -65,7 +65,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         x, residual = (self.input_layernorm(h, batch), h) if residual is None \
             else self.input_layernorm(h, batch, residual)
         m, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
-        return (self.mlp(m, batch) if self.is_moe else self.mlp(m)), residual
+        return self.mlp(m, batch), residual
 
 
 class MiniMaxM3Model(nn.Module):

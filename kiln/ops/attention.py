@@ -21,6 +21,18 @@ import torch
 import torch.nn.functional as F
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor, index_k: Optional[torch.Tensor] = None,
+             index_k_cache: Optional[torch.Tensor] = None) -> None:
+    """Write this forward's K/V rows into the caches at token slots `loc` [T], cast to the caches'
+    dtypes: k_cache[loc] = k, v_cache[loc] = v (k, v [T, Hkv, D]; caches [slots, Hkv, D]); with
+    `index_k` also index_k_cache[loc] = index_k (MSA's indexer keys, same slots)."""
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+    if index_k is not None:
+        index_k_cache[loc] = index_k.to(index_k_cache.dtype)
+
+
 def rel_bias(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """The additive bias [n, Hq, m] (fp32): rel[i, h, q_pos_i - k_pos_j] where that distance is in
     [0, R), else 0. rel: [n, Hq, R]; q_pos [n]; k_pos [m] (or [n, m] per row)."""

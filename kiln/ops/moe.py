@@ -7,7 +7,7 @@ at the end (MODELS.md 2.3, 3.2).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,8 @@ def swiglu_act(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                act: Callable[[torch.Tensor], torch.Tensor] = swiglu_act) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) for routed SwiGLU experts, looping over experts that got tokens.
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k];
@@ -75,6 +76,7 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     routing weight and the sum over the k slots are fp32; the result is cast once to `out_dtype`
     (x's dtype by default; pass torch.float32 to keep adding in fp32, e.g. shared experts).
     The k slots of a token are summed in selection order, so the result is deterministic.
+    `act` computes the fp32 activation product (a layer passes the Triton kernel on CUDA).
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -83,23 +85,24 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(flat_ids).tolist():
         sel = (flat_ids == e).nonzero().squeeze(1)
-        act = swiglu_act(F.linear(x[token[sel]], w13[e]))
-        y = F.linear(act.to(w2.dtype), w2[e]).float()
+        a = act(F.linear(x[token[sel]], w13[e]))
+        y = F.linear(a.to(w2.dtype), w2[e]).float()
         slots = slots.index_put((sel,), y * flat_w[sel, None])
     out = slots.view(t, k, -1).sum(dim=1)
     return out.to(out_dtype or x.dtype)
 
 
 def shared_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       weights: Optional[torch.Tensor] = None,
+                       act: Callable[[torch.Tensor], torch.Tensor] = swiglu_act) -> torch.Tensor:
     """S SwiGLU experts in the linearised layout, as two dense GEMMs. Returns fp32 [T, H].
 
     w13 [2*S*I, H] = [gate_0; ..; gate_{S-1}; up_0; ..; up_{S-1}]; w2 [H, S*I] = [down_0 | .. ].
     weights [T, S] fp32 (None: every shared expert has weight 1) scale each expert's slice of the
-    intermediate activations, so down(sum) = sum_s w_s * down_s(act_s).
+    intermediate activations, so down(sum) = sum_s w_s * down_s(act_s). `act` as in `experts_ref`.
     """
-    act = swiglu_act(F.linear(x, w13))  # [T, S*I]
+    a = act(F.linear(x, w13))  # [T, S*I]
     if weights is not None:
-        inter = act.shape[1] // weights.shape[1]
-        act = act * weights.float().repeat_interleave(inter, dim=1)
-    return F.linear(act.to(w2.dtype), w2).float()
+        inter = a.shape[1] // weights.shape[1]
+        a = a * weights.float().repeat_interleave(inter, dim=1)
+    return F.linear(a.to(w2.dtype), w2).float()

@@ -42,7 +42,7 @@ from torch import nn
 from kiln.layers.embedding import ParallelLMHead
 from kiln.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                 RowParallelLinear)
-from kiln.layers.moe import Experts
+from kiln.layers.moe import Experts, swiglu
 from kiln.ops import moe as ref_ops
 
 DEFAULT_TARGETS = ("qkv_proj", "qkvr_proj", "o_proj", "gate_up_proj", "down_proj", "experts")
@@ -96,7 +96,7 @@ class LoRAExpertsMixin:
         s = self.lora_scaling
         w13 = self.w13 + s * torch.bmm(self.lora_B13, self.lora_A13)
         w2 = self.w2 + s * torch.bmm(self.lora_B2, self.lora_A2)
-        out = ref_ops.experts_ref(x, w13, w2, topk_ids, topk_weights, torch.float32)
+        out = ref_ops.experts_ref(x, w13, w2, topk_ids, topk_weights, torch.float32, act=swiglu)
         if self.reduce_output:
             out = self.pc.all_reduce(out)
         return out.to(out_dtype or x.dtype)

@@ -268,6 +268,22 @@ def test_hicache_tiers_carry_the_drafter_context(tmp_path):
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
 
 
+def test_kernel_path_stores_the_drafter_context(tmp_path):
+    # On the engine's kernel path (Triton's interpreter here) the context K/V go through the
+    # one-launch cache write (kernels/kv_store.py); the blocks read them back from the pool, so
+    # drafts equal to the fresh reference mean the kernel stored every row where it belongs.
+    pytest.importorskip("triton")
+    model_dir, draft = dflash_dirs(tmp_path)
+    target = (str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft)})
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=40)
+    ps = prompts(2, seed=29, lo=10, hi=30)
+    core = spec_core(target, 3, kernel_backend="triton", **kw)
+    assert core.runner.use_kernels
+    res, drafts, _ = run_spec(core, ps, max_tokens=8)
+    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=8)
+    assert assert_block_reference(core, res, drafts) > 0
+
+
 def test_drafter_weights_are_read_from_the_directory(tmp_path):
     from kiln.models.dflash import save_dflash
 

@@ -118,10 +118,12 @@ class BlockDraftRunner:
 
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype))
+        if self.runner.use_kernels:  # one launch per layer instead of two index_puts
+            from kiln.kernels.kv_store import store_kv
+        else:
+            from kiln.ops.attention import store_kv
         for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
-            kc, vc = self.pool.layer(layer)
-            kc[slots] = k.to(kc.dtype)
-            vc[slots] = v.to(vc.dtype)
+            store_kv(k, v, *self.pool.layer(layer), slots)
 
     def context_kv(self, r: Req, n: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per drafter layer, the kept K and V [n, Hkv, D] of the request's positions 0..n-1
