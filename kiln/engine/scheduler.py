@@ -40,11 +40,38 @@ PENDING = -1
 @dataclass
 class _Sampled:
     """One step's sampling, queued on the device: `out` holds the tokens of `reqs` (row i is
-    reqs[i], `rows` maps a request id to its row)."""
+    reqs[i], `rows` maps a request id to its row).
+
+    On CUDA the results are copied to pinned host memory right after sampling, with an event
+    behind the copy (`start_copy`). Reading them (`fetch`) waits for that event only: a plain
+    `.tolist()` would wait for everything queued on the stream, including the *next* step's
+    forward that overlap scheduling has already launched, and the GPU would then idle while the
+    host prepares the step after it."""
 
     reqs: list[Req]
     out: SampleOutput
     rows: dict[str, int]
+    host: Optional[dict] = None
+    ready: Optional[torch.cuda.Event] = None
+
+    FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+
+    def start_copy(self) -> None:
+        if self.out.token_ids.device.type != "cuda":
+            return
+        self.host = {f: getattr(self.out, f).to("cpu", non_blocking=True) for f in self.FIELDS
+                     if getattr(self.out, f) is not None}
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def fetch(self) -> tuple:
+        """(tokens, logprobs, top ids, top logprobs) as lists (None where not asked for)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            src = self.host
+        else:
+            src = {f: getattr(self.out, f) for f in self.FIELDS if getattr(self.out, f) is not None}
+        return tuple(src[f].tolist() if f in src else None for f in self.FIELDS)
 
 
 class Scheduler:
@@ -400,16 +427,14 @@ class Scheduler:
         out = self.runner.sampler(logits, sb)
         for r in reqs:
             r.output_ids.append(PENDING)
-        return _Sampled(reqs, out, {r.rid: i for i, r in enumerate(reqs)})
+        sampled = _Sampled(reqs, out, {r.rid: i for i, r in enumerate(reqs)})
+        sampled.start_copy()
+        return sampled
 
     def _commit(self, sampled: "_Sampled") -> None:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
-        out = sampled.out
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        tokens, lps, top_ids, top_lps = sampled.fetch()
         for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):
             if r.finished:  # aborted while its token was on the device
                 continue

@@ -82,10 +82,11 @@ def _conv_qk_norm_decode_kernel(
         m = (h < HQ)[:, None] & d_ok[None, :]
         c = h[:, None] * D + d[None, :]
         x = tl.load(q_ptr + b * stride_q + c, mask=m, other=0.0).to(tl.float32)
-        y = _rms_norm_tile(x, qn_w_ptr, d, d_ok, D, q_eps).to(q_out_ptr.dtype.element_ty)
+        # Names differ per branch: the compiler unifies a name's type across the if and else.
+        yq = _rms_norm_tile(x, qn_w_ptr, d, d_ok, D, q_eps).to(q_out_ptr.dtype.element_ty)
         if HAS_LAM:  # (q.float() * lam).to(q.dtype), on the rounded norm output
-            y = (y.to(tl.float32) * tl.load(lam_ptr + b)).to(q_out_ptr.dtype.element_ty)
-        tl.store(q_out_ptr + b * HQ * D + c, y, mask=m)
+            yq = (yq.to(tl.float32) * tl.load(lam_ptr + b)).to(q_out_ptr.dtype.element_ty)
+        tl.store(q_out_ptr + b * HQ * D + c, yq, mask=m)
     else:
         is_k = blk < NQB + NKB
         hb = tl.where(is_k, blk - NQB, blk - NQB - NKB)
@@ -97,16 +98,16 @@ def _conv_qk_norm_decode_kernel(
         out_loc = tl.load(out_locs_ptr + b).to(tl.int64)
         table_row = table_ptr + slot * stride_tab
         if is_k:
-            y = _conv_tile(k_ptr + b * stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
-                           seq_len, out_loc, c, m, K)
+            yk = _conv_tile(k_ptr + b * stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
+                            seq_len, out_loc, c, m, K)
             # The conv's result in the model's dtype is what k's norm reads.
-            y = y.to(k_out_ptr.dtype.element_ty).to(tl.float32)
-            y = _rms_norm_tile(y, kn_w_ptr, d, d_ok, D, k_eps)
-            tl.store(k_out_ptr + b * HKV * D + c, y.to(k_out_ptr.dtype.element_ty), mask=m)
+            yk = yk.to(k_out_ptr.dtype.element_ty).to(tl.float32)
+            yk = _rms_norm_tile(yk, kn_w_ptr, d, d_ok, D, k_eps)
+            tl.store(k_out_ptr + b * HKV * D + c, yk.to(k_out_ptr.dtype.element_ty), mask=m)
         else:
-            y = _conv_tile(v_ptr + b * stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row,
-                           seq_len, out_loc, c, m, K)
-            tl.store(v_out_ptr + b * HKV * D + c, y.to(v_out_ptr.dtype.element_ty), mask=m)
+            yv = _conv_tile(v_ptr + b * stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row,
+                            seq_len, out_loc, c, m, K)
+            tl.store(v_out_ptr + b * HKV * D + c, yv.to(v_out_ptr.dtype.element_ty), mask=m)
 
 
 def conv_qk_norm_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

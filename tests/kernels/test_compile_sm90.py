@@ -1,0 +1,72 @@
+"""Kernels compile for the H200 (sm_90), on the CPU.
+
+Triton's interpreter (how the CPU tests run the kernels) accepts programs the compiler rejects,
+e.g. a name bound to bf16 in one branch of an `if` and to fp32 in the other. Triton compiles to
+PTX and cubin without a GPU, so these tests build the kernels with data-dependent branches for
+sm_90 with representative signatures, before a GPU run finds out. The compile runs in a child
+process: under the interpreter (tests/conftest.py) `@triton.jit` functions cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32") -> None:
+    """Compile `kernel` (a `@triton.jit` function, not interpreted) for sm_90: `types` names each
+    non-`default` argument's Triton type ('*bf16', 'fp32', ...); `constexprs` the constexpr values."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else types.get(n, default) for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+
+
+def conv_qk_norm(has_lam: bool) -> None:
+    from kiln.kernels.conv_qk_norm import _conv_qk_norm_decode_kernel
+
+    bf16 = ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "v_out_ptr", "qn_w_ptr", "kn_w_ptr",
+            "kc_w_ptr", "vc_w_ptr", "k_buf_ptr", "v_buf_ptr")
+    types = {**{n: "*bf16" for n in bf16}, "lam_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32",
+             **{n: "*i64" for n in ("table_ptr", "slots_ptr", "seq_lens_ptr", "out_locs_ptr")}}
+    compile_sm90(_conv_qk_norm_decode_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128))
+
+
+def extend_attention(mtp: bool) -> None:
+    from kiln.kernels.extend_attention import _extend_kernel
+
+    types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "Rel": "*fp32", "scale_log2": "fp32",
+             **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "PrefixLens", "ExtendLens", "ExtendStarts",
+                                    "Positions")}}
+    compile_sm90(_extend_kernel, types, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32,
+                                             HAS_WINDOW=mtp, HAS_REL=mtp, HAS_POSITIONS=mtp, HAS_GAP=mtp,
+                                             DOT_PRECISION="tf32"))
+
+
+CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
+         "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True)}
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *CASES], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    for name in sys.argv[1:]:
+        CASES[name]()
+        print("compiled", name)
