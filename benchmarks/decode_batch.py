@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-profile", action="store_true",
                    help="After the GPU profile window, profile the host (cProfile) over as many steps.")
     p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
+                        "Triton compiles the eager paths' kernels outside the measurement. auto: on with "
+                        "--speculative-algorithm (the draft passes run eagerly), off otherwise (decode replays "
+                        "graphs warmed at capture).")
     common.add_bench_args(p)
     return p
 
@@ -213,7 +218,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     bw = roofline.measure_bandwidth(device)
     meta_model = roofline.meta_model(config.model_path, dtype)
     rows = []
+    warmup = args.warmup == "on" or (args.warmup == "auto" and config.speculative_algorithm is not None)
     for bs in args.batch_sizes:
+        if warmup:
+            warm = argparse.Namespace(**{**vars(args), "output_len": 8, "profile": False, "host_profile": False})
+            common.run_guarded(f"batch {bs} warm-up", lambda: run_batch(core, bs, warm, min(mc.vocab_size, 10001), device))
         row, err = common.run_guarded(f"batch {bs}", lambda: run_batch(core, bs, args, min(mc.vocab_size, 10001), device))
         if row is None:
             rows.append({"batch": bs, "note": f"failed: {err}"})

@@ -124,10 +124,40 @@ lane1_spec() {
   step small_ops ${T_OPS:-60} python -m benchmarks.kernels.small_ops
 }
 
+lane0_spec2() {  # after the verify-as-decode change: spec rounds again, with a warm-up per batch size
+  step gpu_tests ${T_TESTS:-120} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 100 \
+    tests/engine/test_cuda_graph.py tests/engine/test_kernel_path.py \
+    tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing
+  lane0_spec_rounds
+}
+
+lane0_spec_rounds() {
+  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
+  for K in 3 1; do
+    step spec_inkling_k$K ${T_SPEC:-90} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps $K --out "$R/json/spec_inkling_k$K.json"
+  done
+  step spec_inkling_profile ${T_SPROF:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 48 \
+    --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --profile --host-profile \
+    --out "$R/json/spec_inkling_profile.json"
+}
+
+lane1_spec2() {  # unprofiled 8B batch 1/64 after the overlap fix, its batch-64 idle, and the hybrid tables
+  step decode_llama8b ${T_8B:-60} $DECODE --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+    --out "$R/json/decode_llama8b.json"
+  step decode_llama8b_idle ${T_8BP:-50} $DECODE --model-path $LLAMA --batch-sizes 64 --input-len 1024 --output-len 128 \
+    --profile --host-profile --out "$R/json/decode_llama8b_idle.json"
+  step decode_inkling ${T_INK:-230} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 50 --out "$R/json/decode_inkling.json"
+  step decode_minimax ${T_MM:-150} $DECODE --model-path $MM --batch-sizes 128,64 --input-len 8192 \
+    --output-len 1024 --time-limit 60 --out "$R/json/decode_minimax.json"
+}
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec)
+  diag|tables|final|spec|spec2)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait

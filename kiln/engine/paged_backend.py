@@ -33,6 +33,9 @@ from kiln.ops import attention as attn_ops
 from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
 
+# Extends of at most this many tokens per sequence run the decode kernel, one query per token.
+SHORT_EXTEND = 8
+
 
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
@@ -101,6 +104,13 @@ class PagedBackend:
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
+                                                    layer.scale, win, rel)
+            if batch.max_extend_len <= SHORT_EXTEND:
+                # A few new tokens per sequence over a long cache (speculative verify): the
+                # extend kernel would run one program per (sequence, head) along the whole
+                # context; as one decode query per token it is split along the keys instead.
+                slots = torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=q.shape[0])
+                return self.k_attn.decode_attention(q, k_cache, v_cache, table, slots, batch.positions + 1,
                                                     layer.scale, win, rel)
             return self.k_attn.extend_attention(q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t,
                                                 batch.extend_lens_t, batch.extend_starts_t, layer.scale, win, rel,

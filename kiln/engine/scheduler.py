@@ -342,13 +342,13 @@ class Scheduler:
         row = 0
         row_starts = []
         for r, start, end in plan:
-            all_ids = r.all_ids
+            seq_len = r.seq_len
             row_starts.append(row)
-            if end <= len(all_ids):
-                ids.extend(all_ids[start:end])
+            if end <= seq_len:
+                ids.extend(r.token_ids(start, end))
             else:  # a speculative round: the last token, then the drafts to verify
-                ids.extend(all_ids[start:] + self.spec.drafts(r)[:end - len(all_ids)])
-            if end <= len(all_ids) and all_ids[end - 1] == PENDING:
+                ids.extend(r.token_ids(start, seq_len) + self.spec.drafts(r)[:end - seq_len])
+            if end <= seq_len and ids[-1] == PENDING:
                 pending_at.append(row + end - 1 - start)
                 pending_src.append(self.pending.rows[r.rid])
             pos.extend(range(start, end))

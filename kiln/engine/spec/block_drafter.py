@@ -160,7 +160,7 @@ class BlockDraftRunner:
             assert r.num_computed == r.seq_len - 1, f"{r.rid}: drafting needs every token but the last computed"
         ctx_lens = [r.num_computed for r in reqs]
         R, C, B = len(reqs), max(ctx_lens), self.block_size
-        anchors = [r.all_ids[r.seq_len - 1] for r in reqs]
+        anchors = [r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs]
         mask_id = self.drafter.config.mask_token_id
         host = torch.tensor([t for a in anchors for t in [a] + [mask_id] * (B - 1)] + ctx_lens +
                             [r.slot for r in reqs], dtype=torch.int64)

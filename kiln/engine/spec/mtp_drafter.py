@@ -216,10 +216,10 @@ class MTPDrafter:
         rows_of, row = {}, 0
         for it in items:
             r = it.req
-            ids = r.all_ids
+            ids = r.token_ids(it.catch_up.start, it.catch_up.stop) if len(it.catch_up) else []
             n = len(it.catch_up) + int(it.draft)
             stored = list(it.catch_up)
-            tokens += [ids[p] for p in it.catch_up]
+            tokens += ids
             hid_locs += [_slot(r.win_pages["conv"], p - 1, ps) for p in it.catch_up]  # h^{k-1} one position back
             if k < self.num_layers:
                 keep_rows += range(row, row + len(it.catch_up))
