@@ -154,13 +154,24 @@ lane1_spec2() {  # unprofiled 8B batch 1/64 after the overlap fix, its batch-64 
     --output-len 1024 --time-limit 60 --out "$R/json/decode_minimax.json"
 }
 
+lane0_last() {  # MiniMax-M3 with 1024 output tokens up to batch 128
+  step decode_minimax ${T_MM:-300} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 120 --out "$R/json/decode_minimax_1024.json"
+}
+
+lane1_last() {  # nano-vllm's offline workload at the Llama-3.1-8B shape, Kiln against transformers
+  step offline_llama8b ${T_OFF:-300} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --time-limit 60 --no-progress --out "$R/json/offline_llama8b.json"
+}
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2)
+  diag|tables|final|spec|spec2|last)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
+    if [ "$PHASE" = last ]; then OUT=$R/json/tp2 T0=0 T1=0 T2=0 T3=${TP_T3:-100} T4=0 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
