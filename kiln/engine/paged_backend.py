@@ -96,7 +96,7 @@ class PagedBackend:
                 return self.k_attn.extend_attention(
                     q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t, batch.extend_lens_t,
                     batch.extend_starts_t, layer.scale, win, rel, max_extend_len=batch.max_extend_len,
-                    positions=batch.positions if positions is not None else None, key_gap=gap, key_offset=offset)
+                    positions=batch.positions, key_gap=gap, key_offset=offset)
             slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
             return attn_ops.paged_attention(q, k_cache, v_cache, table, slots, batch.prefix_lens, batch.extend_lens,
                                             layer.scale, win, rel, key_gap=gap, positions=positions,

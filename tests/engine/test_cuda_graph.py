@@ -45,8 +45,8 @@ def test_graphs_equal_eager_and_cpu(arch_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
-    # MTP rounds (k = 3) on the GPU: verify forwards replay from the uniform-extend graphs, the
-    # MTP layers run the extend kernel with key_gap. Greedy output equals plain greedy decoding
+    # MTP rounds (k = 3) on the GPU: verify forwards replay from the uniform-extend graphs and
+    # steady MTP passes from the chain graphs (the MTP layers run the extend kernel with key_gap). Greedy output equals plain greedy decoding
     # (graphs and all), with partial acceptance (copy drafter, small alpha).
     import json
 
@@ -57,8 +57,14 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
     core = spec_core(str(tmp_path), 3, alpha=0.01, **kw)
     assert {q for q, _ in core.runner.graphs.graphs} == {1, 4}
+    chain = core.scheduler.spec.drafter.graph  # steady MTP passes replay from the chain graphs
+    assert chain is not None and sorted(chain.graphs) == [1, 2, 4, 8]
+    passes = []
+    run = chain.run
+    chain.run = lambda reqs: (passes.append(len(reqs)), run(reqs))[1]
     res, _, _ = run_spec(core, reqs, max_tokens=16)
     want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=16)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
     assert 0 < counts.accepted_tokens < 3 * counts.verify_steps
+    assert passes, "no MTP pass replayed"

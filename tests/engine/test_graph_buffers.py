@@ -72,30 +72,37 @@ def test_verify_shape_ladder_is_capped():
     assert g.sizes_of[16][-1] == 64 and g.input_ids.shape[0] == 1024
 
 
-@pytest.mark.parametrize("arch", ["llama", "inkling"])
-def test_speculative_verify_replays_equal_plain_greedy(arch, tmp_path):
-    # The verify forward of MTP rounds (k = 3: 4 tokens per request) replays from the uniform-
-    # extend graphs (padded 3 -> 4 requests), decode steps from the decode graphs; the drafter
-    # reads the replayed hidden states. Partial acceptance (copy drafter, small alpha), so
-    # rejected drafts are rolled back after graph replays too.
+@pytest.mark.parametrize("arch,alpha", [("llama", 0.01), ("inkling", 0.01), ("inkling", 0.0)])
+def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
+    # MTP rounds (k = 3) on graphs: the verify forward (4 tokens per request) replays from the
+    # uniform-extend graphs (3 requests padded to 4), decode steps from the decode graphs, and
+    # steady-decode MTP passes from the chain graphs (`MTPChainGraph`). alpha 0.01: partial
+    # acceptance, so every catch-up length occurs and rejected drafts are rolled back; alpha 0:
+    # every draft accepted (the longest catch-up, K + 1 rows). The drafts the chain graph makes
+    # must equal the teacher-forced MTP reference, and the output plain greedy decoding.
     from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain,
                                                run_spec, spec_core)
 
     (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
     reqs = prompts(3, seed=4, lo=10, hi=30)
-    core = spec_core(str(tmp_path), 3, alpha=0.01, page_size=4, kernel_backend="triton", cuda_graph_max_bs=4)
-    runner = core.runner
+    core = spec_core(str(tmp_path), 3, alpha=alpha, page_size=4, kernel_backend="triton", cuda_graph_max_bs=4)
+    runner, drafter = core.runner, core.scheduler.spec.drafter
     runner.graphs = runner._new_graphs()
-    capturer = RecomputeCapturer()
-    runner.graphs.capture(capturer)
+    runner.graphs.capture(RecomputeCapturer())
     assert {q for q, _ in runner.graphs.graphs} == {1, 4}
+    chain = RecomputeCapturer()
+    drafter.use_graphs(4, chain)
     shapes = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda batch: (shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
-    res, drafts, _ = run_spec(core, reqs, max_tokens=12)
+    res, drafts, _ = run_spec(core, reqs, max_tokens=13)
     assert 4 in shapes, "no verify forward replayed"
-    want = run_plain(plain_core(str(tmp_path), alpha=0.01, page_size=4), reqs, max_tokens=12)
+    assert chain.replays > 0, "no MTP pass replayed"
+    want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=13)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
-    assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
+    if alpha:
+        assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
+    else:
+        assert counts.accepted_tokens == 3 * counts.verify_steps
     assert assert_mtp_reference(core, res, drafts) > 0

@@ -94,6 +94,14 @@ class MTPDrafter:
         # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
         self.sample_drafts = False
         self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []  # queued by on_commit
+        self.graph = None  # MTPChainGraph: steady decode passes replayed from CUDA graphs (`use_graphs`)
+
+    def use_graphs(self, max_bs: int, capturer=None) -> None:
+        """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`."""
+        from kiln.engine.spec.mtp_graph import MTPChainGraph
+
+        self.graph = MTPChainGraph(self, max_bs)
+        self.graph.capture(capturer)
 
     # ---- the drafter contract (kiln.engine.spec.drafter) ----------------------------------
     @property
@@ -140,6 +148,14 @@ class MTPDrafter:
         need the host between layers (their penalties count the earlier drafts)."""
         dev = self.runner.device
         self._store_queued_h0(dev)
+        sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
+        if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
+            logits = self.graph.run(reqs)  # [K, n, V]
+            drafts = logits.argmax(dim=-1).t().tolist()
+            for i, r in enumerate(reqs):
+                r.spec.drafts, r.spec.q = drafts[i], None
+                r.spec.draft_logits = [logits[k, i].clone() for k in range(self.num_layers)] if self.keep_logits else []
+            return
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
         draft_token: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft token (0-d, device)
         chain: dict[str, list[torch.Tensor]] = {}  # rid -> draft tokens so far (0-d, device)

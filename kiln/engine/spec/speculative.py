@@ -47,6 +47,11 @@ from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify
 from kiln.engine.spec.verify import verify_greedy
 
 
+# Largest batch whose MTP pass is captured: the graphs keep [K, bs, V] fp32 draft logits, and
+# speculation pays off at small batches.
+MTP_GRAPH_MAX_BS = 64
+
+
 class SpecDecoder:
     """The speculative round for the whole batch, around one `Drafter`."""
 
@@ -212,7 +217,10 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
     if algo == "mtp":
         from kiln.engine.spec.mtp_drafter import MTPDrafter
 
-        return SpecDecoder(scheduler, MTPDrafter(runner, runner.spec_steps))
+        drafter = MTPDrafter(runner, runner.spec_steps)
+        if runner.graphs is not None:  # CUDA graphs on: the steady-decode pass too
+            drafter.use_graphs(min(runner.graphs.max_bs, MTP_GRAPH_MAX_BS))
+        return SpecDecoder(scheduler, drafter)
     if algo in ("dflash", "dspark"):
         from kiln.engine.spec.block_drafter import BlockDraftRunner
 
