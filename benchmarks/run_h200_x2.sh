@@ -17,6 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
+#   PHASE=spec2|spec3|last: later passes of this session (see the lane functions below); spec3
+#                has lane 0 only, so it runs on one GPU too (device kind nvidia-h200)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
@@ -143,6 +145,14 @@ lane0_spec_rounds() {
     --out "$R/json/spec_inkling_profile.json"
 }
 
+lane0_spec3() {  # after the MTP chain graphs: the GPU tests of the speculative path, then the rounds
+  step gpu_tests ${T_TESTS:-110} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 100 \
+    tests/engine/test_cuda_graph.py tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing
+  lane0_spec_rounds
+}
+
+lane1_spec3() { :; }
+
 lane1_spec2() {  # unprofiled 8B batch 1/64 after the overlap fix, its batch-64 idle, and the hybrid tables
   step decode_llama8b ${T_8B:-60} $DECODE --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
     --out "$R/json/decode_llama8b.json"
@@ -167,7 +177,7 @@ lane1_last() {  # nano-vllm's offline workload at the Llama-3.1-8B shape, Kiln a
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|last)
+  diag|tables|final|spec|spec2|spec3|last)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -176,5 +186,5 @@ case $PHASE in
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
-  *) echo "PHASE must be diag, tables, final, spec or tp2"; exit 2 ;;
+  *) echo "PHASE must be diag, tables, final, spec, spec2, spec3, last or tp2"; exit 2 ;;
 esac

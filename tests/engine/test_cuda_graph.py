@@ -46,8 +46,9 @@ def test_graphs_equal_eager_and_cpu(arch_dir):
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     # MTP rounds (k = 3) on the GPU: verify forwards replay from the uniform-extend graphs and
-    # steady MTP passes from the chain graphs (the MTP layers run the extend kernel with key_gap). Greedy output equals plain greedy decoding
-    # (graphs and all), with partial acceptance (copy drafter, small alpha).
+    # steady MTP passes from the chain graphs (the MTP layers run the extend kernel with key_gap).
+    # Greedy output equals plain greedy decoding (graphs and all), with partial acceptance (copy
+    # drafter, small alpha).
     import json
 
     from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
