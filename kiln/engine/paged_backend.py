@@ -33,8 +33,9 @@ from kiln.ops import attention as attn_ops
 from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
 
-# Extends of at most this many tokens per sequence run the decode kernel, one query per token.
-SHORT_EXTEND = 8
+# Extends of at most this many tokens per sequence run the decode kernel, one query per token
+# (speculative verify, and the MTP layers' pass of a decode round: up to K + 2 rows).
+SHORT_EXTEND = 10
 
 
 class PagedBackend:
@@ -80,6 +81,16 @@ class PagedBackend:
             plan = batch.extras["paged_plan"] = (dec_t, ext)
         return plan
 
+    @staticmethod
+    def _token_slots(batch: ForwardBatch, num_tokens: int) -> torch.Tensor:
+        """[T] the request row of every token: `extras["token_slots"]` when the batch brings it
+        (the MTP chain graph, whose rows include padding), else each sequence's row repeated
+        over its extend (no host sync: the output size is the token count)."""
+        slots = batch.extras.get("token_slots")
+        if slots is not None:
+            return slots
+        return torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=num_tokens)
+
     # ---- attention -----------------------------------------------------------------------
     def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
         swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
@@ -92,6 +103,10 @@ class PagedBackend:
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
         positions = batch.extras.get("positions_cpu")
         if gap > 1 or offset or positions is not None:  # an MTP layer (explicit query positions)
+            if self.use_kernels and batch.max_extend_len <= SHORT_EXTEND:  # a decode round's pass
+                return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
+                                                    batch.positions + 1, layer.scale, win, rel, key_gap=gap,
+                                                    key_offset=offset)
             if self.use_kernels:
                 return self.k_attn.extend_attention(
                     q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t, batch.extend_lens_t,
@@ -109,9 +124,8 @@ class PagedBackend:
                 # A few new tokens per sequence over a long cache (speculative verify): the
                 # extend kernel would run one program per (sequence, head) along the whole
                 # context; as one decode query per token it is split along the keys instead.
-                slots = torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=q.shape[0])
-                return self.k_attn.decode_attention(q, k_cache, v_cache, table, slots, batch.positions + 1,
-                                                    layer.scale, win, rel)
+                return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
+                                                    batch.positions + 1, layer.scale, win, rel)
             return self.k_attn.extend_attention(q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t,
                                                 batch.extend_lens_t, batch.extend_starts_t, layer.scale, win, rel,
                                                 max_extend_len=batch.max_extend_len)

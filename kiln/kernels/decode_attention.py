@@ -87,15 +87,20 @@ def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
-                 scale_log2, rel_row, g_mask, d_mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 APPLY_REL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 scale_log2, rel_row, g_mask, d_mask, query_pos, key_gap, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, APPLY_REL: tl.constexpr, HAS_GAP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one). rel_row
-    points at each head's bias for distance 0 shifted by the query position: rel_row - pos."""
+    points at each head's bias for distance 0 shifted by the query position: rel_row - pos.
+    HAS_GAP (MTP layers): keys at distances 1 .. key_gap - 1 are hidden."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     pos = n0 + offs_n
     n_mask = pos < end
     slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+    if HAS_GAP:
+        dist = query_pos - pos
+        n_mask = n_mask & ((dist == 0) | (dist >= key_gap))
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -104,6 +109,8 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
         s += bias.to(tl.float32) * 1.4426950408889634
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if HAS_GAP:  # a block may hide all its keys: keep the max finite so that exp2 gives 0, not NaN
+        m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -115,12 +122,12 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
 @triton.jit
 def _decode_kernel(
     Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel,
-    scale_log2, window, rel_len, num_splits,
+    scale_log2, window, rel_len, num_splits, key_gap, key_offset,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_REL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -141,7 +148,8 @@ def _decode_kernel(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(K.dtype.element_ty)
-    token_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt
+    # key_offset: where entries are stored (position + offset, the MTP layers' convention)
+    token_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt + key_offset
     k_base = K + kvh * stride_kh
     v_base = V + kvh * stride_vh
     query_pos = seq_len - 1
@@ -157,13 +165,13 @@ def _decode_kernel(
     rel_row = Rel + b * stride_relb + heads[:, None] * stride_relh + query_pos
     for n0 in range(start, rel_start, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, n0, rel_start, m_i, l_i, acc, token_row, k_base, v_base,
-                                     stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
-                                     BLOCK_N, BLOCK_D, False, DOT_PRECISION)
+                                     stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
+                                     key_gap, BLOCK_N, BLOCK_D, False, HAS_GAP, DOT_PRECISION)
     if HAS_REL:
         for n0 in range(rel_start, end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
-                                         stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask,
-                                         BLOCK_N, BLOCK_D, True, DOT_PRECISION)
+                                         stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
+                                         key_gap, BLOCK_N, BLOCK_D, True, HAS_GAP, DOT_PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
@@ -218,7 +226,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, sliding_window: Optional[int] = None,
                      rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
-                     num_splits: Optional[int] = None) -> torch.Tensor:
+                     num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -230,6 +238,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_len: host bound on seq_lens used only to size the grid (default req_to_token.shape[1]);
     results do not depend on it. num_splits overrides the split count (tests, tuning). A
     sequence of length 0 yields zeros. No host sync: safe inside a CUDA graph after a warm-up.
+    MTP layers: `key_gap` hides keys at distances 1 .. gap - 1 and keys are read at
+    req_to_token[slot, position + key_offset] (as `kiln.ops.attention.paged_attention`).
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -261,14 +271,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = sliding_window if sliding_window is not None else 0
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg,
-        scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits,
+        scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits, key_gap, key_offset,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
-        HAS_REL=rel is not None, DOT_PRECISION=dot_precision(k_cache.dtype),
+        HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

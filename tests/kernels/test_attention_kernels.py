@@ -254,3 +254,37 @@ def test_extend_mtp_addressing(device, key_gap, key_offset):
         seqs = [[900, 901, 902, 905], [3000], list(range(100, 230)), [4500, 4501, 4504]]
         _check_mtp_extend(device, seqs, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
                           seed=key_gap, page_size=16)
+
+
+def _check_mtp_decode(device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset, seed=0,
+                      page_size=1, num_splits=None):
+    """The decode kernel with one query per row (how the engine runs short extends) equals the
+    reference extend with explicit positions, key_gap and key_offset."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [r[-1] + 1 + key_offset for r in rows_per_seq]
+    k_cache, v_cache, r2t, slots = _paged_cache(ctx, hkv, d, dtype, device, gen, page_size=page_size)
+    ext = [len(r) for r in rows_per_seq]
+    positions = [p for r in rows_per_seq for p in r]
+    q = torch.randn(len(positions), hq, d, generator=gen).to(dtype).to(device)
+    rel = None if rel_len is None else torch.randn(len(positions), hq, rel_len, generator=gen).to(device)
+    tok_slots = torch.repeat_interleave(slots, torch.tensor(ext, device=device))
+    lens = torch.tensor(positions, device=device) + 1
+    got = decode_attention(q, k_cache, v_cache, r2t, tok_slots, lens, d ** -0.5, window, rel,
+                           num_splits=num_splits, key_gap=key_gap, key_offset=key_offset)
+    want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
+                           key_gap=key_gap, positions=positions, key_offset=key_offset)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
+def test_decode_mtp_addressing(device, key_gap, key_offset):
+    if device == "cpu":
+        seqs = [[5, 6, 7, 10], [30], list(range(3, 12)), [12, 13, 16]]
+        for splits in (1, 3):  # one split, and splits whose last blocks hold only hidden keys
+            _check_mtp_decode(device, seqs, 4, 2, 32, torch.float32, 9, 6, key_gap, key_offset, seed=key_gap,
+                              num_splits=splits)
+    else:
+        seqs = [[900, 901, 902, 905], [3000], list(range(100, 110)), [4500, 4501, 4504]]
+        _check_mtp_decode(device, seqs, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
+                          seed=key_gap, page_size=16)

@@ -54,8 +54,18 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32"))
 
 
+def decode_attention(mtp: bool) -> None:
+    from kiln.kernels.decode_attention import _decode_kernel
+
+    types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "MidO": "*fp32", "MidLse": "*fp32", "Rel": "*fp32",
+             "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}}
+    compile_sm90(_decode_kernel, types, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=True,
+                                             HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp, DOT_PRECISION="tf32"))
+
+
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
-         "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True)}
+         "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
+         "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True)}
 
 
 def test_kernels_compile_for_sm90():

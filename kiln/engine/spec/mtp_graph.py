@@ -53,6 +53,7 @@ class MTPChainGraph:
         self.draft_out = z(self.K, n)  # per layer: the row whose output is the draft's hidden state
         self.draft_in = z(n)  # the draft row of layers k >= 2
         self.req_slots = z(n)
+        self.token_slots = z(rows)  # the request row of every row (padding: 0)
         self.zeros = z(n)
         self.starts = torch.arange(n, dtype=torch.int64, device=dev) * self.R
         self.graphs: dict[int, tuple] = {}
@@ -91,6 +92,7 @@ class MTPChainGraph:
                                  win_out_locs={"swa": self.swa_locs[k - 1, :rows]}, backend=d.runner.backend)
             batch.prefix_lens_t, batch.seq_lens_t = self.zeros[:bs], self.ext[k - 1, :bs]
             batch.extend_lens_t, batch.extend_starts_t, batch.max_extend_len = self.ext[k - 1, :bs], self.starts[:bs], R
+            batch.extras["token_slots"] = self.token_slots[:rows]
             emb = d.model.model.embed_tokens(ids)
             out = layer(emb, h_prev.to(emb.dtype), batch)
             if k < self.K:  # h^k of the catch-up rows, for layer k + 1 (other rows: scratch slot 0)
@@ -128,7 +130,7 @@ class MTPChainGraph:
         ext, dout = [[0] * bs for _ in range(K)], [[0] * bs for _ in range(K)]
         # Padding requests point their draft rows into their own (all-padding) block: an index
         # shared with a live request's row would race in the index_copy.
-        din, slots = [b * R + R - 1 for b in range(bs)], [0] * bs
+        din, slots, tok_slots = [b * R + R - 1 for b in range(bs)], [0] * bs, [0] * (bs * R)
         for k in range(K):
             dout[k] = [b * R for b in range(bs)]
         for b, r in enumerate(reqs):
@@ -140,6 +142,7 @@ class MTPChainGraph:
                 hid[base + i] = _slot(conv, p - 1, ps)
                 keep[base + i] = _slot(conv, p, ps)
             slots[b], din[b] = r.slot, base + c
+            tok_slots[base:base + R] = [r.slot] * R
             for k in range(1, K + 1):
                 for i, p in enumerate(range(F, T)):
                     pos[k - 1][base + i] = p - k
@@ -150,16 +153,17 @@ class MTPChainGraph:
                 ext[k - 1][b] = c + (k >= 2)
                 dout[k - 1][b] = base + c - (k == 1)
         host = torch.tensor(ids + hid + keep + din + slots + sum(pos, []) + sum(swa, []) + sum(ext, [])
-                            + sum(dout, []), dtype=torch.int64)
+                            + sum(dout, []) + tok_slots, dtype=torch.int64)
         if host.device.type != d.runner.device.type:
             host = host.pin_memory() if d.runner.device.type == "cuda" else host
         flat = host.to(d.runner.device, non_blocking=True)
         m = bs * R
-        parts = flat.split([m, m, m, bs, bs, K * m, K * m, K * bs, K * bs])
+        parts = flat.split([m, m, m, bs, bs, K * m, K * m, K * bs, K * bs, m])
         for dst, src in ((self.ids[:m], parts[0]), (self.hid_locs[:m], parts[1]), (self.keep_locs[:m], parts[2]),
                          (self.draft_in[:bs], parts[3]), (self.req_slots[:bs], parts[4]),
                          (self.pos[:, :m], parts[5].view(K, m)), (self.swa_locs[:, :m], parts[6].view(K, m)),
-                         (self.ext[:, :bs], parts[7].view(K, bs)), (self.draft_out[:, :bs], parts[8].view(K, bs))):
+                         (self.ext[:, :bs], parts[7].view(K, bs)), (self.draft_out[:, :bs], parts[8].view(K, bs)),
+                         (self.token_slots[:m], parts[9])):
             dst.copy_(src)
         replay, logits = self.graphs[bs]
         replay()
