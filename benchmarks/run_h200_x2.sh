@@ -147,7 +147,8 @@ lane0_spec_rounds() {
 
 lane0_spec3() {  # after the MTP chain graphs: the GPU tests of the speculative path, then the rounds
   step gpu_tests ${T_TESTS:-110} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 100 \
-    tests/engine/test_cuda_graph.py tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing
+    tests/engine/test_cuda_graph.py tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing \
+    tests/kernels/test_attention_kernels.py::test_decode_mtp_addressing
   lane0_spec_rounds
 }
 
