@@ -105,15 +105,7 @@ lane0_spec() {
     tests/kernels/test_kv_store.py tests/kernels/test_activation.py tests/kernels/test_conv_qk_norm.py \
     tests/kernels/test_attention_kernels.py::test_extend_mtp_addressing tests/engine/test_cuda_graph.py \
     tests/engine/test_kernel_path.py tests/kernels/test_norm.py tests/kernels/test_rotary.py
-  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
-  for K in 3 1; do
-    step spec_inkling_k$K ${T_SPEC:-80} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps $K --out "$R/json/spec_inkling_k$K.json"
-  done
-  step spec_inkling_profile ${T_SPROF:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 48 \
-    --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --profile --host-profile \
-    --out "$R/json/spec_inkling_profile.json"
+  lane0_spec_rounds
 }
 
 lane1_spec() {

@@ -219,47 +219,14 @@ def test_extend_cuda_shapes(hq, hkv, d, window, rel_len, seqs):
     _check_extend("cuda", seqs, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
 
 
-# ---- extend with MTP addressing: explicit positions, key_gap, key_offset -------------------
+# ---- MTP addressing: explicit positions, key_gap, key_offset ---------------------------------
 
-def _check_mtp_extend(device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset,
-                      seed=0, page_size=1):
+def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset, seed=0,
+               page_size=1, num_splits=None):
     """rows_per_seq: ascending query positions per sequence, with jumps (catch-up rows then a
-    draft row further ahead, as the MTP drafter builds them)."""
-    gen = torch.Generator().manual_seed(seed)
-    ctx = [r[-1] + 1 + key_offset for r in rows_per_seq]
-    k_cache, v_cache, r2t, slots = _paged_cache(ctx, hkv, d, dtype, device, gen, page_size=page_size)
-    ext = [len(r) for r in rows_per_seq]
-    positions = [p for r in rows_per_seq for p in r]
-    t = len(positions)
-    q = torch.randn(t, hq, d, generator=gen).to(dtype).to(device)
-    rel = None if rel_len is None else torch.randn(t, hq, rel_len, generator=gen).to(device)
-    as_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
-    starts = as_t([0] + ext[:-1]).cumsum(0)
-    got = extend_attention(q, k_cache, v_cache, r2t, slots, as_t([0] * len(ext)), as_t(ext), starts, d ** -0.5,
-                           window, rel, positions=as_t(positions), key_gap=key_gap, key_offset=key_offset)
-    want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
-                           key_gap=key_gap, positions=positions, key_offset=key_offset)
-    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
-def test_extend_mtp_addressing(device, key_gap, key_offset):
-    # Per sequence: catch-up rows (consecutive) then a draft row past a hole the key_gap hides;
-    # one sequence is a lone draft row, one has catch-up rows only.
-    if device == "cpu":
-        seqs = [[5, 6, 7, 10], [30], list(range(3, 24)), [12, 13, 16]]
-        _check_mtp_extend(device, seqs, 4, 2, 32, torch.float32, 9, 6, key_gap, key_offset, seed=key_gap)
-    else:
-        seqs = [[900, 901, 902, 905], [3000], list(range(100, 230)), [4500, 4501, 4504]]
-        _check_mtp_extend(device, seqs, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
-                          seed=key_gap, page_size=16)
-
-
-def _check_mtp_decode(device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset, seed=0,
-                      page_size=1, num_splits=None):
-    """The decode kernel with one query per row (how the engine runs short extends) equals the
-    reference extend with explicit positions, key_gap and key_offset."""
+    draft row further ahead, as the MTP drafter builds them). kernel "extend": the extend kernel
+    with `positions`; "decode": the decode kernel with one query per row (how the engine runs a
+    decode round's pass). Both against the reference op."""
     gen = torch.Generator().manual_seed(seed)
     ctx = [r[-1] + 1 + key_offset for r in rows_per_seq]
     k_cache, v_cache, r2t, slots = _paged_cache(ctx, hkv, d, dtype, device, gen, page_size=page_size)
@@ -267,24 +234,40 @@ def _check_mtp_decode(device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, 
     positions = [p for r in rows_per_seq for p in r]
     q = torch.randn(len(positions), hq, d, generator=gen).to(dtype).to(device)
     rel = None if rel_len is None else torch.randn(len(positions), hq, rel_len, generator=gen).to(device)
-    tok_slots = torch.repeat_interleave(slots, torch.tensor(ext, device=device))
-    lens = torch.tensor(positions, device=device) + 1
-    got = decode_attention(q, k_cache, v_cache, r2t, tok_slots, lens, d ** -0.5, window, rel,
-                           num_splits=num_splits, key_gap=key_gap, key_offset=key_offset)
+    as_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    mtp = dict(key_gap=key_gap, key_offset=key_offset)
+    if kernel == "extend":
+        got = extend_attention(q, k_cache, v_cache, r2t, slots, as_t([0] * len(ext)), as_t(ext),
+                               as_t([0] + ext[:-1]).cumsum(0), d ** -0.5, window, rel, positions=as_t(positions), **mtp)
+    else:
+        got = decode_attention(q, k_cache, v_cache, r2t, torch.repeat_interleave(slots, as_t(ext)),
+                               as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits, **mtp)
     want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
-                           key_gap=key_gap, positions=positions, key_offset=key_offset)
+                           positions=positions, **mtp)
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+MTP_CPU_SEQS = [[5, 6, 7, 10], [30], list(range(3, 24)), [12, 13, 16]]  # catch-up rows, a lone draft row, ...
+MTP_CUDA_SEQS = [[900, 901, 902, 905], [3000], list(range(100, 230)), [4500, 4501, 4504]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
+def test_extend_mtp_addressing(device, key_gap, key_offset):
+    if device == "cpu":
+        _check_mtp("extend", device, MTP_CPU_SEQS, 4, 2, 32, torch.float32, 9, 6, key_gap, key_offset, seed=key_gap)
+    else:
+        _check_mtp("extend", device, MTP_CUDA_SEQS, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
+                   seed=key_gap, page_size=16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
 def test_decode_mtp_addressing(device, key_gap, key_offset):
     if device == "cpu":
-        seqs = [[5, 6, 7, 10], [30], list(range(3, 12)), [12, 13, 16]]
         for splits in (1, 3):  # one split, and splits whose last blocks hold only hidden keys
-            _check_mtp_decode(device, seqs, 4, 2, 32, torch.float32, 9, 6, key_gap, key_offset, seed=key_gap,
-                              num_splits=splits)
+            _check_mtp("decode", device, MTP_CPU_SEQS[:2] + [list(range(3, 12))] + MTP_CPU_SEQS[3:], 4, 2, 32,
+                       torch.float32, 9, 6, key_gap, key_offset, seed=key_gap, num_splits=splits)
     else:
-        seqs = [[900, 901, 902, 905], [3000], list(range(100, 110)), [4500, 4501, 4504]]
-        _check_mtp_decode(device, seqs, 16, 4, 128, torch.bfloat16, 4096, 1024, key_gap, key_offset,
-                          seed=key_gap, page_size=16)
+        _check_mtp("decode", device, MTP_CUDA_SEQS[:2] + [list(range(100, 110))] + MTP_CUDA_SEQS[3:], 16, 4, 128,
+                   torch.bfloat16, 4096, 1024, key_gap, key_offset, seed=key_gap, page_size=16)
