@@ -19,7 +19,7 @@ How it works (the same scheme as SGLang's and vLLM's decode graphs):
 - With speculative decoding, the verify forward gets graphs too: a *uniform extend* of q = k + 1
   tokens per sequence (the last committed token and k drafts) with logits for every row, over the
   same batch-size ladder (padding sequences have no prefix and write to slot 0). Its attention
-  is the extend kernel, whose grid is sized by q, a constant of the graph.
+  runs the decode kernel with one query per token (`PagedBackend.SHORT_EXTEND`).
 
 Kernels that run inside must not synchronise with the host or size their grids from tensor values:
 `kiln.kernels` is written that way, and a replay is checked against an eager forward in
