@@ -108,6 +108,38 @@ def dflash_loss(logits: torch.Tensor, ids: torch.Tensor, lens: list[int], anchor
     return (w * ce_k).sum(), ce_k.tolist(), acc_k.tolist()
 
 
+def fresh_drafter(drafter_cfg: BlockDrafterConfig, max_positions: int, seed: int, device) -> BlockDrafter:
+    """A new drafter with Kiln's dummy initialisation from `seed` (norm gains 1, matrices
+    N(0, 0.02)); `train_dflash` then calibrates its output scale (`calibrate_output_gain`)."""
+    from kiln.loader.weights import init_dummy_weights
+
+    with torch.device(device):
+        drafter = BlockDrafter(drafter_cfg, max_positions)
+    init_dummy_weights(drafter, seed)
+    return drafter
+
+
+@torch.no_grad()
+def calibrate_output_gain(target, drafter: BlockDrafter, ids: torch.Tensor, lens: list[int], taps: torch.Tensor,
+                          anchors: list[tuple[int, int]], max_std: float = 1.0) -> float:
+    """Scale the drafter's final norm gain so that its logits on this batch have a standard
+    deviation over the vocabulary (mean over rows) of at most `max_std`; returns the factor (1 when
+    they already do).
+
+    Why: the output goes through the target's LM head. An untrained drafter's output is a vector
+    of norm ~sqrt(H) in no useful direction, and a trained model's embedding rows are large and
+    share a common direction (SmolLM2-135M: row norms ~3, mean cosine with the mean row 0.66), so
+    with gain 1 its logits reach +-70 (std 7.5) and it starts at ~67 nats per block position, where
+    a uniform guess costs ln V = 10.8: the first steps only undo the scale, under gradient norms in
+    the thousands. Calibrated, it starts at ~15 nats. A target whose LM head is small already
+    gives unit-scale logits and keeps gain 1 (LSUV-style: measure, then rescale)."""
+    drafter.eval()
+    std = float(block_logits(target, drafter, ids, lens, taps.to(drafter.fc.weight.dtype), anchors).std(-1).mean())
+    factor = min(1.0, max_std / std) if std > 0 else 1.0
+    drafter.norm.weight.mul_(factor)
+    return factor
+
+
 def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequence_], steps: int, *,
                  lr: float = 1e-3, gamma: float = 7.0, batch_seqs: int = 8, anchors_per_seq: int = 32,
                  grad_clip: float = 1.0, weight_decay: float = 0.0, warmup_steps: int = 0, seed: int = 0,
@@ -118,12 +150,11 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
     data: target-generated sequences, each token ids or (ids, prompt length); steps: optimizer
     steps, each over `batch_seqs` sequences (reshuffled every epoch) with up to `anchors_per_seq`
     random anchors each. gamma: the loss decay over block positions (DFlash uses 7 for B = 16).
-    drafter: continue training this one (else a fresh `BlockDrafter(drafter_cfg)` with Kiln's dummy
-    initialisation from `seed`). AdamW with linear warmup and cosine decay. `on_step(row)` sees every
+    drafter: continue training this one (else `fresh_drafter(drafter_cfg, ..., seed)` with its
+    output scale calibrated on a first batch: `calibrate_output_gain`). AdamW with linear warmup
+    and cosine decay. `on_step(row)` sees every
     history row: {"step", "loss", "ce_k", "acc_k", "grad_norm", "lr", "anchors"}.
     Returns (the drafter in eval mode, the history)."""
-    from kiln.loader.weights import init_dummy_weights
-
     if drafter_cfg.mask_token_id is None:
         raise ValueError("train_dflash: drafter_cfg needs mask_token_id")
     seqs = [_split(item) for item in data]
@@ -136,9 +167,13 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
     target.eval()
     if drafter is None:
         longest = max(len(ids) for ids, _ in seqs)
-        with torch.device(dev):
-            drafter = BlockDrafter(drafter_cfg, max_positions or longest + 1)
-        init_dummy_weights(drafter, seed)
+        drafter = fresh_drafter(drafter_cfg, max_positions or longest + 1, seed, dev)
+        first = seqs[:batch_seqs]  # a batch of its own rng: the training stream is unchanged
+        lens = [len(ids) for ids, _ in first]
+        ids = torch.tensor([t for s, _ in first for t in s], device=dev)
+        taps = target_taps(target, ids, lens, drafter_cfg.target_layer_ids)
+        calibrate_output_gain(target, drafter, ids, lens, taps,
+                              sample_anchors(lens, [p for _, p in first], anchors_per_seq, random.Random(seed + 1)))
     params = list(drafter.parameters())
     for p in params:
         p.requires_grad_(True)
