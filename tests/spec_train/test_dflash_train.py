@@ -9,6 +9,7 @@ import json
 import math
 import random
 
+import pytest
 import torch
 
 from kiln.models.block_drafter_config import BlockDrafterConfig
@@ -39,7 +40,19 @@ def setup(tmp_path):
 def test_training_blocks_are_the_serving_blocks(tmp_path):
     _, core, _, data, cfg = setup(tmp_path)
     target = core.runner.model
-    drafter, _ = train_dflash(target, cfg, data[:4], steps=1)
+    drafter, history = train_dflash(target, cfg, data[:4], steps=2, val_data=data[4:8], eval_every=1)
+    # Validation before the first step and at every step (eval_every=1), over fixed anchors: the
+    # last one is the returned drafter on those anchors.
+    assert [h["step"] for h in history if "val_ce_k" in h] == [0, 1, 2]
+    assert "ce_k" not in history[0] and len(history[-1]["val_acc_k"]) == cfg.block_size - 1
+    vseqs = [ids for ids, _ in data[4:8]]
+    vlens = [len(s) for s in vseqs]
+    vids = torch.tensor([t for s in vseqs for t in s])
+    vanchors = sample_anchors(vlens, [p for _, p in data[4:8]], 32, random.Random(1234))
+    with torch.no_grad():
+        vlogits = block_logits(target, drafter, vids, vlens, target_taps(target, vids, vlens, cfg.target_layer_ids),
+                               vanchors)
+    assert dflash_loss(vlogits, vids, vlens, vanchors, 7.0)[1] == pytest.approx(history[-1]["val_ce_k"], abs=1e-4)
     seqs = [torch.tensor(ids) for ids, _ in data[:3]]
     lens = [len(s) for s in seqs]
     ids = torch.cat(seqs)
