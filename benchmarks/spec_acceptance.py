@@ -2,12 +2,16 @@
 
     python benchmarks/spec_acceptance.py --model-path DIR --steps 1,2,3 --temperature 0 --check-greedy
     python benchmarks/spec_acceptance.py --model-path DIR --steps 3 --temperature 0.7
+    python benchmarks/spec_acceptance.py --speculative-algorithm dflash --speculative-draft-model-path DRAFT \
+        --steps 1,3,7 --temperature 0 --check-greedy     # target: the embedded SmolLM2 (no --model-path)
 
 Prompts: the held-out split of `kiln train-draft`'s built-in set (`builtin_prompts("eval")`: topics
 and numbers the training prompts do not have), as chat turns. For each draft length K the engine
 generates with `--speculative-algorithm` (default mtp) and prints the acceptance length (accepted
-drafts + 1 per verify step), the per-position acceptance rates and the wall time. `--check-greedy`
-(temperature 0) also generates without speculation and checks that the tokens are identical.
+drafts + 1 per verify step), the per-position acceptance rates and the wall time. Without
+--model-path the target is the embedded SmolLM2-135M-Instruct; a block drafter (dflash) comes from
+--speculative-draft-model-path. `--check-greedy` (temperature 0) also generates without
+speculation and checks that the tokens are identical.
 Sampled runs verify with the engine's current rule (each row sampled from the target, drafts as
 point masses; docs/speculative.md).
 """
@@ -25,8 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path", default=None, help="The target (default: the embedded SmolLM2).")
     ap.add_argument("--speculative-algorithm", default="mtp")
+    ap.add_argument("--speculative-draft-model-path", default=None, help="The drafter's directory (dflash).")
     ap.add_argument("--steps", default="1,2,3", help="Draft lengths K to measure, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -68,8 +73,11 @@ def main() -> None:
         n = sum(len(t) for t in plain)
         print(f"no speculation: {n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s)")
         results.append({"K": 0, "tokens": n, "wall_s": wall})
+    draft = {}
+    if args.speculative_draft_model_path:
+        draft["speculative_draft_model_path"] = args.speculative_draft_model_path
     for k in [int(x) for x in args.steps.split(",")]:
-        toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k)
+        toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k, **draft)
         n = sum(len(t) for t in toks)
         row = {"K": k, "accept_length": spec.accept_length, "accept_rate_per_position": spec.accept_rate_per_position,
                "verify_steps": spec.verify_steps, "tokens": n, "wall_s": wall}

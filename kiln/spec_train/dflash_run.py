@@ -47,8 +47,10 @@ def drafter_config(cfg, target_config) -> BlockDrafterConfig:
 
 
 def train_dflash_run(cfg) -> dict:
-    """Generate (or reuse) the data, train, write the drafter directory, metrics.jsonl and
-    loss.png into cfg.out. Returns the mean loss and per-position accuracy of the last steps."""
+    """Generate (or reuse) the data, train (holding back `val_fraction` of the sequences for
+    validation), write the drafter directory, metrics.jsonl and loss.png into cfg.out. Returns the
+    last validation CE and accuracy per block position (without validation: the training loss and
+    accuracy of the last steps)."""
     from tqdm import tqdm
 
     from kiln.loader import resolve_model
@@ -63,29 +65,44 @@ def train_dflash_run(cfg) -> dict:
     samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
     data = [(s.ids[:cfg.max_seq_len], len(s.prompt_ids)) for s in samples]
     random.Random(cfg.seed).shuffle(data)
+    n_val = int(round(cfg.val_fraction * len(data))) if len(data) > 1 else 0
+    val, data = data[:n_val], data[n_val:]
     target, target_config = load_target(source, cfg.device, cfg.max_seq_len + 1)
     dcfg = drafter_config(cfg, target_config)
     batch_seqs = max(1, cfg.batch_tokens // cfg.max_seq_len)
     history: list[dict] = []
-    bar = tqdm(total=cfg.num_steps, desc="train dflash", unit="step", disable=not cfg.progress)
+    bars: list = []  # made at the first step, after the target-taps bar of train_dflash
     with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as mf:
         def on_step(row: dict) -> None:
-            # plot_losses reads per-position CE as `loss_k` (the MTP trainer's name)
-            history.append({**row, "loss_k": row["ce_k"]})
+            # plot_losses reads per-position CE as `loss_k` / `val_loss_k` (the MTP trainer's names)
+            history.append({**row, **({"loss_k": row["ce_k"]} if "ce_k" in row else {}),
+                            **({"val_loss_k": row["val_ce_k"]} if "val_ce_k" in row else {})})
             mf.write(json.dumps(row) + "\n")
             mf.flush()
+            if "ce_k" not in row:  # the step-0 validation row
+                return
+            if not bars:
+                bars.append(tqdm(total=cfg.num_steps, desc="train dflash", unit="step", disable=not cfg.progress))
+            bar = bars[0]
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['acc_k'][0]:.2f}")
+            if "val_ce_k" in row:  # a curve to look at while it runs
+                plot_losses(history, os.path.join(cfg.out, "loss.png"))
 
         drafter, _ = train_dflash(target, dcfg, data, cfg.num_steps, lr=cfg.lr, gamma=cfg.dflash_gamma,
                                   batch_seqs=batch_seqs, anchors_per_seq=cfg.dflash_anchors_per_seq,
                                   grad_clip=cfg.grad_clip, weight_decay=cfg.weight_decay,
                                   warmup_steps=cfg.warmup_steps, seed=cfg.seed, max_positions=cfg.max_seq_len + 1,
-                                  on_step=on_step)
-    bar.close()
+                                  autocast_bf16=cfg.autocast_bf16, val_data=val, eval_every=cfg.eval_every,
+                                  progress=cfg.progress, on_step=on_step)
+    for bar in bars:
+        bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
     save_dflash(drafter, cfg.out, extra={"trained_by": "kiln train-draft", "target": cfg.target})
-    tail = history[-min(10, len(history)):]
+    last = next((h for h in reversed(history) if "val_ce_k" in h), None)
+    if last is not None:
+        return {k: [round(x, 3) for x in last[k]] for k in ("val_ce_k", "val_acc_k")}
+    tail = [h for h in history if "ce_k" in h][-10:]
     if not tail:
         return {}
     return {"loss": sum(r["loss"] for r in tail) / len(tail),

@@ -6,13 +6,15 @@ unchanged)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
+import pytest
 import torch
 
 from kiln.models.block_drafter_config import BlockDrafterConfig
 from kiln.models.dflash import save_dflash
-from kiln.spec_train.dflash import block_logits, sample_anchors, target_taps, train_dflash
+from kiln.spec_train.dflash import block_logits, dflash_loss, sample_anchors, target_taps, train_dflash
 from tests.engine.test_hybrid_engine import make_core, prompts
 from tests.engine.test_speculative import run_plain
 
@@ -38,7 +40,19 @@ def setup(tmp_path):
 def test_training_blocks_are_the_serving_blocks(tmp_path):
     _, core, _, data, cfg = setup(tmp_path)
     target = core.runner.model
-    drafter, _ = train_dflash(target, cfg, data[:4], steps=1)
+    drafter, history = train_dflash(target, cfg, data[:4], steps=2, val_data=data[4:8], eval_every=1)
+    # Validation before the first step and at every step (eval_every=1), over fixed anchors: the
+    # last one is the returned drafter on those anchors.
+    assert [h["step"] for h in history if "val_ce_k" in h] == [0, 1, 2]
+    assert "ce_k" not in history[0] and len(history[-1]["val_acc_k"]) == cfg.block_size - 1
+    vseqs = [ids for ids, _ in data[4:8]]
+    vlens = [len(s) for s in vseqs]
+    vids = torch.tensor([t for s in vseqs for t in s])
+    vanchors = sample_anchors(vlens, [p for _, p in data[4:8]], 32, random.Random(1234))
+    with torch.no_grad():
+        vlogits = block_logits(target, drafter, vids, vlens, target_taps(target, vids, vlens, cfg.target_layer_ids),
+                               vanchors)
+    assert dflash_loss(vlogits, vids, vlens, vanchors, 7.0)[1] == pytest.approx(history[-1]["val_ce_k"], abs=1e-4)
     seqs = [torch.tensor(ids) for ids, _ in data[:3]]
     lens = [len(s) for s in seqs]
     ids = torch.cat(seqs)
@@ -66,3 +80,36 @@ def test_loss_falls_and_the_trained_drafter_is_accepted(tmp_path):
                      speculative_draft_model_path=str(tmp_path / "draft"))
     assert run_plain(spec, ps[:6], max_tokens=40) == run_plain(core, ps[:6], max_tokens=40)
     assert spec.stats().spec.accept_length > 1.5, spec.stats().spec
+
+
+def test_a_fresh_drafter_starts_near_a_uniform_guess(tmp_path):
+    """The untrained drafter's CE per block position is within a few nats of ln V, also when the
+    target's embedding (its tied LM head) has a trained model's scale: large rows sharing a
+    direction. Without `calibrate_output_gain` (the drafter's final norm gain at 1: a random output
+    of norm sqrt(H) into that LM head) it starts at ~2 ln V here, ~6 ln V on SmolLM2-135M."""
+    from kiln.spec_train.dflash import calibrate_output_gain, fresh_drafter
+
+    _, core, _, data, cfg = setup(tmp_path)
+    target = core.runner.model
+    seqs = [torch.tensor(ids) for ids, _ in data[:6]]
+    lens = [len(s) for s in seqs]
+    ids = torch.cat(seqs)
+    anchors = sample_anchors(lens, [p for _, p in data[:6]], 8, random.Random(0))
+    ln_v = math.log(LLAMA["vocab_size"])
+
+    def first_ce(calibrate: bool) -> tuple[list[float], float]:
+        drafter = fresh_drafter(cfg, max(lens) + 1, seed=0, device="cpu")
+        with torch.no_grad():
+            taps = target_taps(target, ids, lens, cfg.target_layer_ids)
+            factor = calibrate_output_gain(target, drafter, ids, lens, taps, anchors) if calibrate else 1.0
+            ce = dflash_loss(block_logits(target, drafter, ids, lens, taps, anchors), ids, lens, anchors, 7.0)[1]
+        return ce, factor
+
+    assert first_ce(True)[1] > 0.9  # the dummy target's logits are about unit-scale already: gain kept
+    with torch.no_grad():  # SmolLM2-like rows: norm ~3, cosine ~0.7 with a shared direction
+        emb = target.model.embed_tokens.weight
+        shared = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+        emb.copy_(torch.nn.functional.normalize(emb, dim=-1) * 2.2 + 2.2 * shared / shared.norm())
+    (calibrated, _), (raw, _) = first_ce(True), first_ce(False)
+    assert max(calibrated) < ln_v + 1.0, (calibrated, ln_v)
+    assert min(raw) > ln_v + 4.0, (raw, ln_v)  # what the bound catches

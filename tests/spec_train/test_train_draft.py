@@ -177,7 +177,8 @@ def test_train_dflash_on_a_tiny_target_then_serve(tmp_path):
     main(["train-draft", "--target", target, "--method", "dflash", "--out", out, "--prompts",
           os.path.join(target, "prompts.jsonl"), "--num-prompts", "40", "--max-new-tokens", "40",
           "--dflash-block-size", "4", "--dflash-layer-ids", "[0, 1]", "--num-steps", "60", "--lr", "3e-3",
-          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--no-progress"])
+          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--val-fraction", "0",
+          "--no-progress"])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert len(rows) == 60
     first = sum(r["loss"] for r in rows[:10]) / 10
