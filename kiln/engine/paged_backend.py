@@ -18,7 +18,9 @@ has no host synchronisation and can be replayed from a CUDA graph.
 Speculative decoding's MTP layers (MODELS.md 2.4) attend with a `key_gap` (query i sees key j iff
 j == i or i - j >= gap) and keep their cache at `position + cache_offset`; their batches carry
 explicit query positions (`batch.extras["positions_cpu"]`, and `batch.positions` on the device:
-catch-up rows and a draft row further ahead). The extend kernel knows all three.
+catch-up rows and a draft row further ahead). Both attention kernels know all three: the decode
+kernel (one query per row) runs a decode round's short MTP batches, the extend kernel the long
+catch-up after a prefill.
 """
 
 from __future__ import annotations
