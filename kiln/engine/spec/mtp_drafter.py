@@ -277,7 +277,7 @@ class MTPDrafter:
         return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep
 
 
-def _slot(view: list, pos: int, page_size: int) -> int:
+def _slot(view: list, pos: int, page_size: int) -> int:  # also used by mtp_graph
     """The token slot of position `pos` through a request's page view (a window space's pages)."""
     page = view[pos // page_size]
     assert page is not None, f"position {pos}'s window page was already trimmed"

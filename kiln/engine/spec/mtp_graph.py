@@ -30,6 +30,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
+from kiln.engine.spec.mtp_drafter import _slot
 
 
 class MTPChainGraph:
@@ -171,9 +172,3 @@ class MTPChainGraph:
             r.spec.frontier = [r.seq_len] * K
         return logits[:, :n]
 
-
-def _slot(view: list, pos: int, page_size: int) -> int:
-    """The token slot of position `pos` through a request's page view (a window space's pages)."""
-    page = view[pos // page_size]
-    assert page is not None, f"position {pos}'s window page was already trimmed"
-    return page * page_size + pos % page_size
