@@ -124,7 +124,7 @@ class MTPDrafter:
         if n:
             self._h0_hidden = batch.extras["hidden"]
             self._h0_rows += range(rows.start, rows.stop)
-            self._h0_locs += [_slot(r.win_pages["conv"], p, self.page_size) for p in range(first_pos, first_pos + n)]
+            self._h0_locs += [page_slot(r.win_pages["conv"], p, self.page_size) for p in range(first_pos, first_pos + n)]
 
     def _store_queued_h0(self, dev) -> None:
         if self._h0_rows:
@@ -236,10 +236,10 @@ class MTPDrafter:
             n = len(it.catch_up) + int(it.draft)
             stored = list(it.catch_up)
             tokens += ids
-            hid_locs += [_slot(r.win_pages["conv"], p - 1, ps) for p in it.catch_up]  # h^{k-1} one position back
+            hid_locs += [page_slot(r.win_pages["conv"], p - 1, ps) for p in it.catch_up]  # h^{k-1} one position back
             if k < self.num_layers:
                 keep_rows += range(row, row + len(it.catch_up))
-                keep_locs += [_slot(r.win_pages["conv"], p, ps) for p in it.catch_up]
+                keep_locs += [page_slot(r.win_pages["conv"], p, ps) for p in it.catch_up]
             if it.draft:
                 anchor = r.seq_len - 2
                 stored.append(anchor + k)
@@ -249,7 +249,7 @@ class MTPDrafter:
                 tokens.append(0)  # both filled on the device below
                 hid_locs.append(0)
             positions += [p - k for p in stored]  # sequence indices: the math
-            swa_locs += [_slot(r.win_pages["swa"], p, ps) for p in stored]
+            swa_locs += [page_slot(r.win_pages["swa"], p, ps) for p in stored]
             slots.append(r.slot)
             lens.append(n)
             rows_of[r.rid] = (row, n)
@@ -277,7 +277,7 @@ class MTPDrafter:
         return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep
 
 
-def _slot(view: list, pos: int, page_size: int) -> int:  # also used by mtp_graph
+def page_slot(view: list, pos: int, page_size: int) -> int:
     """The token slot of position `pos` through a request's page view (a window space's pages)."""
     page = view[pos // page_size]
     assert page is not None, f"position {pos}'s window page was already trimmed"

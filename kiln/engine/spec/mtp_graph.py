@@ -30,7 +30,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
-from kiln.engine.spec.mtp_drafter import _slot
+from kiln.engine.spec.mtp_drafter import page_slot
 
 
 class MTPChainGraph:
@@ -140,17 +140,17 @@ class MTPChainGraph:
             conv, swa_view = r.win_pages["conv"], r.win_pages["swa"]
             ids[base:base + c] = r.token_ids(F, T)
             for i, p in enumerate(range(F, T)):
-                hid[base + i] = _slot(conv, p - 1, ps)
-                keep[base + i] = _slot(conv, p, ps)
+                hid[base + i] = page_slot(conv, p - 1, ps)
+                keep[base + i] = page_slot(conv, p, ps)
             slots[b], din[b] = r.slot, base + c
             tok_slots[base:base + R] = [r.slot] * R
             for k in range(1, K + 1):
                 for i, p in enumerate(range(F, T)):
                     pos[k - 1][base + i] = p - k
-                    swa[k - 1][base + i] = _slot(swa_view, p, ps)
+                    swa[k - 1][base + i] = page_slot(swa_view, p, ps)
                 if k >= 2:  # the draft row at index T - 2, stored at T - 2 + k
                     pos[k - 1][base + c] = T - 2
-                    swa[k - 1][base + c] = _slot(swa_view, T - 2 + k, ps)
+                    swa[k - 1][base + c] = page_slot(swa_view, T - 2 + k, ps)
                 ext[k - 1][b] = c + (k >= 2)
                 dout[k - 1][b] = base + c - (k == 1)
         host = torch.tensor(ids + hid + keep + din + slots + sum(pos, []) + sum(swa, []) + sum(ext, [])
