@@ -76,6 +76,7 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.out_loc = z(nt), z(nt), z(nt)
         self.win_locs = {c: z(nt) for c in windows}
         self.arange = torch.arange(nt, dtype=torch.int64, device=device)
+        self.token_slots = z(nt)  # verify shapes: each token's request row, filled per replay
         # per sequence
         self.req_slots, self.prefix_lens = z(n), z(n)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
@@ -94,6 +95,8 @@ class CudaGraphRunner:
         b.extend_lens_t = torch.full((bs,), q, dtype=torch.int64, device=self.device)
         b.extend_starts_t = self.arange[:bs] * q
         b.max_extend_len = q
+        if q > 1:
+            b.extras["token_slots"] = self.token_slots[:t]
         return b
 
     @torch.inference_mode()
@@ -142,8 +145,10 @@ class CudaGraphRunner:
         self.req_slots[:n].copy_(batch.req_slots)
         self.seq_lens[:n].copy_(batch.seq_lens_t)
         self.prefix_lens[:n].copy_(batch.prefix_lens_t)
+        if q > 1:  # the verify attention reads each token's request row (PagedBackend._token_slots)
+            self.token_slots[:t].copy_(batch.req_slots.repeat_interleave(q))
         if bs > n:  # padding sequences: request row 0, no prefix, writing to the scratch slot 0
-            for buf in (self.input_ids, self.positions, self.out_loc, *self.win_locs.values()):
+            for buf in (self.input_ids, self.positions, self.out_loc, self.token_slots, *self.win_locs.values()):
                 buf[t:tp].zero_()
             self.req_slots[n:bs].zero_()
             self.prefix_lens[n:bs].zero_()

@@ -86,8 +86,9 @@ class PagedBackend:
     @staticmethod
     def _token_slots(batch: ForwardBatch, num_tokens: int) -> torch.Tensor:
         """[T] the request row of every token: `extras["token_slots"]` when the batch brings it
-        (the MTP chain graph, whose rows include padding), else each sequence's row repeated
-        over its extend (no host sync: the output size is the token count)."""
+        (graph batches fill it once per replay, not once per layer; the MTP chain graph's rows
+        include padding), else each sequence's row repeated over its extend (no host sync: the
+        output size is the token count)."""
         slots = batch.extras.get("token_slots")
         if slots is not None:
             return slots
