@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,50 +27,14 @@ from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
-from kiln.engine.sampler import SampleOutput, SamplingBatch, compute_logprobs, make_generator
+from kiln.engine.sampled_step import SampledStep
+from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator
 from kiln.engine.spec.speculative import make_spec_decoder
 
 logger = logging.getLogger(__name__)
 
 # An output token sampled on the device but not yet read back (overlap scheduling).
 PENDING = -1
-
-
-@dataclass
-class _Sampled:
-    """One step's sampling, queued on the device: `out` holds the tokens of `reqs` (row i is
-    reqs[i], `rows` maps a request id to its row).
-
-    On CUDA the results are copied to pinned host memory right after sampling, with an event
-    behind the copy (`start_copy`). Reading them (`fetch`) waits for that event only: a plain
-    `.tolist()` would wait for everything queued on the stream, including the *next* step's
-    forward that overlap scheduling has already launched, and the GPU would then idle while the
-    host prepares the step after it."""
-
-    reqs: list[Req]
-    out: SampleOutput
-    rows: dict[str, int]
-    host: Optional[dict] = None
-    ready: Optional[torch.cuda.Event] = None
-
-    FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
-
-    def start_copy(self) -> None:
-        if self.out.token_ids.device.type != "cuda":
-            return
-        self.host = {f: getattr(self.out, f).to("cpu", non_blocking=True) for f in self.FIELDS
-                     if getattr(self.out, f) is not None}
-        self.ready = torch.cuda.Event()
-        self.ready.record()
-
-    def fetch(self) -> tuple:
-        """(tokens, logprobs, top ids, top logprobs) as lists (None where not asked for)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            src = self.host
-        else:
-            src = {f: getattr(self.out, f) for f in self.FIELDS if getattr(self.out, f) is not None}
-        return tuple(src[f].tolist() if f in src else None for f in self.FIELDS)
 
 
 class Scheduler:
@@ -99,7 +62,7 @@ class Scheduler:
         # speculation: the next round's inputs are the drafts of this one, known only on the host.
         self.overlap = (runner.device.type == "cuda" and not config.disable_overlap_schedule
                         and self.spec is None)
-        self.pending: Optional[_Sampled] = None
+        self.pending: Optional[SampledStep] = None
 
     INIT_NEW_TOKEN_RATIO = 0.5
     MIN_NEW_TOKEN_RATIO = 0.1
@@ -420,18 +383,18 @@ class Scheduler:
             r.prompt_logprobs.extend(zip(chosen, tops))
             r.prompt_logprobs_done = hi
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> "_Sampled":
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> "SampledStep":
         """Queue sampling of one token per request; each request's output gets a `PENDING`
         placeholder until `_commit` reads the tokens back."""
         sb = SamplingBatch.from_reqs(reqs, self.runner.device)
         out = self.runner.sampler(logits, sb)
         for r in reqs:
             r.output_ids.append(PENDING)
-        sampled = _Sampled(reqs, out, {r.rid: i for i, r in enumerate(reqs)})
+        sampled = SampledStep(reqs, out, {r.rid: i for i, r in enumerate(reqs)})
         sampled.start_copy()
         return sampled
 
-    def _commit(self, sampled: "_Sampled") -> None:
+    def _commit(self, sampled: "SampledStep") -> None:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
         tokens, lps, top_ids, top_lps = sampled.fetch()
