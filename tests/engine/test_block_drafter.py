@@ -27,7 +27,7 @@ import torch
 from kiln.engine.request import SamplingParams
 from kiln.models.reference import packed_batch
 from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, prompts
-from tests.engine.test_speculative import assert_abort_frees_every_page, run_plain, run_spec
+from tests.engine.test_speculative import assert_abort_frees_every_page, prefix_hit_prompts, run_plain, run_spec
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
@@ -210,7 +210,7 @@ def test_prefix_hits_carry_the_drafter_context(target):
     core = spec_core(target, 3, page_size=4)
     base = prompts(1, seed=25, lo=50, hi=51)[0]
     first, _, _ = run_spec(core, [base], tag="a")
-    others = [base[:3] + base[10:30], base[:30] + [7, 8, 9], base, base + first["a0"][1] + [5, 6]]
+    others = prefix_hit_prompts(base, first["a0"][1])
     second, drafts, _ = run_spec(core, others, tag="b")
     assert outputs(second) == run_plain(plain_core(target, page_size=4), others, tag="b")
     assert second["b2"][3] > 0 and second["b3"][3] > len(base), "prompts must hit the prefix cache"

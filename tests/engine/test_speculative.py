@@ -135,6 +135,13 @@ def run_plain(core, reqs, max_tokens=16, tag="r"):
     return out
 
 
+def prefix_hit_prompts(base: list[int], base_output: list[int]) -> list[list[int]]:
+    """Prompts that hit the prefix cache after `base` ran: shared prefixes below the conv window,
+    inside and beyond the sliding window, and the whole first request (prompt + output) as the
+    prefix of a new prompt."""
+    return [base[:3] + base[10:30], base[:30] + [7, 8, 9], base, base + base_output + [5, 6]]
+
+
 def assert_mtp_reference(core, res, drafts, reference=forward_mtp_reference) -> int:
     """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference
     (`reference(model, ids, lens, hidden)` -> per-layer logits of every row; the trainer's forward
@@ -212,10 +219,7 @@ def test_prefix_hits_with_speculation(model_dir):
     base = prompts(1, seed=14, lo=50, hi=51)[0]
     first, d1, _ = run_spec(core, [base], tag="a")
     assert_reference(core, first)
-    # Shared prefixes below the conv window, inside and beyond the sliding window, and the
-    # whole first request (prompt + output) as the prefix of a new prompt.
-    a_out = first["a0"][1]
-    others = [base[:3] + base[10:30], base[:30] + [7, 8, 9], base, base + a_out + [5, 6]]
+    others = prefix_hit_prompts(base, first["a0"][1])
     second, d2, _ = run_spec(core, others, tag="b")
     assert {rid: r[1] for rid, r in second.items()} == run_plain(plain, others, tag="b")
     assert second["b2"][3] > 0 and second["b3"][3] > len(base), "prompts must hit the prefix cache"
