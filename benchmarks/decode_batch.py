@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=20, help="Decode steps inside the profile window.")
     p.add_argument("--host-profile", action="store_true",
                    help="After the GPU profile window, profile the host (cProfile) over as many steps.")
+    p.add_argument("--sync-audit", action="store_true",
+                   help="After the profile windows, run --profile-steps decode steps under "
+                        "torch.cuda.set_sync_debug_mode('warn') and print every host <- device wait with the "
+                        "Python lines that made it (kiln.engine.host_sync_audit; CUDA).")
+    p.add_argument("--trace", default=None,
+                   help="With --profile: write the profile window's timeline (Chrome trace, .json.gz) to this "
+                        "path and print its GPU gaps and the host's waits per step.")
     p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
@@ -107,6 +114,36 @@ def print_kernel_table(by_name: dict[str, tuple[float, int]], steps: int, busy_u
         log(f"  {us / steps:9.1f} us  x{n / steps:6.1f}  {name[:110]}")
 
 
+def print_timeline(prof, steps: int, path: str, gap_us: float = 20.0) -> None:
+    """Write the profile window's Chrome trace (gzipped) and print, per decode step, the GPU's
+    gaps longer than `gap_us` and the host's waits (CUDA runtime synchronisations and memcpys),
+    which are what puts those gaps there."""
+    import gzip
+    import shutil
+
+    raw = path[:-3] if path.endswith(".gz") else path
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    gpu, waits = [], {}
+    for ev in prof.events():
+        if ev.device_type is not None and "CUDA" in str(ev.device_type) and ev.time_range.elapsed_us() > 0:
+            gpu.append((ev.time_range.start, ev.time_range.end))
+        elif "Synchronize" in ev.name or "Memcpy" in ev.name:
+            us, n = waits.get(ev.name, (0.0, 0))
+            waits[ev.name] = (us + ev.time_range.elapsed_us(), n + 1)
+    gaps, end = [], None
+    for s, e in sorted(gpu):
+        if end is not None and s - end > gap_us:
+            gaps.append(s - end)
+        end = e if end is None else max(end, e)
+    log(f"timeline {raw}.gz: {len(gaps) / steps:.1f} GPU gaps > {gap_us:.0f} us per step, "
+        f"{sum(gaps) / steps / 1e3:.3f} ms idle in them per step (largest {max(gaps, default=0):.0f} us)")
+    for name, (us, n) in sorted(waits.items(), key=lambda kv: -kv[1][0]):
+        log(f"  host {name}: x{n / steps:.1f} per step, {us / steps:.1f} us per step")
+
+
 def print_host_profile(prof, steps: int, top: int = 15) -> None:
     """The host functions that took the most time per scheduler step (cProfile, own time)."""
     import pstats
@@ -136,7 +173,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
                                      params=params))
     # Profile a window a quarter of the way into the decode phase (steady state, graphs warm).
     want_profile = args.profile and device == "cuda"
-    decode_step = prof = prof_from = idle = host_prof = host_from = spec0 = None
+    decode_step = prof = prof_from = idle = host_prof = host_from = spec0 = audit = audit_from = None
     note = ""
     while core.has_work():
         if want_profile and prof is None and decode_step is not None and \
@@ -166,11 +203,23 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += f"idle over {args.profile_steps} steps; "
             log(f"batch {bs}: GPU idle {idle if idle is None else round(idle, 3)}")
             print_kernel_table(by_name, args.profile_steps, busy)
+            if args.trace:
+                print_timeline(prof, args.profile_steps, args.trace.replace(".json", f"_bs{bs}.json"))
+            if args.sync_audit:
+                audit_from = steps
             if args.host_profile:
                 import cProfile
 
                 host_prof, host_from = cProfile.Profile(), steps
                 host_prof.enable()
+        if audit_from is not None and audit is None:
+            from kiln.engine.host_sync_audit import HostSyncAudit
+
+            audit = HostSyncAudit(frames=6).__enter__()
+        elif audit is not None and steps - audit_from >= args.profile_steps:
+            audit.__exit__(None, None, None)
+            log(f"batch {bs}: host sync audit over {args.profile_steps} steps: {audit.report()}")
+            audit_from, audit = None, None
         if host_from is not None and steps - host_from >= args.profile_steps:
             host_prof.disable()
             host_from = None
@@ -183,6 +232,9 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += "time limit: partial; "
             break
     end = time.perf_counter()
+    if audit is not None:  # the decode ended inside the audit window
+        audit.__exit__(None, None, None)
+        log(f"batch {bs}: host sync audit over {steps - audit_from} steps: {audit.report()}")
     if len(first) < bs or not done:
         raise RuntimeError(f"batch {bs}: only {len(first)} requests reached decode, {len(done)} finished "
                            f"(raise --time-limit)")
@@ -208,6 +260,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("2,4" if args.quick else "8,32,64,128")).split(",")]
     args.input_len = args.input_len or (32 if args.quick else 8192)
     args.output_len = args.output_len or (8 if args.quick else 1024)
+    args.profile = args.profile or args.sync_audit or bool(args.trace)  # both follow the profile window
     config, device, dtype, mc = common.setup(args)
     config.max_running_requests = max(config.max_running_requests, max(args.batch_sizes))
     if config.max_total_tokens is None and device == "cpu":

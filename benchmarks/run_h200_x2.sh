@@ -17,8 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last: later passes of this session (see the lane functions below); spec3
-#                has lane 0 only, so it runs on one GPU too (device kind nvidia-h200)
+#   PHASE=spec2|spec3|last|audit: later passes (see the lane functions below); spec3 and audit
+#                have lane 0 only, so they run on one GPU too (device kind nvidia-h200)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
@@ -167,17 +167,37 @@ lane1_last() {  # nano-vllm's offline workload at the Llama-3.1-8B shape, Kiln a
     --time-limit 60 --no-progress --out "$R/json/offline_llama8b.json"
 }
 
+lane0_audit() {  # after the list-index sync fix: host sync audits, the batch-64 timeline, unprofiled rows
+  step gpu_tests ${T_TESTS:-120} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 100 \
+    tests/engine/test_host_sync.py tests/engine/test_cuda_graph.py
+  step decode_llama8b ${T_8B:-70} $DECODE --model-path $LLAMA --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+    --out "$R/json/decode_llama8b.json"
+  step timeline_llama8b ${T_8BP:-60} $DECODE --model-path $LLAMA --batch-sizes 64 --input-len 1024 --output-len 96 \
+    --profile-steps 10 --trace "$R/json/timeline_llama8b.json" --sync-audit --out "$R/json/timeline_llama8b_row.json"
+  step decode_inkling ${T_INK:-60} $DECODE --model-path $INK --batch-sizes 1,64 --input-len 1024 --output-len 128 \
+    --out "$R/json/decode_inkling_b1.json"
+  step decode_minimax ${T_MM:-70} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --out "$R/json/decode_minimax_b1.json"
+  step audit_hybrids ${T_AUD:-80} bash -c "$DECODE --model-path $INK --batch-sizes 64 --input-len 1024 --output-len 64 \
+    --profile-steps 8 --sync-audit --trace $R/json/timeline_inkling.json && $DECODE --model-path $MM --batch-sizes 8 \
+    --input-len 1024 --output-len 48 --profile-steps 8 --sync-audit"
+  step audit_spec ${T_SPEC:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 48 \
+    --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --profile-steps 6 --sync-audit
+}
+
+lane1_audit() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last)
+  diag|tables|final|spec|spec2|spec3|last|audit)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
     if [ "$PHASE" = last ]; then OUT=$R/json/tp2 T0=0 T1=0 T2=0 T3=${TP_T3:-100} T4=0 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    grep -v "^\[" "$R/lane0.log" | grep -v "^  " ; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
+    if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be diag, tables, final, spec, spec2, spec3, last or tp2"; exit 2 ;;
 esac

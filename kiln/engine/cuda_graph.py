@@ -146,7 +146,7 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(batch.seq_lens_t)
         self.prefix_lens[:n].copy_(batch.prefix_lens_t)
         if q > 1:  # the verify attention reads each token's request row (PagedBackend._token_slots)
-            self.token_slots[:t].copy_(batch.req_slots.repeat_interleave(q))
+            self.token_slots[:t].view(n, q).copy_(batch.req_slots[:, None].expand(n, q))  # (no repeat_interleave: no size sync)
         if bs > n:  # padding sequences: request row 0, no prefix, writing to the scratch slot 0
             for buf in (self.input_ids, self.positions, self.out_loc, self.token_slots, *self.win_locs.values()):
                 buf[t:tp].zero_()

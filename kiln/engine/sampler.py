@@ -74,6 +74,16 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`x[rows]` without waiting for the device. Indexing a CUDA tensor with a Python list copies
+    the index from pageable memory, which blocks the host until the stream drains: in the
+    scheduler, until the forward it has just queued has run, so overlap scheduling is lost and the
+    GPU idles while the host prepares the next step (`kiln.engine.host_sync_audit` finds these)."""
+    if rows == list(range(x.shape[0])):
+        return x  # every row in order (a decode step)
+    return x.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), x.device))
+
+
 def make_generator(seed: int, device) -> torch.Generator:
     """A torch generator on `device` seeded with `seed` (one per seeded request)."""
     g = torch.Generator(device=torch.device(device))

@@ -28,7 +28,7 @@ from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
-from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator
+from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator, select_rows
 from kiln.engine.spec.speculative import make_spec_decoder
 
 logger = logging.getLogger(__name__)
@@ -139,8 +139,7 @@ class Scheduler:
                 sample_reqs = []
             alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
             if alive:
-                rows = [i for _, i in alive]
-                sampled = self._sample(logits[rows], [r for r, _ in alive])
+                sampled = self._sample(select_rows(logits, [i for _, i in alive]), [r for r, _ in alive])
                 if self.overlap:
                     self.pending = sampled
                 else:

@@ -391,3 +391,12 @@ def test_from_reqs_precopied_ids_match_the_in_call_path():
     a = Sampler(seed=3, device="cpu")(logits, batch).token_ids
     b = Sampler(seed=3, device="cpu")(logits, dataclasses.replace(again, draw_rows=None, id_pairs=None)).token_ids
     assert torch.equal(a, b)
+
+
+def test_select_rows_equals_list_indexing():
+    from kiln.engine.sampler import select_rows
+
+    x = torch.randn(5, 7)
+    assert select_rows(x, [0, 1, 2, 3, 4]) is x  # a decode step: no copy at all
+    for rows in ([4, 0, 2], [1], [], [0, 1, 2], [2, 2]):
+        assert torch.equal(select_rows(x, rows), x[rows])

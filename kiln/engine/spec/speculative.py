@@ -40,7 +40,7 @@ import torch
 
 from kiln.engine.cache.manager import cdiv
 from kiln.engine.request import Req
-from kiln.engine.sampler import SamplingBatch
+from kiln.engine.sampler import SamplingBatch, select_rows
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
@@ -155,7 +155,7 @@ class SpecDecoder:
             for r, drafts, first, _ in group:
                 views += verify_views(r, drafts, dev)
                 rows += range(first, first + len(drafts) + 1)
-            out, accepted = verify(logits[rows], SamplingBatch.from_reqs(views, dev), group)
+            out, accepted = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
             self._commit(group, out, accepted)
 
     def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:

@@ -1,0 +1,66 @@
+"""A steady decode step never waits for the GPU before the next step is queued (GPU).
+
+Overlap scheduling hides the host's work (sampling launch, output processing, scheduling the next
+step) behind the forward it has just queued; one hidden synchronisation in that path (a list index
+on a CUDA tensor, an `.item()`) makes the host wait for the forward first, and the GPU then idles
+for the whole host step. `HostSyncAudit` collects such waits with their call sites; the only
+intended wait, the pinned read-back of the previous step's tokens, is an event wait it does not
+report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kiln.engine.host_sync_audit import HostSyncAudit
+from kiln.engine.io import GenerateReq
+from kiln.engine.request import SamplingParams
+from tests.engine.test_hybrid_engine import make_core, prompts
+from tests.engine.test_kernel_path import CONFIGS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=["llama", "inkling", "minimax_m3"])
+def arch_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    (d / "config.json").write_text(json.dumps(CONFIGS[request.param]))
+    return str(d)
+
+
+def test_audit_reports_a_sync_with_its_line():
+    x = torch.ones(4, device="cuda")
+    with HostSyncAudit() as audit:
+        x.sum().item()
+        x[[0, 2]]
+    assert audit.count == 2, audit.report()
+    assert any("x.sum().item()" in frame for site in audit.sites for frame in site), audit.report()
+    with HostSyncAudit() as audit:
+        x.sum()
+    assert audit.count == 0, audit.report()
+
+
+def test_steady_decode_steps_do_not_wait_for_the_gpu(arch_dir):
+    core = make_core(arch_dir, device="cuda", page_size=4, cuda_graph_max_bs=16)
+    core.scheduler.check_after_step = False  # the integrity check reads device tables on purpose
+    assert core.scheduler.overlap and core.runner.graphs is not None
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+             dict(temperature=0.7, top_k=20, repetition_penalty=1.2, frequency_penalty=0.3),
+             dict(temperature=1.0, min_p=0.1)]
+    reqs = prompts(6, seed=4, lo=20, hi=60)
+    for i, ids in enumerate(reqs):  # different lengths: some finish inside the audited steps
+        params = SamplingParams(max_tokens=14 + 2 * i, ignore_eos=True, **kinds[i % len(kinds)])
+        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
+    started = set()
+    while len(started) < len(reqs):  # prefill (extends may sync: eager paths, new shapes)
+        started |= {o.rid for o in core.step() if o.new_token_ids}
+    for _ in range(3):
+        core.step()
+    with HostSyncAudit(frames=6) as audit:
+        for _ in range(12):
+            core.step()
+    assert audit.count == 0, audit.report()
+    while core.has_work():
+        core.step()
