@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=int, default=None, help="Longest prompt (default --max-len).")
     p.add_argument("--max-output-len", type=int, default=None, help="Longest output (default --max-len).")
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--step-stats", action="store_true",
+                   help="Print where Kiln's wall time went: steps that prefill (with their prompt tokens) "
+                        "against decode-only steps, by batch size (time per step and tokens/s).")
     p.add_argument("--num-runs", type=int, default=1, help="Kiln measurements; the median is reported.")
     p.add_argument("--time-limit", type=float, default=None,
                    help="Seconds per measured run (each engine); unfinished requests are aborted and "
@@ -106,6 +109,45 @@ def _row(engine: str, prompts, produced: int, wall: float, runs: int, complete: 
 
 # ---- Kiln --------------------------------------------------------------------------------
 
+class StepStats:
+    """Per-step composition and wall time of a Kiln run (`--step-stats`): wraps the core's `step`
+    and its scheduler's `_forward` (which sees each step's plan) until `report`."""
+
+    BUCKETS = (1, 8, 32, 64, 128, 192, 256, 1 << 30)
+
+    def __init__(self, core):
+        self.core, self.rows, self.plan = core, [], None
+        sched = core.scheduler
+        self._forward, self._step = sched._forward, core.step
+
+        def forward(plan):
+            self.plan = (sum(e - s for _, s, e in plan if e - s > 1), sum(1 for _, s, e in plan if e - s == 1))
+            return self._forward(plan)
+
+        def step():
+            self.plan, t0 = (0, 0), time.perf_counter()
+            out = self._step()
+            self.rows.append((*self.plan, time.perf_counter() - t0))
+            return out
+
+        sched._forward, core.step = forward, step
+
+    def report(self) -> None:
+        self.core.scheduler._forward, self.core.step = self._forward, self._step
+        pre = [r for r in self.rows if r[0] > 0]
+        log(f"step stats: {len(self.rows)} steps, {sum(r[2] for r in self.rows):.2f}s; "
+            f"{len(pre)} steps with prefill ({sum(r[0] for r in pre)} prompt tokens) took "
+            f"{sum(r[2] for r in pre):.2f}s")
+        lo = 0
+        for hi in self.BUCKETS[1:]:
+            dec = [r for r in self.rows if r[0] == 0 and lo < r[1] <= hi]
+            if dec:
+                t = sum(r[2] for r in dec)
+                log(f"  decode-only steps, batch {lo + 1}..{min(hi, 4096)}: {len(dec)} steps, {t:.2f}s, "
+                    f"{t / len(dec) * 1e3:.2f} ms/step, {sum(r[1] for r in dec) / t:.0f} tok/s")
+            lo = hi
+
+
 def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
     warm = [([1 + i for i in range(16)], SamplingParams(max_tokens=16, temperature=args.temperature,
                                                         ignore_eos=True))]
@@ -119,8 +161,11 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
         if not core.flush_cache():  # identical prompts would otherwise hit the prefix cache
             log("warning: could not flush Kiln's prefix cache between runs")
         log(f"Kiln run {i + 1}/{args.num_runs}: {len(reqs)} requests, {sum(out_lens)} output tokens")
+        stats = StepStats(core) if args.step_stats else None
         res = common.run_requests(core, reqs, tag=f"run{i}-", progress=not args.no_progress,
                                   time_limit=args.time_limit)
+        if stats is not None:
+            stats.report()
         produced = res.output_tokens
         if res.complete:
             bad = [r.rid for r, n in zip(res.requests, out_lens) if len(r.output_ids) != n]

@@ -17,8 +17,9 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit: later passes (see the lane functions below); spec3 and audit
-#                have lane 0 only, so they run on one GPU too (device kind nvidia-h200)
+#   PHASE=spec2|spec3|last|audit|ovl|tables2: later passes (see the lane functions below); spec3
+#                and audit have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
+#                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
@@ -187,14 +188,57 @@ lane0_audit() {  # after the list-index sync fix: host sync audits, the batch-64
 
 lane1_audit() { :; }
 
+lane0_ovl() {  # after drafts-in-flight and the router/routing copies: gpu tests, hybrid batch 1, spec rounds
+  step gpu_tests ${T_TESTS:-100} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 90 \
+    tests/engine/test_host_sync.py tests/engine/test_cuda_graph.py tests/kernels/test_moe_kernels.py
+  step decode_hybrids_b1 ${T_INK:-140} bash -c "$DECODE --model-path $INK --batch-sizes 1 --input-len 1024 \
+    --output-len 128 --out $R/json/decode_inkling_b1.json && $DECODE --model-path $MM --batch-sizes 1 \
+    --input-len 1024 --output-len 128 --out $R/json/decode_minimax_b1.json"
+  lane0_spec_rounds_plain
+}
+
+lane0_spec_rounds_plain() {  # lane0_spec_rounds without the profiled run
+  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
+  for K in 3 1; do
+    step spec_inkling_k$K ${T_SPEC:-90} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps $K --out "$R/json/spec_inkling_k$K.json"
+  done
+}
+
+lane1_ovl() {  # nano-vllm's offline workload (8B and 0.6B shapes) and 8B batch 1, each against transformers
+  step offline_llama8b ${T_OFF:-200} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --time-limit 60 --no-progress --out "$R/json/offline_llama8b.json"
+  step offline_qwen ${T_QWEN:-110} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
+    --time-limit 30 --no-progress --out "$R/json/offline_qwen.json"
+  step latency_llama8b ${T_LAT:-110} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+}
+
+lane0_tables2() {  # Inkling bench at 8K / 1024 after the sync fix
+  step decode_inkling ${T_INK:-200} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 35 --out "$R/json/decode_inkling.json"
+  step gpu_tests ${T_TESTS:-75} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 60 \
+    tests/kernels/test_moe_kernels.py tests/engine/test_speculative.py
+}
+
+lane1_tables2() {  # where the 8B offline run's time goes; MiniMax-M3 bench at 8K / 1024 after the sync fix
+  step offline_llama8b_steps ${T_OFF:-80} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --no-hf --step-stats --no-progress --out "$R/json/offline_llama8b_steps.json"
+  step decode_minimax ${T_MM:-200} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 35 --out "$R/json/decode_minimax.json"
+}
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
     if [ "$PHASE" = last ]; then OUT=$R/json/tp2 T0=0 T1=0 T2=0 T3=${TP_T3:-100} T4=0 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
+    if [ "$PHASE" = tables2 ]; then OUT=$R/json/tp2 T0=0 T1=${TP_T1:-90} T2=${TP_T2:-60} T3=${TP_T3:-60} T4=0 T5=${TP_T5:-60} \
+      DECODE_ARGS="--batch-sizes 64 --input-len 1024 --output-len 128" bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;

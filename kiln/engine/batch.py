@@ -39,6 +39,10 @@ class ForwardBatch:
     backend: Any = None
     # Per-forward scratch owned by layers (e.g. routing capture); never read across forwards.
     extras: dict = field(default_factory=dict)
+    # MoE gates record the expert ids they used in extras["routed_experts"] (RL routing capture and
+    # replay). The engine turns it off unless --enable-return-routed-experts: the int32 copy is a
+    # kernel per MoE layer in every step.
+    record_routing: bool = True
     # Device copies of the per-sequence lengths for kernels, which must not read host lists
     # (a CUDA graph replays them with new values). Set by `set_device_metadata`.
     seq_lens_t: Optional[torch.Tensor] = None  # [B] int64, prefix + extend

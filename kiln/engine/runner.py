@@ -19,7 +19,7 @@ from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
 from kiln.kernels import interpreting, kernels_supported
-from kiln.loader import ModelSource, init_dummy_weights, iter_weights
+from kiln.loader import ModelSource, cast_parameters, init_dummy_weights, iter_weights
 from kiln.models.registry import get_model_class, parse_model_config
 
 logger = logging.getLogger(__name__)
@@ -183,9 +183,7 @@ class ModelRunner:
         cls = get_model_class(self.model_config.model_type)
         with torch.device(self.device):
             model = cls(self.model_config, pc, max_positions=self.context_length)
-        # Parameters take the serving dtype; buffers (RoPE tables) stay fp32.
-        for p in model.parameters():
-            p.data = p.data.to(self.dtype)
+        cast_parameters(model, self.dtype)  # the serving dtype (routers fp32); buffers stay fp32
         if source.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
         else:
@@ -209,6 +207,7 @@ class ModelRunner:
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         batch.backend = self.backend
         batch.capture_layers = self.capture_layers  # a block drafter's taps (empty: none)
+        batch.record_routing = self.routing is not None
         hidden = self.model(batch)
         batch.extras["hidden"] = hidden  # final hidden states [T, H] (speculative decoding's drafter reads them)
         return self.model.compute_logits(hidden, batch)

@@ -10,7 +10,8 @@ Sampling, finish checks, prefix caching of finished requests and incremental out
 
 With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
 token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
-forward; overlap scheduling is off then.
+forward; overlap scheduling is off then (drafts from the MTP chain graph still reach the next
+verify forward on the device, see `SpecDecoder.draft_ids`).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ class Scheduler:
         win_locs: dict[str, list[int]] = {c: [] for c in self.cache.windows}
         sample_reqs, sample_rows, prompt_lp = [], [], []
         pending_at, pending_src = [], []  # rows whose input token is still on the device
+        draft_at, draft_src = [], []  # rows whose draft token is still on the device (speculation)
         row = 0
         row_starts = []
         for r, start, end in plan:
@@ -309,7 +311,12 @@ class Scheduler:
             if end <= seq_len:
                 ids.extend(r.token_ids(start, end))
             else:  # a speculative round: the last token, then the drafts to verify
-                ids.extend(r.token_ids(start, seq_len) + self.spec.drafts(r)[:end - seq_len])
+                drafts, src_row = self.spec.draft_ids(r, end - seq_len)
+                ids.extend(r.token_ids(start, seq_len) + drafts)
+                if src_row is not None:
+                    k = self.spec.flight.tokens.shape[1]
+                    draft_at.extend(range(row + seq_len - start, row + end - start))
+                    draft_src.extend(range(src_row * k, src_row * k + end - seq_len))
             if end <= seq_len and ids[-1] == PENDING:
                 pending_at.append(row + end - 1 - start)
                 pending_src.append(self.pending.rows[r.rid])
@@ -336,11 +343,13 @@ class Scheduler:
         prefix_lens, extend_lens = [s for _, s, _ in plan], [e - s for _, s, e in plan]
         meta = ForwardBatch.length_lists(prefix_lens, extend_lens) if self.runner.needs_device_metadata else {}
         t = int64_to_device({"ids": ids, "pos": pos, "logits": logit_rows, "slots": slots, "locs": locs,
-                             "pend_at": pending_at, "pend_src": pending_src,
+                             "pend_at": pending_at, "pend_src": pending_src, "draft_at": draft_at, "draft_src": draft_src,
                              **{f"win:{c}": v for c, v in win_locs.items()}, **meta}, dev)
         input_ids = t["ids"]
         if pending_at:  # the previous step's tokens, read on the device (no host round trip)
             input_ids = input_ids.index_copy(0, t["pend_at"], self.pending.out.token_ids[t["pend_src"]])
+        if draft_at:  # the last drafter pass's tokens, read on the device too
+            input_ids = input_ids.index_copy(0, t["draft_at"], self.spec.flight.tokens.view(-1)[t["draft_src"]])
         batch = ForwardBatch(
             mode=mode, input_ids=input_ids, positions=t["pos"],
             prefix_lens=prefix_lens, extend_lens=extend_lens,

@@ -38,6 +38,14 @@ def _frozen(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _router_weight(*shape: int) -> nn.Parameter:
+    """A router's weight: kept in fp32 whatever the serving dtype (`cast_parameters`), since the
+    router GEMM runs in fp32 (`F.linear(x.float(), weight.float())` is then a no-op on the weight)."""
+    p = _frozen(*shape)
+    p.keep_fp32 = True
+    return p
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_ops():
     # Imported on first use: it needs Triton, which the CPU build of torch does not ship.
@@ -72,7 +80,7 @@ def _routing(gate: nn.Module, batch, compute):
     replay = (extras or {}).get("replay_experts") or {}
     forced = replay.get(gate.moe_index)
     out = compute(forced)
-    if extras is not None:
+    if extras is not None and getattr(batch, "record_routing", True):
         extras.setdefault("routed_experts", {})[gate.moe_index] = out[0].int()
     return out
 
@@ -87,7 +95,7 @@ class SinkGate(nn.Module):
         self.num_experts, self.num_shared, self.top_k = num_experts, num_shared, top_k
         self.route_scale = float(route_scale)
         self.moe_index = moe_index
-        self.weight = _frozen(num_experts + num_shared, hidden)
+        self.weight = _router_weight(num_experts + num_shared, hidden)
         # Load-balancing bias: steers selection only, adjusted outside autograd.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
@@ -111,7 +119,7 @@ class MiniMaxGate(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.moe_index = moe_index
-        self.weight = _frozen(num_experts, hidden)
+        self.weight = _router_weight(num_experts, hidden)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, batch=None):

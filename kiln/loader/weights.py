@@ -37,6 +37,14 @@ def copy_into_param(p: torch.nn.Parameter, tensor: torch.Tensor, shard=None) -> 
         loader(p, tensor.to(p.dtype), shard)
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter `dtype`, except those marked `keep_fp32` (MoE router weights: routing
+    is computed in fp32, so a bf16 router would be upcast, one copy kernel per MoE layer, in every
+    forward). Buffers (RoPE tables, router biases) keep their dtype."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.float32 if getattr(p, "keep_fp32", False) else dtype)
+
+
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter of `model` deterministically; buffers are left alone.
 

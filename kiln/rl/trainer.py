@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from kiln.dist.parallel import SINGLE
-from kiln.loader import ModelSource, init_dummy_weights, iter_weights, resolve_model
+from kiln.loader import ModelSource, cast_parameters, init_dummy_weights, iter_weights, resolve_model
 from kiln.models.reference import packed_batch
 from kiln.models.registry import get_model_class, parse_model_config
 from kiln.rl.sync import checkpoint_views
@@ -84,8 +84,7 @@ class PolicyTrainer:
         cls = get_model_class(self.config.model_type)
         with torch.device(self.device):
             model = cls(self.config, SINGLE, max_positions=max_positions)
-        for p in model.parameters():  # buffers (RoPE tables, router biases) stay fp32, as in the engine
-            p.data = p.data.to(dtype)
+        cast_parameters(model, dtype)  # as in the engine: routers and buffers stay fp32
         if source.load_format == "dummy":
             init_dummy_weights(model, seed)
         else:

@@ -95,9 +95,14 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     shapes = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda batch: (shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
+    gathered = []  # verify inputs whose drafts were still on the device (DraftsInFlight)
+    draft_ids = core.scheduler.spec.draft_ids
+    core.scheduler.spec.draft_ids = lambda r, k: (lambda out: (gathered.append(out[1] is not None), out)[1])(
+        draft_ids(r, k))
     res, drafts, _ = run_spec(core, reqs, max_tokens=13)
     assert 4 in shapes, "no verify forward replayed"
     assert chain.replays > 0, "no MTP pass replayed"
+    assert any(gathered), "no verify read its drafts on the device"
     want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=13)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec

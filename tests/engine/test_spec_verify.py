@@ -372,3 +372,30 @@ def test_block_at_zero_temperature_is_prefix_matching():
         assert torch.equal(n, n_g)
         assert y.tolist() == [e[-1] for e in emitted]
     assert 0 < int((n_g == g).sum()) < B and int((n_g == 0).sum()) > 0
+
+
+def test_accepted_prefix_equals_verify_greedy():
+    from kiln.engine.spec.verify import accepted_prefix
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        drafts = torch.randint(0, 3, (1, k), generator=g)
+        samples = torch.randint(0, 3, (1, k + 1), generator=g)
+        n, _ = verify_greedy(drafts, samples)
+        assert accepted_prefix(drafts[0].tolist(), samples[0].tolist()) == int(n[0])
+
+
+def test_drafts_in_flight_are_read_back_once_and_only_when_read():
+    from kiln.engine.spec.drafter import DraftsInFlight, DraftState
+
+    flight = DraftsInFlight.start(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    a, b = DraftState(), DraftState()
+    a.set_in_flight(flight, 0, 3)
+    b.set_in_flight(flight, 1, 2)
+    assert a.num_drafts == 3 and b.num_drafts == 2 and flight._values is None  # nothing read yet
+    assert b.drafts == [8, 9] and b.in_flight is None and b.num_drafts == 2
+    assert a.drafts == [5, 6, 7]
+    a.set_in_flight(flight, 0, 3)
+    a.drafts = []  # dropped before anyone read them
+    assert a.in_flight is None and a.num_drafts == 0 and a.drafts == []

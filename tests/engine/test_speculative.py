@@ -81,6 +81,16 @@ def plain_core(model_dir, alpha=None, **kw):
     return core
 
 
+def peek_drafts(state) -> list[int]:
+    """A request's drafts without reading them back through `DraftState.drafts`: drafts still on
+    the device (`in_flight`) stay there, so the next verify gathers them on the device as it does
+    when nobody looks."""
+    if state.in_flight is not None:
+        flight, row = state.in_flight
+        return flight.tokens[row, :state.num_drafts].tolist()
+    return list(state.drafts)
+
+
 def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     """Run requests concurrently. Returns ({rid: (prompt, output, [logit rows of the emitted
     tokens], cached_tokens)}, {rid: [(anchor, drafts, [draft logits per layer])]}, final outputs)."""
@@ -99,8 +109,8 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
         spec.drafter.keep_logits = True
         run(rs, num_drafts)
         for r in rs:
-            if r.spec.drafts:
-                drafts.setdefault(r.rid, []).append((r.seq_len - 2, list(r.spec.drafts),
+            if r.spec.num_drafts:
+                drafts.setdefault(r.rid, []).append((r.seq_len - 2, peek_drafts(r.spec),
                                                      [x.clone() for x in r.spec.draft_logits]))
 
     spec._verify_and_commit, spec.drafter.run = capture_verify, capture_drafts

@@ -209,3 +209,23 @@ def test_checkpoint_name_mapping():
         ("model.layers.0.mlp.shared_experts.w13", (0, "gate"))
     assert moe_param_for("model.layers.0.mlp.gate_proj.weight") is None
     assert moe_param_for("model.layers.0.mlp.gate.weight") is None
+
+
+@pytest.mark.parametrize("which", ["sink", "minimax"])
+def test_router_weight_stays_fp32_and_recording_can_be_off(which):
+    from kiln.loader import cast_parameters
+
+    moe = SinkMoE(_cfg(), moe_index=3) if which == "sink" else MiniMaxMoE(_cfg(), moe_index=3)
+    _randomize(moe)
+    cast_parameters(moe, torch.bfloat16)
+    router = moe.router if which == "sink" else moe.gate
+    assert router.weight.dtype == torch.float32  # no per-forward upcast of the router weight
+    assert moe.experts.w13.dtype == torch.bfloat16 and moe.shared_experts.w2.dtype == torch.bfloat16
+    x = torch.randn(5, H, dtype=torch.bfloat16)
+    b = _batch()
+    b.record_routing = False  # the engine without --enable-return-routed-experts
+    y = moe(x, b)
+    assert "routed_experts" not in b.extras
+    b2 = _batch()
+    torch.testing.assert_close(moe(x, b2), y, atol=0, rtol=0)  # recording changes nothing else
+    assert b2.extras["routed_experts"][3].shape == (5, K)

@@ -33,13 +33,70 @@ from kiln.engine.spec.metrics import SpecCounts
 
 
 @dataclass
-class DraftState:
-    """A request's drafter state: its drafts for the next verify and its acceptance counters."""
+class DraftsInFlight:
+    """One drafter pass's drafts, still on the device: `tokens` [n, K] int64, row i for the pass's
+    i-th request. On CUDA a pinned host copy is queued right behind them with an event, so that
+    reading them (`fetch`) waits for the pass only, not for the verify forward queued after it.
 
-    drafts: list[int] = field(default_factory=list)
+    This lets a round's host work (outputs, scheduling, the next verify's inputs) run while the
+    GPU still drafts: the next verify reads its draft tokens on the device (`SpecDecoder.
+    draft_sources`), and the host reads them back only to verify, after that forward is queued."""
+
+    tokens: torch.Tensor
+    host: Optional[torch.Tensor] = None
+    ready: Optional[torch.cuda.Event] = None
+    _values: Optional[list[list[int]]] = None
+
+    @classmethod
+    def start(cls, tokens: torch.Tensor) -> "DraftsInFlight":
+        if tokens.device.type != "cuda":
+            return cls(tokens)
+        ready = torch.cuda.Event()
+        host = tokens.to("cpu", non_blocking=True)
+        ready.record()
+        return cls(tokens, host, ready)
+
+    def fetch(self) -> list[list[int]]:
+        if self._values is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._values = (self.host if self.host is not None else self.tokens).tolist()
+        return self._values
+
+
+@dataclass
+class DraftState:
+    """A request's drafter state: its drafts for the next verify and its acceptance counters.
+
+    `drafts` reads back drafts still on the device (`in_flight`: the pass and this request's row)
+    the first time it is read; `num_drafts` and `in_flight` do not wait for them."""
+
+    _drafts: list[int] = field(default_factory=list)
     q: Optional[torch.Tensor] = None  # [len(drafts), V] when sampled, None for greedy drafts
     counts: SpecCounts = field(default_factory=SpecCounts)  # this request's acceptance
     draft_logits: list = field(default_factory=list)  # per draft [V], when the drafter keeps them (tests)
+    in_flight: Optional[tuple[DraftsInFlight, int]] = None
+    _num_in_flight: int = 0
+
+    @property
+    def drafts(self) -> list[int]:
+        if self.in_flight is not None:
+            flight, row = self.in_flight
+            self._drafts = flight.fetch()[row][:self._num_in_flight]
+            self.in_flight = None
+        return self._drafts
+
+    @drafts.setter
+    def drafts(self, tokens: list[int]) -> None:
+        self._drafts, self.in_flight = tokens, None
+
+    def set_in_flight(self, flight: DraftsInFlight, row: int, k: int) -> None:
+        """The drafts are row `row` of `flight` (its first k tokens), not read back yet."""
+        self._drafts, self.in_flight, self._num_in_flight = [], (flight, row), k
+
+    @property
+    def num_drafts(self) -> int:
+        return self._num_in_flight if self.in_flight is not None else len(self._drafts)
 
     @property
     def complete(self) -> Optional[int]:

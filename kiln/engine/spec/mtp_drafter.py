@@ -35,7 +35,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.request import Req
-from kiln.engine.spec.drafter import DraftState
+from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 
 
@@ -95,6 +95,7 @@ class MTPDrafter:
         self.sample_drafts = False
         self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []  # queued by on_commit
         self.graph = None  # MTPChainGraph: steady decode passes replayed from CUDA graphs (`use_graphs`)
+        self.flight = None  # the last pass's drafts when the graph made them (still on the device)
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`."""
@@ -149,11 +150,14 @@ class MTPDrafter:
         dev = self.runner.device
         self._store_queued_h0(dev)
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
+        self.flight = None
         if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
             logits = self.graph.run(reqs)  # [K, n, V]
-            drafts = logits.argmax(dim=-1).t().tolist()
+            # Not read back here: the next verify gathers them on the device (DraftsInFlight)
+            self.flight = DraftsInFlight.start(logits.argmax(dim=-1).t().contiguous())
             for i, r in enumerate(reqs):
-                r.spec.drafts, r.spec.q = drafts[i], None
+                r.spec.set_in_flight(self.flight, i, self.num_layers)
+                r.spec.q = None
                 r.spec.draft_logits = [logits[k, i].clone() for k in range(self.num_layers)] if self.keep_logits else []
             return
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]

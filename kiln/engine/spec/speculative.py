@@ -29,7 +29,11 @@ is done gets its first drafts right away. The prefix cache only takes pages whos
 complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cached pages stay exact.
 Overlap scheduling is off with speculation. On CUDA the verify forward of a round in which every
 request verifies the same number of drafts replays from a CUDA graph (`CudaGraphRunner`'s
-uniform-extend shapes); the drafter reads the replayed hidden states.
+uniform-extend shapes); the drafter reads the replayed hidden states. A pass replayed from the
+MTP chain graph leaves its drafts on the device (`DraftsInFlight`): the step returns, the next
+step is scheduled and its verify forward queued (gathering the drafts on the device) while the
+GPU still drafts, and the host reads the drafts back only to verify. A round then waits for the
+device twice, not three times: for the verify's samples and for the drafts.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from kiln.engine.sampler import SamplingBatch, select_rows
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
-from kiln.engine.spec.verify import verify_greedy
+from kiln.engine.spec.verify import accepted_prefix
 
 
 # Largest batch whose MTP pass is captured: the graphs keep [K, bs, V] fp32 draft logits, and
@@ -78,17 +82,29 @@ class SpecDecoder:
         r.cache_limit = r.spec.complete
 
     def num_drafts(self, r: Req) -> int:
-        return len(r.spec.drafts) if r.spec is not None else 0
+        return r.spec.num_drafts if r.spec is not None else 0
 
-    def drafts(self, r: Req) -> list[int]:
-        return r.spec.drafts
+    def draft_ids(self, r: Req, k: int) -> tuple[list[int], Optional[int]]:
+        """The first k drafts for the forward's input ids, without waiting for the device: (their
+        values, None) when known on the host, else (k placeholders, the request's row in
+        `self.flight.tokens`), for the scheduler to gather on the device. Drafts of an older
+        pass than the last one are read back here."""
+        flight = r.spec.in_flight
+        if flight is not None and flight[0] is self.flight:
+            return [0] * k, flight[1]
+        return r.spec.drafts[:k], None
 
     def drop_drafts(self, r: Req) -> bool:
         """Out of pages: verify no drafts this round (a plain decode). False if there were none."""
-        had = bool(r.spec is not None and r.spec.drafts)
+        had = r.spec is not None and r.spec.num_drafts > 0
         if had:
             r.spec.drafts, r.spec.q = [], None
         return had
+
+    @property
+    def flight(self):
+        """The last drafter pass's drafts still on the device (`DraftsInFlight`), or None."""
+        return getattr(self.drafter, "flight", None)
 
     # ---- after the target forward --------------------------------------------------------
     @torch.inference_mode()
@@ -155,30 +171,30 @@ class SpecDecoder:
             for r, drafts, first, _ in group:
                 views += verify_views(r, drafts, dev)
                 rows += range(first, first + len(drafts) + 1)
-            out, accepted = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
-            self._commit(group, out, accepted)
+            out, accepted, tokens = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
+            self._commit(group, out, accepted, tokens)
 
     def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
-        """Sample every row; n = the longest prefix with sample_i == d_i."""
+        """Sample every row; n = the longest prefix with sample_i == d_i. Returns (sampler output,
+        accepted per round, the sampled tokens as a list)."""
         out = self.runner.sampler(logits, sb)
         tokens, accepted, row = out.token_ids.tolist(), [], 0
         for _, drafts, _, _ in group:
-            k = len(drafts)
-            n, _ = verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, k),
-                                 torch.tensor([tokens[row:row + k + 1]]))
-            accepted.append(int(n[0]))
-            row += k + 1
-        return out, accepted
+            accepted.append(accepted_prefix(drafts, tokens[row:row + len(drafts) + 1]))
+            row += len(drafts) + 1
+        return out, accepted, tokens
 
     def _verify_exact(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
-        return verify_rounds(self.runner.sampler, logits, sb, [d for _, d, _, _ in group],
-                             torch.cat([q for *_, q in group]), [r.generator for r, *_ in group], self.method)
+        out, accepted = verify_rounds(self.runner.sampler, logits, sb, [d for _, d, _, _ in group],
+                                      torch.cat([q for *_, q in group]), [r.generator for r, *_ in group], self.method)
+        return out, accepted, None
 
-    def _commit(self, group, out, accepted: list[int]) -> None:
+    def _commit(self, group, out, accepted: list[int], tokens: Optional[list[int]] = None) -> None:
         """Append each round's emitted tokens (row i of a round holds its i-th emitted token) with
-        the usual finish checks, and roll back past the accepted drafts."""
+        the usual finish checks, and roll back past the accepted drafts. `tokens`: out.token_ids
+        already read back (None: read here)."""
         sched = self.sched
-        tokens = out.token_ids.tolist()
+        tokens = tokens if tokens is not None else out.token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None

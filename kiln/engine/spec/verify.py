@@ -73,6 +73,16 @@ def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor):
     return n, emitted
 
 
+def accepted_prefix(drafts: list[int], samples: list[int]) -> int:
+    """`verify_greedy`'s n for one round on host lists: the longest prefix with samples[i] ==
+    drafts[i] (`samples` has len(drafts) + 1 entries). The engine's per-round check, without a
+    tensor per request."""
+    n = 0
+    while n < len(drafts) and samples[n] == drafts[n]:
+        n += 1
+    return n
+
+
 def verify_tokenwise(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
                      uniforms: torch.Tensor, residual_uniform: torch.Tensor):
     """Token-wise speculative sampling for a chain (section 1.2).
