@@ -137,7 +137,7 @@ class StepStats:
         pre = [r for r in self.rows if r[0] > 0]
         log(f"step stats: {len(self.rows)} steps, {sum(r[2] for r in self.rows):.2f}s; "
             f"{len(pre)} steps with prefill ({sum(r[0] for r in pre)} prompt tokens) took "
-            f"{sum(r[2] for r in pre):.2f}s")
+            f"{sum(r[2] for r in pre):.2f}s: " + ", ".join(f"{r[0]}+{r[1]}d {r[2] * 1e3:.0f} ms" for r in pre[:12]))
         lo = 0
         for hi in self.BUCKETS[1:]:
             dec = [r for r in self.rows if r[0] == 0 and lo < r[1] <= hi]
@@ -149,11 +149,18 @@ class StepStats:
 
 
 def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
+    # Warm-up: a short request, then enough prompts of the longest length to fill more than one
+    # forward's token budget, so that Triton compiles the kernels' prefill-shaped variants (full
+    # budget and a ragged remainder) here rather than inside the measured run.
+    longest = max(len(p) for p in prompts)
+    fill = -(-core.config.max_prefill_tokens // longest) + 1
     warm = [([1 + i for i in range(16)], SamplingParams(max_tokens=16, temperature=args.temperature,
                                                         ignore_eos=True))]
+    warm += [([1 + (j + i) % 1000 for j in range(longest)], SamplingParams(max_tokens=4, temperature=args.temperature,
+                                                                          ignore_eos=True)) for i in range(fill)]
     t0 = time.perf_counter()
     common.run_requests(core, warm, tag="warmup", progress=False)
-    log(f"Kiln warm-up request done in {time.perf_counter() - t0:.2f}s")
+    log(f"Kiln warm-up ({len(warm)} requests) done in {time.perf_counter() - t0:.2f}s")
     reqs = [(p, SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True))
             for p, n in zip(prompts, out_lens)]
     runs = []

@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2: later passes (see the lane functions below); spec3
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2: later passes (see the lane functions below); spec3
 #                and audit have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -229,10 +229,22 @@ lane1_tables2() {  # where the 8B offline run's time goes; MiniMax-M3 bench at 8
     --output-len 1024 --time-limit 35 --out "$R/json/decode_minimax.json"
 }
 
+lane0_offline2() {  # nano-vllm's workload again, with the prefill-shaped warm-up, step stats and transformers
+  step offline_llama8b ${T_OFF:-230} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 1 \
+    --time-limit 60 --step-stats --no-progress --out "$R/json/offline_llama8b.json"
+  step offline_qwen ${T_QWEN:-120} python benchmarks/offline_throughput.py --model-path $QWEN $C --num-runs 1 \
+    --time-limit 30 --step-stats --no-progress --out "$R/json/offline_qwen.json"
+}
+
+lane1_offline2() {  # MiniMax-M3 bench at batch 64 and 128, 8K / 1024
+  step decode_minimax ${T_MM:-330} $DECODE --model-path $MM --batch-sizes 64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 130 --out "$R/json/decode_minimax_64_128.json"
+}
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
