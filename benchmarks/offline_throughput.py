@@ -149,11 +149,11 @@ class StepStats:
 
 
 def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
-    # Warm-up: a short request, then enough prompts of the longest length to fill more than one
-    # forward's token budget, so that Triton compiles the kernels' prefill-shaped variants (full
-    # budget and a ragged remainder) here rather than inside the measured run.
+    # Warm-up: a short request, then (CUDA) enough prompts of the longest length to fill more than
+    # one forward's token budget, so that Triton compiles the kernels' prefill-shaped variants
+    # (full budget and a ragged remainder) here rather than inside the measured run.
     longest = max(len(p) for p in prompts)
-    fill = -(-core.config.max_prefill_tokens // longest) + 1
+    fill = -(-core.config.max_prefill_tokens // longest) + 1 if core.runner.device.type == "cuda" else 0
     warm = [([1 + i for i in range(16)], SamplingParams(max_tokens=16, temperature=args.temperature,
                                                         ignore_eos=True))]
     warm += [([1 + (j + i) % 1000 for j in range(longest)], SamplingParams(max_tokens=4, temperature=args.temperature,

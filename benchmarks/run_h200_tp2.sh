@@ -23,4 +23,4 @@ step latency_llama8b_tp2 ${T1:-150} $TR benchmarks/latency.py --model-path $LLAM
 step decode_llama8b_tp2 ${T2:-90} $TR benchmarks/decode_batch.py --model-path $LLAMA $C ${DECODE_ARGS:---batch-sizes 64 --input-len 1024 --output-len 128 --profile} --out "$R/decode_llama8b_tp2.json"
 step latency_inkling_tp2 ${T3:-90} $TR benchmarks/latency.py --model-path preset:inkling/bench $C --num-runs 3 --out "$R/latency_inkling_tp2.json"
 step latency_minimax_tp2 ${T5:-0} $TR benchmarks/latency.py --model-path preset:minimax_m3/bench $C --num-runs 3 --out "$R/latency_minimax_tp2.json"
-step decode_inkling_tp2 ${T4:-150} $TR benchmarks/decode_batch.py --model-path preset:inkling/bench $C --batch-sizes 8,32,64 --input-len 8192 --output-len 128 --out "$R/decode_inkling_tp2.json"
+step decode_inkling_tp2 ${T4:-150} $TR benchmarks/decode_batch.py --model-path preset:inkling/bench $C ${INK_DECODE_ARGS:---batch-sizes 8,32,64 --input-len 8192 --output-len 128} --out "$R/decode_inkling_tp2.json"

@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2: later passes (see the lane functions below); spec3
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2: later passes (see the lane functions below); spec3
 #                and audit have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -127,12 +127,7 @@ lane0_spec2() {  # after the verify-as-decode change: spec rounds again, with a 
 }
 
 lane0_spec_rounds() {
-  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
-  for K in 3 1; do
-    step spec_inkling_k$K ${T_SPEC:-90} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
-      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps $K --out "$R/json/spec_inkling_k$K.json"
-  done
+  lane0_spec_rounds_plain
   step spec_inkling_profile ${T_SPROF:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 48 \
     --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --profile --host-profile \
     --out "$R/json/spec_inkling_profile.json"
@@ -197,7 +192,7 @@ lane0_ovl() {  # after drafts-in-flight and the router/routing copies: gpu tests
   lane0_spec_rounds_plain
 }
 
-lane0_spec_rounds_plain() {  # lane0_spec_rounds without the profiled run
+lane0_spec_rounds_plain() {  # plain decode against MTP rounds (k = 3 and 1) at batch 1/8/32, unprofiled
   step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
     --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
   for K in 3 1; do
@@ -241,16 +236,26 @@ lane1_offline2() {  # MiniMax-M3 bench at batch 64 and 128, 8K / 1024
     --output-len 1024 --time-limit 130 --out "$R/json/decode_minimax_64_128.json"
 }
 
+lane0_final2() {  # exact verification (rejection sampling, block verification) on the GPU
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 140 \
+    tests/engine/test_spec_sampled.py
+}
+
+lane1_final2() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
     if [ "$PHASE" = last ]; then OUT=$R/json/tp2 T0=0 T1=0 T2=0 T3=${TP_T3:-100} T4=0 bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = tables2 ]; then OUT=$R/json/tp2 T0=0 T1=${TP_T1:-90} T2=${TP_T2:-60} T3=${TP_T3:-60} T4=0 T5=${TP_T5:-60} \
       DECODE_ARGS="--batch-sizes 64 --input-len 1024 --output-len 128" bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
+    if [ "$PHASE" = final2 ]; then OUT=$R/json/tp2 T0=0 T1=0 T2=0 T3=0 T4=${TP_T4:-240} \
+      INK_DECODE_ARGS="--batch-sizes 8,32,64,128 --input-len 8192 --output-len 1024 --time-limit 40" \
+      bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;

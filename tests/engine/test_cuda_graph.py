@@ -13,17 +13,6 @@ from tests.engine.test_hybrid_engine import make_core, prompts
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["llama", "inkling", "minimax_m3"])
-def arch_dir(request, tmp_path_factory):
-    import json
-
-    from tests.engine.test_kernel_path import CONFIGS
-
-    d = tmp_path_factory.mktemp(request.param)
-    (d / "config.json").write_text(json.dumps(CONFIGS[request.param]))
-    return str(d)
-
-
 def test_graphs_equal_eager_and_cpu(arch_dir):
     # 5 requests: batch sizes 5 -> padded to the captured 8, then fewer as requests finish.
     reqs = prompts(5, seed=2, lo=20, hi=70)

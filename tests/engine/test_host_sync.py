@@ -9,8 +9,6 @@ report."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,16 +16,8 @@ from kiln.engine.host_sync_audit import HostSyncAudit
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
 from tests.engine.test_hybrid_engine import make_core, prompts
-from tests.engine.test_kernel_path import CONFIGS
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", params=["llama", "inkling", "minimax_m3"])
-def arch_dir(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(request.param)
-    (d / "config.json").write_text(json.dumps(CONFIGS[request.param]))
-    return str(d)
 
 
 def test_audit_reports_a_sync_with_its_line():

@@ -21,15 +21,6 @@ CONFIGS = {**ARCHS, "llama": LLAMA}
 pytest.importorskip("triton")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def arch_dir(request, tmp_path_factory):
-    import json
-
-    d = tmp_path_factory.mktemp(request.param)
-    (d / "config.json").write_text(json.dumps(CONFIGS[request.param]))
-    return str(d)
-
-
 def greedy(core, reqs, max_tokens=5):
     """Greedy outputs {rid: ids} and {rid: [logit rows sampled]} of requests run together."""
     res = run(core, reqs, max_tokens=max_tokens)

@@ -5,21 +5,9 @@ stops, retraction under a small pool, and aborts; the integrity check runs after
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
 from tests.engine.test_hybrid_engine import make_core, prompts
-from tests.engine.test_kernel_path import CONFIGS
-
-
-@pytest.fixture(scope="module", params=["llama", "inkling", "minimax_m3"])
-def arch_dir(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(request.param)
-    (d / "config.json").write_text(json.dumps(CONFIGS[request.param]))
-    return str(d)
 
 
 def _params(i: int) -> SamplingParams:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from types import SimpleNamespace
@@ -129,12 +130,23 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chi2_sf(float(((O[keep] - E[keep]) ** 2 / E[keep]).sum()), int(keep.sum()) - 1)
 
 
-def engine_pvalues(rounds, method: str, q_key: str = "q") -> tuple[float, float, float]:
-    """Run the verification stage on every round; p-values of the first token and of the first
-    two jointly, and the mean number of accepted drafts."""
-    out, accepted = verify_rounds(Sampler(seed=11), rounds["target"], rounds["batch"], rounds["drafts"],
-                                  rounds[q_key], [None] * N, method)
-    tok = out.token_ids.view(N, G + 1)
+def _batch_to(batch: SamplingBatch, dev) -> SamplingBatch:
+    """The same sampling batch with its tensors on `dev`."""
+    move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    pairs = None if batch.id_pairs is None else {
+        k: None if v is None else tuple(move(t) for t in v) for k, v in batch.id_pairs.items()}
+    return dataclasses.replace(batch, **{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                                         if f.name != "id_pairs"}, id_pairs=pairs)
+
+
+def engine_pvalues(rounds, method: str, q_key: str = "q", device: str = "cpu") -> tuple[float, float, float]:
+    """Run the verification stage on every round (on `device`: on CUDA the sampler's processing
+    and draws are the Triton kernels); p-values of the first token and of the first two jointly,
+    and the mean number of accepted drafts."""
+    batch = rounds["batch"] if device == "cpu" else _batch_to(rounds["batch"], device)
+    out, accepted = verify_rounds(Sampler(seed=11, device=device), rounds["target"].to(device), batch,
+                                  rounds["drafts"], rounds[q_key].to(device), [None] * N, method)
+    tok = out.token_ids.view(N, G + 1).cpu()
     n = torch.tensor(accepted)
     first, second = tok[:, 0], tok[:, 1]
     # one token emitted: pad with a draw from the target given it
@@ -182,6 +194,18 @@ def test_broken_variants_fail_the_same_test(rounds, method, control, monkeypatch
         monkeypatch.setattr(V_, "_residual_weights", lambda p, q, w: p)
     pv1, pv2, _ = engine_pvalues(rounds, method, "q_hot" if control == "q_without_temperature" else "q")
     assert min(pv1, pv2) < 1e-6, (pv1, pv2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["tokenwise", "block"])
+def test_verification_on_cuda_matches_the_processed_target(rounds, method, monkeypatch):
+    # The same rounds verified on the GPU (the Triton sampling kernels process p, the uniforms come
+    # from the CUDA generator); a broken residual must fail there too.
+    pv1, pv2, mean_acc = engine_pvalues(rounds, method, device="cuda")
+    assert pv1 > 1e-4 and pv2 > 1e-4, (pv1, pv2)
+    assert 0.5 < mean_acc < G, mean_acc
+    monkeypatch.setattr(V_, "_residual_weights", lambda p, q, w: p)
+    assert min(engine_pvalues(rounds, method, device="cuda")[:2]) < 1e-6
 
 
 # ----------------------------------------------------------------------------- 2 end to end

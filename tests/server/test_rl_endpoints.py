@@ -202,7 +202,9 @@ def test_offline_engine_mirrors(models):
     update_weights_from_disk."""
     from kiln import Engine, SamplingParams
 
-    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    # Long enough that the threaded request is still running through the checks below (200 tokens
+    # of the tiny model can finish before the first poll on an idle machine).
+    sp = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     with Engine(models[0], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
         ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
         assert llm.release_memory_occupation()["kv_cache_bytes"] > 0
@@ -210,7 +212,9 @@ def test_offline_engine_mirrors(models):
         box: dict = {}
         t = threading.Thread(target=lambda: box.setdefault("out", llm.generate([PROMPT], sp, use_tqdm=False)))
         t.start()
-        while llm.stats().num_running == 0:
+        deadline = time.time() + 30
+        while llm.stats().num_running == 0:  # a bounded wait: a finished request must fail, not hang
+            assert time.time() < deadline and t.is_alive(), "the request never showed up as running"
             time.sleep(0.005)
         with pytest.raises(RuntimeError, match="pause_generation"):  # running, not paused
             llm.release_memory_occupation(["kv_cache"])

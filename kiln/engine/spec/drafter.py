@@ -39,8 +39,8 @@ class DraftsInFlight:
     reading them (`fetch`) waits for the pass only, not for the verify forward queued after it.
 
     This lets a round's host work (outputs, scheduling, the next verify's inputs) run while the
-    GPU still drafts: the next verify reads its draft tokens on the device (`SpecDecoder.
-    draft_sources`), and the host reads them back only to verify, after that forward is queued."""
+    GPU still drafts: the next verify reads its draft tokens on the device (`SpecDecoder.draft_ids`),
+    and the host reads them back only to verify, after that forward is queued."""
 
     tokens: torch.Tensor
     host: Optional[torch.Tensor] = None
