@@ -5,12 +5,14 @@
 
 One lock guards the core; whoever holds it steps it and routes every output to its request, so
 synchronous `generate` calls and concurrent `async_generate` calls (driven by one background
-thread) all batch together in the same scheduler.
+thread) all batch together in the same scheduler. Control calls (stats, pause, weight updates,
+memory release) from other threads get the lock between two steps (`CoreLock`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -30,6 +32,42 @@ ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 logger = logging.getLogger("kiln.offline")
 
 __all__ = ["Engine", "RequestOutput", "CompletionOutput", "SamplingParams"]
+
+
+class CoreLock:
+    """The lock around the engine core. Threads that drive generation step in a tight loop, and
+    `threading.Lock` is not fair: a control call from another thread (stats, pause, weight
+    updates, memory release) could wait for a whole generation. So control calls take it through
+    `control()`, and a driver steps aside after each step while one is waiting
+    (`yield_to_control`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self.waiting = 0  # control calls waiting for or holding the lock
+
+    def __enter__(self) -> "CoreLock":  # a driver's step
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def control(self) -> Iterator[None]:
+        with self._count:
+            self.waiting += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._count:
+                self.waiting -= 1
+
+    def yield_to_control(self) -> None:
+        """Called by a driver between steps, without the lock: wait while a control call is pending."""
+        while self.waiting:
+            time.sleep(0.0002)
 
 
 class _Tracked:
@@ -68,7 +106,7 @@ class Engine:
 
             tokenizer = load_tokenizer(self.info.model_dir, config.tokenizer_path, config.chat_template)
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._lock = CoreLock()
         self._tracked: dict[str, tuple[_Tracked, int]] = {}  # scheduler rid -> (request, index)
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -163,11 +201,11 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False while requests are running."""
-        with self._lock:
+        with self._lock.control():
             return self.core.flush_cache()
 
     def stats(self) -> Any:
-        with self._lock:
+        with self._lock.control():
             return self.core.stats()
 
     # ---- RL control (SGLang's Engine mirrors; see EngineCore for the rules) -------------------
@@ -177,44 +215,44 @@ class Engine:
 
     def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool = True) -> int:
         """Copy (on-disk name, tensor) pairs into the engine's weights; flushes the prefix cache."""
-        with self._lock:
+        with self._lock.control():
             return self.core.update_weights_from_tensor(named_tensors, flush_cache=flush_cache)
 
     def update_weights_from_disk(self, model_path: str, flush_cache: bool = True) -> int:
         """Load a checkpoint of the same architecture into the live weights; returns tensors read."""
-        with self._lock:
+        with self._lock.control():
             return self.core.update_weights_from_disk(model_path, flush_cache=flush_cache)
 
     def load_lora_adapter(self, name: str, adapter: Any) -> None:
         """Merge a LoRA adapter (PEFT directory or {"state_dict", "config"}) into the weights."""
-        with self._lock:
+        with self._lock.control():
             self.core.load_lora_adapter(name, adapter)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Restore the base weights."""
-        with self._lock:
+        with self._lock.control():
             self.core.unload_lora_adapter(name)
 
     def pause_generation(self, mode: str = "abort") -> int:
         """Stop stepping: "abort" aborts every request, "retract" sends running ones back to the
         queue, "in_place" keeps them (and their KV). Returns how many were aborted/retracted."""
-        with self._lock:
+        with self._lock.control():
             n = self.core.pause_generation(mode)
             self._step_locked()  # route the abort outputs
             return n
 
     def continue_generation(self) -> None:
-        with self._lock:
+        with self._lock.control():
             self.core.continue_generation()
         self._wake.set()
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
         """Free device memory: tags "kv_cache" and/or "weights" (default both)."""
-        with self._lock:
+        with self._lock.control():
             return self.core.release_memory_occupation(tags)
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        with self._lock:
+        with self._lock.control():
             self.core.resume_memory_occupation(tags)
         self._wake.set()
 
@@ -276,6 +314,7 @@ class Engine:
                 if cond():
                     break
                 stepped = self._step_locked()
+            self._lock.yield_to_control()
             if bar is not None:  # updated on this thread only: tqdm is not thread-safe
                 bar.update(sum(t.state.done for t in tracked) - bar.n)
             if not stepped and getattr(self.core, "blocked", False):
@@ -369,6 +408,7 @@ class Engine:
                     logger.exception("Engine driver stopped")
                     return
                 busy = self.core.has_work()
+            self._lock.yield_to_control()
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

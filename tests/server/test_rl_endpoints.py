@@ -202,15 +202,16 @@ def test_offline_engine_mirrors(models):
     update_weights_from_disk."""
     from kiln import Engine, SamplingParams
 
-    # Long enough that the threaded request is still running through the checks below (200 tokens
-    # of the tiny model can finish before the first poll on an idle machine).
-    sp = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    # The threaded request is longer, so that it is surely still running through the checks below;
+    # greedy, so its first 200 tokens are `ref`.
+    long_sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     with Engine(models[0], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
         ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
         assert llm.release_memory_occupation()["kv_cache_bytes"] > 0
         llm.resume_memory_occupation()
         box: dict = {}
-        t = threading.Thread(target=lambda: box.setdefault("out", llm.generate([PROMPT], sp, use_tqdm=False)))
+        t = threading.Thread(target=lambda: box.setdefault("out", llm.generate([PROMPT], long_sp, use_tqdm=False)))
         t.start()
         deadline = time.time() + 30
         while llm.stats().num_running == 0:  # a bounded wait: a finished request must fail, not hang
@@ -225,8 +226,27 @@ def test_offline_engine_mirrors(models):
         assert t.is_alive()
         llm.continue_generation()
         t.join(timeout=60)
-        assert box["out"][0].outputs[0].token_ids == ref
+        assert box["out"][0].outputs[0].token_ids[:len(ref)] == ref
         with pytest.raises(ValueError, match="mode"):
             llm.pause_generation("sleep")
         llm.update_weights_from_disk(models[1])
         assert llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids != ref
+
+
+def test_control_calls_get_the_lock_between_steps(models):
+    """Control calls from another thread get through while a generation runs: the driving thread
+    steps aside between steps (`kiln.offline.CoreLock`). With a plain lock it re-acquired the lock
+    right after releasing it, and a stats or pause call could wait for the whole generation."""
+    from kiln import Engine, SamplingParams
+
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with Engine(models[0], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
+        t = threading.Thread(target=lambda: llm.generate([PROMPT], sp, use_tqdm=False))
+        t.start()
+        calls = 0
+        while t.is_alive() and calls < 20:
+            llm.stats()
+            calls += 1
+            time.sleep(0.01)
+        t.join(timeout=120)
+        assert calls == 20, f"only {calls} control calls got through during a 400-token generation"
