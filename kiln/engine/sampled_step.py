@@ -1,5 +1,6 @@
 """`SampledStep`: one scheduler step's sampled tokens, still on the device (overlap scheduling
-reads them back one step later)."""
+reads them back one step later), and `HostReadback`, the pinned read-back it and the speculative
+drafts in flight share."""
 
 from __future__ import annotations
 
@@ -12,38 +13,55 @@ from kiln.engine.request import Req
 from kiln.engine.sampler import SampleOutput
 
 
+class HostReadback:
+    """Device tensors to read on the host without waiting for work queued after them.
+
+    On CUDA each tensor is copied to pinned host memory as soon as this is built, with an event
+    recorded right behind the copies; `lists` waits for that event only. A plain `.tolist()` would
+    wait for everything queued on the stream, e.g. the next step's forward that overlap scheduling
+    has already launched, and the GPU would then idle while the host prepares the step after it.
+    Elsewhere the tensors are read directly."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.host: Optional[dict[str, torch.Tensor]] = None
+        self.ready: Optional[torch.cuda.Event] = None
+        self._lists: Optional[dict[str, list]] = None
+        if any(t.device.type == "cuda" for t in tensors.values()):
+            self.host = {k: t.to("cpu", non_blocking=True) for k, t in tensors.items()}
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def lists(self) -> dict[str, list]:
+        """Every tensor as a (nested) list; read once, then cached."""
+        if self._lists is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            src = self.host if self.host is not None else self.tensors
+            self._lists = {k: t.tolist() for k, t in src.items()}
+        return self._lists
+
+
 @dataclass
 class SampledStep:
     """One step's sampling, queued on the device: `out` holds the tokens of `reqs` (row i is
-    reqs[i], `rows` maps a request id to its row).
-
-    On CUDA the results are copied to pinned host memory right after sampling, with an event
-    behind the copy (`start_copy`). Reading them (`fetch`) waits for that event only: a plain
-    `.tolist()` would wait for everything queued on the stream, including the *next* step's
-    forward that overlap scheduling has already launched, and the GPU would then idle while the
-    host prepares the step after it."""
+    reqs[i], `rows` maps a request id to its row). `start_copy` queues the read-back right after
+    sampling (`HostReadback`); `fetch` reads it."""
 
     reqs: list[Req]
     out: SampleOutput
     rows: dict[str, int]
-    host: Optional[dict] = None
-    ready: Optional[torch.cuda.Event] = None
+    readback: Optional[HostReadback] = None
 
     FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
 
     def start_copy(self) -> None:
-        if self.out.token_ids.device.type != "cuda":
-            return
-        self.host = {f: getattr(self.out, f).to("cpu", non_blocking=True) for f in self.FIELDS
-                     if getattr(self.out, f) is not None}
-        self.ready = torch.cuda.Event()
-        self.ready.record()
+        self.readback = HostReadback({f: getattr(self.out, f) for f in self.FIELDS
+                                      if getattr(self.out, f) is not None})
 
     def fetch(self) -> tuple:
         """(tokens, logprobs, top ids, top logprobs) as lists (None where not asked for)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            src = self.host
-        else:
-            src = {f: getattr(self.out, f) for f in self.FIELDS if getattr(self.out, f) is not None}
-        return tuple(src[f].tolist() if f in src else None for f in self.FIELDS)
+        if self.readback is None:
+            self.start_copy()
+        got = self.readback.lists()
+        return tuple(got.get(f) for f in self.FIELDS)

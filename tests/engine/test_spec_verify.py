@@ -393,7 +393,7 @@ def test_drafts_in_flight_are_read_back_once_and_only_when_read():
     a, b = DraftState(), DraftState()
     a.set_in_flight(flight, 0, 3)
     b.set_in_flight(flight, 1, 2)
-    assert a.num_drafts == 3 and b.num_drafts == 2 and flight._values is None  # nothing read yet
+    assert a.num_drafts == 3 and b.num_drafts == 2 and flight.readback._lists is None  # nothing read yet
     assert b.drafts == [8, 9] and b.in_flight is None and b.num_drafts == 2
     assert a.drafts == [5, 6, 7]
     a.set_in_flight(flight, 0, 3)

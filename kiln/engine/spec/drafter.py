@@ -29,13 +29,14 @@ from typing import Optional, Protocol
 import torch
 
 from kiln.engine.request import Req
+from kiln.engine.sampled_step import HostReadback
 from kiln.engine.spec.metrics import SpecCounts
 
 
 @dataclass
 class DraftsInFlight:
     """One drafter pass's drafts, still on the device: `tokens` [n, K] int64, row i for the pass's
-    i-th request. On CUDA a pinned host copy is queued right behind them with an event, so that
+    i-th request, with their pinned read-back queued right behind them (`HostReadback`), so that
     reading them (`fetch`) waits for the pass only, not for the verify forward queued after it.
 
     This lets a round's host work (outputs, scheduling, the next verify's inputs) run while the
@@ -43,25 +44,14 @@ class DraftsInFlight:
     and the host reads them back only to verify, after that forward is queued."""
 
     tokens: torch.Tensor
-    host: Optional[torch.Tensor] = None
-    ready: Optional[torch.cuda.Event] = None
-    _values: Optional[list[list[int]]] = None
+    readback: HostReadback
 
     @classmethod
     def start(cls, tokens: torch.Tensor) -> "DraftsInFlight":
-        if tokens.device.type != "cuda":
-            return cls(tokens)
-        ready = torch.cuda.Event()
-        host = tokens.to("cpu", non_blocking=True)
-        ready.record()
-        return cls(tokens, host, ready)
+        return cls(tokens, HostReadback({"tokens": tokens}))
 
     def fetch(self) -> list[list[int]]:
-        if self._values is None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            self._values = (self.host if self.host is not None else self.tokens).tolist()
-        return self._values
+        return self.readback.lists()["tokens"]
 
 
 @dataclass
