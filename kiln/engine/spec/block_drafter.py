@@ -85,6 +85,7 @@ class BlockDraftRunner:
 
     # Padded context rows (requests x longest context) one block batch may gather per layer.
     max_padded_tokens = 1 << 16
+    flight = None  # block drafts are read back after each pass (no DraftsInFlight)
 
     def __init__(self, runner, num_steps: int):
         self.runner = runner

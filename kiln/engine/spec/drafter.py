@@ -99,6 +99,7 @@ class Drafter(Protocol):
 
     num_steps: int  # the longest draft
     keep_logits: bool  # keep each draft's logits in `DraftState.draft_logits` (tests)
+    flight: Optional[DraftsInFlight]  # the last pass's drafts when still on the device, else None
 
     def new_state(self, r: Req) -> DraftState:
         """State for a request just (re)admitted with `r.num_computed` tokens from the prefix cache."""

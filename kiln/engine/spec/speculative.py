@@ -104,7 +104,7 @@ class SpecDecoder:
     @property
     def flight(self):
         """The last drafter pass's drafts still on the device (`DraftsInFlight`), or None."""
-        return getattr(self.drafter, "flight", None)
+        return self.drafter.flight
 
     # ---- after the target forward --------------------------------------------------------
     @torch.inference_mode()
