@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=20, help="Decode steps inside the profile window.")
     p.add_argument("--host-profile", action="store_true",
                    help="After the GPU profile window, profile the host (cProfile) over as many steps.")
+    p.add_argument("--host-phases", action="store_true",
+                   help="Time the host phases of --profile-steps steady decode steps, unprofiled (host_phases.py).")
     p.add_argument("--sync-audit", action="store_true",
                    help="After the profile windows, run --profile-steps decode steps under "
                         "torch.cuda.set_sync_debug_mode('warn') and print every host <- device wait with the "
@@ -174,6 +176,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     # Profile a window a quarter of the way into the decode phase (steady state, graphs warm).
     want_profile = args.profile and device == "cuda"
     decode_step = prof = prof_from = idle = host_prof = host_from = spec0 = audit = audit_from = None
+    phases = phases_from = None
     note = ""
     while core.has_work():
         if want_profile and prof is None and decode_step is not None and \
@@ -184,8 +187,17 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
             prof.__enter__()
             prof_from = steps
+        if args.host_phases and phases is None and decode_step is not None and steps >= decode_step + 2:
+            from host_phases import HostPhases
+
+            phases, phases_from = HostPhases(core).__enter__(), steps
         outs = core.step()
         steps += 1
+        if phases_from is not None and steps - phases_from >= args.profile_steps:
+            phases.__exit__(None, None, None)
+            log(f"batch {bs}: host phases over {args.profile_steps} steps (inclusive, unprofiled):\n"
+                f"{phases.report(args.profile_steps)}")
+            phases_from = None
         now = time.perf_counter()
         for o in outs:
             if o.new_token_ids and o.rid not in first:
@@ -232,6 +244,9 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += "time limit: partial; "
             break
     end = time.perf_counter()
+    if phases_from is not None:  # the decode ended inside the window
+        phases.__exit__(None, None, None)
+        log(f"batch {bs}: host phases over {steps - phases_from} steps:\n{phases.report(steps - phases_from)}")
     if audit is not None:  # the decode ended inside the audit window
         audit.__exit__(None, None, None)
         log(f"batch {bs}: host sync audit over {steps - audit_from} steps: {audit.report()}")

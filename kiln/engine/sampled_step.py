@@ -42,6 +42,15 @@ class HostReadback:
         return self._lists
 
 
+SAMPLE_FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+
+
+def sample_readback(out: SampleOutput, **extra: torch.Tensor) -> HostReadback:
+    """The read-back of a sampler output's fields that are set (plus `extra` tensors), queued now."""
+    fields = {f: getattr(out, f) for f in SAMPLE_FIELDS if getattr(out, f) is not None}
+    return HostReadback({**fields, **extra})
+
+
 @dataclass
 class SampledStep:
     """One step's sampling, queued on the device: `out` holds the tokens of `reqs` (row i is
@@ -53,15 +62,12 @@ class SampledStep:
     rows: dict[str, int]
     readback: Optional[HostReadback] = None
 
-    FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
-
     def start_copy(self) -> None:
-        self.readback = HostReadback({f: getattr(self.out, f) for f in self.FIELDS
-                                      if getattr(self.out, f) is not None})
+        self.readback = sample_readback(self.out)
 
     def fetch(self) -> tuple:
         """(tokens, logprobs, top ids, top logprobs) as lists (None where not asked for)."""
         if self.readback is None:
             self.start_copy()
         got = self.readback.lists()
-        return tuple(got.get(f) for f in self.FIELDS)
+        return tuple(got.get(f) for f in SAMPLE_FIELDS)

@@ -9,13 +9,14 @@ Accumulation is fp32 in the reference's order (acc = 0; acc += w_j * x_j for j =
 x; one cast) and the kernels are compiled without FMA contraction (`enable_fp_fusion=False`), so
 on the GPU they match the reference bit for bit, not just within a tolerance.
 
-Both also store this forward's inputs in the buffer (`conv_buf[out_locs] = x`), after reading the
-history, so that a sequence never reads its own new rows:
-- decode: one fused kernel; each program reads the history of its rows and channels, then writes
-  the same rows and channels (program order orders the two for the same addresses; rows of other
-  sequences never alias, their out_locs are fresh slots);
-- extend: the write is a second launch (`index_copy_`) after the conv kernel, so every read of
-  the buffer precedes every write whatever the slots are.
+Both also store this forward's inputs in the buffer (`conv_buf[out_locs] = x`) in the same
+kernel, each program after reading its own history. No program can read a slot another one
+writes: the history of a sequence is its positions before the chunk and the writes go to the
+chunk's positions, which have their own slots (a window space keeps every page a chunk and its
+history need until after the forward, `CacheManager.max_chunk_tokens`); shared prefix-cache
+pages are only read; padding rows read and write nothing but the scratch slot 0, which no real
+position maps to. (The extend path used to write with a second launch, `index_copy_`: one more
+kernel per ShortConv site, ~100 per verify forward of the Inkling bench preset.)
 
 No `.item()`/`.tolist()`, and grids depend only on shapes: both are CUDA-graph capturable.
 """
@@ -99,11 +100,9 @@ def _short_conv_kernel(
     y = acc + x_cur.to(tl.float32)
     tl.store(y_ptr + t[:, None] * stride_y + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask2)
 
-    if DECODE:
-        # After this program's reads of the same rows/channels (program order), see module doc.
-        out = tl.load(out_locs_ptr + t, mask=t_ok, other=0)
-        tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur.to(buf_ptr.dtype.element_ty),
-                 mask=mask2)
+    # The state write, after this program's reads of the history (program order; module doc)
+    out = tl.load(out_locs_ptr + t, mask=t_ok, other=0)
+    tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur.to(buf_ptr.dtype.element_ty), mask=mask2)
 
 
 def _block_c(c: int) -> int:
@@ -148,7 +147,7 @@ def short_conv_extend(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
     """Chunks of several tokens per sequence, packed along dim 0. x [T, C]; req_slots,
     prefix_lens (tokens already in the buffer), extend_lens, extend_starts (first row in x) [B]
     int64 on the device; out_locs [T] the slot of every row. Returns y [T, C] and writes all x
-    rows into conv_buf[out_locs], after the conv kernel has read the history."""
+    rows into conv_buf[out_locs] (after reading the history)."""
     _check(x, w, conv_buf, conv_table)
     n_tok, c = x.shape
     bsz = req_slots.shape[0]
@@ -165,6 +164,4 @@ def short_conv_extend(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
         K=w.shape[1], DECODE=False, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=32,
         num_warps=4, enable_fp_fusion=False,
     )
-    # A separate launch: stream order puts it after every read of the history above.
-    conv_buf.index_copy_(0, out_locs, x.to(conv_buf.dtype))
     return y

@@ -49,12 +49,13 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     assert {q for q, _ in core.runner.graphs.graphs} == {1, 4}
     chain = core.scheduler.spec.drafter.graph  # steady MTP passes replay from the chain graphs
     assert chain is not None and sorted(chain.graphs) == [1, 2, 4, 8]
-    passes = []
-    run = chain.run
+    passes, fed = [], []  # chain-graph passes filled by the host / fed by their verify on the device
+    run, run_after_verify = chain.run, chain.run_after_verify
     chain.run = lambda reqs: (passes.append(len(reqs)), run(reqs))[1]
+    chain.run_after_verify = lambda reqs, *a: (fed.append(len(reqs)), run_after_verify(reqs, *a))[1]
     res, _, _ = run_spec(core, reqs, max_tokens=16)
     want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=16)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
     assert 0 < counts.accepted_tokens < 3 * counts.verify_steps
-    assert passes, "no MTP pass replayed"
+    assert fed, "no MTP pass was fed by its verify on the device"

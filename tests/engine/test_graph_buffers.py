@@ -99,10 +99,21 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     draft_ids = core.scheduler.spec.draft_ids
     core.scheduler.spec.draft_ids = lambda r, k: (lambda out: (gathered.append(out[1] is not None), out)[1])(
         draft_ids(r, k))
+    in_flight = []  # draft counts of the requests whose drafts came from a chain graph
+    set_in_flight = drafter._set_in_flight
+    drafter._set_in_flight = lambda r, row, k: (in_flight.append(k), set_in_flight(r, row, k))[1]
+    on_device = []  # rounds whose MTP pass was fed from the verify's samples on the device
+    spec = core.scheduler.spec
+    device_round = spec._device_round
+    spec._device_round = lambda plan, *a: (on_device.append(len(plan)), device_round(plan, *a))[1]
     res, drafts, _ = run_spec(core, reqs, max_tokens=13)
     assert 4 in shapes, "no verify forward replayed"
     assert chain.replays > 0, "no MTP pass replayed"
     assert any(gathered), "no verify read its drafts on the device"
+    assert on_device, "no round ran verify -> draft on the device"
+    # near max_tokens a graph pass still serves requests that want fewer than K drafts (with
+    # partial acceptance the rounds end at every remaining count)
+    assert 3 in in_flight and (not alpha or any(k < 3 for k in in_flight)), in_flight
     want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=13)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec

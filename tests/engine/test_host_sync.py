@@ -54,3 +54,38 @@ def test_steady_decode_steps_do_not_wait_for_the_gpu(arch_dir):
     assert audit.count == 0, audit.report()
     while core.has_work():
         core.step()
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.0])
+def test_speculative_rounds_do_not_wait_for_the_gpu_between_verify_and_draft(tmp_path, alpha):
+    # MTP rounds (K = 3) on CUDA graphs: the verify's samples feed the chain graph on the device
+    # (`SpecDecoder._device_round`), and the host's only waits are event waits on the samples
+    # and on the drafts. alpha 0.01: partial acceptance; 0: every draft accepted.
+    import json
+
+    from tests.engine.test_speculative import SPEC_ARCHS, spec_core
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS["inkling"]))
+    core = spec_core(str(tmp_path), 3, alpha=alpha, device="cuda", page_size=4, cuda_graph_max_bs=16)
+    core.scheduler.check_after_step = False
+    spec = core.scheduler.spec
+    assert spec.drafter.graph is not None
+    rounds = []
+    device_round = spec._device_round
+    spec._device_round = lambda plan, *a: (rounds.append(len(plan)), device_round(plan, *a))[1]
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+             dict(temperature=0.7, top_k=20, repetition_penalty=1.2, frequency_penalty=0.3)]
+    reqs = prompts(3, seed=4, lo=20, hi=60)
+    for i, ids in enumerate(reqs):
+        params = SamplingParams(max_tokens=200, ignore_eos=True, **kinds[i])
+        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
+    for _ in range(6):  # prefills, the first eager passes
+        core.step()
+    before = len(rounds)
+    with HostSyncAudit(frames=6) as audit:
+        for _ in range(10):
+            core.step()
+    assert audit.count == 0, audit.report()
+    assert len(rounds) - before == 10 and set(rounds[before:]) == {3}, rounds
+    while core.has_work():
+        core.step()

@@ -97,7 +97,9 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     spec = core.scheduler.spec
     rows: dict[str, list[torch.Tensor]] = {}
     drafts: dict[str, list] = {}
-    verify, run = spec._verify_and_commit, spec.drafter.run
+    verify, run, device_round = spec._verify_and_commit, spec.drafter.run, spec._device_round
+    adopt = getattr(spec.drafter, "adopt_in_flight", None)
+    spec.drafter.keep_logits = True
 
     def capture_verify(logits, rs, first_rows, ends):
         before = [(r, f, len(r.output_ids)) for r, f in zip(rs, first_rows) if not r.finished]
@@ -105,15 +107,30 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
         for r, first, n in before:  # emitted token i was taken from row first + i
             rows.setdefault(r.rid, []).extend(logits[first:first + len(r.output_ids) - n].clone())
 
+    def record_drafts(r):
+        if r.spec.num_drafts:
+            drafts.setdefault(r.rid, []).append((r.seq_len - 2, peek_drafts(r.spec),
+                                                 [x.clone() for x in r.spec.draft_logits]))
+
     def capture_drafts(rs, num_drafts):
-        spec.drafter.keep_logits = True
         run(rs, num_drafts)
         for r in rs:
-            if r.spec.num_drafts:
-                drafts.setdefault(r.rid, []).append((r.seq_len - 2, peek_drafts(r.spec),
-                                                     [x.clone() for x in r.spec.draft_logits]))
+            record_drafts(r)
 
-    spec._verify_and_commit, spec.drafter.run = capture_verify, capture_drafts
+    def capture_device_round(plan, logits, batch, row_starts):
+        # verify rows of request i are i * (K + 1) ..; drafts are recorded as each request adopts them
+        before = [(r, i * (spec.num_steps + 1), len(r.output_ids)) for i, (r, _, _) in enumerate(plan)]
+        device_round(plan, logits, batch, row_starts)
+        for r, first, n in before:
+            rows.setdefault(r.rid, []).extend(logits[first:first + len(r.output_ids) - n].clone())
+
+    def capture_adopt(r, row, k):
+        adopt(r, row, k)
+        record_drafts(r)
+
+    spec._verify_and_commit, spec.drafter.run, spec._device_round = capture_verify, capture_drafts, capture_device_round
+    if adopt is not None:
+        spec.drafter.adopt_in_flight = capture_adopt
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(reqs):  # params: one for all, or a list with one per request
         core.add_request(GenerateReq(rid=f"{tag}{i}", input_ids=ids,
@@ -127,7 +144,9 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
             out.setdefault(o.rid, []).extend(o.new_token_ids)
             cached[o.rid] = o.cached_tokens
             last[o.rid] = o
-    spec._verify_and_commit, spec.drafter.run = verify, run
+    spec._verify_and_commit, spec.drafter.run, spec._device_round = verify, run, device_round
+    if adopt is not None:
+        spec.drafter.adopt_in_flight = adopt
     assert not core.has_work(), "requests still running after 2000 steps"
     core.check_integrity()
     res = {f"{tag}{i}": (ids, out[f"{tag}{i}"], rows[f"{tag}{i}"], cached[f"{tag}{i}"]) for i, ids in enumerate(reqs)}

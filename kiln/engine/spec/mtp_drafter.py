@@ -96,6 +96,7 @@ class MTPDrafter:
         self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []  # queued by on_commit
         self.graph = None  # MTPChainGraph: steady decode passes replayed from CUDA graphs (`use_graphs`)
         self.flight = None  # the last pass's drafts when the graph made them (still on the device)
+        self._flight_logits = None  # their logits, when keep_logits
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`."""
@@ -152,13 +153,9 @@ class MTPDrafter:
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
         self.flight = None
         if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
-            logits = self.graph.run(reqs)  # [K, n, V]
-            # Not read back here: the next verify gathers them on the device (DraftsInFlight)
-            self.flight = DraftsInFlight.start(logits.argmax(dim=-1).t().contiguous())
+            self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):
-                r.spec.set_in_flight(self.flight, i, self.num_layers)
-                r.spec.q = None
-                r.spec.draft_logits = [logits[k, i].clone() for k in range(self.num_layers)] if self.keep_logits else []
+                self._set_in_flight(r, i, num_drafts[r.rid])
             return
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
         draft_token: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft token (0-d, device)
@@ -224,6 +221,44 @@ class MTPDrafter:
         for r in reqs:
             if r.rid in q_rows:
                 r.spec.q = torch.stack(q_rows[r.rid])
+
+    def _start_flight(self, logits: torch.Tensor) -> None:
+        """The chain graph's draft logits [K, n, V] -> drafts kept on the device (`DraftsInFlight`):
+        not read back here, the next verify gathers them there."""
+        self.flight = DraftsInFlight.start(logits.argmax(dim=-1).t().contiguous())
+        self._flight_logits = logits if self.keep_logits else None
+
+    def _set_in_flight(self, r: Req, row: int, k: int) -> None:
+        r.spec.set_in_flight(self.flight, row, k)
+        r.spec.q = None
+        logits = self._flight_logits
+        r.spec.draft_logits = [logits[j, row].clone() for j in range(k)] if logits is not None else []
+
+    @torch.inference_mode()
+    def run_after_verify(self, reqs: list[Req], hidden: torch.Tensor, row_starts: list[int],
+                         samples: torch.Tensor, count: torch.Tensor) -> None:
+        """The pass of a round whose verify is still on the device (`SpecDecoder._device_round`):
+        request b (seq_len L, frontiers at L) verified K drafts at forward rows row_starts[b] ..
+        + K (final hidden states `hidden`), sampled `samples[b]` and committed the first `count[b]`
+        of them. Stores h^0 of every verify row (rows past the committed prefix are overwritten
+        before they are read) and queues the chain graph on those device values. The request
+        state moves on in `adopt_in_flight`, once the host has committed."""
+        K, ps = self.num_layers, self.page_size
+        self._store_queued_h0(self.runner.device)
+        rows, locs = [], []
+        for r, start in zip(reqs, row_starts):
+            L = r.seq_len
+            rows += range(start, start + K + 1)
+            locs += [page_slot(r.win_pages["conv"], p, ps) for p in range(L - 1, L + K)]
+        t = int64_to_device({"rows": rows, "locs": locs}, self.runner.device)
+        self.site(0)[t["locs"]] = hidden[t["rows"]].to(self.site(0).dtype)
+        self._start_flight(self.graph.run_after_verify(reqs, samples, count))
+
+    def adopt_in_flight(self, r: Req, row: int, k: int) -> None:
+        """After `run_after_verify` and the commit: the pass caught request `r` up to its seq_len,
+        and its next k drafts are row `row` of the pass."""
+        r.spec.frontier = [r.seq_len] * self.num_layers
+        self._set_in_flight(r, row, k)
 
     def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, draft_token: dict, dev):
         """Build layer k's batch (catch-up rows then the draft row, per request) and run it.

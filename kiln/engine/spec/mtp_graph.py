@@ -4,22 +4,32 @@ replayed from one CUDA graph per batch size.
 Eagerly, a pass launches every MTP layer's kernels one by one from Python and costs several
 milliseconds of host time at batch 1, more than the verify forward it follows. In steady decode
 its shape is fixed: after a verify that accepted n_b drafts, request b has c_b = n_b + 1 newly
-committed positions [F_b, T_b) whose entries every layer catches up (all frontiers equal F_b
-before the pass), plus, for layers k >= 2, the draft row at sequence index T_b - 2 fed with
-layer k - 1's draft token and hidden state. So each layer's batch is, per request, a block of
-R = K + 2 rows: c_b catch-up rows, the draft row right after them, padding after that.
+committed positions [F_b, F_b + c_b) whose entries every layer catches up (all frontiers equal
+F_b before the pass), plus, for layers k >= 2, the draft row at sequence index F_b + c_b - 2 fed
+with layer k - 1's draft token and hidden state. So each layer's batch is, per request, a block
+of R = K + 2 rows: c_b catch-up rows, the draft row right after them, padding after that.
 
-Static buffers hold, per request and row, what the host knows (catch-up tokens, positions,
-sliding-window slots, the conv slots the hidden states are read from and kept in, the draft row
-index); the graph does the rest on the device: the draft token and hidden state of layer k - 1
-go into layer k's draft row by index, each layer's h^k of the catch-up rows is kept for the next
-layer, and the K draft logits land in one static tensor. Padding rows read slot 0 and write to
+The graph's inputs are per *request*, not per row: the catch-up count c_b, the first stored
+position F_b, the committed tokens t_{F_b} .. (K + 1 of room), the conv slots of positions
+F_b - 1 .. F_b + K and the sliding-window slots of F_b .. F_b + 2K - 1 (every position a round
+of any acceptance can touch), and the request's row. The graph derives every row's token,
+position and slots from them on the device (`_rows`). So the catch-up counts and tokens can come
+straight from the verify's samples on the device (`run_after_verify`): the pass is queued right
+behind the verify without the host reading anything, which is what lets a speculative round run
+without a host synchronisation between verify and draft. `run` fills the same inputs from the
+host (passes after a mixed or non-uniform step).
+
+Inside the graph the draft token and hidden state of layer k - 1 go into layer k's draft row by
+index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
+land in one static tensor. Padding rows (and padding requests, c = 0) read slot 0 and write to
 slot 0 of every space (the scratch slots), and have extend length 0 in attention.
 
-Applies when every request in the pass drafts K tokens from frontiers at F_b with 1 <= T_b - F_b
-<= K + 1 and greedy drafts (sampled drafts need the host between layers); anything else runs
-the eager pass (`MTPDrafter.run`). The equality of the two is tested on the CPU with a capturer
-that re-runs the captured function (tests/engine/test_graph_buffers.py) and on the GPU.
+Applies when every request in the pass is ready to decode, its frontiers are at F_b with
+1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
+anything else runs the eager pass (`MTPDrafter.run`). A request that wants fewer than K drafts
+(near max_tokens) still gets K and uses the first ones: the draft rows past its pages map to the
+scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows. The equality of the two is tested on the CPU with a capturer that
+re-runs the captured function (tests/engine/test_graph_buffers.py) and on the GPU.
 """
 
 from __future__ import annotations
@@ -43,20 +53,20 @@ class MTPChainGraph:
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         dev = drafter.runner.device
-        n, rows = self.max_bs, self.max_bs * self.R
+        n, K = self.max_bs, self.K
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        self.ids = z(rows)  # catch-up tokens (draft rows filled on the device)
-        self.hid_locs = z(rows)  # conv slot of h^{k-1} at p - 1 (catch-up rows)
-        self.keep_locs = z(rows)  # conv slot that keeps h^k at p (catch-up rows; others: scratch 0)
-        self.pos = z(self.K, rows)  # per layer: sequence index of each row
-        self.swa_locs = z(self.K, rows)  # per layer: sliding-window slot of each row
-        self.ext = z(self.K, n)  # per layer: rows per request (0 for padding requests)
-        self.draft_out = z(self.K, n)  # per layer: the row whose output is the draft's hidden state
-        self.draft_in = z(n)  # the draft row of layers k >= 2
+        # Per request (padding requests: all 0)
+        self.count = z(n)  # c_b: catch-up rows (committed positions F_b .. F_b + c_b - 1)
+        self.first = z(n)  # F_b
+        self.tokens = z(n, self.R)  # t_{F_b + i} for i < c_b (column K + 1 stays 0)
+        self.conv_slots = z(n, K + 2)  # conv slot of positions F_b - 1 .. F_b + K
+        self.swa_width = max(2 * K, self.R)
+        self.swa_slots = z(n, self.swa_width)  # sliding-window slot of positions F_b .. F_b + 2K - 1 (or + R - 1)
         self.req_slots = z(n)
-        self.token_slots = z(rows)  # the request row of every row (padding: 0)
         self.zeros = z(n)
         self.starts = torch.arange(n, dtype=torch.int64, device=dev) * self.R
+        self.row = torch.arange(self.R, dtype=torch.int64, device=dev)
+        self.layer = torch.arange(1, K + 1, dtype=torch.int64, device=dev)  # k = 1..K
         self.graphs: dict[int, tuple] = {}
         self._ptrs: Optional[tuple] = None
 
@@ -76,29 +86,60 @@ class MTPChainGraph:
         capturer.done(self.sizes)
         self._ptrs = self._pool_ptrs()
 
+    def _rows(self, bs: int) -> dict[str, torch.Tensor]:
+        """Every row's inputs from the per-request tables of the first `bs` requests (flattened
+        [bs * R] per row, [K, ...] per layer). Row i of request b: a catch-up row (stored
+        position F + i) when i < c, layer k >= 2's draft row (index F + c - 2, stored F + c - 2 + k)
+        when i == c, else padding."""
+        K, R = self.K, self.R
+        c, first = self.count[:bs, None], self.first[:bs, None]  # [bs, 1]
+        i, k, k_col = self.row[None, :], self.layer[:, None, None], self.layer[:, None]  # [1, R], [K, 1, 1], [K, 1]
+        live = c > 0
+        catch = i < c  # [bs, R]
+        draft = (i == c) & live & (k >= 2)  # [K, bs, R]
+        zero = torch.zeros_like(catch, dtype=torch.int64)
+        conv = self.conv_slots[:bs]
+        hid = torch.where(catch, conv[:, :R], zero)  # h^{k-1} at p - 1 (conv column i = position F - 1 + i)
+        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=K).expand(bs, R)), zero)  # h^k at p
+        pos = torch.where(catch, first + i - k, torch.where(draft, first + c - 2, 0))
+        swa_draft = self.swa_slots[:bs].gather(1, (c - 2 + self.layer[None, :]).clamp(min=0)).t()  # [K, bs]
+        swa = torch.where(catch, self.swa_slots[:bs, :R], torch.where(draft, swa_draft[:, :, None], 0))
+        base = self.starts[:bs, None]
+        return {
+            "ids": torch.where(catch, self.tokens[:bs], zero).reshape(-1),
+            "hid": hid.reshape(-1), "keep": keep.reshape(-1),
+            "pos": pos.reshape(K, -1), "swa": swa.reshape(K, -1),
+            "ext": torch.where(live.t(), c.t() + (k_col >= 2), 0),  # [K, bs]
+            "draft_out": base.t() + torch.where(live, c, 1).t() - (k_col == 1).long(),  # [K, bs]; padding: own block
+            "draft_in": (base + torch.where(live, c, R - 1)).reshape(bs),
+            # contiguous: a kernel indexes it with stride 1 (at bs 1 the expand would stay a stride-0 view)
+            "token_slots": (self.req_slots[:bs, None] * live).expand(bs, R).contiguous().view(-1),
+        }
+
     def _chain(self, bs: int) -> torch.Tensor:
         """The pass on the static buffers of the first `bs` requests -> logits [K, bs, V] (fp32)."""
         d, R = self.drafter, self.R
-        rows = bs * R
+        rows = self._rows(bs)
         prev_tok = prev_h = None
         out_logits = []
         for k, layer in enumerate(d.layers, start=1):
-            ids, h_prev = self.ids[:rows], d.site(k - 1)[self.hid_locs[:rows]]
+            ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
             if k > 1:  # layer k - 1's draft token and hidden state feed layer k's draft row
-                ids = ids.index_copy(0, self.draft_in[:bs], prev_tok)
-                h_prev = h_prev.index_copy(0, self.draft_in[:bs], prev_h.to(h_prev.dtype))
-            batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=self.pos[k - 1, :rows],
+                ids = ids.index_copy(0, rows["draft_in"], prev_tok)
+                h_prev = h_prev.index_copy(0, rows["draft_in"], prev_h.to(h_prev.dtype))
+            ext = rows["ext"][k - 1]
+            batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=rows["pos"][k - 1],
                                  prefix_lens=[0] * bs, extend_lens=[R] * bs, logits_indices=ids[:0],
                                  req_slots=self.req_slots[:bs], out_cache_loc=None,
-                                 win_out_locs={"swa": self.swa_locs[k - 1, :rows]}, backend=d.runner.backend)
-            batch.prefix_lens_t, batch.seq_lens_t = self.zeros[:bs], self.ext[k - 1, :bs]
-            batch.extend_lens_t, batch.extend_starts_t, batch.max_extend_len = self.ext[k - 1, :bs], self.starts[:bs], R
-            batch.extras["token_slots"] = self.token_slots[:rows]
+                                 win_out_locs={"swa": rows["swa"][k - 1]}, backend=d.runner.backend)
+            batch.prefix_lens_t, batch.seq_lens_t = self.zeros[:bs], ext
+            batch.extend_lens_t, batch.extend_starts_t, batch.max_extend_len = ext, self.starts[:bs], R
+            batch.extras["token_slots"] = rows["token_slots"]
             emb = d.model.model.embed_tokens(ids)
             out = layer(emb, h_prev.to(emb.dtype), batch)
             if k < self.K:  # h^k of the catch-up rows, for layer k + 1 (other rows: scratch slot 0)
-                d.site(k)[self.keep_locs[:rows]] = out.to(d.site(k).dtype)
-            prev_h = out.index_select(0, self.draft_out[k - 1, :bs])
+                d.site(k)[rows["keep"]] = out.to(d.site(k).dtype)
+            prev_h = out.index_select(0, rows["draft_out"][k - 1])
             logits = d.model.lm_head.compute_logits(layer.final_norm(prev_h)).float()
             prev_tok = logits.argmax(dim=-1)
             out_logits.append(logits)
@@ -112,63 +153,88 @@ class MTPChainGraph:
         for r in reqs:
             f = r.spec.frontier
             T = r.seq_len
-            if (num_drafts.get(r.rid, 0) != K or r.num_computed != T - 1 or any(x != f[0] for x in f)
+            if (r.rid not in num_drafts or r.num_computed != T - 1 or any(x != f[0] for x in f)
                     or not 1 <= T - f[0] <= K + 1):
                 return False
         return True
 
-    def run(self, reqs) -> torch.Tensor:
-        """Fill the buffers for `reqs` (`can_run` said yes), replay, advance the frontiers to T and
-        return the draft logits [K, len(reqs), V] (a view of a static tensor: read it before the
-        next replay)."""
-        d, K, R, ps = self.drafter, self.K, self.R, self.drafter.page_size
-        if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
-            self.capture()
-        n = len(reqs)
-        bs = next(s for s in self.sizes if s >= n)
-        ids, hid, keep = [0] * (bs * R), [0] * (bs * R), [0] * (bs * R)
-        pos, swa = [[0] * (bs * R) for _ in range(K)], [[0] * (bs * R) for _ in range(K)]
-        ext, dout = [[0] * bs for _ in range(K)], [[0] * bs for _ in range(K)]
-        # Padding requests point their draft rows into their own (all-padding) block: an index
-        # shared with a live request's row would race in the index_copy.
-        din, slots, tok_slots = [b * R + R - 1 for b in range(bs)], [0] * bs, [0] * (bs * R)
-        for k in range(K):
-            dout[k] = [b * R for b in range(bs)]
-        for b, r in enumerate(reqs):
-            F, T = r.spec.frontier[0], r.seq_len
-            c, base = T - F, b * R
-            conv, swa_view = r.win_pages["conv"], r.win_pages["swa"]
-            ids[base:base + c] = r.token_ids(F, T)
-            for i, p in enumerate(range(F, T)):
-                hid[base + i] = page_slot(conv, p - 1, ps)
-                keep[base + i] = page_slot(conv, p, ps)
-            slots[b], din[b] = r.slot, base + c
-            tok_slots[base:base + R] = [r.slot] * R
-            for k in range(1, K + 1):
-                for i, p in enumerate(range(F, T)):
-                    pos[k - 1][base + i] = p - k
-                    swa[k - 1][base + i] = page_slot(swa_view, p, ps)
-                if k >= 2:  # the draft row at index T - 2, stored at T - 2 + k
-                    pos[k - 1][base + c] = T - 2
-                    swa[k - 1][base + c] = page_slot(swa_view, T - 2 + k, ps)
-                ext[k - 1][b] = c + (k >= 2)
-                dout[k - 1][b] = base + c - (k == 1)
-        host = torch.tensor(ids + hid + keep + din + slots + sum(pos, []) + sum(swa, []) + sum(ext, [])
-                            + sum(dout, []) + tok_slots, dtype=torch.int64)
-        if host.device.type != d.runner.device.type:
-            host = host.pin_memory() if d.runner.device.type == "cuda" else host
-        flat = host.to(d.runner.device, non_blocking=True)
-        m = bs * R
-        parts = flat.split([m, m, m, bs, bs, K * m, K * m, K * bs, K * bs, m])
-        for dst, src in ((self.ids[:m], parts[0]), (self.hid_locs[:m], parts[1]), (self.keep_locs[:m], parts[2]),
-                         (self.draft_in[:bs], parts[3]), (self.req_slots[:bs], parts[4]),
-                         (self.pos[:, :m], parts[5].view(K, m)), (self.swa_locs[:, :m], parts[6].view(K, m)),
-                         (self.ext[:, :bs], parts[7].view(K, bs)), (self.draft_out[:, :bs], parts[8].view(K, bs)),
-                         (self.token_slots[:m], parts[9])):
-            dst.copy_(src)
+    def _tables(self, reqs, first: list[int]) -> dict[str, list[int]]:
+        """The host's per-request inputs (request b's first stored position `first[b]`): slots of
+        every position a round can touch, 0 where the request has no page (never read: `run`'s
+        caller grew the pages a pass needs)."""
+        K, ps = self.K, self.drafter.page_size
+        conv, swa, slots = [], [], []
+        for r, F in zip(reqs, first):
+            conv += [_slot_or_scratch(r.win_pages["conv"], p, ps) for p in range(F - 1, F + K + 1)]
+            swa += [_slot_or_scratch(r.win_pages["swa"], p, ps) for p in range(F, F + self.swa_width)]
+            slots.append(r.slot)
+        return {"first": first, "conv": conv, "swa": swa, "slots": slots}
+
+    def _load(self, n: int, bs: int, host: dict[str, list[int]], count=None, tokens=None) -> None:
+        """Copy the host tables (one transfer) and the counts / tokens into the static inputs;
+        requests n .. bs - 1 are padding."""
+        d, K = self.drafter, self.K
+        dev = d.runner.device
+        flat = torch.tensor(sum(host.values(), []), dtype=torch.int64)
+        if dev.type == "cuda":
+            flat = flat.pin_memory()
+        parts = flat.to(dev, non_blocking=True).split([len(v) for v in host.values()])
+        t = dict(zip(host, parts))
+        self.first[:n].copy_(t["first"])
+        self.conv_slots[:n].copy_(t["conv"].view(n, K + 2))
+        self.swa_slots[:n].copy_(t["swa"].view(n, self.swa_width))
+        self.req_slots[:n].copy_(t["slots"])
+        self.count[:n].copy_(t["count"] if count is None else count)
+        self.tokens[:n, :K + 1].copy_(t["tokens"].view(n, K + 1) if tokens is None else tokens)
+        if bs > n:
+            for buf in (self.count, self.req_slots):
+                buf[n:bs].zero_()
+
+    def _replay(self, n: int, bs: int) -> torch.Tensor:
         replay, logits = self.graphs[bs]
         replay()
-        for r in reqs:
-            r.spec.frontier = [r.seq_len] * K
         return logits[:, :n]
 
+    def _ready(self) -> None:
+        if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
+            self.capture()
+
+    def run(self, reqs) -> torch.Tensor:
+        """Fill the inputs for `reqs` (`can_run` said yes) from the host, replay, advance the
+        frontiers to T and return the draft logits [K, len(reqs), V] (a view of a static tensor:
+        read it before the next replay)."""
+        self._ready()
+        K, n = self.K, len(reqs)
+        bs = next(s for s in self.sizes if s >= n)
+        first = [r.spec.frontier[0] for r in reqs]
+        host = self._tables(reqs, first)
+        host["count"] = [r.seq_len - F for r, F in zip(reqs, first)]
+        host["tokens"] = []
+        for r, F in zip(reqs, first):
+            ids = r.token_ids(F, r.seq_len)
+            host["tokens"] += ids + [0] * (K + 1 - len(ids))
+        self._load(n, bs, host)
+        logits = self._replay(n, bs)
+        for r in reqs:
+            r.spec.frontier = [r.seq_len] * K
+        return logits
+
+    def run_after_verify(self, reqs, tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The pass right after a verify that is still on the device: request b (seq_len L_b, L_b - 1
+        computed, frontiers at L_b, pages up to L_b + 2K) committed `count[b]` tokens
+        `tokens[b, :count[b]]` ([n, K + 1] and [n] on the device). Nothing is read on the host;
+        the caller advances the frontiers once it knows the counts. Returns the draft logits
+        [K, n, V] (a view of a static tensor)."""
+        self._ready()
+        n = len(reqs)
+        bs = next(s for s in self.sizes if s >= n)
+        self._load(n, bs, self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
+        return self._replay(n, bs)
+
+
+def _slot_or_scratch(view: list, pos: int, page_size: int) -> int:
+    """`page_slot`, or the scratch slot 0 past the request's pages or on a trimmed page."""
+    i = pos // page_size
+    if pos < 0 or i >= len(view) or view[i] is None:
+        return 0
+    return page_slot(view, pos, page_size)

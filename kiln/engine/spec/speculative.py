@@ -44,11 +44,12 @@ import torch
 
 from kiln.engine.cache.manager import cdiv
 from kiln.engine.request import Req
+from kiln.engine.sampled_step import sample_readback
 from kiln.engine.sampler import SamplingBatch, select_rows
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
-from kiln.engine.spec.verify import accepted_prefix
+from kiln.engine.spec.verify import accepted_prefixes
 
 
 # Largest batch whose MTP pass is captured: the graphs keep [K, bs, V] fp32 draft logits, and
@@ -115,6 +116,9 @@ class SpecDecoder:
         and cache prompt pages."""
         self.drafter.on_forward(batch)
         ends = {r.rid: end for r, _, end in plan}
+        if self._round_on_device(plan, sample_reqs, sample_rows):
+            self._device_round(plan, logits, batch, row_starts)
+            return
         self._verify_and_commit(logits, sample_reqs, sample_rows, ends)
         alive = [(r, s, e, row) for (r, s, e), row in zip(plan, row_starts) if not r.finished]
         num_drafts = {}
@@ -129,17 +133,17 @@ class SpecDecoder:
                 self.cache.cache(r)
             self.cache.trim(r)
 
-    def _make_room(self, r: Req) -> int:
+    def _make_room(self, r: Req, keep: int = 0) -> int:
         """Pages for the pass, and how many tokens the request drafts. A request ready to decode
         needs what the drafter writes (MTP: its committed positions for the catch-up and the draft
         rows' stored positions up to T - 2 + k); pages beyond that (rejected positions of this
-        round) are freed."""
+        round) are freed, except below `keep` positions (a pass already queued writes there)."""
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
             return 0
         k = min(self.num_steps, r.params.max_tokens - len(r.output_ids) - 1, self.sched.context_length - T)
         k = max(k, 0)
-        need = self.drafter.pages_needed(T, k)
+        need = max(self.drafter.pages_needed(T, k), keep)
         if len(r.pages) > cdiv(need, self.page_size):
             self.cache.shrink(r, need)
         elif not self.cache.grow(r, need):
@@ -171,33 +175,76 @@ class SpecDecoder:
             for r, drafts, first, _ in group:
                 views += verify_views(r, drafts, dev)
                 rows += range(first, first + len(drafts) + 1)
-            out, accepted, tokens = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
-            self._commit(group, out, accepted, tokens)
+            got, accepted = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
+            self._commit(group, got, accepted)
 
-    def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
-        """Sample every row; n = the longest prefix with sample_i == d_i. Returns (sampler output,
-        accepted per round, the sampled tokens as a list)."""
-        out = self.runner.sampler(logits, sb)
-        tokens, accepted, row = out.token_ids.tolist(), [], 0
-        for _, drafts, _, _ in group:
-            accepted.append(accepted_prefix(drafts, tokens[row:row + len(drafts) + 1]))
-            row += len(drafts) + 1
-        return out, accepted, tokens
+    def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple[dict, list[int]]:
+        """Sample every row; n = the longest prefix with sample_i == d_i. Returns (the sampler
+        output read back, accepted per round)."""
+        got = sample_readback(self.runner.sampler(logits, sb)).lists()
+        return got, accepted_prefixes([d for _, d, _, _ in group], got["token_ids"])
 
-    def _verify_exact(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple:
+    def _verify_exact(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple[dict, list[int]]:
         out, accepted = verify_rounds(self.runner.sampler, logits, sb, [d for _, d, _, _ in group],
                                       torch.cat([q for *_, q in group]), [r.generator for r, *_ in group], self.method)
-        return out, accepted, None
+        return sample_readback(out).lists(), accepted
 
-    def _commit(self, group, out, accepted: list[int], tokens: Optional[list[int]] = None) -> None:
+    # ---- a round without the host between verify and draft ---------------------------------
+    def _round_on_device(self, plan, sample_reqs: list[Req], sample_rows: list[int]) -> bool:
+        """Whether this step's verify can feed the MTP chain graph on the device: every request of
+        the forward verifies K greedy-drafted (point-mass) tokens from a steady state (frontiers
+        at seq_len) and its pages grow to what the pass of a round of any acceptance writes
+        (positions < L + 2K, inside the context). Anything else takes the host path
+        (`_verify_and_commit` + `drafter.run`). A request with fewer than K tokens left to
+        generate still gets K drafts from the graph and verifies the first ones it can use."""
+        graph = getattr(self.drafter, "graph", None)
+        K = self.num_steps
+        if graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan):
+            return False
+        for (r, start, end), s, srow, i in zip(plan, sample_reqs, sample_rows, range(len(plan))):
+            L = r.seq_len
+            if (s is not r or srow != i * (K + 1) or r.finished or start != L - 1 or end != L + K
+                    or r.spec.q is not None or any(f != L for f in r.spec.frontier)
+                    or self.sched.context_length - L < 2 * K + 1):
+                return False
+        return all(self.cache.grow(r, r.seq_len + 2 * K) for r, _, _ in plan)
+
+    def _device_round(self, plan, logits: torch.Tensor, batch, row_starts: list[int]) -> None:
+        """Verify, then queue the MTP pass fed from the verify's samples on the device (the
+        accepted counts and committed tokens never visit the host first), then read the samples
+        back and commit while the GPU drafts. The host's acceptance must equal the device's."""
+        dev, K = self.runner.device, self.num_steps
+        reqs = [r for r, _, _ in plan]
+        n = len(reqs)
+        assert logits.shape[0] == n * (K + 1), (logits.shape, n, K)
+        drafts = [r.spec.drafts[:K] for r in reqs]
+        views = [v for r, d in zip(reqs, drafts) for v in verify_views(r, d, dev)]
+        out = self.runner.sampler(logits, SamplingBatch.from_reqs(views, dev))  # every row is a verify row
+        samples = out.token_ids.view(n, K + 1)
+        on_device = batch.input_ids.view(n, K + 1)[:, 1:]  # the drafts as the verify read them
+        count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
+        readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
+        self.drafter.run_after_verify(reqs, batch.extras["hidden"], row_starts, samples, count)
+        got = readback.lists()
+        accepted = accepted_prefixes(drafts, got["token_ids"])
+        assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
+        self._commit([(r, d, 0, None) for r, d in zip(reqs, drafts)], got, accepted)
+        for i, r in enumerate(reqs):
+            if r.finished:
+                continue
+            # the pass wrote draft rows up to T - 2 + K: keep those pages until it has run (a page
+            # freed now could be refilled by a HiCache load on its own stream before then)
+            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len - 1 + K))
+            r.cache_limit = r.spec.complete
+            self.cache.trim(r)
+
+    def _commit(self, group, got: dict, accepted: list[int]) -> None:
         """Append each round's emitted tokens (row i of a round holds its i-th emitted token) with
-        the usual finish checks, and roll back past the accepted drafts. `tokens`: out.token_ids
-        already read back (None: read here)."""
+        the usual finish checks, and roll back past the accepted drafts. `got`: the sampler output
+        read back (`sample_readback(...).lists()`)."""
         sched = self.sched
-        tokens = tokens if tokens is not None else out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        tokens = got["token_ids"]
+        lps, top_ids, top_lps = got.get("logprobs"), got.get("top_ids"), got.get("top_logprobs")
         row = 0
         for (r, drafts, _, _), n in zip(group, accepted):
             k = len(drafts)

@@ -83,6 +83,16 @@ def accepted_prefix(drafts: list[int], samples: list[int]) -> int:
     return n
 
 
+def accepted_prefixes(drafts: list[list[int]], samples: list[int]) -> list[int]:
+    """`accepted_prefix` of consecutive rounds: round b's len(drafts[b]) + 1 samples follow round
+    b - 1's in `samples`."""
+    out, row = [], 0
+    for d in drafts:
+        out.append(accepted_prefix(d, samples[row:row + len(d) + 1]))
+        row += len(d) + 1
+    return out
+
+
 def verify_tokenwise(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
                      uniforms: torch.Tensor, residual_uniform: torch.Tensor):
     """Token-wise speculative sampling for a chain (section 1.2).
