@@ -27,8 +27,8 @@ slot 0 of every space (the scratch slots), and have extend length 0 in attention
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
 anything else runs the eager pass (`MTPDrafter.run`). A request that wants fewer than K drafts
-(near max_tokens) still gets K and uses the first ones: the draft rows past its pages map to the
-scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows. The equality of the two is tested on the CPU with a capturer that
+(at the end of the context) still gets K and uses the first ones: the draft rows past its pages
+map to the scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows. The equality of the two is tested on the CPU with a capturer that
 re-runs the captured function (tests/engine/test_graph_buffers.py) and on the GPU.
 """
 

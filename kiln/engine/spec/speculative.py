@@ -141,8 +141,9 @@ class SpecDecoder:
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
             return 0
-        k = min(self.num_steps, r.params.max_tokens - len(r.output_ids) - 1, self.sched.context_length - T)
-        k = max(k, 0)
+        # Not capped by max_tokens: the commit stops at it anyway, and a round of the full length
+        # keeps the verify forward on its CUDA graph (a shorter one would run eagerly)
+        k = max(min(self.num_steps, self.sched.context_length - T), 0)
         need = max(self.drafter.pages_needed(T, k), keep)
         if len(r.pages) > cdiv(need, self.page_size):
             self.cache.shrink(r, need)
@@ -195,8 +196,7 @@ class SpecDecoder:
         the forward verifies K greedy-drafted (point-mass) tokens from a steady state (frontiers
         at seq_len) and its pages grow to what the pass of a round of any acceptance writes
         (positions < L + 2K, inside the context). Anything else takes the host path
-        (`_verify_and_commit` + `drafter.run`). A request with fewer than K tokens left to
-        generate still gets K drafts from the graph and verifies the first ones it can use."""
+        (`_verify_and_commit` + `drafter.run`)."""
         graph = getattr(self.drafter, "graph", None)
         K = self.num_steps
         if graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan):
