@@ -221,8 +221,8 @@ FLAGS = {"tokenwise": dict(speculative_use_rejection_sampling=True),
 
 
 def mixed_params() -> list[SamplingParams]:
-    """Sampled requests with every kind of processing, and a greedy one in the same batch;
-    different max_tokens, so rounds with different draft lengths verify together."""
+    """Sampled requests with every kind of processing, and a greedy one in the same batch, with
+    different max_tokens (each request's last round is cut by the commit at its own point)."""
     return [
         SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
         SamplingParams(max_tokens=19, temperature=1.0, top_p=0.9, min_p=0.02, repetition_penalty=1.2,

@@ -279,6 +279,18 @@ def test_stop_token_inside_an_accepted_run_drops_the_rest(model_dir):
     assert out == free[:free.index(stop) + 1] and last["r0"].finish_reason == "stop"
 
 
+def test_rounds_draft_k_up_to_the_last_token(model_dir):
+    # max_tokens stops the commit, not the draft: the last round still verifies K drafts (a shorter
+    # round would leave the verify's CUDA graph), and the output stops at max_tokens exactly.
+    core = spec_core(model_dir, 3, alpha=0.0, page_size=4)
+    prompt = prompts(1, seed=18, lo=20, hi=21)[0]
+    res, drafts, last = run_spec(core, [prompt], max_tokens=6)
+    assert res["r0"][1] == run_plain(plain_core(model_dir, alpha=0.0, page_size=4), [prompt], max_tokens=6)["r0"]
+    assert last["r0"].finish_reason == "length"
+    # after the prefill (token 1) and after round 1 (tokens 2-5): both passes draft 3
+    assert [len(d) for _, d, _ in drafts["r0"]] == [3, 3]
+
+
 def assert_abort_frees_every_page(core, prompt_ids: list[list[int]], max_tokens: int) -> None:
     """Abort one of several speculating requests mid-run; after the rest finish and the cache is
     flushed, every page of every space is free again (shared by the drafters' tests)."""
