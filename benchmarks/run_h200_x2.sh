@@ -275,7 +275,8 @@ lane0_final3() {  # after the device rounds and graph passes near max_tokens: th
     --out "$R/json/spec_inkling_k3_long.json"
   step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 150 \
     tests/engine/test_host_sync.py tests/engine/test_speculative.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_kernel_path.py tests/kernels/test_shortconv_kernels.py tests/engine/test_spec_sampled.py
+    tests/engine/test_kernel_path.py tests/kernels/test_shortconv_kernels.py tests/kernels/test_conv_qk_norm.py \
+    ${SAMPLED_TESTS-tests/engine/test_spec_sampled.py}
 }
 
 lane1_final3() { :; }

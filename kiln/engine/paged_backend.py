@@ -7,8 +7,9 @@ the model's `state_specs()`:
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space;
-- `conv_qk_norm_decode` (kernel path, decode only): Inkling's k/v ShortConvs over the "conv"
-  space fused with the q/k norms (`kiln.kernels.conv_qk_norm`).
+- `conv_qk_norm` (kernel path; decode steps and short extends such as a speculative verify):
+  Inkling's k/v ShortConvs over the "conv" space fused with the q/k norms
+  (`kiln.kernels.conv_qk_norm`).
 The math is the reference ops in `kiln.ops`; only the addressing lives here. Before a layer
 touches its buffers it waits for HiCache copies still running on them (`LayerGate`). With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
@@ -161,19 +162,26 @@ class PagedBackend:
         buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
 
-    def conv_qk_norm_decode(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                            q_scale: Optional[torch.Tensor] = None):
-        """Inkling's attention prologue of a decode step in one launch (kernel path only,
+    def fuses_conv_qk_norm(self, batch: ForwardBatch) -> bool:
+        """Whether `conv_qk_norm` serves this batch: the kernel path, and a decode step or chunks
+        of at most SHORT_EXTEND tokens (a speculative verify; longer prefill chunks keep the
+        separate kernels, whose programs cover several rows)."""
+        return self.use_kernels and (batch.mode == ForwardMode.DECODE or batch.max_extend_len <= SHORT_EXTEND)
+
+    def conv_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                     q_scale: Optional[torch.Tensor] = None):
+        """Inkling's attention prologue in one launch (when `fuses_conv_qk_norm`,
         `kiln.kernels.conv_qk_norm`): layer.k_conv / v_conv on k and v with their conv-space
         history and state writes (as `short_conv`), then layer.q_norm / k_norm per head and q
-        times `q_scale` [B] (lam). q [B, Hq*D], k / v [B, Hkv*D] -> ([B, Hq, D], [B, Hkv, D], [B, Hkv*D])."""
-        assert self.use_kernels and batch.mode == ForwardMode.DECODE
+        times `q_scale` [T] (lam). q [T, Hq*D], k / v [T, Hkv*D] -> ([T, Hq, D], [T, Hkv, D], [T, Hkv*D])."""
+        assert self.fuses_conv_qk_norm(batch)
         k_buf, v_buf = self.conv.layer(layer.k_conv.conv_id), self.conv.layer(layer.v_conv.conv_id)
         self.gate.wait(k_buf, v_buf)
-        return self.k_prologue.conv_qk_norm_decode(
+        rows = batch.req_slots if batch.mode == ForwardMode.DECODE else self._token_slots(batch, q.shape[0])
+        return self.k_prologue.conv_qk_norm(
             q, k, v, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, layer.k_norm.eps,
-            layer.k_conv.weight, layer.v_conv.weight, k_buf, v_buf, self.tables["conv"], batch.req_slots,
-            batch.seq_lens_t, batch.win_out_locs["conv"], layer.attn.head_dim, q_scale)
+            layer.k_conv.weight, layer.v_conv.weight, k_buf, v_buf, self.tables["conv"], rows,
+            batch.positions, batch.win_out_locs["conv"], layer.attn.head_dim, q_scale)
 
     def _conv_history(self, buf: torch.Tensor, batch: ForwardBatch, k: int, device) -> torch.Tensor:
         """[B, K-1, C]: each sequence's K-1 inputs before its first new token (zeros before the

@@ -1,17 +1,20 @@
-"""Triton decode prologue of Inkling's attention (MODELS.md 2.2): the k and v ShortConvs and the
-per-head q and k RMSNorms of one decode step in one launch.
+"""Triton prologue of Inkling's attention (MODELS.md 2.2): the k and v ShortConvs and the per-head
+q and k RMSNorms of a decode step, or of short chunks such as a speculative verify, in one launch.
 
-Per sequence b (one new token at position seq_lens[b] - 1), with q, k, v split out of the fused
-qkvr projection:
+Per token row t (at `positions[t]` of the request whose table row is `row_slots[t]`), with q, k, v
+split out of the fused qkvr projection:
 
-    k' = ShortConv_k(k), v' = ShortConv_v(v)     history from the paged conv buffers, as
-                                                 `kiln.kernels.shortconv.short_conv_decode`
+    k' = ShortConv_k(k), v' = ShortConv_v(v)     taps inside the chunk from the rows before,
+                                                 earlier ones from the paged conv buffers, as
+                                                 `kiln.kernels.shortconv`
     q_out = RMSNorm_q(q) per head [* lam_b]      as `kiln.layers.norm.rms_norm` (then, on full
     k_out = RMSNorm_k(k') per head                 layers, `(q.float() * lam).to(q.dtype)`)
     v_out = v'
 
-and, like `short_conv_decode`, k and v are written into their conv buffers at out_locs[b] after
-their history was read. Unfused that is five to seven launches per layer (two convs, two norms,
+and, like the ShortConv kernels, k and v are written into their conv buffers at out_locs[t] after
+their history was read. A tap is inside the chunk when the row d before has the same request row
+and position p - d (the rows of a chunk are consecutive; a request has one chunk per forward), so
+decode rows, whose neighbours are other requests, read every tap from the buffer. Unfused that is five to seven launches per layer (two convs, two norms,
 the lam scale's mul and casts); at batch 1 the launches, not the bytes, are the cost.
 
 Every value is rounded where the unfused path rounds it: the conv result is cast to the model's
@@ -19,9 +22,9 @@ dtype before k's norm reads it, the normed q before lam scales it. Compiled with
 contraction (`enable_fp_fusion=False`), the convs and the lam scale match the reference ops bit
 for bit; the norms differ only by the fp32 reduction order and rsqrt (as `kiln.kernels.norm`).
 
-Programs: one per (sequence, block of BLOCK_H heads) of q, then of k, then of v; each reads its
-own channels' history, then writes the same channels (program order orders the two; other
-sequences' out_locs are fresh slots, never anyone's history). Lengths, slots and lam are read on
+Programs: one per (row, block of BLOCK_H heads) of q, then of k, then of v; each reads its own
+channels' history, then writes the same channels. No program reads a slot another writes: rows
+write the slots of this forward's positions, and buffer taps are positions before each chunk. Lengths, slots and lam are read on
 the device and the grid depends only on shapes: CUDA-graph capturable. Inference only.
 """
 
@@ -43,37 +46,43 @@ def _rms_norm_tile(x, w_ptr, d, d_ok, D, eps):
 
 
 @triton.jit
-def _conv_tile(x_row_ptr, w_ptr, stride_w, buf_ptr, stride_buf, table_row_ptr, seq_len, out_loc, c, m,
-               K: tl.constexpr):
-    """ShortConv of one token's channels c ([BLOCK_H, BLOCK_D], mask m) in the reference's order:
-    acc = 0; acc += w_j * x_j (j = 0..K-1, taps before the current one from the buffer); + x.
-    Returns fp32; stores x into buf[out_loc] after the reads."""
-    x_cur = tl.load(x_row_ptr + c, mask=m, other=0.0)
+def _conv_tile(x_ptr, t, stride_x, w_ptr, stride_w, buf_ptr, stride_buf, table_row_ptr, slots_ptr, pos_ptr,
+               slot, pos, out_loc, c, m, K: tl.constexpr):
+    """ShortConv of row t's channels c ([BLOCK_H, BLOCK_D], mask m) in the reference's order:
+    acc = 0; acc += w_j * x_j (j = 0..K-1); + x. Tap j (position pos - d, d = K - 1 - j) reads row
+    t - d's input when that row is the same request one position back (inside this chunk), else
+    the buffer (zeros before the sequence). Returns fp32; stores x into buf[out_loc] after the reads."""
+    x_cur = tl.load(x_ptr + t * stride_x + c, mask=m, other=0.0)
     acc = tl.zeros(c.shape, dtype=tl.float32)
     for j in tl.static_range(K):
         w_j = tl.load(w_ptr + c * stride_w + j, mask=m, other=0.0).to(tl.float32)
         if j == K - 1:
             v = x_cur.to(tl.float32)
         else:
-            pos = seq_len - K + j  # position of tap j; < 0 reads zeros (before the sequence)
-            ok = pos >= 0
-            loc = tl.load(table_row_ptr + tl.where(ok, pos, 0), mask=ok, other=0).to(tl.int64)
-            v = tl.load(buf_ptr + loc * stride_buf + c, mask=m & ok, other=0.0).to(tl.float32)
+            d = K - 1 - j
+            tap = pos - d
+            tp = tl.maximum(t - d, 0)
+            inside = (t - d >= 0) & (tl.load(slots_ptr + tp) == slot) & (tl.load(pos_ptr + tp) == tap)
+            from_buf = (tap >= 0) & (inside == 0)
+            loc = tl.load(table_row_ptr + tl.where(from_buf, tap, 0), mask=from_buf, other=0).to(tl.int64)
+            vb = tl.load(buf_ptr + loc * stride_buf + c, mask=m & from_buf, other=0.0).to(tl.float32)
+            vx = tl.load(x_ptr + tp * stride_x + c, mask=m & inside, other=0.0).to(tl.float32)
+            v = tl.where(inside, vx, vb)
         acc = acc + w_j * v
     tl.store(buf_ptr + out_loc * stride_buf + c, x_cur.to(buf_ptr.dtype.element_ty), mask=m)
     return acc + x_cur.to(tl.float32)
 
 
 @triton.jit
-def _conv_qk_norm_decode_kernel(
+def _conv_qk_norm_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
     qn_w_ptr, kn_w_ptr, kc_w_ptr, vc_w_ptr, k_buf_ptr, v_buf_ptr,
-    table_ptr, slots_ptr, seq_lens_ptr, out_locs_ptr, lam_ptr,
+    table_ptr, slots_ptr, pos_ptr, out_locs_ptr, lam_ptr,
     HQ, HKV, D, NQB, NKB, q_eps, k_eps,
     stride_q, stride_k, stride_v, stride_kcw, stride_vcw, stride_kbuf, stride_vbuf, stride_tab,
     K: tl.constexpr, HAS_LAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)  # the row (token)
     blk = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -93,46 +102,49 @@ def _conv_qk_norm_decode_kernel(
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = (h < HKV)[:, None] & d_ok[None, :]
         c = h[:, None] * D + d[None, :]
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+        slot = tl.load(slots_ptr + b)
+        pos = tl.load(pos_ptr + b)
         out_loc = tl.load(out_locs_ptr + b).to(tl.int64)
-        table_row = table_ptr + slot * stride_tab
+        table_row = table_ptr + slot.to(tl.int64) * stride_tab
         if is_k:
-            yk = _conv_tile(k_ptr + b * stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
-                            seq_len, out_loc, c, m, K)
+            yk = _conv_tile(k_ptr, b, stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
+                            slots_ptr, pos_ptr, slot, pos, out_loc, c, m, K)
             # The conv's result in the model's dtype is what k's norm reads.
             yk = yk.to(k_out_ptr.dtype.element_ty).to(tl.float32)
             yk = _rms_norm_tile(yk, kn_w_ptr, d, d_ok, D, k_eps)
             tl.store(k_out_ptr + b * HKV * D + c, yk.to(k_out_ptr.dtype.element_ty), mask=m)
         else:
-            yv = _conv_tile(v_ptr + b * stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row,
-                            seq_len, out_loc, c, m, K)
+            yv = _conv_tile(v_ptr, b, stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row,
+                            slots_ptr, pos_ptr, slot, pos, out_loc, c, m, K)
             tl.store(v_out_ptr + b * HKV * D + c, yv.to(v_out_ptr.dtype.element_ty), mask=m)
 
 
-def conv_qk_norm_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, q_eps: float, k_eps: float,
-                        k_conv_w: torch.Tensor, v_conv_w: torch.Tensor,
-                        k_buf: torch.Tensor, v_buf: torch.Tensor, conv_table: torch.Tensor,
-                        req_slots: torch.Tensor, seq_lens: torch.Tensor, out_locs: torch.Tensor,
-                        head_dim: int, q_scale: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One new token per sequence. q [B, Hq*D], k / v [B, Hkv*D] (row-strided views of the qkvr
+def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, q_eps: float, k_eps: float,
+                 k_conv_w: torch.Tensor, v_conv_w: torch.Tensor,
+                 k_buf: torch.Tensor, v_buf: torch.Tensor, conv_table: torch.Tensor,
+                 row_slots: torch.Tensor, positions: torch.Tensor, out_locs: torch.Tensor,
+                 head_dim: int, q_scale: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T token rows: a decode step (one per sequence) or short chunks (a speculative verify), the
+    rows of a chunk consecutive. q [T, Hq*D], k / v [T, Hkv*D] (row-strided views of the qkvr
     projection are read in place), norm weights [D], conv weights [Hkv*D, K], k_buf / v_buf
-    [slots, Hkv*D] (the two sites' conv buffers), conv_table [rows, L], req_slots / seq_lens /
-    out_locs [B] on the device, q_scale [B] fp32 (lam) or None.
+    [slots, Hkv*D] (the two sites' conv buffers), conv_table [rows, L]; row_slots (each row's
+    request row in the table), positions and out_locs [T] int64 on the device; q_scale [T] fp32
+    (lam) or None.
 
-    Returns (q_out [B, Hq, D], k_out [B, Hkv, D], v_out [B, Hkv*D]), new tensors in the inputs'
+    Returns (q_out [T, Hq, D], k_out [T, Hkv, D], v_out [T, Hkv*D]), new tensors in the inputs'
     dtypes, and writes k, v into k_buf / v_buf at out_locs (after reading the history)."""
     d = head_dim
     bsz = q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     assert q.dim() == k.dim() == v.dim() == 2 and k.shape == v.shape and q.shape[1] % d == 0 and k.shape[1] % d == 0
+    assert row_slots.shape == positions.shape == out_locs.shape == (bsz,), (row_slots.shape, positions.shape)
     hq, hkv = q.shape[1] // d, k.shape[1] // d
     c = hkv * d
     assert k_conv_w.shape == v_conv_w.shape and k_conv_w.shape[0] == c, (k_conv_w.shape, c)
     assert k_buf.shape[1] == v_buf.shape[1] == c and q_norm_w.shape == k_norm_w.shape == (d,)
-    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w):
+    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w, row_slots, positions, out_locs):
         assert t.stride(-1) == 1, "channel / position dims must be contiguous"
     q_out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(bsz, hkv, d, dtype=k.dtype, device=k.device)
@@ -143,11 +155,11 @@ def conv_qk_norm_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # ~512 elements per program: at batch 1 a few dozen programs share the step's few KB.
     block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), 512 // block_d))
     nqb, nkb = triton.cdiv(hq, block_h), triton.cdiv(hkv, block_h)
-    lam = q_scale if q_scale is not None else seq_lens  # unused without HAS_LAM
-    _conv_qk_norm_decode_kernel[(bsz, nqb + 2 * nkb)](
+    lam = q_scale if q_scale is not None else positions  # unused without HAS_LAM
+    _conv_qk_norm_kernel[(bsz, nqb + 2 * nkb)](
         q, k, v, q_out, k_out, v_out,
         q_norm_w, k_norm_w, k_conv_w, v_conv_w, k_buf, v_buf,
-        conv_table, req_slots, seq_lens, out_locs, lam,
+        conv_table, row_slots, positions, out_locs, lam,
         hq, hkv, d, nqb, nkb, float(q_eps), float(k_eps),
         q.stride(0), k.stride(0), v.stride(0), k_conv_w.stride(0), v_conv_w.stride(0),
         k_buf.stride(0), v_buf.stride(0), conv_table.stride(0),

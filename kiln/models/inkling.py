@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kiln.dist.parallel import SINGLE, ParallelContext
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
@@ -102,10 +102,10 @@ class InklingAttention(nn.Module):
                               rel_extent=cfg.rel_extent)
 
     def _fused_prologue(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
-        """A decode step on the engine's kernel path runs the k/v convs, the q/k norms and q's lam
-        scale as one launch (`PagedBackend.conv_qk_norm_decode`)."""
-        return (self.use_conv and batch.mode == ForwardMode.DECODE and kernel_path(batch, x)
-                and hasattr(batch.backend, "conv_qk_norm_decode"))
+        """A decode step or a short extend (a speculative verify) on the engine's kernel path runs
+        the k/v convs, the q/k norms and q's lam scale as one launch (`PagedBackend.conv_qk_norm`)."""
+        return (self.use_conv and kernel_path(batch, x) and hasattr(batch.backend, "fuses_conv_qk_norm")
+                and batch.backend.fuses_conv_qk_norm(batch))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.attn.head_dim
@@ -113,7 +113,7 @@ class InklingAttention(nn.Module):
         q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
         lam = attn_scale(batch.positions, self.beta, self.floor_scale) if self.full else None  # [T] fp32
         if self._fused_prologue(x, batch):
-            q, k, v = batch.backend.conv_qk_norm_decode(self, q, k, v, batch, lam)
+            q, k, v = batch.backend.conv_qk_norm(self, q, k, v, batch, lam)
         else:
             if self.use_conv:  # on the raw projections, before the per-head norm
                 k, v = self.k_conv(k, batch), self.v_conv(v, batch)

@@ -34,13 +34,13 @@ def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32") ->
 
 
 def conv_qk_norm(has_lam: bool) -> None:
-    from kiln.kernels.conv_qk_norm import _conv_qk_norm_decode_kernel
+    from kiln.kernels.conv_qk_norm import _conv_qk_norm_kernel
 
     bf16 = ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "v_out_ptr", "qn_w_ptr", "kn_w_ptr",
             "kc_w_ptr", "vc_w_ptr", "k_buf_ptr", "v_buf_ptr")
     types = {**{n: "*bf16" for n in bf16}, "lam_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32",
-             **{n: "*i64" for n in ("table_ptr", "slots_ptr", "seq_lens_ptr", "out_locs_ptr")}}
-    compile_sm90(_conv_qk_norm_decode_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128))
+             **{n: "*i64" for n in ("table_ptr", "slots_ptr", "pos_ptr", "out_locs_ptr")}}
+    compile_sm90(_conv_qk_norm_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128))
 
 
 def extend_attention(mtp: bool) -> None:

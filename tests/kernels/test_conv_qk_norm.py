@@ -1,4 +1,4 @@
-"""Inkling's fused decode prologue (`kiln.kernels.conv_qk_norm`) vs the unfused reference ops:
+"""Inkling's fused attention prologue (`kiln.kernels.conv_qk_norm`) vs the unfused reference ops:
 `kiln.ops.shortconv.short_conv` over the history in the paged buffers (as `PagedBackend` gathers
 it) plus the buffer writes, `kiln.layers.norm.rms_norm` per head, and the lam scale of q.
 
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.kernels.conv_qk_norm import conv_qk_norm_decode  # noqa: E402
+from kiln.kernels.conv_qk_norm import conv_qk_norm  # noqa: E402
 from kiln.layers.norm import rms_norm  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
 from tests.kernels.test_shortconv_kernels import Paged  # noqa: E402
@@ -27,14 +27,22 @@ EPS = 1e-6
 
 
 class Case:
-    """One decode step: q, k, v as views of a fused qkvr output, two conv sites (k and v buffers
-    sharing the conv table and out_locs, as every site of the "conv" space does), norm and conv
-    weights, optionally lam."""
+    """One decode step (extend_lens None) or short chunks per sequence: q, k, v as views of a fused
+    qkvr output, two conv sites (k and v buffers sharing the conv table and out_locs, as every
+    site of the "conv" space does), norm and conv weights, optionally lam per row."""
 
-    def __init__(self, prefix_lens, hq, hkv, d, k, dtype, device, seed, lam=False, r_dim=8):
+    def __init__(self, prefix_lens, hq, hkv, d, k, dtype, device, seed, lam=False, r_dim=8, extend_lens=None):
         gen = torch.Generator().manual_seed(seed)
-        b, c = len(prefix_lens), hkv * d
-        self.paged_k = Paged(prefix_lens, [1] * b, c, dtype, device, gen)
+        extend_lens = extend_lens or [1] * len(prefix_lens)
+        b, c = sum(extend_lens), hkv * d
+        used = sum(prefix_lens) + b
+        self.paged_k = Paged(prefix_lens, extend_lens, c, dtype, device, gen, n_slots=used + b + 7)
+        # The new rows are written to slots the table does not map (the engine's are the table's
+        # own): a kernel reading a tap inside its chunk from the buffer, rather than from the row
+        # before (which another program may not have written yet on a GPU), then reads garbage.
+        pk = self.paged_k
+        taken = {x for row, p, n in zip(pk.rows.tolist(), prefix_lens, extend_lens) for x in pk.table[row, :p + n].tolist()}
+        self.paged_k.out_locs = torch.tensor([x for x in range(used + b + 7) if x not in taken][:b])
         self.paged_v = copy.copy(self.paged_k)
         self.paged_v.buf = torch.randn(self.paged_k.buf.shape, generator=gen).to(dtype)
         qkvr = torch.randn(b, (hq + 2 * hkv) * d + hq * r_dim, generator=gen).to(dtype).to(device)
@@ -43,16 +51,19 @@ class Case:
         self.qn_w, self.kn_w = ((1 + 0.3 * rnd(d)).to(dtype).to(device) for _ in range(2))
         self.kc_w, self.vc_w = ((0.5 * rnd(c, k)).to(dtype).to(device) for _ in range(2))
         self.lam = (1 + rnd(b).abs()).to(device) if lam else None
-        self.seq_lens = torch.tensor(prefix_lens, device=device) + 1
+        lens = torch.tensor(extend_lens)
+        # each row's position and request row (the rows of a chunk are consecutive)
+        self.positions = torch.cat([p + torch.arange(n) for p, n in zip(prefix_lens, extend_lens)]).to(device)
+        self.row_slots = self.paged_k.rows.repeat_interleave(lens).to(device)
         self.hq, self.hkv, self.d, self.dtype = hq, hkv, d, dtype
 
     def run(self):
         """(q, k, v, k_buf, v_buf) from the kernel."""
-        k_buf, table, rows, out_locs = self.paged_k.to_device()
+        k_buf, table, _, out_locs = self.paged_k.to_device()
         v_buf = self.paged_v.buf.to(k_buf.device)
-        q, k, v = conv_qk_norm_decode(self.q, self.k, self.v, self.qn_w, self.kn_w, EPS, EPS, self.kc_w,
-                                      self.vc_w, k_buf, v_buf, table, rows, self.seq_lens, out_locs, self.d,
-                                      q_scale=self.lam)
+        q, k, v = conv_qk_norm(self.q, self.k, self.v, self.qn_w, self.kn_w, EPS, EPS, self.kc_w,
+                               self.vc_w, k_buf, v_buf, table, self.row_slots, self.positions, out_locs, self.d,
+                               q_scale=self.lam)
         return q, k, v, k_buf, v_buf
 
     def reference(self):
@@ -87,6 +98,18 @@ def test_matches_the_unfused_reference(device, dtype, prefix_lens, hq, hkv, d, k
     _check(Case(prefix_lens, hq, hkv, d, k, dtype, device, seed=len(prefix_lens) + d, lam=lam))
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("prefix_lens,extend_lens", [
+    ([0, 5, 1, 9], [4, 4, 4, 4]),  # a speculative verify: K + 1 rows per sequence
+    ([2, 0, 6], [3, 1, 2]),  # chunks of different lengths, one a single row, taps from both sides
+])
+@pytest.mark.parametrize("lam", [False, True])
+def test_short_chunks_read_their_own_rows(device, dtype, prefix_lens, extend_lens, lam):
+    # Taps inside a chunk come from its earlier rows, taps before it from the buffer.
+    _check(Case(prefix_lens, 4, 2, 16, 4, dtype, device, seed=7 + len(prefix_lens), lam=lam,
+                extend_lens=extend_lens))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz", [1, 3, 64, 256])
 def test_real_shapes_on_cuda(bsz):
@@ -99,15 +122,15 @@ def test_real_shapes_on_cuda(bsz):
 @pytest.mark.gpu
 def test_captures_in_a_cuda_graph():
     case = Case([10, 0, 33, 2], 16, 4, 128, 4, torch.bfloat16, "cuda", seed=1, lam=True)
-    k_buf, table, rows, out_locs = case.paged_k.to_device()
+    k_buf, table, _, out_locs = case.paged_k.to_device()
     v_buf = case.paged_v.buf.to("cuda")
     args = lambda: (case.q, case.k, case.v, case.qn_w, case.kn_w, EPS, EPS, case.kc_w, case.vc_w,  # noqa: E731
-                    k_buf, v_buf, table, rows, case.seq_lens, out_locs, case.d)
-    conv_qk_norm_decode(*args(), q_scale=case.lam)  # compile outside capture
+                    k_buf, v_buf, table, case.row_slots, case.positions, out_locs, case.d)
+    conv_qk_norm(*args(), q_scale=case.lam)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, k, v = conv_qk_norm_decode(*args(), q_scale=case.lam)
+        q, k, v = conv_qk_norm(*args(), q_scale=case.lam)
     for seed in range(2, 4):
         fresh = Case([10, 0, 33, 2], 16, 4, 128, 4, torch.bfloat16, "cuda", seed=seed, lam=True)
         for name in ("q", "k", "v", "lam"):  # new activations in the captured input buffers
