@@ -32,8 +32,11 @@ request verifies the same number of drafts replays from a CUDA graph (`CudaGraph
 uniform-extend shapes); the drafter reads the replayed hidden states. A pass replayed from the
 MTP chain graph leaves its drafts on the device (`DraftsInFlight`): the step returns, the next
 step is scheduled and its verify forward queued (gathering the drafts on the device) while the
-GPU still drafts, and the host reads the drafts back only to verify. A round then waits for the
-device twice, not three times: for the verify's samples and for the drafts.
+GPU still drafts, and the host reads the drafts back only to verify. When every request of the
+step is in a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
+device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
+behind it. Every round drafts K tokens up to the request's last one (the commit stops at
+max_tokens), so the verify stays on its graph.
 """
 
 from __future__ import annotations
