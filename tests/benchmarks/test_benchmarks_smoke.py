@@ -156,3 +156,29 @@ def test_roofline_per_gpu_splits_the_bytes_over_tensor_parallel_ranks():
     two = roofline.per_gpu(rl, 2)
     assert (two["bytes_per_step"], two["weight_bytes"], two["kv_bytes"], two["tp_size"]) == (5.0, 4.0, 1.0, 2)
     assert rl["bytes_per_step"] == 10.0  # the model's numbers stay as they were
+
+
+def test_host_phases_times_and_restores(tiny_dir, one_thread, capsys):
+    """`--host-phases` reports the step's phases, and the engine's methods are unwrapped after."""
+    from host_phases import HostPhases
+
+    class Part:
+        def __init__(self, **fns):
+            self.__dict__.update(fns)
+
+    sched = Part(_schedule=lambda: None, _forward=lambda plan: None, _commit=lambda s: None, spec=None)
+    runner = Part(forward=lambda b: None, graphs=None)
+    core = Part(scheduler=sched, runner=runner)
+    core.step = lambda: (sched._schedule(), sched._forward([]), runner.forward(None))
+    own, step = dict(vars(sched)), core.step
+    with HostPhases(core) as phases:
+        for _ in range(3):
+            core.step()
+    report = phases.report(3)
+    assert "scheduler._schedule" in report and "runner.forward" in report and "scheduler._commit" not in report
+    assert phases.calls["runner.forward"] == 3
+    assert vars(sched) == own and core.step is step  # unwrapped: the originals are back
+    decode_batch.main(["--model-path", tiny_dir, "--quick", "--device", "cpu", "--threads", "1",
+                       "--batch-sizes", "2", "--output-len", "12", "--host-phases", "--profile-steps", "4"])
+    out = capsys.readouterr()
+    assert "host phases over 4 steps" in out.out + out.err and "core.step (whole step)" in out.out + out.err
