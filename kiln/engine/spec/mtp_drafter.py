@@ -235,23 +235,19 @@ class MTPDrafter:
         r.spec.draft_logits = [logits[j, row].clone() for j in range(k)] if logits is not None else []
 
     @torch.inference_mode()
-    def run_after_verify(self, reqs: list[Req], hidden: torch.Tensor, row_starts: list[int],
-                         samples: torch.Tensor, count: torch.Tensor) -> None:
-        """The pass of a round whose verify is still on the device (`SpecDecoder._device_round`):
-        request b (seq_len L, frontiers at L) verified K drafts at forward rows row_starts[b] ..
-        + K (final hidden states `hidden`), sampled `samples[b]` and committed the first `count[b]`
-        of them. Stores h^0 of every verify row (rows past the committed prefix are overwritten
-        before they are read) and queues the chain graph on those device values. The request
-        state moves on in `adopt_in_flight`, once the host has committed."""
-        K, ps = self.num_layers, self.page_size
-        self._store_queued_h0(self.runner.device)
-        rows, locs = [], []
+    def run_after_verify(self, reqs: list[Req], batch, row_starts: list[int], samples: torch.Tensor,
+                         count: torch.Tensor) -> None:
+        """The pass of a round whose verify (`batch`) is still on the device
+        (`SpecDecoder._device_round`): request b (seq_len L, frontiers at L) verified K drafts at
+        forward rows row_starts[b] .. + K, sampled `samples[b]` and committed the first `count[b]`
+        of them. Stores h^0 of every verify row, as `on_commit` does for committed rows (rows past
+        the committed prefix are overwritten before they are read), and queues the chain graph on
+        those device values. The request state moves on in `adopt_in_flight`, once the host has
+        committed."""
+        K = self.num_layers
         for r, start in zip(reqs, row_starts):
-            L = r.seq_len
-            rows += range(start, start + K + 1)
-            locs += [page_slot(r.win_pages["conv"], p, ps) for p in range(L - 1, L + K)]
-        t = int64_to_device({"rows": rows, "locs": locs}, self.runner.device)
-        self.site(0)[t["locs"]] = hidden[t["rows"]].to(self.site(0).dtype)
+            self.on_commit(r, r.seq_len - 1, slice(start, start + K + 1), batch)
+        self._store_queued_h0(self.runner.device)
         self._start_flight(self.graph.run_after_verify(reqs, samples, count))
 
     def adopt_in_flight(self, r: Req, row: int, k: int) -> None:

@@ -28,8 +28,9 @@ Applies when every request in the pass is ready to decode, its frontiers are at 
 1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
 anything else runs the eager pass (`MTPDrafter.run`). A request that wants fewer than K drafts
 (at the end of the context) still gets K and uses the first ones: the draft rows past its pages
-map to the scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows. The equality of the two is tested on the CPU with a capturer that
-re-runs the captured function (tests/engine/test_graph_buffers.py) and on the GPU.
+map to the scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows.
+The equality of the two is tested on the CPU with a capturer that re-runs the captured function
+(tests/engine/test_graph_buffers.py) and on the GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.spec.mtp_drafter import page_slot
 
@@ -160,8 +161,8 @@ class MTPChainGraph:
 
     def _tables(self, reqs, first: list[int]) -> dict[str, list[int]]:
         """The host's per-request inputs (request b's first stored position `first[b]`): slots of
-        every position a round can touch, 0 where the request has no page (never read: `run`'s
-        caller grew the pages a pass needs)."""
+        every position a round can touch, the scratch slot 0 where the request has no page (only
+        draft rows it does not use land there)."""
         K, ps = self.K, self.drafter.page_size
         conv, swa, slots = [], [], []
         for r, F in zip(reqs, first):
@@ -170,16 +171,16 @@ class MTPChainGraph:
             slots.append(r.slot)
         return {"first": first, "conv": conv, "swa": swa, "slots": slots}
 
-    def _load(self, n: int, bs: int, host: dict[str, list[int]], count=None, tokens=None) -> None:
-        """Copy the host tables (one transfer) and the counts / tokens into the static inputs;
-        requests n .. bs - 1 are padding."""
-        d, K = self.drafter, self.K
-        dev = d.runner.device
-        flat = torch.tensor(sum(host.values(), []), dtype=torch.int64)
-        if dev.type == "cuda":
-            flat = flat.pin_memory()
-        parts = flat.to(dev, non_blocking=True).split([len(v) for v in host.values()])
-        t = dict(zip(host, parts))
+    def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None) -> torch.Tensor:
+        """Copy the host tables (one transfer) and the counts / tokens (from `host` when None)
+        into the static inputs of the smallest captured size >= n (the rest are padding
+        requests), replay, and return the draft logits [K, n, V] (a view of a static tensor: read
+        it before the next replay)."""
+        if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
+            self.capture()
+        K = self.K
+        bs = next(s for s in self.sizes if s >= n)
+        t = int64_to_device(host, self.drafter.runner.device)
         self.first[:n].copy_(t["first"])
         self.conv_slots[:n].copy_(t["conv"].view(n, K + 2))
         self.swa_slots[:n].copy_(t["swa"].view(n, self.swa_width))
@@ -189,23 +190,15 @@ class MTPChainGraph:
         if bs > n:
             for buf in (self.count, self.req_slots):
                 buf[n:bs].zero_()
-
-    def _replay(self, n: int, bs: int) -> torch.Tensor:
         replay, logits = self.graphs[bs]
         replay()
         return logits[:, :n]
-
-    def _ready(self) -> None:
-        if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
-            self.capture()
 
     def run(self, reqs) -> torch.Tensor:
         """Fill the inputs for `reqs` (`can_run` said yes) from the host, replay, advance the
         frontiers to T and return the draft logits [K, len(reqs), V] (a view of a static tensor:
         read it before the next replay)."""
-        self._ready()
-        K, n = self.K, len(reqs)
-        bs = next(s for s in self.sizes if s >= n)
+        K = self.K
         first = [r.spec.frontier[0] for r in reqs]
         host = self._tables(reqs, first)
         host["count"] = [r.seq_len - F for r, F in zip(reqs, first)]
@@ -213,8 +206,7 @@ class MTPChainGraph:
         for r, F in zip(reqs, first):
             ids = r.token_ids(F, r.seq_len)
             host["tokens"] += ids + [0] * (K + 1 - len(ids))
-        self._load(n, bs, host)
-        logits = self._replay(n, bs)
+        logits = self._pass(len(reqs), host)
         for r in reqs:
             r.spec.frontier = [r.seq_len] * K
         return logits
@@ -225,11 +217,7 @@ class MTPChainGraph:
         `tokens[b, :count[b]]` ([n, K + 1] and [n] on the device). Nothing is read on the host;
         the caller advances the frontiers once it knows the counts. Returns the draft logits
         [K, n, V] (a view of a static tensor)."""
-        self._ready()
-        n = len(reqs)
-        bs = next(s for s in self.sizes if s >= n)
-        self._load(n, bs, self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
-        return self._replay(n, bs)
+        return self._pass(len(reqs), self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
 
 
 def _slot_or_scratch(view: list, pos: int, page_size: int) -> int:

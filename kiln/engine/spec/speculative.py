@@ -204,7 +204,7 @@ class SpecDecoder:
         K = self.num_steps
         if graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan):
             return False
-        for (r, start, end), s, srow, i in zip(plan, sample_reqs, sample_rows, range(len(plan))):
+        for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
             if (s is not r or srow != i * (K + 1) or r.finished or start != L - 1 or end != L + K
                     or r.spec.q is not None or any(f != L for f in r.spec.frontier)
@@ -227,7 +227,7 @@ class SpecDecoder:
         on_device = batch.input_ids.view(n, K + 1)[:, 1:]  # the drafts as the verify read them
         count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
-        self.drafter.run_after_verify(reqs, batch.extras["hidden"], row_starts, samples, count)
+        self.drafter.run_after_verify(reqs, batch, row_starts, samples, count)
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
