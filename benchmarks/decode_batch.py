@@ -289,7 +289,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     warmup = args.warmup == "on" or (args.warmup == "auto" and config.speculative_algorithm is not None)
     for bs in args.batch_sizes:
         if warmup:
-            warm = argparse.Namespace(**{**vars(args), "output_len": 8, "profile": False, "host_profile": False})
+            warm = argparse.Namespace(**{**vars(args), "output_len": 8, "profile": False, "host_profile": False,
+                                         "host_phases": False})
             common.run_guarded(f"batch {bs} warm-up", lambda: run_batch(core, bs, warm, min(mc.vocab_size, 10001), device))
         row, err = common.run_guarded(f"batch {bs}", lambda: run_batch(core, bs, args, min(mc.vocab_size, 10001), device))
         if row is None:
