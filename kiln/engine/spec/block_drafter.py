@@ -22,8 +22,10 @@ Drafting. A request ready to decode (seq_len T, T - 1 tokens computed) runs one 
 position T - 1: input [t_{T-1}, MASK x (B-1)] embedded by the target, all B rows (the block is
 bidirectional, so fewer rows would change the outputs), keys = its context K/V at positions
 0 .. T-2 read from the pool + the block's own; drafts = argmax of the target's LM head at block
-positions 1..k. Every ready request's block runs in one batch (contexts padded and masked; split
-into groups when the padded contexts would exceed `max_padded_tokens`).
+positions 1..k, or, for sampled requests under exact verification (`sample_drafts`), d_i drawn from
+q_i = the sampler's processing of position i's logits with d_1..d_{i-1} counted as output, q kept
+in `DraftState.q` for the verify. Every ready request's block runs in one batch (contexts padded
+and masked; split into groups when the padded contexts would exceed `max_padded_tokens`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
 from kiln.engine.spec.drafter import DraftState
+from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from kiln.models.block_drafter import BlockDrafter
 
 
@@ -96,6 +99,8 @@ class BlockDraftRunner:
         self.num_steps = num_steps
         self.block_size = self.drafter.config.block_size
         self.keep_logits = False  # tests: keep each draft's logits on the request
+        # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
+        self.sample_drafts = False
 
     # ---- the drafter contract --------------------------------------------------------------
     def new_state(self, r: Req) -> DraftState:
@@ -177,8 +182,31 @@ class BlockDraftRunner:
         logits = self.target.lm_head.compute_logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype))
         logits = logits.float().view(R, kmax, -1)
         tokens = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
+        drawn = self._sample(logits, [reqs[i] for i in sampled], [ks[i] for i in sampled], sampled)
         for i, (r, k) in enumerate(zip(reqs, ks)):
-            r.spec.drafts = [int(x) for x in tokens[i][:k]]
+            if i in drawn:
+                r.spec.drafts, r.spec.q = drawn[i]
+            else:
+                r.spec.drafts = [int(x) for x in tokens[i][:k]]
             if self.keep_logits:
                 r.spec.draft_logits = list(logits[i, :k].clone())
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], ks: list[int], rows: list[int]
+                ) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """Drafts drawn from q for sampled requests under exact verification: {row of `logits`:
+        (d_1..d_k, q [k, V])}. The block's logits at position i do not depend on the drafts
+        before it, but q_i is the sampler's processing of them with d_1..d_{i-1} counted as output
+        (penalties, min_tokens), so positions are drawn in order, every request at once."""
+        drafts: dict[int, list[int]] = {row: [] for row in rows}
+        q_rows: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
+        dev = self.runner.device
+        for j in range(max(ks, default=0)):
+            at = [n for n, k in enumerate(ks) if k > j]
+            views = [row_view(reqs[n], drafts[rows[n]], dev) for n in at]
+            tokens, q = draw_drafts(self.runner.sampler, logits[[rows[n] for n in at], j], views)
+            for m, n in enumerate(at):
+                drafts[rows[n]].append(tokens[m])
+                q_rows[rows[n]].append(q[m])
+        return {row: (drafts[row], torch.stack(q_rows[row])) for row in rows}
 

@@ -70,8 +70,7 @@ class SpecDecoder:
         self.drafter = drafter
         self.num_steps = drafter.num_steps
         # 'tokenwise' / 'block': sampled requests draw their drafts from q and verify exactly
-        # (sampled_verify); None: drafts are argmax and verified as point masses. Drafters that
-        # cannot sample (the block drafters today) leave q None and are verified as point masses.
+        # (sampled_verify); None: drafts are argmax and verified as point masses.
         self.method = verify_method(scheduler.config)
         drafter.sample_drafts = self.method is not None
         self.page_size = scheduler.page_size
