@@ -20,7 +20,9 @@ because `generate_batch` takes a single `max_new_tokens` for all requests.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import random
 import sys
 import time
@@ -49,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-stats", action="store_true",
                    help="Print where Kiln's wall time went: steps that prefill (with their prompt tokens) "
                         "against decode-only steps, by batch size (time per step and tokens/s).")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="With the step stats, profile the host (cProfile) in the first run's steps that "
+                        "prefill and print what took longest in the three slowest (Triton compiles, "
+                        "host waits, Python work).")
     p.add_argument("--num-runs", type=int, default=1, help="Kiln measurements; the median is reported.")
     p.add_argument("--time-limit", type=float, default=None,
                    help="Seconds per measured run (each engine); unfinished requests are aborted and "
@@ -115,8 +121,9 @@ class StepStats:
 
     BUCKETS = (1, 8, 32, 64, 128, 192, 256, 1 << 30)
 
-    def __init__(self, core):
+    def __init__(self, core, profile_prefill: bool = False):
         self.core, self.rows, self.plan = core, [], None
+        self.profiles: list[tuple[float, object]] = []  # (wall s, cProfile) of each prefill step
         sched = core.scheduler
         self._forward, self._step = sched._forward, core.step
 
@@ -126,8 +133,12 @@ class StepStats:
 
         def step():
             self.plan, t0 = (0, 0), time.perf_counter()
-            out = self._step()
-            self.rows.append((*self.plan, time.perf_counter() - t0))
+            prof = cProfile.Profile() if profile_prefill else None
+            out = self._step() if prof is None else prof.runcall(self._step)
+            wall = time.perf_counter() - t0
+            self.rows.append((*self.plan, wall))
+            if prof is not None and self.plan[0] > 0:
+                self.profiles.append((wall, prof))
             return out
 
         sched._forward, core.step = forward, step
@@ -146,6 +157,21 @@ class StepStats:
                 log(f"  decode-only steps, batch {lo + 1}..{min(hi, 4096)}: {len(dec)} steps, {t:.2f}s, "
                     f"{t / len(dec) * 1e3:.2f} ms/step, {sum(r[1] for r in dec) / t:.0f} tok/s")
             lo = hi
+        for wall, prof in sorted(self.profiles, key=lambda x: -x[0])[:3]:
+            log(f"  prefill step of {wall * 1e3:.0f} ms (cProfile, inflated): largest inclusive times below the step")
+            for name, cum in top_inner(prof, wall, 12):
+                log(f"    {cum * 1e3:8.1f} ms  {name}")
+
+
+def top_inner(prof, wall: float, n: int) -> list[tuple[str, float]]:
+    """The n functions of a profiled step with the largest inclusive time, without the call chain
+    that wraps the whole step (inclusive time above 90% of it): where a slow step went (a Triton
+    compile, a host wait, Python work)."""
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
+    total = max(v[3] for v in stats.values())
+    rows = [(f"{os.path.basename(f)}:{line} {name}", v[3]) for (f, line, name), v in stats.items()
+            if v[3] < 0.9 * total]
+    return sorted(rows, key=lambda x: -x[1])[:n]
 
 
 def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
@@ -168,7 +194,7 @@ def run_kiln(core, prompts, out_lens, args) -> tuple[dict, list[dict]]:
         if not core.flush_cache():  # identical prompts would otherwise hit the prefix cache
             log("warning: could not flush Kiln's prefix cache between runs")
         log(f"Kiln run {i + 1}/{args.num_runs}: {len(reqs)} requests, {sum(out_lens)} output tokens")
-        stats = StepStats(core) if args.step_stats else None
+        stats = StepStats(core, args.profile_prefill and i == 0) if args.step_stats or args.profile_prefill else None
         res = common.run_requests(core, reqs, tag=f"run{i}-", progress=not args.no_progress,
                                   time_limit=args.time_limit)
         if stats is not None:
