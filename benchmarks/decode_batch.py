@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=None, help="Generated tokens (default 1024; --quick 8).")
     p.add_argument("--profile", action="store_true", help="Measure the GPU idle fraction (CUDA).")
     p.add_argument("--profile-steps", type=int, default=20, help="Decode steps inside the profile window.")
+    p.add_argument("--kernel-rows", type=int, default=12, help="With --profile: GPU activities listed per step.")
+    p.add_argument("--count-experts", action="store_true",
+                   help="Count the distinct routed experts each MoE layer's forward touches, by the forward's "
+                        "rows (a verify of K + 1 rows reads their union; expert_spread.py). Needs "
+                        "--disable-cuda-graph.")
     p.add_argument("--host-profile", action="store_true",
                    help="After the GPU profile window, profile the host (cProfile) over as many steps.")
     p.add_argument("--host-phases", action="store_true",
@@ -214,7 +219,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             prof_from = None
             note += f"idle over {args.profile_steps} steps; "
             log(f"batch {bs}: GPU idle {idle if idle is None else round(idle, 3)}")
-            print_kernel_table(by_name, args.profile_steps, busy)
+            print_kernel_table(by_name, args.profile_steps, busy, args.kernel_rows)
             if args.trace:
                 print_timeline(prof, args.profile_steps, args.trace.replace(".json", f"_bs{bs}.json"))
             if args.sync_audit:
@@ -280,7 +285,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     config.max_running_requests = max(config.max_running_requests, max(args.batch_sizes))
     if config.max_total_tokens is None and device == "cpu":
         config.max_total_tokens = max(args.batch_sizes) * (args.input_len + args.output_len + 2 * config.page_size)
+    if args.count_experts and not config.disable_cuda_graph:
+        raise SystemExit("--count-experts needs --disable-cuda-graph: a replayed CUDA graph runs no forward hooks")
     core = common.build_core(config, dummy_init=common.resolve_dummy_init(args.dummy_init, device))
+    spread = None
+    if args.count_experts:
+        from expert_spread import ExpertSpread
+        spread = ExpertSpread(core.runner.model)
     hw = common.hardware_description(device)
     log(hw)
     bw = roofline.measure_bandwidth(device)
@@ -292,7 +303,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             warm = argparse.Namespace(**{**vars(args), "output_len": 8, "profile": False, "host_profile": False,
                                          "host_phases": False})
             common.run_guarded(f"batch {bs} warm-up", lambda: run_batch(core, bs, warm, min(mc.vocab_size, 10001), device))
+        if spread is not None:
+            spread.counts.clear()
         row, err = common.run_guarded(f"batch {bs}", lambda: run_batch(core, bs, args, min(mc.vocab_size, 10001), device))
+        if spread is not None:
+            log(f"batch {bs}: routed experts per forward\n{spread.report()}")
         if row is None:
             rows.append({"batch": bs, "note": f"failed: {err}"})
             continue

@@ -17,8 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3: later passes (see the lane functions below); spec3,
-#                audit and offline3 have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound: later passes (see the lane functions below); spec3,
+#                audit, offline3 and bound have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
@@ -52,6 +52,17 @@ lane0_diag() {
   step spec_inkling ${T_SPEC:-70} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
     --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling.json"
 }
+
+lane0_bound() {  # where a K = 3 round's time goes against a plain step (Inkling bench, batch 1): every kernel
+  step plain_profile ${T_P:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 8 --profile --profile-steps 20 --kernel-rows 60 --out "$R/json/plain_b1.json"
+  for k in 3 1; do
+    step spec${k}_profile ${T_S:-80} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps $k --profile --profile-steps 10 \
+      --kernel-rows 60 --out "$R/json/spec${k}_b1.json"
+  done
+}
+lane1_bound() { :; }
 
 lane0_offline3() {  # nano-vllm's workload at the 8B shape: Kiln's prefill steps profiled (run 1 of 3), and
   # transformers run for up to T_HF seconds (its earlier 60 s windows saw only its full-batch phase)
@@ -291,7 +302,7 @@ lane1_final3() { :; }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -303,7 +314,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;

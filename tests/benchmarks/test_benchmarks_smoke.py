@@ -82,7 +82,8 @@ def test_same_weights_as_transformers(tiny_dir, one_thread):
 def test_offline_throughput_quick(tiny_dir, tmp_path, one_thread, capsys):
     out = tmp_path / "offline.json"
     result = offline_throughput.main(["--model-path", tiny_dir, "--quick", "--hf", "--device", "cpu",
-                                      "--threads", "1", "--num-runs", "2", "--no-progress", "--out", str(out)])
+                                      "--threads", "1", "--num-runs", "2", "--no-progress", "--profile-prefill",
+                                      "--out", str(out)])
     rows = {r["engine"]: r for r in result["rows"]}
     assert set(rows) == {"kiln", "transformers", "kiln/transformers"}
     for name in ("kiln", "transformers"):
@@ -94,8 +95,10 @@ def test_offline_throughput_quick(tiny_dir, tmp_path, one_thread, capsys):
     assert rows["kiln"]["output_tokens"] == rows["transformers"]["output_tokens"]
     assert rows["kiln"]["runs"] == 2
     assert _positive(rows["kiln/transformers"]["output_tok_s"])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "Offline throughput" in text and "kiln/transformers" in text
+    assert "prefill step of" in text + captured.err and "step stats" in text + captured.err  # run 1's profile
     saved = json.loads(out.read_text())
     assert len(saved["rows"]) == 3 and saved["meta"]["benchmark"] == "offline_throughput"
 
@@ -182,3 +185,26 @@ def test_host_phases_times_and_restores(tiny_dir, one_thread, capsys):
                        "--batch-sizes", "2", "--output-len", "12", "--host-phases", "--profile-steps", "4"])
     out = capsys.readouterr()
     assert "host phases over 4 steps" in out.out + out.err and "core.step (whole step)" in out.out + out.err
+
+
+def test_count_experts_reports_the_union_a_verify_reads(one_thread, capsys):
+    """`--count-experts` counts each MoE forward's distinct routed experts: top-k for one row, and
+    for a speculative verify of K + 1 rows a union between top-k and min(E, (K + 1) x top-k)."""
+    import re
+
+    from expert_spread import ExpertSpread
+
+    with pytest.raises(SystemExit, match="--disable-cuda-graph"):
+        decode_batch.main(["--model-path", "preset:inkling/tiny", "--device", "cpu", "--batch-sizes", "1",
+                           "--count-experts"])
+    decode_batch.main(["--model-path", "preset:inkling/tiny", "--device", "cpu", "--threads", "1",
+                       "--batch-sizes", "1", "--input-len", "80", "--output-len", "10", "--count-experts",
+                       "--disable-cuda-graph", "--speculative-algorithm", "mtp", "--speculative-num-steps", "2"])
+    text = capsys.readouterr()
+    text = text.out + text.err
+    rows = {int(r): float(m) for r, m in re.findall(r"forwards of (\d+) rows: ([\d.]+) distinct", text)}
+    assert 80 not in rows and 3 in rows  # prefill chunks are left out; the verifies have K + 1 = 3 rows
+    assert 2 <= rows[3] <= 6  # tiny Inkling: top 2 of 8 experts
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="no MoE routers"):
+        ExpertSpread(model)
