@@ -17,8 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound: later passes (see the lane functions below); spec3,
-#                audit, offline3 and bound have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts: later passes (see the lane functions below); spec3,
+#                audit, offline3, bound and experts have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
@@ -63,6 +63,22 @@ lane0_bound() {  # where a K = 3 round's time goes against a plain step (Inkling
   done
 }
 lane1_bound() { :; }
+
+lane0_experts() {  # distinct experts a verify reads (eager, hooks); DFlash rounds with a dummy 1-layer drafter
+  step count_experts ${T_CE:-100} $DECODE --model-path $INK --batch-sizes 1,8 --input-len 1024 --output-len 32 \
+    --speculative-algorithm mtp --speculative-num-steps 3 --disable-cuda-graph --count-experts \
+    --out "$R/json/experts.json"
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  for k in 3 7; do
+    step dflash$k ${T_DF:-100} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm dflash --speculative-draft-model-path "$R/dflash-bench" \
+      --speculative-num-steps $k --out "$R/json/dflash$k.json"
+  done
+}
+lane1_experts() { :; }
 
 lane0_offline3() {  # nano-vllm's workload at the 8B shape: Kiln's prefill steps profiled (run 1 of 3), and
   # transformers run for up to T_HF seconds (its earlier 60 s windows saw only its full-batch phase)
@@ -302,7 +318,7 @@ lane1_final3() { :; }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -314,7 +330,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ] || [ "$PHASE" = experts ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
