@@ -350,9 +350,7 @@ def test_sampled_requests_draw_their_block_drafts_from_q(target, method):
     # logits processed like the target's rows with d_1..d_{i-1} counted as output; the verify
     # stays exact (every emitted token's logit row is the reference's), seeded requests are
     # reproducible whatever is batched, and a greedy request keeps argmax drafts and plain output.
-    from kiln.engine.sampler import SamplingBatch, processed_probs
-    from kiln.engine.spec.sampled_verify import RowView
-    from tests.engine.test_spec_sampled import FLAGS, mixed_params, watch
+    from tests.engine.test_spec_sampled import FLAGS, assert_q_rows_are_processed_draft_logits, mixed_params, watch
 
     ps, params = prompts(4, seed=21, lo=20, hi=50), mixed_params()
     core = spec_core(target, 3, page_size=4, **FLAGS[method])
@@ -361,18 +359,7 @@ def test_sampled_requests_draw_their_block_drafts_from_q(target, method):
     assert_reference(core, res)
     assert all(last[rid].finished for rid in ("r0", "r1", "r3"))
     assert res["r2"][1] == run_plain(plain_core(target, page_size=4), [ps[2]], max_tokens=21)["r0"]
-    n_q = 0
-    for r, out, drafts, logits, q in passes:
-        if r.params.greedy:
-            assert q is None and drafts == [int(x.argmax()) for x in logits]
-            continue
-        assert q is not None and q.shape == (len(drafts), len(logits[0]))
-        for i, d in enumerate(drafts):
-            view = RowView(r.params, r.prompt_ids, out + drafts[:i], r.eos_token_ids, None)
-            expect = processed_probs(logits[i][None], SamplingBatch.from_reqs([view], "cpu"))[0]
-            assert torch.allclose(q[i], expect, atol=1e-7) and q[i, d] > 0
-            n_q += 1
-    assert n_q > 20
+    assert_q_rows_are_processed_draft_logits(passes)
     again = spec_core(target, 3, page_size=4, **FLAGS[method])
     res2, _, _ = run_spec(again, [ps[1], ps[0]], params=[params[1], params[0]])
     assert res2["r0"][1] == res["r1"][1] and res2["r1"][1] == res["r0"][1]

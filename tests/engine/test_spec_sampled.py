@@ -254,6 +254,24 @@ def watch(core):
     return passes, tokens
 
 
+def assert_q_rows_are_processed_draft_logits(passes, min_rows: int = 20) -> None:
+    """Every pass `watch` recorded: a sampled request's q rows are the sampler's processing of its
+    draft logits (the drafts before each row counted as output) and give its draft a nonzero
+    probability; a greedy request keeps argmax drafts and no q."""
+    n_q = 0
+    for r, out, drafts, logits, q in passes:
+        if r.params.greedy:
+            assert q is None and drafts == [int(x.argmax()) for x in logits]
+            continue
+        assert q is not None and q.shape == (len(drafts), len(logits[0]))
+        for i, d in enumerate(drafts):
+            view = RowView(r.params, r.prompt_ids, out + drafts[:i], r.eos_token_ids, None)
+            expect = processed_probs(logits[i][None], SamplingBatch.from_reqs([view], "cpu"))[0]
+            assert torch.allclose(q[i], expect, atol=1e-7) and q[i, d] > 0
+            n_q += 1
+    assert n_q > min_rows
+
+
 @pytest.mark.parametrize("method", ["tokenwise", "block"])
 def test_sampled_requests_verify_exactly_and_reproducibly(model_dir, method):
     ps, params = prompts(4, seed=21, lo=20, hi=50), mixed_params()
@@ -269,19 +287,7 @@ def test_sampled_requests_verify_exactly_and_reproducibly(model_dir, method):
     # the greedy request in the batch: greedy drafts, greedy verification, plain greedy output
     assert res["r2"][1] == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), [ps[2]], max_tokens=21)["r0"]
 
-    # the drafter's q rows are its processed draft distributions (drafts before counted as output)
-    n_q = 0
-    for r, out, drafts, logits, q in passes:
-        if r.params.greedy:
-            assert q is None and drafts == [int(x.argmax()) for x in logits]
-            continue
-        assert q.shape == (len(drafts), len(logits[0]))
-        for i, d in enumerate(drafts):
-            view = RowView(r.params, r.prompt_ids, out + drafts[:i], r.eos_token_ids, None)
-            expect = processed_probs(logits[i][None], SamplingBatch.from_reqs([view], "cpu"))[0]
-            assert torch.allclose(q[i], expect, atol=1e-7) and q[i, d] > 0
-            n_q += 1
-    assert n_q > 20
+    assert_q_rows_are_processed_draft_logits(passes)
     # logprobs of the raw distribution at the emitted tokens (r1 asks for them)
     lp_rows = torch.log_softmax(torch.stack(res["r1"][2]) / params[1].temperature, -1)
     entries = [(t, lp) for r, t, lp in accepted if r.rid == "r1"]
