@@ -82,8 +82,11 @@ lane1_experts() { :; }
 
 lane0_offline3() {  # nano-vllm's workload at the 8B shape: Kiln's prefill steps profiled (run 1 of 3), and
   # transformers run for up to T_HF seconds (its earlier 60 s windows saw only its full-batch phase)
-  step offline_llama8b ${T_OFF:-570} python benchmarks/offline_throughput.py --model-path $LLAMA $C --num-runs 3 \
-    --step-stats --profile-prefill --time-limit ${T_HF:-400} --out "$R/json/offline_llama8b.json"
+  # (OFF_MODEL=qwen: the Qwen3-0.6B shape instead)
+  local m=$LLAMA name=llama8b
+  if [ "${OFF_MODEL:-}" = qwen ]; then m=$QWEN name=qwen; fi
+  step offline_$name ${T_OFF:-570} python benchmarks/offline_throughput.py --model-path $m $C --num-runs 3 \
+    --step-stats --profile-prefill --time-limit ${T_HF:-400} --out "$R/json/offline_$name.json"
 }
 lane1_offline3() { :; }
 
