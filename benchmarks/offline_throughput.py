@@ -133,7 +133,8 @@ class StepStats:
 
         def step():
             self.plan, t0 = (0, 0), time.perf_counter()
-            prof = cProfile.Profile() if profile_prefill else None
+            # only steps that may prefill (requests waiting): cProfile slows every step it sees
+            prof = cProfile.Profile() if profile_prefill and self.core.scheduler.waiting else None
             out = self._step() if prof is None else prof.runcall(self._step)
             wall = time.perf_counter() - t0
             self.rows.append((*self.plan, wall))
