@@ -42,7 +42,3 @@ class ExpertSpread:
             lines.append(f"  forwards of {rows} rows: {sum(c) / len(c):.2f} distinct routed experts per MoE layer "
                          f"(of {self.num_experts}; min {min(c)}, max {max(c)}; {len(c)} layer-forwards)")
         return "\n".join(lines)
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()

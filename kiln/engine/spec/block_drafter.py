@@ -183,7 +183,7 @@ class BlockDraftRunner:
         logits = logits.float().view(R, kmax, -1)
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
-        drawn = self._sample(logits, [reqs[i] for i in sampled], [ks[i] for i in sampled], sampled)
+        drawn = self._sample(logits, reqs, ks, sampled)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if i in drawn:
                 r.spec.drafts, r.spec.q = drawn[i]
@@ -194,19 +194,18 @@ class BlockDraftRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req], ks: list[int], rows: list[int]
                 ) -> dict[int, tuple[list[int], torch.Tensor]]:
-        """Drafts drawn from q for sampled requests under exact verification: {row of `logits`:
-        (d_1..d_k, q [k, V])}. The block's logits at position i do not depend on the drafts
+        """Drafts drawn from q for the requests at `rows` (sampled, under exact verification):
+        {row: (d_1..d_k, q [k, V])}. The block's logits at position i do not depend on the drafts
         before it, but q_i is the sampler's processing of them with d_1..d_{i-1} counted as output
         (penalties, min_tokens), so positions are drawn in order, every request at once."""
-        drafts: dict[int, list[int]] = {row: [] for row in rows}
-        q_rows: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
+        drafts: dict[int, list[int]] = {i: [] for i in rows}
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
         dev = self.runner.device
-        for j in range(max(ks, default=0)):
-            at = [n for n, k in enumerate(ks) if k > j]
-            views = [row_view(reqs[n], drafts[rows[n]], dev) for n in at]
-            tokens, q = draw_drafts(self.runner.sampler, logits[[rows[n] for n in at], j], views)
-            for m, n in enumerate(at):
-                drafts[rows[n]].append(tokens[m])
-                q_rows[rows[n]].append(q[m])
-        return {row: (drafts[row], torch.stack(q_rows[row])) for row in rows}
-
+        for j in range(max((ks[i] for i in rows), default=0)):
+            at = [i for i in rows if ks[i] > j]
+            views = [row_view(reqs[i], drafts[i], dev) for i in at]
+            tokens, q = draw_drafts(self.runner.sampler, logits[at, j], views)
+            for m, i in enumerate(at):
+                drafts[i].append(tokens[m])
+                q_rows[i].append(q[m])
+        return {i: (drafts[i], torch.stack(q_rows[i])) for i in rows}
