@@ -122,6 +122,9 @@ class BlockDraftRunner:
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
         """Nothing: `on_forward` stored every row."""
 
+    def on_weights_changed(self) -> None:
+        """Nothing: the block reads the target's embedding and LM head where they are."""
+
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype))
         if self.runner.use_kernels:  # one launch per layer instead of two index_puts

@@ -111,4 +111,7 @@ class Drafter(Protocol):
 
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None: ...
 
+    def on_weights_changed(self) -> None:
+        """After the target's weights changed in place (RL updates, LoRA merges): refresh any copy."""
+
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None: ...

@@ -30,11 +30,13 @@ counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.request import Req
+from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 
@@ -84,11 +86,13 @@ class _Rows:
 class MTPDrafter:
     """Runs the MTP pass (catch-up + draft chain) for a batch of requests."""
 
-    def __init__(self, runner, num_layers: int):
+    def __init__(self, runner, num_layers: int, token_map: Optional[list[int]] = None):
         self.runner = runner
         self.model = runner.model
         self.layers = list(self.model.mtp[:num_layers])
         self.num_layers = num_layers
+        # The draft head: the LM head over `token_map` only (`--speculative-token-map`), else all of it
+        self.vocab = DraftVocab(self.model.lm_head, token_map)
         self.page_size = runner.page_size
         self.keep_logits = False  # tests: keep each draft's logits on the request (MTPState.draft_logits)
         # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
@@ -119,6 +123,10 @@ class MTPDrafter:
 
     def on_forward(self, batch) -> None:
         """Nothing before verification: h^0 is stored for committed rows only (`on_commit`)."""
+
+    def on_weights_changed(self) -> None:
+        """The draft head's copy of the hot LM-head rows follows the new weights."""
+        self.vocab.refresh()
 
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
         """Queue h^0 of the committed rows; `run` stores every request's in one copy."""
@@ -193,8 +201,9 @@ class MTPDrafter:
             drafting = [it.req for it in items if num_drafts.get(it.req.rid, 0) >= k]
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
-                logits = self.model.lm_head.compute_logits(layer.final_norm(h)).float()
-                tokens = logits.argmax(dim=-1)
+                sub = self.vocab.logits(layer.final_norm(h))  # over the draft vocabulary, as in the graph
+                tokens = self.vocab.tokens(sub.argmax(dim=-1))
+                logits = self.vocab.full(sub)  # -inf off the token map: q is 0 there
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
                 if sampled:  # d_k ~ q_k, processed like the target's rows (d_1..d_{k-1} as output)
                     views = [row_view(drafting[i], [int(t) for t in chain.get(drafting[i].rid, [])], dev)
@@ -223,16 +232,16 @@ class MTPDrafter:
                 r.spec.q = torch.stack(q_rows[r.rid])
 
     def _start_flight(self, logits: torch.Tensor) -> None:
-        """The chain graph's draft logits [K, n, V] -> drafts kept on the device (`DraftsInFlight`):
-        not read back here, the next verify gathers them there."""
-        self.flight = DraftsInFlight.start(logits.argmax(dim=-1).t().contiguous())
+        """The chain graph's draft logits [K, n, draft vocabulary] -> drafts kept on the device
+        (`DraftsInFlight`): not read back here, the next verify gathers them there."""
+        self.flight = DraftsInFlight.start(self.vocab.tokens(logits.argmax(dim=-1)).t().contiguous())
         self._flight_logits = logits if self.keep_logits else None
 
     def _set_in_flight(self, r: Req, row: int, k: int) -> None:
         r.spec.set_in_flight(self.flight, row, k)
         r.spec.q = None
         logits = self._flight_logits
-        r.spec.draft_logits = [logits[j, row].clone() for j in range(k)] if logits is not None else []
+        r.spec.draft_logits = [self.vocab.full(logits[j, row].clone()) for j in range(k)] if logits is not None else []
 
     @torch.inference_mode()
     def run_after_verify(self, reqs: list[Req], batch, row_starts: list[int], samples: torch.Tensor,

@@ -118,7 +118,8 @@ class MTPChainGraph:
         }
 
     def _chain(self, bs: int) -> torch.Tensor:
-        """The pass on the static buffers of the first `bs` requests -> logits [K, bs, V] (fp32)."""
+        """The pass on the static buffers of the first `bs` requests -> logits [K, bs, N] (fp32)
+        over the draft vocabulary (`DraftVocab`: N = V without a token map)."""
         d, R = self.drafter, self.R
         rows = self._rows(bs)
         prev_tok = prev_h = None
@@ -141,8 +142,8 @@ class MTPChainGraph:
             if k < self.K:  # h^k of the catch-up rows, for layer k + 1 (other rows: scratch slot 0)
                 d.site(k)[rows["keep"]] = out.to(d.site(k).dtype)
             prev_h = out.index_select(0, rows["draft_out"][k - 1])
-            logits = d.model.lm_head.compute_logits(layer.final_norm(prev_h)).float()
-            prev_tok = logits.argmax(dim=-1)
+            logits = d.vocab.logits(layer.final_norm(prev_h))  # over the draft vocabulary
+            prev_tok = d.vocab.tokens(logits.argmax(dim=-1))
             out_logits.append(logits)
         return torch.stack(out_logits)
 
@@ -174,7 +175,7 @@ class MTPChainGraph:
     def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None) -> torch.Tensor:
         """Copy the host tables (one transfer) and the counts / tokens (from `host` when None)
         into the static inputs of the smallest captured size >= n (the rest are padding
-        requests), replay, and return the draft logits [K, n, V] (a view of a static tensor: read
+        requests), replay, and return the draft logits [K, n, N] (a view of a static tensor: read
         it before the next replay)."""
         if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
             self.capture()
@@ -196,7 +197,7 @@ class MTPChainGraph:
 
     def run(self, reqs) -> torch.Tensor:
         """Fill the inputs for `reqs` (`can_run` said yes) from the host, replay, advance the
-        frontiers to T and return the draft logits [K, len(reqs), V] (a view of a static tensor:
+        frontiers to T and return the draft logits [K, len(reqs), N] (a view of a static tensor:
         read it before the next replay)."""
         K = self.K
         first = [r.spec.frontier[0] for r in reqs]
@@ -216,7 +217,7 @@ class MTPChainGraph:
         computed, frontiers at L_b, pages up to L_b + 2K) committed `count[b]` tokens
         `tokens[b, :count[b]]` ([n, K + 1] and [n] on the device). Nothing is read on the host;
         the caller advances the frontiers once it knows the counts. Returns the draft logits
-        [K, n, V] (a view of a static tensor)."""
+        [K, n, N] (a view of a static tensor)."""
         return self._pass(len(reqs), self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
 
 
