@@ -154,3 +154,23 @@ def test_hot_tokens_and_the_map_writer(tmp_path, capsys):
     main(["--data", str(data), "--size", "1", "--with-prompts", "--out", str(tmp_path / "m.json")])
     assert load_token_map(str(tmp_path / "m.json"), V) == [7]
     assert "cover" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_token_map_rounds_with_cuda_graphs_equal_plain(tmp_path):
+    # On the GPU the chain graph's draft head reads the map's rows; rounds fed on the device stay
+    # plain greedy, with every draft a map token.
+    from tests.engine.test_speculative import SPEC_INKLING
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_INKLING))
+    path, ids = token_map(tmp_path, seed=3)
+    ps = prompts(5, seed=5, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = mapped_core(str(tmp_path), path, 3, alpha=0.01, **kw)
+    chain = core.scheduler.spec.drafter.graph
+    assert chain is not None and chain.graphs[1][1].shape[-1] == len(ids)
+    res, drafts, _ = run_spec(core, ps, max_tokens=16)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), ps)
+    assert {d for rows in drafts.values() for _, ds, _ in rows for d in ds} <= set(ids)
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < 3 * counts.verify_steps
