@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--model-path", default=None, help="The target (default: the embedded SmolLM2).")
     ap.add_argument("--speculative-algorithm", default="mtp")
     ap.add_argument("--speculative-draft-model-path", default=None, help="The drafter's directory (dflash).")
+    ap.add_argument("--speculative-token-map", default=None,
+                    help="mtp: draft from these token ids only (docs/speculative.md, FR-Spec).")
     ap.add_argument("--steps", default="1,2,3", help="Draft lengths K to measure, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -76,6 +78,8 @@ def main() -> None:
     draft = {}
     if args.speculative_draft_model_path:
         draft["speculative_draft_model_path"] = args.speculative_draft_model_path
+    if args.speculative_token_map:  # a speculative option: not for the --check-greedy baseline
+        draft["speculative_token_map"] = args.speculative_token_map
     for k in [int(x) for x in args.steps.split(",")]:
         toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k, **draft)
         n = sum(len(t) for t in toks)
