@@ -22,7 +22,8 @@ After every main forward one *pass* runs, layer by layer, batched over requests:
     the catch-up overwrites it (the key_gap hides it), so rejected drafts need no cleanup.
 This is the wavefront of MODELS.md 2.4 (layer k lags layer k-1 by one index) fused with the next
 round's draft chain, as one extend batch per layer.
-Drafts are the argmax of each layer's logits, except for sampled requests when exact verification
+Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
+given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
 counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`).
 """
@@ -241,7 +242,7 @@ class MTPDrafter:
         r.spec.set_in_flight(self.flight, row, k)
         r.spec.q = None
         logits = self._flight_logits
-        r.spec.draft_logits = [self.vocab.full(logits[j, row].clone()) for j in range(k)] if logits is not None else []
+        r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[j, row].clone()) for j in range(k)]
 
     @torch.inference_mode()
     def run_after_verify(self, reqs: list[Req], batch, row_starts: list[int], samples: torch.Tensor,

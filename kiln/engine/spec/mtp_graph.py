@@ -73,8 +73,11 @@ class MTPChainGraph:
 
     # ---- capture -----------------------------------------------------------------------------
     def _pool_ptrs(self) -> tuple:
+        """Addresses the graphs were captured with: the state pools', and the weights' (RL's
+        release + resume of the weights alone moves them while the pools stay)."""
         d = self.drafter
-        return (d.site(0).data_ptr(), d.runner.swa_kv.layer(d.layers[0].block.self_attn.attn.layer_id)[0].data_ptr())
+        return (d.site(0).data_ptr(), d.runner.swa_kv.layer(d.layers[0].block.self_attn.attn.layer_id)[0].data_ptr(),
+                d.model.lm_head.weight.data_ptr(), next(d.layers[0].parameters()).data_ptr())
 
     @torch.inference_mode()
     def capture(self, capturer=None) -> None:
@@ -177,7 +180,7 @@ class MTPChainGraph:
         into the static inputs of the smallest captured size >= n (the rest are padding
         requests), replay, and return the draft logits [K, n, N] (a view of a static tensor: read
         it before the next replay)."""
-        if self._ptrs != self._pool_ptrs():  # the pools were reallocated (RL release / resume)
+        if self._ptrs != self._pool_ptrs():  # pools or weights were reallocated (RL release / resume)
             self.capture()
         K = self.K
         bs = next(s for s in self.sizes if s >= n)
