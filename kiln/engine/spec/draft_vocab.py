@@ -14,6 +14,7 @@ sequences (e.g. `kiln train-draft`'s generations): `python -m kiln.engine.spec.d
 
 The hot rows are a copy of the LM head's rows ([N, H], made once), so a graph can read them at a
 fixed address; `refresh` copies them again after the weights change (RL updates, LoRA merges).
+The copy (N x H) stays on the device when RL releases the weights to the host.
 """
 
 from __future__ import annotations
