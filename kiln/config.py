@@ -106,7 +106,7 @@ class EngineConfig:
     speculative_draft_model_path: Optional[str] = opt(
         None, "dflash: directory of the drafter (config.json with model_type 'dflash' + safetensors).")
     speculative_token_map: Optional[str] = opt(
-        None, "mtp: draft from these token ids only (FR-Spec; a .pt or .json list, e.g. the most frequent "
+        None, "Draft from these token ids only (FR-Spec; a .pt or .json list, e.g. the most frequent "
         "tokens: `python -m kiln.engine.spec.draft_vocab`). The draft LM head reads only their rows; "
         "verification stays exact.")
     # Server
@@ -125,9 +125,9 @@ class EngineConfig:
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
                              "are two ways to verify sampled drafts; pick one")
-        if self.speculative_token_map and self.speculative_algorithm != "mtp":
-            raise ValueError("--speculative-token-map restricts the MTP draft head; it needs "
-                             "--speculative-algorithm mtp")
+        if self.speculative_token_map and self.speculative_algorithm is None:
+            raise ValueError("--speculative-token-map restricts a drafter's LM head; it needs "
+                             "--speculative-algorithm")
         if self.speculative_algorithm is None:
             for flag in ("speculative_use_rejection_sampling", "speculative_use_block_verification"):
                 if getattr(self, flag):

@@ -127,7 +127,7 @@ class EngineCore:
     def _after_weight_update(self, flush: bool = True) -> None:
         if self.cache.hicache is not None:  # disk pages of these weights get keys of their own
             self.cache.hicache.weights_changed()
-        if self.scheduler.spec is not None:  # e.g. the MTP draft head's copy of the token map's rows
+        if self.scheduler.spec is not None:  # the draft head's copy of the token map's rows
             self.scheduler.spec.drafter.on_weights_changed()
         if not flush:
             return

@@ -83,9 +83,10 @@ def fresh_context(core, ids: list[int]) -> torch.Tensor:
         return drafter.context_features(batch.taps())
 
 
-def assert_block_reference(core, res, drafts) -> int:
+def assert_block_reference(core, res, drafts, token_map=None) -> int:
     """Every draft's logits equal the reference block forward on freshly computed context
-    features. Returns how many blocks were compared."""
+    features (with `token_map`: on the map, and -inf off it). Returns how many blocks were
+    compared."""
     target, drafter = core.runner.model, core.runner.draft_model
     mask, checked = drafter.config.mask_token_id, 0
     for rid, (prompt, output, _, _) in res.items():
@@ -97,7 +98,11 @@ def assert_block_reference(core, res, drafts) -> int:
                 block = target.model.embed_tokens(torch.tensor([ids[a]] + [mask] * (B - 1)))
                 h = drafter.draft_hidden(block, a, c[:a], torch.arange(a))
                 ref = target.lm_head.compute_logits(h[1:len(ds) + 1]).float()
-            err = (torch.stack(logits) - ref).abs().max().item()
+            if token_map is not None:
+                ref = torch.full_like(ref, float("-inf")).index_copy(1, torch.tensor(token_map), ref[:, token_map])
+            got = torch.stack(logits)
+            assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"{rid}: -inf pattern at anchor {a}"
+            err = (got - ref)[torch.isfinite(ref)].abs().max().item()
             assert err <= 1e-4, f"{rid}: block at anchor {a} differs from the reference by {err:.2e}"
             checked += 1
     return checked

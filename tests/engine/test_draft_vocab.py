@@ -1,6 +1,6 @@
-"""`--speculative-token-map` (FR-Spec): the MTP draft head scores the map's tokens only.
+"""`--speculative-token-map` (FR-Spec): a drafter's LM head scores the map's tokens only.
 
-What must hold, on the tiny Inkling and Llama MTP targets (CPU, fp32):
+What must hold, on the tiny Inkling and Llama MTP targets and a DFlash drafter (CPU, fp32):
 - every draft is a map token, and each draft's logits are the teacher-forced MTP reference on
   the map and -inf off it (eager passes and the chain graph, replayed by re-running it);
 - greedy output with speculation still equals plain greedy output (the verify never trusts a
@@ -120,6 +120,25 @@ def test_sampled_drafts_have_no_mass_off_the_map(tmp_path):
     assert qs and all(float(q[:, off].abs().max()) == 0.0 for q in qs)
 
 
+def test_block_drafts_come_from_the_map(tmp_path):
+    # DFlash on the tiny Llama: its block's K rows go through the map's rows of the target's LM
+    # head; greedy output stays plain greedy, and each draft's logits are the reference block's
+    # on the map, -inf off it.
+    from tests.engine.test_block_drafter import assert_block_reference, dflash_dirs, spec_core as block_core
+
+    model_dir, draft = dflash_dirs(tmp_path)
+    path, ids = token_map(tmp_path, seed=4)
+    target = (str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft),
+                               "speculative_token_map": path})
+    ps = prompts(3, seed=21, lo=10, hi=60)
+    core = block_core(target, 3, page_size=4)
+    core.scheduler.spec.drafter.on_weights_changed()  # make_core changed the weights in place
+    res, drafts, _ = run_spec(core, ps, max_tokens=12)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(make_core(str(model_dir), page_size=4), ps, max_tokens=12)
+    assert {d for rows in drafts.values() for _, ds, _ in rows for d in ds} <= set(ids)
+    assert assert_block_reference(core, res, drafts, token_map=ids) > 0
+
+
 def test_the_hot_rows_follow_weight_updates(tmp_path):
     from tests.engine.test_speculative import SPEC_INKLING
 
@@ -144,8 +163,8 @@ def test_token_map_files_and_errors(tmp_path):
     for name, message in cases.items():
         with pytest.raises(ValueError, match=message):
             load_token_map(str(tmp_path / name), V)
-    with pytest.raises(ValueError, match="needs --speculative-algorithm mtp"):
-        EngineConfig(speculative_algorithm="dflash", speculative_token_map=str(tmp_path / "a.json"))
+    with pytest.raises(ValueError, match="needs --speculative-algorithm"):
+        EngineConfig(speculative_token_map=str(tmp_path / "a.json"))
     head = SimpleNamespace(vocab_size=V, weight=torch.zeros(V, 4), pc=SimpleNamespace(tp_size=2))
     with pytest.raises(ValueError, match="--tp-size 1"):
         DraftVocab(head, [1, 2])

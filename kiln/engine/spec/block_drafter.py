@@ -22,7 +22,8 @@ Drafting. A request ready to decode (seq_len T, T - 1 tokens computed) runs one 
 position T - 1: input [t_{T-1}, MASK x (B-1)] embedded by the target, all B rows (the block is
 bidirectional, so fewer rows would change the outputs), keys = its context K/V at positions
 0 .. T-2 read from the pool + the block's own; drafts = argmax of the target's LM head at block
-positions 1..k, or, for sampled requests under exact verification (`sample_drafts`), d_i drawn from
+positions 1..k (over `--speculative-token-map`'s tokens when one is given: `DraftVocab`), or, for
+sampled requests under exact verification (`sample_drafts`), d_i drawn from
 q_i = the sampler's processing of position i's logits with d_1..d_{i-1} counted as output, q kept
 in `DraftState.q` for the verify. Every ready request's block runs in one batch (contexts padded
 and masked; split into groups when the padded contexts would exceed `max_padded_tokens`).
@@ -36,6 +37,7 @@ import torch
 
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
+from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from kiln.models.block_drafter import BlockDrafter
@@ -90,10 +92,12 @@ class BlockDraftRunner:
     max_padded_tokens = 1 << 16
     flight = None  # block drafts are read back after each pass (no DraftsInFlight)
 
-    def __init__(self, runner, num_steps: int):
+    def __init__(self, runner, num_steps: int, token_map: Optional[list[int]] = None):
         self.runner = runner
         self.target = runner.model
         self.drafter: BlockDrafter = runner.draft_model
+        # The draft head: the target's LM head over `token_map` only (`--speculative-token-map`)
+        self.vocab = DraftVocab(self.target.lm_head, token_map)
         self.pool = runner.draft_kv
         self.table = runner.req_to_token.table
         self.num_steps = num_steps
@@ -123,7 +127,8 @@ class BlockDraftRunner:
         """Nothing: `on_forward` stored every row."""
 
     def on_weights_changed(self) -> None:
-        """Nothing: the block reads the target's embedding and LM head where they are."""
+        """The draft head's copy of the hot LM-head rows follows the new weights."""
+        self.vocab.refresh()
 
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype))
@@ -182,9 +187,9 @@ class BlockDraftRunner:
         emb = self.target.model.embed_tokens(ids).view(R, B, -1)
         hidden = self.drafter.forward_blocks(emb.to(self.drafter.fc.weight.dtype), lens, ctx_kv, ctx_mask)
         kmax = max(ks)
-        logits = self.target.lm_head.compute_logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype))
-        logits = logits.float().view(R, kmax, -1)
-        tokens = logits.argmax(dim=-1).tolist()
+        sub = self.vocab.logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1)
+        tokens = self.vocab.tokens(sub.argmax(dim=-1)).tolist()
+        logits = self.vocab.full(sub)  # -inf off the token map: q is 0 there
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
         drawn = self._sample(logits, reqs, ks, sampled)
         for i, (r, k) in enumerate(zip(reqs, ks)):

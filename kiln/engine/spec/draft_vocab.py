@@ -1,8 +1,9 @@
-"""`DraftVocab`: the vocabulary an MTP draft head scores (`--speculative-token-map`, FR-Spec).
+"""`DraftVocab`: the vocabulary a drafter's LM head scores (`--speculative-token-map`, FR-Spec).
 
-A draft LM head over the whole vocabulary reads every row of the LM head once per draft, per MTP
-layer: on the Inkling `bench` preset three 202 MB reads per round, a third of what a K = 3 round
-must read beyond a plain step (docs/benchmarks.md, "H200, sixth pass"). FR-Spec (Zhao et al.,
+A draft LM head over the whole vocabulary reads every row of the LM head for every draft: the MTP
+chain once per layer (on the Inkling `bench` preset three 202 MB reads per round, a third of what a
+K = 3 round must read beyond a plain step; docs/benchmarks.md, "H200, sixth pass"), a block
+drafter (DFlash, DSpark) once per block for its K rows. FR-Spec (Zhao et al.,
 2025) drafts from the most frequent tokens only: the draft logits are h @ W[hot]^T, the drafts
 are hot[argmax], and the verify stays exact because it never trusts a draft, only checks it
 against the target (greedy, point masses, or q for exact verification; q is then the drafter's

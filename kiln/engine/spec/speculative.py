@@ -279,14 +279,14 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
     runner = scheduler.runner
     if algo is None:
         return None
+    token_map = None
+    if scheduler.config.speculative_token_map:
+        from kiln.engine.spec.draft_vocab import load_token_map
+
+        token_map = load_token_map(scheduler.config.speculative_token_map, runner.model.lm_head.vocab_size)
     if algo == "mtp":
         from kiln.engine.spec.mtp_drafter import MTPDrafter
 
-        token_map = None
-        if scheduler.config.speculative_token_map:
-            from kiln.engine.spec.draft_vocab import load_token_map
-
-            token_map = load_token_map(scheduler.config.speculative_token_map, runner.model.lm_head.vocab_size)
         drafter = MTPDrafter(runner, runner.spec_steps, token_map)
         if runner.graphs is not None:  # CUDA graphs on: the steady-decode pass too
             drafter.use_graphs(min(runner.graphs.max_bs, MTP_GRAPH_MAX_BS))
@@ -294,5 +294,5 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
     if algo in ("dflash", "dspark"):
         from kiln.engine.spec.block_drafter import BlockDraftRunner
 
-        return SpecDecoder(scheduler, BlockDraftRunner(runner, runner.spec_steps))
+        return SpecDecoder(scheduler, BlockDraftRunner(runner, runner.spec_steps, token_map))
     raise ValueError(f"--speculative-algorithm {algo!r} is not one of mtp, dflash, dspark")
