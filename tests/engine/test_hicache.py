@@ -323,6 +323,8 @@ def test_too_large_prompt_with_a_cached_prefix_is_rejected(tmp_path):
 
 
 def _tp_rank(rank: int, model_dir: str, store: str, port: int, results) -> None:
+    import gc
+
     from kiln.dist.init import init_tensor_parallel, shutdown
 
     torch.set_num_threads(1)
@@ -341,6 +343,10 @@ def _tp_rank(rank: int, model_dir: str, store: str, port: int, results) -> None:
             outs.append(({k: v[1] for k, v in res.items()},
                          (s.cached_tokens_device_total, s.cached_tokens_host_total, s.cached_tokens_disk_total)))
         results.put((rank, outs))
+        # Free the engine before leaving the group: tearing gloo down under live tensors can abort
+        # the process at exit ("terminate called without an active exception"; as in test_tensor_parallel)
+        del core
+        gc.collect()
     finally:
         shutdown(pc)
 
