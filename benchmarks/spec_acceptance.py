@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--speculative-algorithm", default="mtp")
     ap.add_argument("--speculative-draft-model-path", default=None, help="The drafter's directory (dflash).")
     ap.add_argument("--speculative-token-map", default=None,
-                    help="mtp: draft from these token ids only (docs/speculative.md, FR-Spec).")
+                    help="Draft from these token ids only (docs/speculative.md, FR-Spec).")
     ap.add_argument("--steps", default="1,2,3", help="Draft lengths K to measure, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -189,8 +189,9 @@ class BlockDraftRunner:
         kmax = max(ks)
         sub = self.vocab.logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1)
         tokens = self.vocab.tokens(sub.argmax(dim=-1)).tolist()
-        logits = self.vocab.full(sub)  # -inf off the token map: q is 0 there
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
+        # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
+        logits = self.vocab.full(sub) if sampled or self.keep_logits else None
         drawn = self._sample(logits, reqs, ks, sampled)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if i in drawn:

@@ -71,11 +71,6 @@ class DraftVocab:
                                       device=lm_head.weight.device)
             self.refresh()
 
-    @property
-    def size(self) -> int:
-        """Columns of the draft logits."""
-        return self.vocab_size if self.ids is None else len(self.ids)
-
     def refresh(self) -> None:
         """Copy the hot rows of the LM head again (after its weights changed), in place."""
         if self.ids is not None:

@@ -204,8 +204,9 @@ class MTPDrafter:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
                 sub = self.vocab.logits(layer.final_norm(h))  # over the draft vocabulary, as in the graph
                 tokens = self.vocab.tokens(sub.argmax(dim=-1))
-                logits = self.vocab.full(sub)  # -inf off the token map: q is 0 there
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
+                # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
+                logits = self.vocab.full(sub) if sampled or self.keep_logits else None
                 if sampled:  # d_k ~ q_k, processed like the target's rows (d_1..d_{k-1} as output)
                     views = [row_view(drafting[i], [int(t) for t in chain.get(drafting[i].rid, [])], dev)
                              for i in sampled]

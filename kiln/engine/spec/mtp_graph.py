@@ -72,7 +72,7 @@ class MTPChainGraph:
         self._ptrs: Optional[tuple] = None
 
     # ---- capture -----------------------------------------------------------------------------
-    def _pool_ptrs(self) -> tuple:
+    def _addresses(self) -> tuple:
         """Addresses the graphs were captured with: the state pools', and the weights' (RL's
         release + resume of the weights alone moves them while the pools stay)."""
         d = self.drafter
@@ -88,7 +88,7 @@ class MTPChainGraph:
             replay, logits = capturer.capture(lambda bs=bs: self._chain(bs))
             self.graphs[bs] = (replay, logits)
         capturer.done(self.sizes)
-        self._ptrs = self._pool_ptrs()
+        self._ptrs = self._addresses()
 
     def _rows(self, bs: int) -> dict[str, torch.Tensor]:
         """Every row's inputs from the per-request tables of the first `bs` requests (flattened
@@ -180,7 +180,7 @@ class MTPChainGraph:
         into the static inputs of the smallest captured size >= n (the rest are padding
         requests), replay, and return the draft logits [K, n, N] (a view of a static tensor: read
         it before the next replay)."""
-        if self._ptrs != self._pool_ptrs():  # pools or weights were reallocated (RL release / resume)
+        if self._ptrs != self._addresses():  # pools or weights were reallocated (RL release / resume)
             self.capture()
         K = self.K
         bs = next(s for s in self.sizes if s >= n)
