@@ -98,10 +98,10 @@ def test_chain_graph_drafts_from_the_map(tmp_path):
     assert assert_mtp_reference(core, res, drafts, reference=masked_reference(ids)) > 0
     # Weights moved (RL's release + resume of the weights alone): the next pass must capture again
     graph = drafter.graph
-    assert graph._ptrs == graph._pool_ptrs()
+    assert graph._ptrs == graph._addresses()
     head = core.runner.model.lm_head.weight
     head.data = head.data.clone()
-    assert graph._ptrs != graph._pool_ptrs()
+    assert graph._ptrs != graph._addresses()
 
 
 def test_sampled_drafts_have_no_mass_off_the_map(tmp_path):

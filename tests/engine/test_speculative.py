@@ -171,6 +171,14 @@ def prefix_hit_prompts(base: list[int], base_output: list[int]) -> list[list[int
     return [base[:3] + base[10:30], base[:30] + [7, 8, 9], base, base + base_output + [5, 6]]
 
 
+def assert_logits_match(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) -> None:
+    """Draft logits equal their reference within `tol`, and -inf (off a token map) at the same
+    entries."""
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{what}: -inf pattern"
+    err = (got - want)[torch.isfinite(want)].abs().max().item()
+    assert err <= tol, f"{what} differs from the reference by {err:.2e}"
+
+
 def assert_mtp_reference(core, res, drafts, reference=forward_mtp_reference) -> int:
     """Every draft whose inputs were committed tokens equals the teacher-forced MTP reference
     (`reference(model, ids, lens, hidden)` -> per-layer logits of every row; the trainer's forward
@@ -187,11 +195,7 @@ def assert_mtp_reference(core, res, drafts, reference=forward_mtp_reference) -> 
                 teacher_forced = ds[:k - 1] == ids[anchor + 2:anchor + k + 1].tolist()
                 if not teacher_forced or anchor > n_tok - 1 - k:
                     break
-                got, want = logits[k - 1], ref[k - 1][anchor]
-                # -inf where a token map keeps the draft head off a token: the same entries on both sides
-                assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{rid}: layer {k} -inf pattern"
-                err = (got - want)[torch.isfinite(want)].abs().max().item()
-                assert err <= 1e-4, f"{rid}: MTP layer {k} at anchor {anchor} differs by {err:.2e}"
+                assert_logits_match(logits[k - 1], ref[k - 1][anchor], f"{rid}: MTP layer {k} at anchor {anchor}")
                 checked += 1
     return checked
 
