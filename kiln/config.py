@@ -86,6 +86,9 @@ class EngineConfig:
     disable_overlap_schedule: bool = opt(
         False, "CUDA: read each step's tokens back only after the next step is queued (overlap "
         "scheduling); this flag runs the steps one after the other.")
+    disable_pdl: bool = opt(
+        False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
+        "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

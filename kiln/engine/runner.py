@@ -38,6 +38,10 @@ class ModelRunner:
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(source, pc)
         self.use_kernels = self._want_kernels()
+        if self.use_kernels:  # process-wide, like torch.backends flags; captured graphs keep it
+            from kiln.kernels.launch import set_pdl  # imports triton, which CPU builds may lack
+
+            set_pdl(not config.disable_pdl)
         # Kernels read per-sequence lengths from the device, not from host lists.
         self.needs_device_metadata = self.use_kernels
         # Speculative decoding: the draft length, and the state the drafter keeps in the page spaces.

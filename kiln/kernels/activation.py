@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row pid0, columns pid1*BLOCK .. +BLOCK of the [N, I] output."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
@@ -52,5 +55,6 @@ def silu_and_mul(gate_up: torch.Tensor, out_dtype: Optional[torch.dtype] = None)
     block = min(triton.next_power_of_2(inter), 1024 if n >= 64 else 256)
     _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 2,
+        **pdl_launch(x.device),
     )
     return out

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_tile(x, w_ptr, d, d_ok, D, eps):
@@ -80,8 +82,9 @@ def _conv_qk_norm_kernel(
     table_ptr, slots_ptr, pos_ptr, out_locs_ptr, lam_ptr,
     HQ, HKV, D, NQB, NKB, q_eps, k_eps,
     stride_q, stride_k, stride_v, stride_kcw, stride_vcw, stride_kbuf, stride_vbuf, stride_tab,
-    K: tl.constexpr, HAS_LAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_LAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)  # the row (token)
     blk = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -164,6 +167,6 @@ def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.stride(0), k.stride(0), v.stride(0), k_conv_w.stride(0), v_conv_w.stride(0),
         k_buf.stride(0), v_buf.stride(0), conv_table.stride(0),
         K=k_conv_w.shape[1], HAS_LAM=q_scale is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device),
     )
     return q_out, k_out, v_out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 LOG2E = 1.4426950408889634
 
@@ -127,8 +129,9 @@ def _decode_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,10 +194,11 @@ def _merge_kernel(
     Out, MidO, MidLse, SeqLens, window, num_splits,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out[b, h] = sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s - m) over the splits that held
     keys of sequence b (the others were never written)."""
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -279,7 +283,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device),
     )
     if num_splits > 1:
         _merge_kernel[(b, hq)](
@@ -288,6 +292,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             mid_lse.stride(0), mid_lse.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
             SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), HAS_WINDOW=sliding_window is not None,
-            num_warps=4 if block_d >= 128 else 2,
+            num_warps=4 if block_d >= 128 else 2, **pdl_launch(q.device),
         )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 from kiln.kernels.decode_attention import LOG2E, dot_precision, head_dim_block
 
 
@@ -40,8 +42,9 @@ def _extend_kernel(
     stride_rt, stride_relt, stride_relh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_REL: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -170,6 +173,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_WINDOW=sliding_window is not None, HAS_REL=rel is not None,
         HAS_POSITIONS=positions is not None, HAS_GAP=key_gap > 1,
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], **pdl_launch(q.device),
     )
     return out

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 @triton.jit
 def _copy_row(src_ptr, dst_ptr, t, slot, H, D, stride_st, stride_sh, stride_ds, stride_dh,
@@ -49,7 +51,9 @@ def _store_kv_kernel(
     stride_et, stride_eh, stride_ecs, stride_ech,
     HAS_EXTRA: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HE: tl.constexpr, BLOCK_DE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
     _copy_row(k_ptr, kc_ptr, t, slot, H, D, stride_kt, stride_kh, stride_kcs, stride_kch, BLOCK_H, BLOCK_D)
@@ -109,5 +113,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         e.stride(0), e.stride(1), ec.stride(0), ec.stride(1),
         HAS_EXTRA=has_extra, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HE=block_he, BLOCK_DE=block_de,
-        num_warps=4,
+        num_warps=4, **pdl_launch(k.device),
     )

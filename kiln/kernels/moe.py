@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
 _INT32_MAX = tl.constexpr(2147483647)
@@ -105,7 +107,8 @@ def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots,
                   E: tl.constexpr, E_TOT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -157,7 +160,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr,
                     H, I, num_slots, stride_xt, stride_we, stride_wn, stride_sn,
                     E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, KS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid_m = pid // n_tiles
@@ -212,7 +216,8 @@ def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, 
                  E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                  KS: tl.constexpr, NUM_SW: tl.constexpr, SW_REP: tl.constexpr,
                  HAS_SW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
     pid_m = pid // n_tiles
@@ -264,7 +269,8 @@ def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, 
 
 
 @triton.jit
-def _sum_slots_kernel(slots_ptr, out_ptr, H, KS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_slots_kernel(slots_ptr, out_ptr, H, KS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -334,14 +340,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
     _align_kernel[(e_tot,)](
         ids, sorted_slots, seg_end, T * k, T, num_slots,
-        E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+        E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4,
+        **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.up
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](
         x, w13, sw13, sorted_slots, seg_end, act, H, inter, num_slots,
         x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
         E=E, E_TOT=e_tot, E_PAD=e_pad, KS=ks_slots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=H % bk == 0, PRECISION=_dot_precision(w13.dtype), num_warps=warps, num_stages=stages)
+        EVEN_K=H % bk == 0, PRECISION=_dot_precision(w13.dtype), num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.down
     _down_kernel[(num_blocks * triton.cdiv(H, bn),)](
@@ -350,9 +358,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         E=E, E_TOT=e_tot, E_PAD=e_pad, K=k, KS=ks_slots, NUM_SW=n_shared_w,
         SW_REP=max(1, chunks // n_shared_w), HAS_SW=shared is not None and shared[2] is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
-        PRECISION=_dot_precision(w2.dtype), num_warps=warps, num_stages=stages)
+        PRECISION=_dot_precision(w2.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x.device))
 
     block_h = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(T, triton.cdiv(H, block_h))](slot_out, out, H, KS=ks_slots, BLOCK_H=block_h,
-                                                   num_warps=4)
+                                                   num_warps=4, **pdl_launch(x.device))
     return out

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kiln.kernels.launch import pdl_launch, wait_for_previous
 from triton.language.extra import libdevice
 
 from kiln.kernels import interpreting
@@ -58,7 +60,8 @@ def _store_selection(rank, w, cols, rows, row_ok, ids_ptr, w_ptr, K: tl.constexp
 @triton.jit
 def _sink_gate_kernel(z_ptr, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, T, route_scale,
                       E: tl.constexpr, S: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, PRECISE: tl.constexpr):
+                      BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     cols = tl.arange(0, N_PAD)
@@ -86,7 +89,8 @@ def _sink_gate_kernel(z_ptr, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, T, r
 @triton.jit
 def _minimax_gate_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, T, scaling,
                          E: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr,
-                         BLOCK_T: tl.constexpr, PRECISE: tl.constexpr):
+                         BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     cols = tl.arange(0, N_PAD)
@@ -126,7 +130,7 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     _sink_gate_kernel[(triton.cdiv(t, bt),)](
         z, expert_bias, global_scale, ids, routed_w, shared_w if s > 0 else routed_w, t,
         float(route_scale), E=e, S=s, K=top_k, N_PAD=max(16, triton.next_power_of_2(e + s)),
-        BLOCK_T=bt, PRECISE=not interpreting(), num_warps=4)
+        BLOCK_T=bt, PRECISE=not interpreting(), num_warps=4, **pdl_launch(z.device))
     return ids, routed_w, shared_w
 
 
@@ -146,5 +150,5 @@ def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     _minimax_gate_kernel[(triton.cdiv(t, bt),)](
         z, bias, ids, w, t, float(routed_scaling_factor), E=e, K=top_k,
         N_PAD=max(16, triton.next_power_of_2(e)), BLOCK_T=bt, PRECISE=not interpreting(),
-        num_warps=4)
+        num_warps=4, **pdl_launch(z.device))
     return ids, w

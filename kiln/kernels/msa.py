@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 # Blocks of scores one selection pass looks at per step (bounds its registers for long contexts).
 _SELECT_CHUNK = 1024
 
@@ -67,8 +69,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
                           s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di,
                           DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          TILE_T: tl.constexpr):
+                          TILE_T: tl.constexpr, PDL: tl.constexpr):
     """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max."""
+    wait_for_previous(PDL)
     blk = tl.program_id(0)
     g = tl.program_id(1)
     row = tl.program_id(2)
@@ -102,7 +105,7 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
                           s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs,
                           NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, TILE_Q: tl.constexpr, TILE_T: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
+                          DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """S[row, g, blk] for TILE_Q consecutive queries of one sequence: [TILE_Q, DI] x [DI, TILE_T]
     dots against the block's index keys, causal mask, row max.
 
@@ -110,6 +113,7 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     total of tiles per sequence, so a program finds its sequence by counting the ends <= its id
     (programs past the last tile store nothing).
     """
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     blk = tl.program_id(1)
     g = tl.program_id(2)
@@ -166,8 +170,9 @@ def _history_keys(base, ids, local):
 @triton.jit
 def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
                    BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
-                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """Sel[row, g, :] by the rule of `kiln.ops.msa.select_blocks`."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     qp = tl.load(qpos_ptr + row)
@@ -207,9 +212,10 @@ def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_p
                         HG: tl.constexpr, HG_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr, TOPK: tl.constexpr,
                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
+                        DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Attention of the HG query heads of kv head g of one row over its selected blocks
     BLOCKS_PER_SPLIT * split .. (one split's share), fp32 online softmax in base 2."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,8 +269,10 @@ def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_p
 
 @triton.jit
 def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh,
-                    D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+                    D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[row, h] = sum_j acc_j 2^(m_j - M) / sum_j l_j 2^(m_j - M) over the splits."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     offs_j = tl.arange(0, SPLITS_P)
@@ -330,7 +338,7 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
         qI, ki_cache, req_to_token, req_slots, q_pos, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di),
-        DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps)
+        DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps, **pdl_launch(qI.device))
     return scores
 
 
@@ -351,7 +359,7 @@ def msa_select(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_
     _select_kernel[(r, g)](
         scores, q_pos, sel, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
         BLOCK_SIZE=block_size, TOPK=topk_blocks, TOPK_P=_p2(topk_blocks), CHUNK=chunk,
-        NUM_CHUNKS=-(-nb // chunk), num_warps=_select_warps(chunk))
+        NUM_CHUNKS=-(-nb // chunk), num_warps=_select_warps(chunk), **pdl_launch(scores.device))
     return sel
 
 
@@ -401,10 +409,11 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out.stride(0), out.stride(1), scale * math.log2(math.e),
         HG=hg, HG_P=max(16, _p2(hg)), D=d, D_P=max(16, _p2(d)), BLOCK_SIZE=block_size,
         TILE_T=tile_t, TOPK=topk, BLOCKS_PER_SPLIT=per, SPLITS=splits,
-        DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps)
+        DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps, **pdl_launch(q.device))
     if splits > 1:
         _combine_kernel[(r, hq)](opart, mpart, lpart, out, out.stride(0), out.stride(1),
-                                 D=d, D_P=_p2(d), SPLITS=splits, SPLITS_P=_p2(splits), num_warps=4)
+                                 D=d, D_P=_p2(d), SPLITS=splits, SPLITS_P=_p2(splits), num_warps=4,
+                                 **pdl_launch(out.device))
     return out
 
 
@@ -455,7 +464,8 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di), ns,
         NUM_SEQS_P=_p2(ns), DI=di, DI_P=max(16, _p2(di)), BLOCK_SIZE=block_size, TILE_Q=tq,
-        TILE_T=max(16, min(_p2(block_size), 64)), DOT_PREC=_dot_precision(qI.dtype), num_warps=4)
+        TILE_T=max(16, min(_p2(block_size), 64)), DOT_PREC=_dot_precision(qI.dtype), num_warps=4,
+        **pdl_launch(qI.device))
     return scores
 
 

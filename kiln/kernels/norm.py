@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 MAX_BLOCK_H = 8192  # widest row kept in registers in one pass (tests lower it to reach the loop)
 
 
@@ -56,9 +58,10 @@ def _rms_norm_kernel(
     N, H, B, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows pid*BLOCK_R .. +BLOCK_R of the [N = A*B, H] input; row n is x[n // B, n % B, :]."""
+    wait_for_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < N
     a, b = rows // B, rows % B
@@ -125,7 +128,7 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
         n, h, x3.shape[1], float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, ONE_PASS=one_pass,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps, **pdl_launch(x3.device),
     )
     return out, r_out
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
@@ -42,7 +44,8 @@ def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
                  HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -79,5 +82,6 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
         q, k, q_out, k_out, cos, sin, positions,
         hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(q.device),
     )
     return q_out, k_out

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 CAP = 4096  # scratch tokens per row: the search leaves whole-row passes once the bracket fits
 
@@ -185,11 +187,12 @@ def _select_kernel(
     top_ks_ptr, top_ps_ptr, min_ps_ptr,
     V, stride_p,
     CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-    NP: tl.constexpr, BLOCK_S: tl.constexpr, NP_S: tl.constexpr,
+    NP: tl.constexpr, BLOCK_S: tl.constexpr, NP_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row: find the kept prefix as in the module docstring and store it as
     (vb, cut, norm): token i is kept iff bits(p_i) > vb, or bits(p_i) == vb and i <= cut; kept
     tokens are renormalised by norm. The row itself is written by `_apply_kernel`."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * stride_p
     scratch = scratch_ptr + row * CAP
@@ -294,11 +297,12 @@ def _select_kernel(
 def _apply_kernel(
     probs_ptr, meta_i_ptr, meta_f_ptr, out_ptr, e_ptr, part_v_ptr, part_i_ptr,
     V, stride_p, stride_o, stride_e, n_chunks,
-    FILTER: tl.constexpr, SAMPLE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    FILTER: tl.constexpr, SAMPLE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (rows, chunks of CHUNK tokens): apply (vb, cut, norm) and write the renormalised
     probabilities, or (SAMPLE) the chunk's best argmax(q / max(e, tiny)) and its token id (first
     index on ties). FILTER=False: q = p, the race alone."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if FILTER:
@@ -333,9 +337,10 @@ def _apply_kernel(
 
 
 @triton.jit
-def _argmax_kernel(part_v_ptr, part_i_ptr, ids_ptr, n_chunks, BLOCK: tl.constexpr):
+def _argmax_kernel(part_v_ptr, part_i_ptr, ids_ptr, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Per row: the chunk with the largest value, the earliest chunk on ties (chunks are in id
     order), so the result is the first maximum, as torch.argmax."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < n_chunks
@@ -373,11 +378,13 @@ def _apply(probs, meta_i, meta_f, e):
         probs, meta_i if filt else probs, meta_f if filt else probs, out, e if sample else probs,
         part_v, part_i, v, probs.stride(0), out.stride(0), e.stride(0) if sample else 0, n_chunks,
         FILTER=filt, SAMPLE=sample, CHUNK=chunk, BLOCK=block, num_warps=APPLY["num_warps"],
+        **pdl_launch(probs.device),
     )
     if not sample:
         return out
     ids = torch.empty(n, dtype=torch.int64, device=probs.device)
-    _argmax_kernel[(n,)](part_v, part_i, ids, n_chunks, BLOCK=triton.next_power_of_2(n_chunks), num_warps=1)
+    _argmax_kernel[(n,)](part_v, part_i, ids, n_chunks, BLOCK=triton.next_power_of_2(n_chunks), num_warps=1,
+                         **pdl_launch(part_v.device))
     return ids
 
 
@@ -395,7 +402,7 @@ def _filter(probs, top_ks, top_ps, min_ps, e, cap):
     _select_kernel[(n,)](
         probs, meta_i, meta_f, scratch, top_ks.to(torch.int64), top_ps.float(), min_ps.float(),
         v, probs.stride(0), CAP=cap, BLOCK=cfg["BLOCK"], BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"],
-        BLOCK_S=cfg["BLOCK_S"], NP_S=cfg["NP_S"], num_warps=cfg["num_warps"],
+        BLOCK_S=cfg["BLOCK_S"], NP_S=cfg["NP_S"], num_warps=cfg["num_warps"], **pdl_launch(probs.device),
     )
     return _apply(probs, meta_i, meta_f, e)
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
 
 
 @triton.jit
@@ -36,7 +38,7 @@ def _short_conv_kernel(
     T, C, B,
     stride_x, stride_w, stride_y, stride_buf, stride_tab,
     K: tl.constexpr, DECODE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_T token rows x BLOCK_C channels.
 
@@ -46,6 +48,7 @@ def _short_conv_kernel(
     scan over the B sequences, so no host-side token->sequence map is needed); rows of no sequence
     get y = x.
     """
+    wait_for_previous(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -136,7 +139,7 @@ def short_conv_decode(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
         bsz, c, bsz,
         x.stride(0), w.stride(0), y.stride(0), conv_buf.stride(0), conv_table.stride(0),
         K=w.shape[1], DECODE=True, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=16,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return y
 
@@ -162,6 +165,6 @@ def short_conv_extend(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
         n_tok, c, bsz,
         x.stride(0), w.stride(0), y.stride(0), conv_buf.stride(0), conv_table.stride(0),
         K=w.shape[1], DECODE=False, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=32,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return y

@@ -1,7 +1,8 @@
 """Kernels compile for the H200 (sm_90), on the CPU.
 
 Triton's interpreter (how the CPU tests run the kernels) accepts programs the compiler rejects,
-e.g. a name bound to bf16 in one branch of an `if` and to fp32 in the other. Triton compiles to
+e.g. a name bound to bf16 in one branch of an `if` and to fp32 in the other, and never runs the
+PDL wait (`kiln.kernels.launch`), which is inline PTX. Triton compiles to
 PTX and cubin without a GPU, so these tests build the kernels with data-dependent branches for
 sm_90 with representative signatures, before a GPU run finds out. The compile runs in a child
 process: under the interpreter (tests/conftest.py) `@triton.jit` functions cannot be compiled.
@@ -40,7 +41,8 @@ def conv_qk_norm(has_lam: bool) -> None:
             "kc_w_ptr", "vc_w_ptr", "k_buf_ptr", "v_buf_ptr")
     types = {**{n: "*bf16" for n in bf16}, "lam_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32",
              **{n: "*i64" for n in ("table_ptr", "slots_ptr", "pos_ptr", "out_locs_ptr")}}
-    compile_sm90(_conv_qk_norm_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128))
+    compile_sm90(_conv_qk_norm_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128,
+                                                        PDL=True))
 
 
 def extend_attention(mtp: bool) -> None:
@@ -51,7 +53,7 @@ def extend_attention(mtp: bool) -> None:
                                     "Positions")}}
     compile_sm90(_extend_kernel, types, dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32,
                                              HAS_WINDOW=mtp, HAS_REL=mtp, HAS_POSITIONS=mtp, HAS_GAP=mtp,
-                                             DOT_PRECISION="tf32"))
+                                             DOT_PRECISION="tf32", PDL=mtp))
 
 
 def decode_attention(mtp: bool) -> None:
@@ -60,12 +62,23 @@ def decode_attention(mtp: bool) -> None:
     types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "MidO": "*fp32", "MidLse": "*fp32", "Rel": "*fp32",
              "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}}
     compile_sm90(_decode_kernel, types, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=True,
-                                             HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp, DOT_PRECISION="tf32"))
+                                             HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp, DOT_PRECISION="tf32",
+                                             PDL=True))
+
+
+def rms_norm(pdl: bool) -> None:
+    """The PDL wait (inline PTX `griddepcontrol.wait`) must assemble for sm_90."""
+    from kiln.kernels.norm import _rms_norm_kernel
+
+    types = {**{n: "*bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "r_out_ptr")}, "eps": "fp32"}
+    compile_sm90(_rms_norm_kernel, types, dict(HAS_RESIDUAL=True, ONE_PASS=True, BLOCK_R=1, BLOCK_H=4096,
+                                               PDL=pdl))
 
 
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
-         "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True)}
+         "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
+         "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True)}
 
 
 def test_kernels_compile_for_sm90():

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL): a kernel's launch leaves the critical path.
+
+A decode step at small batch is a chain of short dependent kernels, and between two of them the
+GPU idles while the second one is launched (about 0.5 us after a Triton kernel, 1 us after a
+cuBLAS GEMM on an H200: `python -m benchmarks.kernels.pdl`). On Hopper and later, a kernel
+launched with the programmatic-stream-serialization attribute may start while its predecessor
+still runs; it must then execute `griddepcontrol.wait` before it reads anything the predecessor
+wrote or writes anything the predecessor reads. CUDA graphs keep the attribute (a programmatic
+edge), so the captured decode step benefits too.
+
+Every Kiln kernel therefore takes a `PDL` constexpr and calls `wait_for_previous(PDL)` as its
+first statement, before any load or store, and its wrapper launches it with
+`**pdl_launch(device)`. Waiting first makes the rule hold for every kernel without reasoning
+about which buffers its predecessor touches; the saving is the launch, not overlapped work.
+Safety is transitive: a kernel runs past its wait only once its predecessor has completed, and
+the predecessor completed only after passing its own wait.
+
+`set_pdl(False)` (the engine's `--disable-pdl`) turns it off for A/B runs; it is off on the CPU
+interpreter and on GPUs older than sm_90, where the attribute does not exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from kiln.kernels import interpreting
+
+_ENABLED = [True]  # a process-wide switch like torch.backends flags; set_pdl changes it
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch Kiln's kernels with PDL where the GPU supports it (default) or never."""
+    _ENABLED[0] = bool(enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL now: enabled, CUDA, sm_90+, not interpreting."""
+    if not _ENABLED[0] or device.type != "cuda" or interpreting():
+        return False
+    return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch: `kernel[grid](..., **pdl_launch(x.device))`."""
+    pdl = pdl_supported(device)
+    return dict(PDL=pdl, launch_pdl=pdl)
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """First statement of every kernel: with PDL, wait until the previous kernel has completed
+    and its writes are visible. A no-op when launched without PDL."""
+    if PDL:
+        gdc_wait()

@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (`kiln.kernels.launch`): when kernels take it, and that it changes
+no result. PDL only moves a kernel's launch earlier (every kernel waits for its predecessor before
+touching memory), so the GPU engine's output with it must equal its output without it, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.config import EngineConfig  # noqa: E402
+from kiln.kernels import launch  # noqa: E402
+
+
+@pytest.fixture
+def restore_pdl():
+    yield
+    launch.set_pdl(True)
+
+
+def test_pdl_off_where_it_cannot_apply(restore_pdl):
+    assert launch.pdl_launch(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)
+    launch.set_pdl(False)  # disabled: no device query at all, whatever the device
+    assert not launch.pdl_supported(torch.device("cuda", 0))
+
+
+def test_disable_pdl_flag():
+    cfg = EngineConfig.from_cli_args(_parse(["--model-path", "m", "--disable-pdl"]))
+    assert cfg.disable_pdl
+    assert not EngineConfig.from_cli_args(_parse(["--model-path", "m"])).disable_pdl
+
+
+def _parse(argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.gpu
+def test_engine_output_identical_with_and_without_pdl(arch_dir, restore_pdl):
+    # Decode replays from CUDA graphs captured with (then without) PDL edges; prefill runs eagerly.
+    from tests.engine.test_hybrid_engine import make_core, prompts
+    from tests.engine.test_kernel_path import greedy
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90 or later")
+    reqs = prompts(5, seed=3, lo=20, hi=60)
+    kw = dict(page_size=4, chunked_prefill_size=32, dtype="bfloat16", device="cuda", cuda_graph_max_bs=16)
+    with_pdl = make_core(arch_dir, **kw)
+    assert launch.pdl_supported(torch.device("cuda"))
+    out_a, rows_a = greedy(with_pdl, reqs, max_tokens=12)
+    without = make_core(arch_dir, disable_pdl=True, **kw)
+    assert not launch.pdl_supported(torch.device("cuda"))
+    out_b, rows_b = greedy(without, reqs, max_tokens=12)
+    assert out_a == out_b
+    for rid in rows_a:
+        assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_b[rid])), rid
