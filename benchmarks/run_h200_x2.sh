@@ -17,8 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl: later passes (see the lane functions below); spec3,
-#                audit, offline3, bound, experts, tokenmap and pdl have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4: later passes (see the lane functions below); spec3,
+#                audit, offline3, bound, experts, tokenmap and pdl* have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
@@ -345,10 +345,55 @@ lane0_pdl() {  # programmatic dependent launch: kernel chains, GPU tests, then b
 
 lane1_pdl() { :; }
 
+lane0_pdl2() {  # GPU tests with PDL (pytest-xdist wheels carried in .device_wheels when present); cuBLAS without
+  # a workspace (no split-K reduce kernel?) at batch 1; batch 64 with and without PDL
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-330} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
+    tests/kernels tests/engine/test_pdl.py tests/engine/test_cuda_graph.py tests/engine/test_host_sync.py \
+    tests/engine/test_speculative.py tests/engine/test_kernel_path.py
+  step llama8b_b1_noworkspace ${T_8B:-60} env CUBLAS_WORKSPACE_CONFIG=:0:0 $DECODE --model-path $LLAMA --batch-sizes 1 \
+    --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --out "$R/json/llama8b_b1_noworkspace.json"
+  for v in on off; do
+    if [ $v = off ]; then F=--disable-pdl; else F=; fi
+    step llama8b_b64_$v ${T_8B:-60} $DECODE --model-path $LLAMA --batch-sizes 64 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 64 $F --out "$R/json/llama8b_b64_$v.json"
+  done
+}
+
+lane1_pdl2() { :; }
+
+lane0_pdl3() {  # the 8B batch-1 row against transformers; Inkling MTP rounds against plain decode; the batch-1 profile
+  step latency_llama8b ${T_LAT:-240} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+  step plain_inkling ${T_PLAIN:-60} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
+  step spec_inkling_k3 ${T_SPEC:-90} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling_k3.json"
+  step plain_profile ${T_P:-60} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 8 --profile --profile-steps 20 --kernel-rows 40 --out "$R/json/plain_b1_profile.json"
+  step llama8b_b64_noworkspace ${T_8B:-60} env CUBLAS_WORKSPACE_CONFIG=:0:0 $DECODE --model-path $LLAMA --batch-sizes 64 \
+    --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --out "$R/json/llama8b_b64_noworkspace.json"
+  step inkling_b1_noworkspace ${T_INK:-50} env CUBLAS_WORKSPACE_CONFIG=:0:0 $DECODE --model-path $INK --batch-sizes 1 \
+    --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --out "$R/json/inkling_b1_noworkspace.json"
+}
+
+lane1_pdl3() { :; }
+
+lane0_pdl4() {  # MTP rounds (k = 3) with and without PDL; the PDL engine test after launch.py's last change
+  for v in on off; do
+    if [ $v = off ]; then F=--disable-pdl; else F=; fi
+    step spec_inkling_k3_$v ${T_SPEC:-90} $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 $F --out "$R/json/spec_inkling_k3_$v.json"
+  done
+  step gpu_tests ${T_TESTS:-120} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 100 tests/engine/test_pdl.py
+}
+
+lane1_pdl4() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -360,7 +405,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ] || [ "$PHASE" = experts ] || [ "$PHASE" = tokenmap ] || [ "$PHASE" = pdl ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ] || [ "$PHASE" = experts ] || [ "$PHASE" = tokenmap ] || [ "$PHASE" = pdl ] || [ "$PHASE" = pdl2 ] || [ "$PHASE" = pdl3 ] || [ "$PHASE" = pdl4 ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;

@@ -31,6 +31,10 @@ from triton.language.extra.cuda import gdc_wait
 from kiln.kernels import interpreting
 
 _ENABLED = [True]  # a process-wide switch like torch.backends flags; set_pdl changes it
+# The interpreter is chosen before any kernel module is imported (kiln/kernels/__init__.py).
+_INTERPRETING = interpreting()
+_ON = dict(PDL=True, launch_pdl=True)
+_OFF = dict(PDL=False, launch_pdl=False)
 
 
 def set_pdl(enabled: bool) -> None:
@@ -45,15 +49,15 @@ def _sm90_or_later(index: int) -> bool:
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now: enabled, CUDA, sm_90+, not interpreting."""
-    if not _ENABLED[0] or device.type != "cuda" or interpreting():
+    if not _ENABLED[0] or device.type != "cuda" or _INTERPRETING:
         return False
     return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch: `kernel[grid](..., **pdl_launch(x.device))`."""
-    pdl = pdl_supported(device)
-    return dict(PDL=pdl, launch_pdl=pdl)
+    """Keyword arguments for a kernel launch: `kernel[grid](..., **pdl_launch(x.device))`. Called
+    on every eager launch, so it allocates nothing."""
+    return _ON if pdl_supported(device) else _OFF
 
 
 @triton.jit
