@@ -8,6 +8,9 @@ drafter (`kiln.models.dflash`) and MiniMax-M3's DSpark (`kiln.models.dspark`, we
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, self_attn.{q,k}_norm.weight [D]
     layers.{i}.mlp.{gate,up,down}_proj.weight
     norm.weight [H]
+    DFlash2 (when configured, kiln/models/dflash2.py): layers.{i}.{attention,mlp}_conv.base_kernel /
+    .kernel_projection.weight, candidate_selector.{predecessor,successor}_codebook.weight,
+    candidate_selector.hidden_projection.weight
 
 The drafter runs on the target's token embedding and LM head (passed in by the caller). Two
 forwards of the same math:
@@ -33,6 +36,7 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.loader.weights import copy_into_param
 from kiln.models.block_drafter_config import BlockDrafterConfig
+from kiln.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from kiln.models.llama import LlamaMLP
 
 # The drafter is small: its layers take SINGLE and run replicated on every rank.
@@ -102,10 +106,27 @@ class BlockDrafterLayer(nn.Module):
         self.self_attn = BlockDrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, SINGLE)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.conv_kernel_size:  # DFlash2
+            self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    @staticmethod
+    def around(conv: GroupedDynamicConv | None, sublayer, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """sublayer(x), inside DFlash2's conv when there is one; x [n, H] holds blocks of `rows`
+        rows back to back (the conv runs along each block's rows)."""
+        if conv is None:
+            return sublayer(x)
+        y, dyn = conv.prepare(x.view(-1, rows, x.shape[-1]))
+        out = sublayer(y.reshape(x.shape))
+        return conv.finish(out.view(-1, rows, out.shape[-1]), dyn).reshape(out.shape)
 
     def forward(self, h, ctx, h_pos, ctx_pos, rotary) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, h_pos, ctx_pos, rotary)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """Reference, one block: h [B, H]."""
+        n = h.shape[0]
+        attn = lambda x: self.self_attn(x, ctx, h_pos, ctx_pos, rotary)  # noqa: E731
+        h = h + self.around(self.attention_conv, attn, self.input_layernorm(h), n)
+        return h + self.around(self.mlp_conv, self.mlp, self.post_attention_layernorm(h), n)
 
 
 class BlockDrafter(nn.Module):
@@ -120,6 +141,18 @@ class BlockDrafter(nn.Module):
         self.layers = nn.ModuleList(BlockDrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions + cfg.block_size, cfg.rope_theta)
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                    cfg.selector_top_k) if cfg.selector_rank else None
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft logits from the target's LM head output: x output_multiplier, then
+        tanh soft-capped when the config says so (z-lab's `compute_logits`)."""
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
 
     def context_features(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [C, len(target_layer_ids) * H] (the tapped target hidden states, concatenated in
@@ -152,8 +185,9 @@ class BlockDrafter(nn.Module):
         pos = (anchor_pos[:, None] + torch.arange(B, device=block_embeds.device)).reshape(-1)
         h = block_embeds.reshape(R * B, H)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            h = h + layer.self_attn.forward_blocks(layer.input_layernorm(h), pos, ck, cv, ctx_mask, self.rotary)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            attn = lambda x: layer.self_attn.forward_blocks(x, pos, ck, cv, ctx_mask, self.rotary)  # noqa: E731
+            h = h + layer.around(layer.attention_conv, attn, layer.input_layernorm(h), B)
+            h = h + layer.around(layer.mlp_conv, layer.mlp, layer.post_attention_layernorm(h), B)
         return self.norm(h).view(R, B, H)
 
     # --- checkpoints (the standalone DFlash layout; MiniMax-M3 maps `dspark.` names itself) ----
@@ -164,6 +198,8 @@ class BlockDrafter(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name.endswith(("_codebook",)):  # z-lab stores the selector's embeddings bare
+                name = name + ".weight"
             target, shard = name, None
             for part, shard_id in ((".mlp.gate_proj.", 0), (".mlp.up_proj.", 1)):
                 if part in name:

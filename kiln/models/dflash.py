@@ -4,6 +4,10 @@
                               "block_size": 16, "mask_token_id": m, "hidden_size": H, ...}
     DIR/model.safetensors    fc.weight, hidden_norm.weight, layers.{i}.*, norm.weight
 
+z-lab's layout reads too: `architectures` naming DFlashDraftModel or DFlash2DraftModel, and the
+drafter's fields under `dflash_config` (DFlash2's conv and candidate selector included,
+kiln/models/dflash2.py).
+
 Sizes the config leaves out default to the target's; `hidden_size` must be the target's. The
 module is `kiln.models.block_drafter.BlockDrafter`; this file reads and writes the directory.
 """
@@ -20,6 +24,7 @@ from kiln.models.block_drafter import BlockDrafter
 from kiln.models.block_drafter_config import BlockDrafterConfig
 
 MODEL_TYPE = "dflash"
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # z-lab's class names
 
 
 def read_dflash_config(path: Optional[str], target_config: Any) -> BlockDrafterConfig:
@@ -38,9 +43,10 @@ def read_dflash_config(path: Optional[str], target_config: Any) -> BlockDrafterC
                                 f"*.safetensors weights)")
     with open(cfg_path) as f:
         d = json.load(f)
-    if d.get("model_type") != MODEL_TYPE:
+    # z-lab's checkpoints say what they are in `architectures` (their model_type is the body's, "qwen3")
+    if d.get("model_type") != MODEL_TYPE and not set(d.get("architectures") or ()) & set(ARCHITECTURES):
         raise ValueError(f"{cfg_path}: model_type {d.get('model_type')!r} is not a DFlash drafter "
-                         f"(expected model_type {MODEL_TYPE!r})")
+                         f"(expected model_type {MODEL_TYPE!r}, or architectures naming one of {ARCHITECTURES})")
     cfg = BlockDrafterConfig.from_dict(d, target_config, where=cfg_path)
     if cfg.mask_token_id is None:
         raise ValueError(f"{cfg_path}: needs mask_token_id (the token filling the block after the anchor)")
@@ -83,8 +89,9 @@ def save_dflash(drafter: BlockDrafter, out_dir: str, extra: Optional[dict] = Non
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    config = {"model_type": MODEL_TYPE, "architectures": ["DFlashDraftModel"], **drafter.config.to_dict(),
-              **(extra or {})}
+    dflash2 = drafter.config.conv_kernel_size or drafter.config.selector_rank
+    config = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURES[1 if dflash2 else 0]],
+              **drafter.config.to_dict(), **(extra or {})}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     sd = {k: v.cpu() for k, v in drafter.checkpoint_state_dict().items()}

@@ -65,6 +65,12 @@ class TrainDraftConfig:
                                               "(default: the last id of the vocabulary).")
     dflash_gamma: float = opt(7.0, "dflash: loss weight decay over block positions, exp(-(k-1)/gamma).")
     dflash_anchors_per_seq: int = opt(32, "dflash: random anchors per training sequence per step.")
+    dflash_conv_kernel_size: int = opt(0, "dflash: DFlash2's grouped dynamic conv around each sublayer, kernel "
+                                       "size (2 in DFlash2; 0: none).")
+    dflash_selector_rank: int = opt(0, "dflash: DFlash2's candidate selector, rank (256 in DFlash2; 0: none); "
+                                    "trained with --dflash-selector-weight x its cross-entropy.")
+    dflash_selector_top_k: int = opt(16, "dflash: candidates per block position the selector re-ranks.")
+    dflash_selector_weight: float = opt(1.0, "dflash: weight of the selector's loss beside the DFlash loss.")
     # Training
     num_steps: int = opt(200, "Optimizer steps.")
     batch_tokens: int = opt(1024, "Tokens per step (whole sequences packed up to this).")

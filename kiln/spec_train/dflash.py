@@ -60,9 +60,10 @@ def target_taps(target, ids: torch.Tensor, lens: list[int], layer_ids: Sequence[
 
 
 def block_logits(target, drafter: BlockDrafter, ids: torch.Tensor, lens: list[int], taps: torch.Tensor,
-                 anchors: list[tuple[int, int]]) -> torch.Tensor:
-    """Logits [R, B - 1, V] of block rows 1..B-1 for each anchor (sequence index, position) of the
-    packed sequences `ids` / `lens`, with gradients into the drafter only."""
+                 anchors: list[tuple[int, int]], with_hidden: bool = False):
+    """Draft logits [R, B - 1, V] of block rows 1..B-1 for each anchor (sequence index, position)
+    of the packed sequences `ids` / `lens`, with gradients into the drafter only; with
+    `with_hidden`, (logits, those rows' hidden states [R, B - 1, H]) (DFlash2's selector reads them)."""
     dev, B = ids.device, drafter.config.block_size
     starts = [0]
     for n in lens[:-1]:
@@ -83,7 +84,24 @@ def block_logits(target, drafter: BlockDrafter, ids: torch.Tensor, lens: list[in
     with torch.no_grad():
         emb = target.model.embed_tokens(block_ids.view(-1)).view(R, B, -1)
     h = drafter.forward_blocks(emb, anchor_pos, ctx_kv, mask)
-    return target.lm_head.compute_logits(h[:, 1:]).float()
+    logits = drafter.process_logits(target.lm_head.compute_logits(h[:, 1:]).float())
+    return (logits, h[:, 1:]) if with_hidden else logits
+
+
+def block_labels(ids: torch.Tensor, lens: list[int], anchors: list[tuple[int, int]], K: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(labels, valid, predecessors) [R, K] of block rows 1..K: the tokens at a + k, whether a + k
+    lies inside the sequence, and the true token before each (the anchor's, then the labels)."""
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    dev = ids.device
+    label_pos = torch.tensor([[a + k for k in range(1, K + 1)] for _, a in anchors], device=dev)
+    seq_len = torch.tensor([lens[s] for s, _ in anchors], device=dev)[:, None]
+    first = torch.tensor([starts[s] for s, _ in anchors], device=dev)[:, None]
+    labels = ids[first + label_pos.clamp(max=seq_len - 1)]
+    prev = torch.cat([ids[first + label_pos[:, :1] - 1], labels[:, :-1]], dim=1)
+    return labels, label_pos < seq_len, prev
 
 
 def dflash_loss(logits: torch.Tensor, ids: torch.Tensor, lens: list[int], anchors: list[tuple[int, int]],
@@ -91,15 +109,8 @@ def dflash_loss(logits: torch.Tensor, ids: torch.Tensor, lens: list[int], anchor
     """(loss = sum_k exp(-(k-1)/gamma) * CE_k, CE_k per position, top-1 accuracy per position);
     position k counts the anchors whose label a + k lies inside their sequence."""
     R, K, _ = logits.shape
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
     dev = logits.device
-    label_pos = torch.tensor([[a + k for k in range(1, K + 1)] for _, a in anchors], device=dev)
-    seq_len = torch.tensor([lens[s] for s, _ in anchors], device=dev)[:, None]
-    valid = label_pos < seq_len
-    flat = torch.tensor([starts[s] for s, _ in anchors], device=dev)[:, None] + label_pos.clamp(max=seq_len - 1)
-    labels = ids[flat]
+    labels, valid, _ = block_labels(ids, lens, anchors, K)
     ce = F.cross_entropy(logits.reshape(R * K, -1), labels.reshape(-1), reduction="none").view(R, K)
     hit = (logits.argmax(-1) == labels).float()
     counts = valid.sum(0).clamp(min=1)
@@ -111,12 +122,23 @@ def dflash_loss(logits: torch.Tensor, ids: torch.Tensor, lens: list[int], anchor
 
 def fresh_drafter(drafter_cfg: BlockDrafterConfig, max_positions: int, seed: int, device) -> BlockDrafter:
     """A new drafter with Kiln's dummy initialisation from `seed` (norm gains 1, matrices
-    N(0, 0.02)); `train_dflash` then calibrates its output scale (`calibrate_output_gain`)."""
+    N(0, 0.02)); `train_dflash` then calibrates its output scale (`calibrate_output_gain`).
+    DFlash2's parts start neutral: each conv passes its input through (tap 0 = 1, no dynamic
+    taps) and the selector adds nothing (zero hidden projection), so training starts from a
+    plain DFlash drafter and learns how far to use them."""
     from kiln.loader.weights import init_dummy_weights
 
     with torch.device(device):
         drafter = BlockDrafter(drafter_cfg, max_positions)
     init_dummy_weights(drafter, seed)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.base_kernel.zero_()[:, 0] = 1.0
+                    conv.kernel_projection.weight.zero_()
+        if drafter.candidate_selector is not None:
+            drafter.candidate_selector.hidden_projection.weight.zero_()
     return drafter
 
 
@@ -201,7 +223,8 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
                  grad_clip: float = 1.0, weight_decay: float = 0.0, warmup_steps: int = 0, seed: int = 0,
                  drafter: Optional[BlockDrafter] = None, max_positions: Optional[int] = None,
                  autocast_bf16: bool = False, val_data: Sequence[Sequence_] = (), eval_every: int = 0,
-                 progress: bool = False, on_step: Optional[Callable[[dict], None]] = None
+                 selector_weight: float = 1.0, progress: bool = False,
+                 on_step: Optional[Callable[[dict], None]] = None
                  ) -> tuple[BlockDrafter, list[dict]]:
     """Train a DFlash drafter against the frozen `target` (any Kiln model, on its device).
 
@@ -215,7 +238,8 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
     val_data: held-out sequences, evaluated (`evaluate_dflash`) before the first step, every
     `eval_every` steps and after the last. `on_step(row)` sees every history row: the step-0
     validation row, then {"step", "loss", "ce_k", "acc_k", "grad_norm", "lr", "anchors",
-    "elapsed_s"} (+ "val_ce_k", "val_acc_k" at evaluations). Returns (the drafter in eval mode,
+    "elapsed_s"} (+ "val_ce_k", "val_acc_k" at evaluations; + "selector_loss" for a DFlash2
+    drafter with a candidate selector, whose cross-entropy enters the loss x `selector_weight`). Returns (the drafter in eval mode,
     the history)."""
     if drafter_cfg.mask_token_id is None:
         raise ValueError("train_dflash: drafter_cfg needs mask_token_id")
@@ -274,9 +298,16 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
         pick, order = order[:batch_seqs], order[batch_seqs:]
         ids, lens, plens, tap = _batch(seqs, taps, pick, dev)
         anchors = sample_anchors(lens, plens, anchors_per_seq, rng)
+        selector = drafter.candidate_selector
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            logits = block_logits(target, drafter, ids, lens, tap.to(drafter.fc.weight.dtype), anchors)
+            logits, hid = block_logits(target, drafter, ids, lens, tap.to(drafter.fc.weight.dtype), anchors,
+                                       with_hidden=True)
         loss, ce_k, acc_k = dflash_loss(logits.float(), ids, lens, anchors, gamma)
+        sel_loss = None
+        if selector is not None:  # DFlash2: re-rank the candidates given the true predecessor
+            labels, valid, prev = block_labels(ids, lens, anchors, logits.shape[1])
+            sel_loss = selector.loss(hid, logits.float(), prev, labels, valid)
+            loss = loss + selector_weight * sel_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf))
@@ -284,6 +315,8 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
         sched.step()
         row = {"step": step, "loss": loss.item(), "ce_k": ce_k, "acc_k": acc_k, "grad_norm": gnorm,
                "lr": sched.get_last_lr()[0], "anchors": len(anchors), "elapsed_s": round(time.time() - t0, 2)}
+        if sel_loss is not None:
+            row["selector_loss"] = sel_loss.item()
         if val and (step == steps or (eval_every and step % eval_every == 0)):
             row.update(evaluate())
         history.append(row)

@@ -42,7 +42,10 @@ def drafter_config(cfg, target_config) -> BlockDrafterConfig:
     ids = cfg.dflash_layer_ids or sorted({1 if layers > 1 else 0, layers // 2, layers - 1})
     mask = cfg.dflash_mask_token_id if cfg.dflash_mask_token_id is not None else target_config.vocab_size - 1
     return BlockDrafterConfig.from_dict({"target_layer_ids": ids, "num_layers": cfg.dflash_num_layers,
-                                         "block_size": cfg.dflash_block_size, "mask_token_id": mask},
+                                         "block_size": cfg.dflash_block_size, "mask_token_id": mask,
+                                         "conv_kernel_size": cfg.dflash_conv_kernel_size,
+                                         "selector_rank": cfg.dflash_selector_rank,
+                                         "selector_top_k": cfg.dflash_selector_top_k},
                                         target_config, where="kiln train-draft --method dflash")
 
 
@@ -94,6 +97,7 @@ def train_dflash_run(cfg) -> dict:
                                   grad_clip=cfg.grad_clip, weight_decay=cfg.weight_decay,
                                   warmup_steps=cfg.warmup_steps, seed=cfg.seed, max_positions=cfg.max_seq_len + 1,
                                   autocast_bf16=cfg.autocast_bf16, val_data=val, eval_every=cfg.eval_every,
+                                  selector_weight=cfg.dflash_selector_weight,
                                   progress=cfg.progress, on_step=on_step)
     for bar in bars:
         bar.close()

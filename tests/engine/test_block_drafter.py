@@ -37,23 +37,28 @@ B = 6  # block size of the test drafters
 DFLASH = dict(model_type="dflash", num_layers=2, block_size=B, mask_token_id=511, hidden_size=64,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, rope_theta=10000.0)
 DSPARK = dict(target_layer_ids=[0, 2], num_layers=2, block_size=B, mask_token_id=511, intermediate_size=96)
-TARGETS = {  # name: (target config, algorithm, target layers tapped)
-    "llama": (LLAMA, "dflash", [0, 2]),
-    "inkling": (INKLING, "dflash", [1, 3, 5]),
-    "minimax_m3": ({**MINIMAX, "dspark_config": DSPARK}, "dspark", None),
+# DFlash2 (kiln/models/dflash2.py): the conv around each sublayer, the candidate selector, and
+# z-lab's draft-logit scaling and soft cap
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,
+               output_multiplier=0.5, final_logit_softcapping=20.0)
+TARGETS = {  # name: (target config, algorithm, target layers tapped, extra drafter fields)
+    "llama": (LLAMA, "dflash", [0, 2], {}),
+    "llama_dflash2": (LLAMA, "dflash", [0, 2], DFLASH2),
+    "inkling": (INKLING, "dflash", [1, 3, 5], {}),
+    "minimax_m3": ({**MINIMAX, "dspark_config": DSPARK}, "dspark", None, {}),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def target(request, tmp_path_factory):
     """(target dir, engine options for speculation)."""
-    cfg, algo, taps = TARGETS[request.param]
+    cfg, algo, taps, extra = TARGETS[request.param]
     d = tmp_path_factory.mktemp(request.param)
     (d / "config.json").write_text(json.dumps(cfg))
     opts = {"speculative_algorithm": algo}
     if algo == "dflash":
         draft = tmp_path_factory.mktemp(request.param + "_dflash")
-        (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": taps}))
+        (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": taps, **extra}))
         opts["speculative_draft_model_path"] = str(draft)
     return str(d), opts
 
@@ -86,8 +91,11 @@ def fresh_context(core, ids: list[int]) -> torch.Tensor:
 
 def assert_block_reference(core, res, drafts, token_map=None) -> int:
     """Every draft's logits equal the reference block forward on freshly computed context
-    features (with `token_map`: on the map, and -inf off it). Returns how many blocks were
-    compared."""
+    features (with `token_map`: on the map, and -inf off it; DFlash2: scaled and soft-capped, then
+    the candidate selector's greedy walk from the anchor, `reference_walk`). Returns how many
+    blocks were compared."""
+    from tests.models.test_dflash2 import reference_walk
+
     target, drafter = core.runner.model, core.runner.draft_model
     mask, checked = drafter.config.mask_token_id, 0
     for rid, (prompt, output, _, _) in res.items():
@@ -98,9 +106,11 @@ def assert_block_reference(core, res, drafts, token_map=None) -> int:
             with torch.no_grad():
                 block = target.model.embed_tokens(torch.tensor([ids[a]] + [mask] * (B - 1)))
                 h = drafter.draft_hidden(block, a, c[:a], torch.arange(a))
-                ref = target.lm_head.compute_logits(h[1:len(ds) + 1]).float()
-            if token_map is not None:
-                ref = torch.full_like(ref, float("-inf")).index_copy(1, torch.tensor(token_map), ref[:, token_map])
+                ref = drafter.process_logits(target.lm_head.compute_logits(h[1:len(ds) + 1]).float())
+                if token_map is not None:
+                    ref = torch.full_like(ref, float("-inf")).index_copy(1, torch.tensor(token_map), ref[:, token_map])
+                if drafter.candidate_selector is not None:
+                    _, ref = reference_walk(drafter.candidate_selector, h[1:len(ds) + 1], ref, ids[a])
             assert_logits_match(torch.stack(logits), ref, f"{rid}: block at anchor {a}")
             checked += 1
     return checked

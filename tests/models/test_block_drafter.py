@@ -36,9 +36,14 @@ def drafter(seed=0, **over) -> BlockDrafter:
     return model.eval()
 
 
-def test_batched_blocks_equal_the_reference_block():
-    # Blocks of different context lengths (one without context) in one padded batch.
-    model = drafter()
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+@pytest.mark.parametrize("over", [{}, DFLASH2], ids=["dflash", "dflash2"])
+def test_batched_blocks_equal_the_reference_block(over):
+    # Blocks of different context lengths (one without context) in one padded batch. DFlash2's
+    # conv runs along each block's rows: batched blocks must not leak into each other.
+    model = drafter(**over)
     g = torch.Generator().manual_seed(0)
     lens = [0, 5, 23, 40]
     ctx = [torch.randn(n, 64, generator=g) for n in lens]

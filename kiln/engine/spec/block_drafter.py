@@ -22,7 +22,8 @@ Drafting. A request ready to decode (seq_len T, T - 1 tokens computed) runs one 
 position T - 1: input [t_{T-1}, MASK x (B-1)] embedded by the target, all B rows (the block is
 bidirectional, so fewer rows would change the outputs), keys = its context K/V at positions
 0 .. T-2 read from the pool + the block's own; drafts = argmax of the target's LM head at block
-positions 1..k (over `--speculative-token-map`'s tokens when one is given: `DraftVocab`), or, for
+positions 1..k (over `--speculative-token-map`'s tokens when one is given: `DraftVocab`; DFlash2:
+the candidate selector's walk over them, `kiln.models.dflash2`), or, for
 sampled requests under exact verification (`sample_drafts`), d_i drawn from
 q_i = the sampler's processing of position i's logits with d_1..d_{i-1} counted as output, q kept
 in `DraftState.q` for the verify. Every ready request's block runs in one batch (contexts padded
@@ -187,34 +188,53 @@ class BlockDraftRunner:
         emb = self.target.model.embed_tokens(ids).view(R, B, -1)
         hidden = self.drafter.forward_blocks(emb.to(self.drafter.fc.weight.dtype), lens, ctx_kv, ctx_mask)
         kmax = max(ks)
-        sub = self.vocab.logits(hidden[:, 1:kmax + 1].reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1)
-        tokens = self.vocab.tokens(sub.argmax(dim=-1)).tolist()
+        h = hidden[:, 1:kmax + 1]
+        sub = self.drafter.process_logits(self.vocab.logits(h.reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1))
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
-        # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
-        logits = self.vocab.full(sub) if sampled or self.keep_logits else None
-        drawn = self._sample(logits, reqs, ks, sampled)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            tokens = self.vocab.tokens(sub.argmax(dim=-1)).tolist()
+            # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
+            logits = self.vocab.full(sub) if sampled or self.keep_logits else None
+            logits_at = lambda j, at, prev: logits[at, j]  # noqa: E731  (independent of earlier drafts)
+        else:  # DFlash2: position j's logits depend on the token chosen at j - 1
+            full = self.vocab.full(sub)
+            anchor_ids = ids.view(R, B)[:, 0]
+            walked, logits = selector.walk(h, full, anchor_ids)
+            tokens = walked.tolist()
+            unary, cand = selector.candidates(full)
+            proj = selector.hidden_projection(h)
+            logits_at = lambda j, at, prev: selector.scatter(  # noqa: E731
+                selector.scores(proj[at, j], prev, unary[at, j], cand[at, j]), cand[at, j], full.shape[-1])
+        drawn = self._sample(logits_at, reqs, ks, sampled, anchors)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if i in drawn:
-                r.spec.drafts, r.spec.q = drawn[i]
+                r.spec.drafts, r.spec.q, rows = drawn[i]
             else:
-                r.spec.drafts = [int(x) for x in tokens[i][:k]]
-            if self.keep_logits:
-                r.spec.draft_logits = list(logits[i, :k].clone())
+                r.spec.drafts, rows = [int(x) for x in tokens[i][:k]], None
+            if self.keep_logits:  # the logits each draft was chosen from
+                r.spec.draft_logits = list((rows if rows is not None else logits[i, :k]).clone())
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], ks: list[int], rows: list[int]
-                ) -> dict[int, tuple[list[int], torch.Tensor]]:
+    def _sample(self, logits_at, reqs: list[Req], ks: list[int], rows: list[int], anchor_ids: list[int]
+                ) -> dict[int, tuple[list[int], torch.Tensor, torch.Tensor]]:
         """Drafts drawn from q for the requests at `rows` (sampled, under exact verification):
-        {row: (d_1..d_k, q [k, V])}. The block's logits at position i do not depend on the drafts
-        before it, but q_i is the sampler's processing of them with d_1..d_{i-1} counted as output
-        (penalties, min_tokens), so positions are drawn in order, every request at once."""
+        {row: (d_1..d_k, q [k, V], the logits q was processed from [k, V])}. `logits_at(j, at,
+        prev)` gives block position j's draft logits [len(at), V] for the rows `at`, whose previous
+        tokens are `prev` [len(at)] (the anchor, then d_{j-1}; only DFlash2's selector reads them).
+        q_j is the sampler's processing of them with d_1..d_{j-1} counted as output (penalties,
+        min_tokens), so positions are drawn in order, every request at once."""
         drafts: dict[int, list[int]] = {i: [] for i in rows}
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
+        raw: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
         dev = self.runner.device
         for j in range(max((ks[i] for i in rows), default=0)):
             at = [i for i in rows if ks[i] > j]
             views = [row_view(reqs[i], drafts[i], dev) for i in at]
-            tokens, q = draw_drafts(self.runner.sampler, logits[at, j], views)
+            prev = torch.tensor([drafts[i][-1] if j else anchor_ids[i] for i in at], device=dev)
+            logits = logits_at(j, at, prev)
+            tokens, q = draw_drafts(self.runner.sampler, logits, views)
             for m, i in enumerate(at):
                 drafts[i].append(tokens[m])
                 q_rows[i].append(q[m])
-        return {i: (drafts[i], torch.stack(q_rows[i])) for i in rows}
+                raw[i].append(logits[m])
+        return {i: (drafts[i], torch.stack(q_rows[i]), torch.stack(raw[i])) for i in rows}
