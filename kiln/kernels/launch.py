@@ -44,7 +44,8 @@ def set_pdl(enabled: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _sm90_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    # NVIDIA only: ROCm reports its own (major, minor), and the wait is PTX
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl_supported(device: torch.device) -> bool:

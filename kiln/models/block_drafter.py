@@ -9,8 +9,8 @@ drafter (`kiln.models.dflash`) and MiniMax-M3's DSpark (`kiln.models.dspark`, we
     layers.{i}.mlp.{gate,up,down}_proj.weight
     norm.weight [H]
     DFlash2 (when configured, kiln/models/dflash2.py): layers.{i}.{attention,mlp}_conv.base_kernel /
-    .kernel_projection.weight, candidate_selector.{predecessor,successor}_codebook.weight,
-    candidate_selector.hidden_projection.weight
+    .kernel_projection.weight, candidate_selector.{predecessor,successor}_codebook[.weight] (z-lab
+    stores them bare), candidate_selector.hidden_projection.weight
 
 The drafter runs on the target's token embedding and LM head (passed in by the caller). Two
 forwards of the same math:
@@ -40,6 +40,9 @@ from kiln.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from kiln.models.llama import LlamaMLP
 
 # The drafter is small: its layers take SINGLE and run replicated on every rank.
+
+# The drafter runs on the target's embedding and LM head; copies of them in its checkpoint are not read.
+TARGET_OWNED = ("embed_tokens.weight", "lm_head.weight")
 
 
 class BlockDrafterAttention(nn.Module):
@@ -198,7 +201,9 @@ class BlockDrafter(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith(("_codebook",)):  # z-lab stores the selector's embeddings bare
+            if name in TARGET_OWNED:  # some DFlash checkpoints carry a copy of the target's
+                continue
+            if name.endswith("_codebook"):  # z-lab stores the selector's embeddings bare
                 name = name + ".weight"
             target, shard = name, None
             for part, shard_id in ((".mlp.gate_proj.", 0), (".mlp.up_proj.", 1)):
@@ -206,7 +211,12 @@ class BlockDrafter(nn.Module):
                     target, shard = name.replace(part, ".mlp.gate_up_proj."), shard_id
             if target not in params:
                 raise KeyError(f"drafter checkpoint tensor {name!r} has no parameter in the block drafter")
-            copy_into_param(params[target], tensor, shard)
+            try:
+                copy_into_param(params[target], tensor, shard)
+            except RuntimeError as e:  # a shape mismatch: say which tensor, and against what
+                raise ValueError(f"drafter checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit parameter "
+                                 f"{target!r} {tuple(params[target].shape)} (the drafter's config, or the target's "
+                                 f"vocab_size for the selector's codebooks, disagrees with the weights): {e}") from e
             loaded.add(target)
         missing = set(params) - loaded
         if missing and strict:

@@ -15,6 +15,7 @@ module is `kiln.models.block_drafter.BlockDrafter`; this file reads and writes t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Optional
 
@@ -22,6 +23,8 @@ import torch
 
 from kiln.models.block_drafter import BlockDrafter
 from kiln.models.block_drafter_config import BlockDrafterConfig
+
+logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "dflash"
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # z-lab's class names
@@ -48,6 +51,11 @@ def read_dflash_config(path: Optional[str], target_config: Any) -> BlockDrafterC
         raise ValueError(f"{cfg_path}: model_type {d.get('model_type')!r} is not a DFlash drafter "
                          f"(expected model_type {MODEL_TYPE!r}, or architectures naming one of {ARCHITECTURES})")
     cfg = BlockDrafterConfig.from_dict(d, target_config, where=cfg_path)
+    ignored = [k for k in ("is_causal", "use_sliding_window") if d.get(k)]
+    if ignored:  # verification keeps the output exact; only acceptance can suffer
+        logger.warning("%s: %s not supported by Kiln's block drafter (every block row sees the whole context "
+                       "and the whole block); drafts may be accepted less often than with z-lab's code",
+                       cfg_path, " and ".join(ignored))
     if cfg.mask_token_id is None:
         raise ValueError(f"{cfg_path}: needs mask_token_id (the token filling the block after the anchor)")
     return cfg

@@ -18,8 +18,9 @@ behind its config fields (`BlockDrafterConfig.conv_kernel_size`, `.selector_rank
   are drawn position by position, which is how the engine draws sampled drafts anyway.
 
 Parameter names follow z-lab's `DFlash2DraftModel` (`layers.{i}.attention_conv.base_kernel`,
-`.kernel_projection.weight`, `candidate_selector.{predecessor,successor}_codebook.weight`,
-`candidate_selector.hidden_projection.weight`), so its checkpoints load as they are.
+`.kernel_projection.weight`, `candidate_selector.{predecessor,successor}_codebook` (stored
+without `.weight` in its checkpoints), `candidate_selector.hidden_projection.weight`), so its
+checkpoints load as they are.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def grouped_dynamic_conv(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor,
     K, G = base.shape[0], H // group_size
     xg = x.view(R, B, G, group_size)
     y = torch.zeros_like(xg)
-    for o in range(K):
+    for o in range(min(K, B)):  # taps at o >= B read only zeros
         shifted = xg if o == 0 else torch.cat([xg.new_zeros(R, o, G, group_size), xg[:, :B - o]], dim=1)
         w = base[o].view(G, group_size).to(x.dtype) + dyn[:, :, o, :, None].to(x.dtype)  # [R, B, G, gs]
         y = y + w * shifted
@@ -105,10 +106,10 @@ class CandidateSelector(nn.Module):
              valid: torch.Tensor) -> torch.Tensor:
         """DFlash2's selector term: cross-entropy of S over the top_k candidates of each position
         given the true predecessor (the anchor, then the labels), over the positions whose label is
-        a candidate. hidden [n, k, H], logits [n, k, V] (detached here: the selector does not train
-        the draft head), prev / labels / valid [n, k]."""
+        a candidate. hidden [n, k, H], logits [n, k, V] (both detached here: the drafter's body and
+        head learn from the DFlash loss alone), prev / labels / valid [n, k]."""
         unary, cand = self.candidates(logits.detach())
-        proj = self.hidden_projection(hidden)
+        proj = self.hidden_projection(hidden.detach())
         pair = self.predecessor_codebook(prev).float() * proj.float()
         s = unary.float() + torch.einsum("nkr,nkcr->nkc", pair, self.successor_codebook(cand).float())
         hit = cand == labels[..., None]

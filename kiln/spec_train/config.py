@@ -67,6 +67,7 @@ class TrainDraftConfig:
     dflash_anchors_per_seq: int = opt(32, "dflash: random anchors per training sequence per step.")
     dflash_conv_kernel_size: int = opt(0, "dflash: DFlash2's grouped dynamic conv around each sublayer, kernel "
                                        "size (2 in DFlash2; 0: none).")
+    dflash_conv_group_size: int = opt(16, "dflash: channels per group of the conv's dynamic taps.")
     dflash_selector_rank: int = opt(0, "dflash: DFlash2's candidate selector, rank (256 in DFlash2; 0: none); "
                                     "trained with --dflash-selector-weight x its cross-entropy.")
     dflash_selector_top_k: int = opt(16, "dflash: candidates per block position the selector re-ranks.")

@@ -44,6 +44,7 @@ def drafter_config(cfg, target_config) -> BlockDrafterConfig:
     return BlockDrafterConfig.from_dict({"target_layer_ids": ids, "num_layers": cfg.dflash_num_layers,
                                          "block_size": cfg.dflash_block_size, "mask_token_id": mask,
                                          "conv_kernel_size": cfg.dflash_conv_kernel_size,
+                                         "conv_group_size": cfg.dflash_conv_group_size,
                                          "selector_rank": cfg.dflash_selector_rank,
                                          "selector_top_k": cfg.dflash_selector_top_k},
                                         target_config, where="kiln train-draft --method dflash")

@@ -116,6 +116,31 @@ def assert_block_reference(core, res, drafts, token_map=None) -> int:
     return checked
 
 
+def assert_selector_rows_of_sampled_drafts(core, passes) -> int:
+    """DFlash2: a sampled request's kept draft logits are the selector's scores at each position
+    given the token drawn before it (the anchor, then d_1..d_{i-1}; `reference_scores`) on the
+    reference block. Returns how many rows were compared."""
+    from tests.models.test_dflash2 import reference_scores
+
+    target, drafter = core.runner.model, core.runner.draft_model
+    mask, checked = drafter.config.mask_token_id, 0
+    for r, out, drafts, logits, q in passes:
+        if r.params.greedy:
+            continue
+        ids = r.prompt_ids + out
+        a = len(ids) - 1  # the anchor: the last committed token
+        c = fresh_context(core, ids)
+        with torch.no_grad():
+            block = target.model.embed_tokens(torch.tensor([ids[a]] + [mask] * (B - 1)))
+            h = drafter.draft_hidden(block, a, c[:a], torch.arange(a))[1:len(drafts) + 1]
+            u = drafter.process_logits(target.lm_head.compute_logits(h).float())
+        for i in range(len(drafts)):
+            want = reference_scores(drafter.candidate_selector, h[i], u[i], drafts[i - 1] if i else ids[a])
+            assert_logits_match(logits[i][None], want[None], f"{r.rid}: sampled draft {i} at anchor {a}")
+            checked += 1
+    return checked
+
+
 def outputs(res) -> dict:
     return {rid: r[1] for rid, r in res.items()}
 
@@ -373,6 +398,8 @@ def test_sampled_requests_draw_their_block_drafts_from_q(target, method):
     assert all(last[rid].finished for rid in ("r0", "r1", "r3"))
     assert res["r2"][1] == run_plain(plain_core(target, page_size=4), [ps[2]], max_tokens=21)["r0"]
     assert_q_rows_are_processed_draft_logits(passes)
+    if core.runner.draft_model.candidate_selector is not None:
+        assert assert_selector_rows_of_sampled_drafts(core, passes) > 20
     again = spec_core(target, 3, page_size=4, **FLAGS[method])
     res2, _, _ = run_spec(again, [ps[1], ps[0]], params=[params[1], params[0]])
     assert res2["r0"][1] == res["r1"][1] and res2["r1"][1] == res["r0"][1]

@@ -20,10 +20,21 @@ def restore_pdl():
     launch.set_pdl(True)
 
 
-def test_pdl_off_where_it_cannot_apply(restore_pdl):
+def test_pdl_off_where_it_cannot_apply(restore_pdl, monkeypatch):
     assert launch.pdl_launch(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)
-    launch.set_pdl(False)  # disabled: no device query at all, whatever the device
-    assert not launch.pdl_supported(torch.device("cuda", 0))
+    # As on a GPU: not interpreting, the device's capability decides, set_pdl(False) overrides it.
+    queried = []
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(launch, "_sm90_or_later", lambda index: queried.append(index) or index == 0)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert launch.pdl_supported(cuda0) and launch.pdl_launch(cuda0) == dict(PDL=True, launch_pdl=True)
+    assert not launch.pdl_supported(cuda1)  # an older GPU
+    launch.set_pdl(False)
+    queried.clear()
+    assert not launch.pdl_supported(cuda0) and launch.pdl_launch(cuda0) == dict(PDL=False, launch_pdl=False)
+    assert queried == []  # disabled: no device query at all
+    launch.set_pdl(True)
+    assert launch.pdl_supported(cuda0)
 
 
 def test_disable_pdl_flag():

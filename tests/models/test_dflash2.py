@@ -15,8 +15,9 @@ from kiln.models.dflash2 import CandidateSelector, grouped_dynamic_conv
 from tests.models.test_block_drafter import DFLASH2, DRAFT, LLAMA, drafter
 
 
-@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("K", [1, 2, 3, 7])
 def test_grouped_dynamic_conv_matches_its_formula(K):
+    # K = 7 > B: the taps past the block's start read only zeros
     g = torch.Generator().manual_seed(K)
     R, B, H, gs = 2, 5, 12, 4
     x, base = torch.randn(R, B, H, generator=g), torch.randn(K, H, generator=g)
@@ -32,16 +33,24 @@ def test_grouped_dynamic_conv_matches_its_formula(K):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
+def reference_scores(sel: CandidateSelector, h, u, prev: int) -> torch.Tensor:
+    """One position's selector logits over the vocabulary, one candidate at a time:
+    S(b) = U(b) + sum_r A[prev, r] * (P h)_r * Bc[b, r] on the top-k of U, -inf elsewhere."""
+    P, A, Bc = (w.detach() for w in (sel.hidden_projection.weight, sel.predecessor_codebook.weight,
+                                      sel.successor_codebook.weight))
+    full = torch.full((u.shape[-1],), float("-inf"))
+    ph = P.float() @ h.float()
+    for b in torch.topk(u, sel.top_k).indices.tolist():
+        full[b] = u[b] + float((A[prev].float() * ph * Bc[b].float()).sum())
+    return full
+
+
 def reference_walk(sel: CandidateSelector, hidden, logits, anchor: int):
-    """The greedy walk, one candidate at a time: S(b) = U(b) + sum_r A[prev, r] * (P h)_r * Bc[b, r]."""
-    P, A, Bc = sel.hidden_projection.weight, sel.predecessor_codebook.weight, sel.successor_codebook.weight
+    """The greedy walk over `reference_scores`, from the anchor (ties to the lower id)."""
     prev, tokens, rows = anchor, [], []
     for t in range(hidden.shape[0]):
-        top = torch.topk(logits[t], sel.top_k).indices.tolist()
-        full = torch.full((logits.shape[-1],), float("-inf"))
-        ph = P @ hidden[t]
-        for b in top:
-            full[b] = logits[t, b] + float((A[prev] * ph * Bc[b]).sum())
+        full = reference_scores(sel, hidden[t], logits[t], prev)
+        top = torch.isfinite(full).nonzero()[:, 0].tolist()
         best = max(top, key=lambda b: (float(full[b]), -b))
         tokens.append(best)
         rows.append(full)
@@ -70,6 +79,8 @@ def test_selector_walk_matches_the_reference():
 
 
 def test_selector_loss_trains_the_selector_only():
+    # Neither the draft logits nor the hidden states get gradients from it: the drafter's body
+    # and head learn from the DFlash loss alone.
     model = drafter(**DFLASH2).train()
     sel = model.candidate_selector
     g = torch.Generator().manual_seed(2)
@@ -82,7 +93,7 @@ def test_selector_loss_trains_the_selector_only():
     loss = sel.loss(hidden, logits, prev, labels, valid)
     loss.backward()
     assert torch.isfinite(loss) and loss > 0
-    assert logits.grad is None  # the draft head is trained by the DFlash loss, not this one
+    assert logits.grad is None and hidden.grad is None
     assert sel.successor_codebook.weight.grad.abs().sum() > 0 and sel.hidden_projection.weight.grad.abs().sum() > 0
     # no usable position: zero, still differentiable
     none = sel.loss(hidden, logits, prev, labels, torch.zeros(2, 4, dtype=torch.bool))
@@ -119,6 +130,7 @@ def test_z_lab_layout_loads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     sd = src.checkpoint_state_dict()
     sd = {(k[:-len(".weight")] if k.endswith("_codebook.weight") else k): v for k, v in sd.items()}
+    sd["embed_tokens.weight"] = torch.zeros(512, 64)  # a copy of the target's: not read
     save_file(sd, str(tmp_path / "model.safetensors"))
     got = load_dflash(str(tmp_path), ModelConfig.from_dict(LLAMA), 256, "cpu", torch.float32)
     assert got.config.selector_rank == 8 and got.config.conv_kernel_size == 2 and got.config.num_layers == 2
@@ -130,3 +142,16 @@ def test_z_lab_layout_loads(tmp_path):
     assert json.loads((tmp_path / "kiln" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     for (name, a), (_, b) in zip(got.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_weights_that_do_not_fit_name_the_tensor(tmp_path):
+    # e.g. a selector trained for another vocabulary than the target's
+    from safetensors.torch import save_file
+
+    src = drafter(seed=4, **DFLASH2)
+    sd = src.checkpoint_state_dict()
+    sd["candidate_selector.successor_codebook.weight"] = torch.zeros(1000, 8)
+    (tmp_path / "config.json").write_text(json.dumps({**DRAFT, **DFLASH2}))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="successor_codebook.*1000, 8.*512, 8"):
+        load_dflash(str(tmp_path), ModelConfig.from_dict(LLAMA), 256, "cpu", torch.float32)

@@ -206,7 +206,7 @@ class BlockDraftRunner:
             proj = selector.hidden_projection(h)
             logits_at = lambda j, at, prev: selector.scatter(  # noqa: E731
                 selector.scores(proj[at, j], prev, unary[at, j], cand[at, j]), cand[at, j], full.shape[-1])
-        drawn = self._sample(logits_at, reqs, ks, sampled, anchors)
+        drawn = self._sample(logits_at, reqs, ks, sampled, anchors if selector is not None else None)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if i in drawn:
                 r.spec.drafts, r.spec.q, rows = drawn[i]
@@ -215,12 +215,13 @@ class BlockDraftRunner:
             if self.keep_logits:  # the logits each draft was chosen from
                 r.spec.draft_logits = list((rows if rows is not None else logits[i, :k]).clone())
 
-    def _sample(self, logits_at, reqs: list[Req], ks: list[int], rows: list[int], anchor_ids: list[int]
+    def _sample(self, logits_at, reqs: list[Req], ks: list[int], rows: list[int], anchor_ids: Optional[list[int]]
                 ) -> dict[int, tuple[list[int], torch.Tensor, torch.Tensor]]:
         """Drafts drawn from q for the requests at `rows` (sampled, under exact verification):
         {row: (d_1..d_k, q [k, V], the logits q was processed from [k, V])}. `logits_at(j, at,
         prev)` gives block position j's draft logits [len(at), V] for the rows `at`, whose previous
-        tokens are `prev` [len(at)] (the anchor, then d_{j-1}; only DFlash2's selector reads them).
+        tokens are `prev` [len(at)] (the anchor, then d_{j-1}; only DFlash2's selector reads them:
+        None without `anchor_ids`).
         q_j is the sampler's processing of them with d_1..d_{j-1} counted as output (penalties,
         min_tokens), so positions are drawn in order, every request at once."""
         drafts: dict[int, list[int]] = {i: [] for i in rows}
@@ -230,7 +231,8 @@ class BlockDraftRunner:
         for j in range(max((ks[i] for i in rows), default=0)):
             at = [i for i in rows if ks[i] > j]
             views = [row_view(reqs[i], drafts[i], dev) for i in at]
-            prev = torch.tensor([drafts[i][-1] if j else anchor_ids[i] for i in at], device=dev)
+            prev = None if anchor_ids is None else \
+                torch.tensor([drafts[i][-1] if j else anchor_ids[i] for i in at], device=dev)
             logits = logits_at(j, at, prev)
             tokens, q = draw_drafts(self.runner.sampler, logits, views)
             for m, i in enumerate(at):
