@@ -239,8 +239,8 @@ def train_dflash(target, drafter_cfg: BlockDrafterConfig, data: Sequence[Sequenc
     `eval_every` steps and after the last. `on_step(row)` sees every history row: the step-0
     validation row, then {"step", "loss", "ce_k", "acc_k", "grad_norm", "lr", "anchors",
     "elapsed_s"} (+ "val_ce_k", "val_acc_k" at evaluations; + "selector_loss" for a DFlash2
-    drafter with a candidate selector, whose cross-entropy enters the loss x `selector_weight`). Returns (the drafter in eval mode,
-    the history)."""
+    drafter with a candidate selector, whose cross-entropy enters the loss x `selector_weight`).
+    Returns (the drafter in eval mode, the history)."""
     if drafter_cfg.mask_token_id is None:
         raise ValueError("train_dflash: drafter_cfg needs mask_token_id")
 

@@ -189,7 +189,8 @@ class BlockDraftRunner:
         hidden = self.drafter.forward_blocks(emb.to(self.drafter.fc.weight.dtype), lens, ctx_kv, ctx_mask)
         kmax = max(ks)
         h = hidden[:, 1:kmax + 1]
-        sub = self.drafter.process_logits(self.vocab.logits(h.reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1))
+        sub = self.vocab.logits(h.reshape(R * kmax, -1).to(emb.dtype)).view(R, kmax, -1)
+        sub = self.drafter.process_logits(sub)  # x output_multiplier, soft cap (1 and none by default)
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
         selector = self.drafter.candidate_selector
         if selector is None:
