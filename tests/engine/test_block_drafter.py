@@ -273,13 +273,14 @@ def test_abort_frees_every_page(target):
     assert_abort_frees_every_page(spec_core(target, 3, page_size=4), prompts(3, seed=27), 40)
 
 
-def dflash_dirs(tmp_path):
-    """A tiny Llama target directory and a DFlash drafter directory (config only: dummy weights)."""
+def dflash_dirs(tmp_path, extra: dict | None = None):
+    """A tiny Llama target directory and a DFlash drafter directory (config only: dummy weights;
+    `extra` adds drafter fields, e.g. DFLASH2)."""
     model_dir, draft = tmp_path / "llama", tmp_path / "draft"
     model_dir.mkdir()
     draft.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA))
-    (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": [0, 2]}))
+    (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": [0, 2], **(extra or {})}))
     return model_dir, draft
 
 

@@ -120,13 +120,14 @@ def test_sampled_drafts_have_no_mass_off_the_map(tmp_path):
     assert qs and all(float(q[:, off].abs().max()) == 0.0 for q in qs)
 
 
-def test_block_drafts_come_from_the_map(tmp_path):
+@pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
+def test_block_drafts_come_from_the_map(tmp_path, dflash2):
     # DFlash on the tiny Llama: its block's K rows go through the map's rows of the target's LM
     # head; greedy output stays plain greedy, and each draft's logits are the reference block's
-    # on the map, -inf off it.
-    from tests.engine.test_block_drafter import assert_block_reference, dflash_dirs, spec_core as block_core
+    # on the map, -inf off it. DFlash2: the selector walks over the map's candidates only.
+    from tests.engine.test_block_drafter import DFLASH2, assert_block_reference, dflash_dirs, spec_core as block_core
 
-    model_dir, draft = dflash_dirs(tmp_path)
+    model_dir, draft = dflash_dirs(tmp_path, DFLASH2 if dflash2 else None)
     path, ids = token_map(tmp_path, seed=4)
     target = (str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft),
                                "speculative_token_map": path})
