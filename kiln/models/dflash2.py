@@ -49,7 +49,8 @@ class GroupedDynamicConv(nn.Module):
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
-        assert hidden_size % group_size == 0, f"hidden_size {hidden_size} is not a multiple of group_size {group_size}"
+        assert hidden_size % group_size == 0, \
+            f"hidden_size {hidden_size} is not a multiple of group_size {group_size}"
         self.kernel_size, self.group_size = kernel_size, group_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [prepare/finish, K, H]
@@ -77,7 +78,8 @@ class CandidateSelector(nn.Module):
         """(unary scores, token ids) [..., top_k] of the top_k draft logits [..., V]."""
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
 
-    def scores(self, proj: torch.Tensor, prev: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    def scores(self, proj: torch.Tensor, prev: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor
+               ) -> torch.Tensor:
         """S [n, top_k] of one block position: proj [n, rank] = P h_t, prev [n] the token before it,
         unary / cand [n, top_k] its candidates' draft logits and ids."""
         pair = self.predecessor_codebook(prev).float() * proj.float()  # [n, rank]
@@ -88,15 +90,29 @@ class CandidateSelector(nn.Module):
         """S as logits over the whole vocabulary [n, V]: -inf off the candidates (q is 0 there)."""
         return torch.full((s.shape[0], vocab), float("-inf"), device=s.device).scatter(1, cand, s)
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy walk over k positions: hidden [n, k, H], logits [n, k, V] (the draft logits U),
-        anchors [n] -> (tokens [n, k], the selector's logits [n, k, V] along the walk)."""
+    def prepare(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What every position's scores start from, computed once per block: (unary, candidate
+        ids) [n, k, top_k] of the draft logits [n, k, V], and P h [n, k, rank] of hidden [n, k, H]."""
         unary, cand = self.candidates(logits)
-        proj = self.hidden_projection(hidden)
+        return unary, cand, self.hidden_projection(hidden)
+
+    def position_logits(self, prepared: tuple[torch.Tensor, ...], t: int, rows, prev: torch.Tensor,
+                        vocab: int) -> torch.Tensor:
+        """The selector's logits [len(rows), vocab] at block position t for `rows` (an index into
+        n) whose previous tokens are prev."""
+        unary, cand, proj = (x[rows, t] for x in prepared)
+        return self.scatter(self.scores(proj, prev, unary, cand), cand, vocab)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+             prepared: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy walk over k positions: hidden [n, k, H], logits [n, k, V] (the draft logits U),
+        anchors [n] -> (tokens [n, k], the selector's logits [n, k, V] along the walk).
+        `prepared`: `prepare(hidden, logits)` when the caller has it already."""
+        prepared = prepared if prepared is not None else self.prepare(hidden, logits)
+        every = slice(None)
         prev, tokens, rows = anchors, [], []
         for t in range(hidden.shape[1]):
-            full = self.scatter(self.scores(proj[:, t], prev, unary[:, t], cand[:, t]), cand[:, t], logits.shape[-1])
+            full = self.position_logits(prepared, t, every, prev, logits.shape[-1])
             prev = full.argmax(dim=-1)  # the lowest id among equal scores
             tokens.append(prev)
             rows.append(full)

@@ -200,13 +200,11 @@ class BlockDraftRunner:
             logits_at = lambda j, at, prev: logits[at, j]  # noqa: E731  (independent of earlier drafts)
         else:  # DFlash2: position j's logits depend on the token chosen at j - 1
             full = self.vocab.full(sub)
-            anchor_ids = ids.view(R, B)[:, 0]
-            walked, logits = selector.walk(h, full, anchor_ids)
+            prepared = selector.prepare(h, full)  # top-k and projection once, for walk and draws
+            walked, logits = selector.walk(h, full, ids.view(R, B)[:, 0], prepared)
             tokens = walked.tolist()
-            unary, cand = selector.candidates(full)
-            proj = selector.hidden_projection(h)
-            logits_at = lambda j, at, prev: selector.scatter(  # noqa: E731
-                selector.scores(proj[at, j], prev, unary[at, j], cand[at, j]), cand[at, j], full.shape[-1])
+            V = full.shape[-1]
+            logits_at = lambda j, at, prev: selector.position_logits(prepared, j, at, prev, V)  # noqa: E731
         drawn = self._sample(logits_at, reqs, ks, sampled, anchors if selector is not None else None)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if i in drawn:
