@@ -17,8 +17,8 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5: later passes (see the lane functions below); spec3,
-#                audit, offline3, bound, experts, tokenmap and pdl* have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv: later passes (see the lane functions below); spec3,
+#                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
@@ -400,10 +400,25 @@ lane0_pdl5() {  # a K = 3 round with PDL: GPU busy by kernel (profiled), then th
 
 lane1_pdl5() { :; }
 
+lane0_gemv() {  # Kiln's decode GEMV (weights streamed before the PDL wait, norm / SwiGLU folded in) against cuBLAS:
+  # GPU tests, the layer-chain microbenchmark, then batch-1 decode of the 8B shape with and without it
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
+    tests/kernels/test_gemv.py tests/kernels/test_norm.py tests/engine/test_pdl.py tests/engine/test_cuda_graph.py \
+    tests/engine/test_kernel_path.py tests/engine/test_host_sync.py
+  step gemv_micro ${T_MICRO:-150} python -m benchmarks.kernels.gemv --layers 32 --rows 1,4
+  for rows in 8 0; do
+    step llama8b_b1_gemv$rows ${T_8B:-60} $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/llama8b_b1_gemv$rows.json"
+  done
+}
+
+lane1_gemv() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -415,7 +430,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [ "$PHASE" = devround ] || [ "$PHASE" = phases ] || [ "$PHASE" = final3 ] || [ "$PHASE" = offline3 ] || [ "$PHASE" = bound ] || [ "$PHASE" = experts ] || [ "$PHASE" = tokenmap ] || [ "$PHASE" = pdl ] || [ "$PHASE" = pdl2 ] || [ "$PHASE" = pdl3 ] || [ "$PHASE" = pdl4 ] || [ "$PHASE" = pdl5 ]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;

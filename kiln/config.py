@@ -89,6 +89,10 @@ class EngineConfig:
     disable_pdl: bool = opt(
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
+    gemv_max_rows: int = opt(
+        8, "Forwards of at most this many rows (batch-1..8 decode, short verifies) run the dense "
+        "projections through Kiln's Triton GEMV with the norm / SwiGLU in front folded in "
+        "(kiln/layers/decode_gemv.py; Llama family); 0 uses cuBLAS for every projection.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(
@@ -125,6 +129,8 @@ class EngineConfig:
         sorted(TOOL_CALL_PARSERS))
 
     def __post_init__(self) -> None:
+        if not 0 <= self.gemv_max_rows <= 16:  # kiln.kernels.gemv.MAX_ROWS (one MMA tile of rows)
+            raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
                              "are two ways to verify sampled drafts; pick one")

@@ -40,3 +40,32 @@ def test_kernel_path_equals_reference(arch_dir):
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch_dir", ["llama"], indirect=True)
+def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
+    """Decode steps of at most --gemv-max-rows rows project through Kiln's GEMV (norm and SwiGLU
+    folded in) and generate what the reference path generates; 0 keeps every projection on the
+    plain path. The GEMV is counted, so a path that silently falls back fails."""
+    from kiln.kernels import gemv as gemv_module
+
+    calls = {"n": 0}
+    real = gemv_module.gemv
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gemv_module, "gemv", counted)
+    reqs = prompts(3, seed=2, lo=20, hi=30)
+    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
+    want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
+    for rows in (8, 0):
+        calls["n"] = 0
+        got_out, got_rows = greedy(make_core(arch_dir, kernel_backend="triton", gemv_max_rows=rows, **kw), reqs,
+                                   max_tokens=4)
+        assert got_out == want_out
+        for rid in want_rows:
+            torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+        # 3 decode steps of 3 rows, 2 layers x 4 projections each (prefill chunks are too long)
+        assert calls["n"] == (3 * 2 * 4 if rows else 0), (rows, calls["n"])

@@ -21,17 +21,22 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32") -> None:
+def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", divisible: tuple = ()) -> dict:
     """Compile `kernel` (a `@triton.jit` function, not interpreted) for sm_90: `types` names each
-    non-`default` argument's Triton type ('*bf16', 'fp32', ...); `constexprs` the constexpr values."""
+    non-`default` argument's Triton type ('*bf16', 'fp32', ...); `constexprs` the constexpr values.
+    `divisible` names arguments to specialise as multiples of 16 (as a launch with such values
+    would). Returns the compiled asm by stage ('ptx', 'cubin', ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, default) for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+    assert "cubin" in asm
+    return asm
 
 
 def conv_qk_norm(has_lam: bool) -> None:
@@ -75,10 +80,29 @@ def rms_norm(pdl: bool) -> None:
                                                PDL=pdl))
 
 
+def gemv(fma: bool) -> None:
+    """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
+    point of the kernel)."""
+    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel
+
+    types = {**{n: "*bf16" for n in ("X", "W", "Y")}}
+    # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
+    # not vectorise and the check below would look at scalar loads.
+    div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    if fma:
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, PDL=True)
+    else:
+        kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", BLOCK_N=16, BLOCK_K=256, PDL=True)
+    ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global.v4" in ptx[:wait], "the weight stream must start before the PDL wait"
+
+
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
-         "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True)}
+         "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True),
+         "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False)}
 
 
 def test_kernels_compile_for_sm90():

@@ -1,0 +1,142 @@
+"""Triton GEMV for decode: y = x W^T for a few rows, its weight stream started before the PDL wait.
+
+At batch 1 a linear layer is a pure weight stream, and what separates cuBLAS from the HBM
+roofline is mostly the start of each GEMM: the launch, then the first round trip to DRAM before
+any byte arrives (docs/benchmarks.md, "eighth pass"). With programmatic dependent launch
+(`kiln.kernels.launch`) this kernel is launched while its predecessor (a norm, attention, the
+SwiGLU product) still runs, and loads its first weight tile *before* `griddepcontrol.wait`:
+weights are never written by the kernel before it, so the stream is under way by the time x is
+readable. Only x is read after the wait.
+
+Two inner loops, picked by the number of rows:
+- 1, 2 or 4 rows (BLOCK_M = M rounded up): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
+  fp32 accumulator reduced once at the end, the next weight tile loaded while the current one is
+  multiplied (two tiles in flight per program). Narrow BLOCK_N gives many programs per SM.
+- 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
+
+Reference: `torch.nn.functional.linear`; `tests/kernels/test_gemv.py` compares the two.
+`kiln.layers.decode_gemv` routes the engine's decode projections here (`--gemv-max-rows`).
+Inference only; no host sync; the grid depends only on shapes (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels import interpreting
+from kiln.kernels.launch import pdl_launch, wait_for_previous
+
+MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
+FMA_MAX_ROWS = 4
+
+
+def _fma_configs():
+    out = []
+    for bn, bk, warps in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
+                          (8, 512, 4), (8, 256, 4), (16, 256, 8)):
+        out.append(triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=1))
+    return out
+
+
+def _prune_fma(configs, named_args, **kwargs):
+    # Keep the accumulator at <= 64 fp32 registers per thread (plus the two weight tiles).
+    m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
+    kept = [c for c in configs
+            if m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 32 * c.num_warps]
+    return kept or configs[:1]
+
+
+DOT_CONFIGS = [
+    triton.Config(dict(BLOCK_N=16, BLOCK_K=256), num_warps=4, num_stages=4),
+    triton.Config(dict(BLOCK_N=16, BLOCK_K=512), num_warps=4, num_stages=3),
+    triton.Config(dict(BLOCK_N=32, BLOCK_K=256), num_warps=4, num_stages=3),
+]
+INTERPRETER_CONFIG = dict(BLOCK_N=4, BLOCK_K=32)
+
+
+@triton.jit
+def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
+    Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
+    that both load straight into the product's layout (no shared-memory shuffle per tile)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = (rn < N)[None, :, None]
+    m_ok = (rm < M)[:, None, None]
+    kk = rk[None, None, :]
+    w_ptrs = W + rn[None, :, None].to(tl.int64) * stride_wn + kk
+    x_ptrs = X + rm[:, None, None] * stride_xm + kk
+    # The weights are never written by the previous kernel: start their stream before the wait.
+    w = tl.load(w_ptrs, mask=n_ok & (kk < K), other=0.0)
+    wait_for_previous(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
+        w_next = tl.load(w_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
+        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=m_ok & (kk < K - k0 + BLOCK_K), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+        w = w_next
+    y = tl.sum(acc, axis=2)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PRECISION: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= 16 rows (one MMA tile)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)  # before the wait, as above
+    wait_for_previous(PDL)
+    x = tl.load(x_ptrs, mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w), tl.zeros((16, BLOCK_N), dtype=tl.float32), input_precision=PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k_ok = rk < K - k0
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_fma_tuned = triton.autotune(_fma_configs(), key=["M", "N", "K"],
+                             prune_configs_by=dict(early_config_prune=_prune_fma))(_gemv_fma_kernel)
+_dot_tuned = triton.autotune(DOT_CONFIGS, key=["M", "N", "K"])(_gemv_dot_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
+    in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
+    assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    assert weight.dtype == x.dtype, f"weight {weight.dtype} and x {x.dtype} differ"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    args = (x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    pdl = pdl_launch(x.device)
+    if m <= FMA_MAX_ROWS:
+        block_m = triton.next_power_of_2(m)
+        if interpreting():
+            _gemv_fma_kernel[(triton.cdiv(n, INTERPRETER_CONFIG["BLOCK_N"]),)](
+                *args, BLOCK_M=block_m, **INTERPRETER_CONFIG, **pdl)
+        else:
+            _fma_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m, **pdl)
+        return y
+    precision = "ieee" if weight.dtype == torch.float32 else "tf32"
+    if interpreting():
+        _gemv_dot_kernel[(triton.cdiv(n, 16),)](*args, PRECISION=precision, BLOCK_N=16, BLOCK_K=32, **pdl)
+    else:
+        _dot_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, PRECISION=precision, **pdl)
+    return y

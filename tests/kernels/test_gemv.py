@@ -1,0 +1,65 @@
+"""Triton decode GEMV (`kiln.kernels.gemv`) vs F.linear.
+
+"cpu" cases run under Triton's interpreter (fp32); "cuda" cases compile in fp32 and bf16. Both
+inner loops are covered: CUDA-core FMAs for 1..4 rows, one MMA tile for 5..16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kiln.kernels.gemv import MAX_ROWS, gemv  # noqa: E402
+from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
+
+FP32 = dict(rtol=1e-4, atol=1e-4)
+BF16 = dict(rtol=2e-2, atol=2e-2)
+
+
+def _case(m, n, k, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    return x, w
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 200), (8, 1000)])
+def test_gemv_matches_linear(device, dtype, m, n, k):
+    """Ragged N and K (not multiples of any tile), every row count of both loops."""
+    x, w = _case(m, n, k, dtype, device, seed=m * 1000 + n + k)
+    y = gemv(x, w)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    torch.testing.assert_close(y, F.linear(x, w), **(FP32 if dtype == torch.float32 else BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (2048, 2048)])
+def test_gemv_real_shapes(m, n, k):
+    """The autotuned configs at the 8B and Inkling bench shapes, bf16."""
+    x, w = _case(m, n, k, torch.bfloat16, "cuda", seed=n + k + m)
+    torch.testing.assert_close(gemv(x, w).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_gemv_reads_row_strided_inputs(device, dtype):
+    """x may be a row-strided view (the attention output slice of a wider buffer)."""
+    x, w = _case(3, 48, 64, dtype, device, seed=3)
+    view = torch.cat([x, x[:, :16]], dim=1)[:, :64]
+    assert not view.is_contiguous()
+    torch.testing.assert_close(gemv(view, w), F.linear(x, w), **(FP32 if dtype == torch.float32 else BF16))
+
+
+def test_gemv_rejects_bad_shapes():
+    w = torch.randn(8, 16)
+    with pytest.raises(AssertionError, match="rows"):
+        gemv(torch.randn(MAX_ROWS + 1, 16), w)
+    with pytest.raises(AssertionError, match="does not match"):
+        gemv(torch.randn(2, 32), w)
+    with pytest.raises(AssertionError, match="differ"):
+        gemv(torch.randn(2, 16, dtype=torch.float64), w)
