@@ -29,6 +29,7 @@ from torch import nn
 
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
+from kiln.layers.decode_gemv import decode_linear
 from kiln.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -46,10 +47,10 @@ class MSAIndexer(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * index_head_dim, pc=pc)
         self.index_head_dim = index_head_dim
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        return (self.q_proj(x).view(t, -1, self.index_head_dim),
-                self.k_proj(x).view(t, -1, self.index_head_dim))
+        return (decode_linear(self.q_proj, x, batch).view(t, -1, self.index_head_dim),
+                decode_linear(self.k_proj, x, batch).view(t, -1, self.index_head_dim))
 
 
 class MSAAttention(nn.Module):
@@ -79,15 +80,15 @@ class MSAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = self.qkv_proj.split(decode_linear(self.qkv_proj, x, batch))
         q = self.q_norm(q.reshape(t, self.num_heads, d), batch)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d), batch)
         q, k = self.rotary(positions, q, k, batch)
         v = v.reshape(t, self.num_kv_heads, d)
-        qI, kI = self.indexer(x)
+        qI, kI = self.indexer(x, batch)
         qI, kI = self.index_rotary(positions, qI, kI, batch)
         o = self._attend(q, k, v, qI, kI, batch)
-        return self.o_proj(o.reshape(t, self.num_heads * d))
+        return decode_linear(self.o_proj, o.reshape(t, self.num_heads * d), batch)
 
     def _attend(self, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
         return batch.backend.msa_attention(self, q, k, v, qI, kI, batch)

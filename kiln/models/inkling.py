@@ -19,6 +19,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
+from kiln.layers.decode_gemv import decode_linear
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -110,7 +111,7 @@ class InklingAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.attn.head_dim
         nh, nkv = self.attn.num_heads, self.attn.num_kv_heads
-        q, k, v, r = self.qkvr_proj.split(self.qkvr_proj(x))
+        q, k, v, r = self.qkvr_proj.split(decode_linear(self.qkvr_proj, x, batch))
         lam = attn_scale(batch.positions, self.beta, self.floor_scale) if self.full else None  # [T] fp32
         if self._fused_prologue(x, batch):
             q, k, v = batch.backend.conv_qk_norm(self, q, k, v, batch, lam)
@@ -124,7 +125,7 @@ class InklingAttention(nn.Module):
         rel = self.rel_proj(r.reshape(t, nh, self.qkvr_proj.rel_dim))  # [T, Hq, R]
         if lam is not None:
             rel = rel.float() * lam[:, None, None]
-        o = self.o_proj(self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel))
+        o = decode_linear(self.o_proj, self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel), batch)
         return self.o_conv(o, batch) if self.use_conv else o
 
 

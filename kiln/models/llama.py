@@ -21,6 +21,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.attention import Attention
+from kiln.layers.decode_gemv import decode_linear
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -36,9 +37,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, pc=pc)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)); `batch` only picks the activation's path (see
-        `kiln.layers.activation`)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), batch))
+        """down(silu(gate(x)) * up(x)); `batch` only picks the kernels' paths (see
+        `kiln.layers.activation`, `kiln.layers.decode_gemv`)."""
+        gate_up = decode_linear(self.gate_up_proj, x, batch)
+        return decode_linear(self.down_proj, silu_and_mul(gate_up, batch), batch)
 
 
 class LlamaAttention(nn.Module):
@@ -57,7 +59,7 @@ class LlamaAttention(nn.Module):
                               sliding_window=cfg.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = self.qkv_proj.split(decode_linear(self.qkv_proj, x, batch))
         t, d = x.shape[0], self.attn.head_dim
         q = q.reshape(t, -1, d)
         k = k.reshape(t, -1, d)
@@ -65,7 +67,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q, batch), self.k_norm(k, batch)
         q, k = self.rotary(positions, q, k, batch)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch)
-        return self.o_proj(o)
+        return decode_linear(self.o_proj, o, batch)
 
 
 class LlamaDecoderLayer(nn.Module):
