@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv: later passes (see the lane functions below); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4: later passes (see the lane functions below); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -400,25 +400,73 @@ lane0_pdl5() {  # a K = 3 round with PDL: GPU busy by kernel (profiled), then th
 
 lane1_pdl5() { :; }
 
-lane0_gemv() {  # Kiln's decode GEMV (weights streamed before the PDL wait, norm / SwiGLU folded in) against cuBLAS:
-  # GPU tests, the layer-chain microbenchmark, then batch-1 decode of the 8B shape with and without it
+lane0_gemv() {  # Kiln's decode GEMV (its weight stream started before the PDL wait) against cuBLAS: GPU tests,
+  # the layer-chain microbenchmark, then decode of the 8B shape and Inkling bench with and without it
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
-    tests/kernels/test_gemv.py tests/kernels/test_norm.py tests/engine/test_pdl.py tests/engine/test_cuda_graph.py \
+    tests/kernels/test_gemv.py tests/engine/test_pdl.py tests/engine/test_cuda_graph.py \
     tests/engine/test_kernel_path.py tests/engine/test_host_sync.py
-  step gemv_micro ${T_MICRO:-150} python -m benchmarks.kernels.gemv --layers 32 --rows 1,4
+  step gemv_micro ${T_MICRO:-150} python -m benchmarks.kernels.gemv --layers 32 --rows 1,4,8
   for rows in 8 0; do
-    step llama8b_b1_gemv$rows ${T_8B:-60} $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/llama8b_b1_gemv$rows.json"
+    step llama8b_gemv$rows ${T_8B:-70} $DECODE --model-path $LLAMA --batch-sizes 1,8 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/llama8b_gemv$rows.json"
+    step inkling_b1_gemv$rows ${T_INK:-50} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
   done
 }
 
 lane1_gemv() { :; }
 
+lane0_gemv2() {  # the GEMV on by default at batch 1 (all three architectures): GPU tests, the 8B shape against
+  # transformers, batch-1 decode of the hybrids with and without it
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-300} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
+    tests/kernels/test_gemv.py tests/engine/test_pdl.py tests/engine/test_cuda_graph.py \
+    tests/engine/test_kernel_path.py tests/engine/test_host_sync.py tests/engine/test_speculative.py
+  step latency_llama8b ${T_LAT:-200} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+  for rows in 1 0; do
+    step inkling_b1_gemv$rows ${T_INK:-50} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
+    step minimax_b1_gemv$rows ${T_MM:-50} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
+  done
+}
+
+lane1_gemv2() { :; }
+
+lane0_gemv3() {  # every GPU test with the GEMV on by default; where an 8B batch-1 step goes now (profile)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-300} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
+    --continue-on-collection-errors
+  step llama8b_b1_profile ${T_8B:-80} $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --profile --profile-steps 20 --kernel-rows 30 --out "$R/json/llama8b_b1_profile.json"
+}
+
+lane1_gemv3() { :; }
+
+lane0_gemv4() {  # without the early trigger: every GPU test, the speculative sync test three more times, the 8B
+  # shape against transformers, the hybrids at batch 1
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 150 ${XDIST:-} \
+    --ignore tests/server
+  for i in 1 2 3; do
+    step spec_sync_$i 40 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/engine/test_host_sync.py -k speculative
+  done
+  step latency_llama8b ${T_LAT:-110} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
+    --out "$R/json/latency_llama8b.json"
+  step inkling_b1 ${T_INK:-40} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --out "$R/json/inkling_b1.json"
+  step minimax_b1 ${T_MM:-40} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --out "$R/json/minimax_b1.json"
+}
+
+lane1_gemv4() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -430,7 +478,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;

@@ -2,7 +2,7 @@
 
 At batch 1 a linear layer is a pure weight stream, and what separates cuBLAS from the HBM
 roofline is mostly the start of each GEMM: the launch, then the first round trip to DRAM before
-any byte arrives (docs/benchmarks.md, "eighth pass"). With programmatic dependent launch
+any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic dependent launch
 (`kiln.kernels.launch`) this kernel is launched while its predecessor (a norm, attention, the
 SwiGLU product) still runs, and loads its first weight tile *before* `griddepcontrol.wait`:
 weights are never written by the kernel before it, so the stream is under way by the time x is

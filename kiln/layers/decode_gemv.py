@@ -7,6 +7,10 @@ predecessor has finished (PDL), then what the module's forward does after its ma
 all-reduce of a row-parallel layer, the bias). Anywhere else (the CPU engine, more rows, the
 trainer, anything autograd records, `--kernel-backend reference`, an adapter's forward) it calls
 the module, so those paths do not change by a bit.
+
+The GEMV reads its weights before waiting for the kernel before it, so that kernel must not
+write them. Inside a forward none does; weight updates (RL syncs, LoRA merges) run between
+forwards, and every forward starts with the embedding.
 """
 
 from __future__ import annotations
