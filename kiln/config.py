@@ -90,10 +90,11 @@ class EngineConfig:
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
     gemv_max_rows: int = opt(
-        1, "Forwards of at most this many rows (batch-1 decode) run their dense projections through "
-        "Kiln's Triton GEMV, whose weight stream starts while the previous kernel finishes "
-        "(kiln/layers/decode_gemv.py); 0 uses cuBLAS for every projection. Up to 16 is allowed, but "
-        "on an H200 cuBLAS is faster from 2 rows on (docs/benchmarks.md, eighth pass).")
+        0, "Forwards of at most this many rows (1: batch-1 decode) run their dense projections "
+        "through Kiln's Triton GEMV, whose weight stream starts before the previous kernel has "
+        "completed (kiln/layers/decode_gemv.py); 0 (default) uses cuBLAS for every projection. "
+        "Opt-in for now: its tile is autotuned per process, and a GPU test of speculative rounds "
+        "fails with it in the full suite (docs/benchmarks.md, eighth pass). Up to 16.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

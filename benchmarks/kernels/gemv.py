@@ -8,12 +8,13 @@ the Inkling `bench` shape), with every layer's weights distinct so nothing stays
 
 - `cublas`:     add+RMSNorm -> F.linear qkv -> F.linear o -> add+RMSNorm -> F.linear gate_up ->
                 SiLU-and-mul -> F.linear down (Kiln's kernel path with --gemv-max-rows 0);
-- `gemv`:       the same with Kiln's GEMV for every F.linear (the default decode path);
+- `gemv`:       the same with Kiln's GEMV for every F.linear (the engine with --gemv-max-rows 1);
 - `gemv-nopdl`: `gemv` launched without PDL, so no weight stream starts early.
 
 (No attention: the chain isolates the projections and what sits between them.) It prints the
 median time per layer, the bytes it must read, and the fraction of the measured copy bandwidth.
-The isolated table times each projection alone (graph of 20 back-to-back calls).
+The isolated table times each projection alone (a graph of up to 20 back-to-back calls over
+weight copies of at least 400 MB in all).
 """
 
 from __future__ import annotations

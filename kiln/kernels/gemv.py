@@ -3,16 +3,20 @@
 At batch 1 a linear layer is a pure weight stream, and what separates cuBLAS from the HBM
 roofline is mostly the start of each GEMM: the launch, then the first round trip to DRAM before
 any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic dependent launch
-(`kiln.kernels.launch`) this kernel is launched while its predecessor (a norm, attention, the
-SwiGLU product) still runs, and loads its first weight tile *before* `griddepcontrol.wait`:
-weights are never written by the kernel before it, so the stream is under way by the time x is
-readable. Only x is read after the wait.
+(`kiln.kernels.launch`) this kernel starts as its predecessor's programs (a norm, attention, the
+SwiGLU product) exit, before that grid has completed and its writes are visible, and it loads its
+first weight tile *before* `griddepcontrol.wait`: weights are never written by the kernel before
+it, so the stream is under way by the time x is readable. Only x is read after the wait.
 
 Two inner loops, picked by the number of rows:
-- 1, 2 or 4 rows (BLOCK_M = M rounded up): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
+- 1 to 4 rows (BLOCK_M = M rounded up to 1, 2 or 4): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
   fp32 accumulator reduced once at the end, the next weight tile loaded while the current one is
   multiplied (two tiles in flight per program). Narrow BLOCK_N gives many programs per SM.
 - 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
+
+The tile is autotuned on the first call of each (M, N, K) in a process, so which summation
+order a process uses depends on timing: outputs can differ in the last bits between two
+processes (one reason `--gemv-max-rows` is opt-in for now).
 
 Reference: `torch.nn.functional.linear`; `tests/kernels/test_gemv.py` compares the two.
 `kiln.layers.decode_gemv` routes the engine's decode projections here (`--gemv-max-rows`).

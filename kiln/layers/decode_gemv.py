@@ -3,8 +3,7 @@
 At a few rows per forward a projection is a pure weight stream. On the engine's kernel path, when
 the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`), `decode_linear`
 runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts before its
-predecessor has finished (PDL), then what the module's forward does after its matmul (the
-all-reduce of a row-parallel layer, the bias). Anywhere else (the CPU engine, more rows, the
+predecessor has completed (PDL), then the all-reduce of a row-parallel layer. Anywhere else (the CPU engine, more rows, the
 trainer, anything autograd records, `--kernel-backend reference`, an adapter's forward) it calls
 the module, so those paths do not change by a bit.
 
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from kiln.kernels import kernel_path
-from kiln.layers.linear import RowParallelLinear
+from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,22 +30,27 @@ def _kernels():
     return gemv
 
 
+_PLAIN_FORWARDS = (ColumnParallelLinear.forward, RowParallelLinear.forward)
+
+
 def gemv_path(batch, x: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether `linear(x)` takes the GEMV: the engine's kernel path, 2-D x of at most
-    `gemv_max_rows` rows in the weight's dtype, and a plain Kiln linear (an adapter such as LoRA
-    overrides forward, which must run)."""
+    """Whether `linear(x)` takes the GEMV: the engine's kernel path with nothing recorded by
+    autograd, 2-D x of at most `gemv_max_rows` rows in the weight's dtype, and a plain Kiln linear
+    without bias or hooks (anything that changes the module's forward, an adapter such as LoRA's,
+    must run; a bias would be rounded once more than in F.linear's epilogue)."""
     rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
     return (x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == linear.weight.dtype
-            and not hasattr(linear, "lora_A") and kernel_path(batch, x))
+            and linear.bias is None and type(linear).forward in _PLAIN_FORWARDS
+            and not linear._forward_hooks and not linear._forward_pre_hooks
+            and kernel_path(batch, x, linear.weight))
 
 
 def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
-    """linear(x), through the GEMV when `gemv_path` allows."""
+    """linear(x), through the GEMV when `gemv_path` allows (then the all-reduce of a row-parallel
+    layer, as its forward does)."""
     if not gemv_path(batch, x, linear):
         return linear(x)
     y = _kernels().gemv(x, linear.weight)
     if isinstance(linear, RowParallelLinear) and linear.reduce_output:
         y = linear.pc.all_reduce(y)
-    if linear.bias is not None:
-        y = y + linear.bias
     return y

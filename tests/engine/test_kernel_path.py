@@ -44,34 +44,82 @@ def test_kernel_path_equals_reference(arch_dir):
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
 
 
+def _count_gemv(monkeypatch) -> dict:
+    """Count `kiln.kernels.gemv.gemv` calls per weight (by data pointer) from now on."""
+    from kiln.kernels import gemv as gemv_module
+
+    calls: dict[int, int] = {}
+    real = gemv_module.gemv
+
+    def counted(x, weight):
+        calls[weight.data_ptr()] = calls.get(weight.data_ptr(), 0) + 1
+        return real(x, weight)
+
+    monkeypatch.setattr(gemv_module, "gemv", counted)
+    return calls
+
+
+def _gemv_modules(core, calls: dict) -> set[str]:
+    """Names (without the layer index) of the modules whose weights went through the GEMV."""
+    names = {p.data_ptr(): n for n, p in core.runner.model.named_parameters()}
+    return {".".join(x for x in names[ptr].split(".")[:-1] if not x.isdigit()) for ptr in calls}
+
+
+def _arch(arch_dir: str) -> str:
+    base = os.path.basename(arch_dir)  # the architecture's name, numbered by tmp_path_factory
+    return next(a for a in GEMV_MODULES if base.startswith(a))
+
+
+# The projections each architecture routes through the GEMV at decode (kiln/layers/decode_gemv.py).
+GEMV_MODULES = {
+    "llama": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
+              "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+    "inkling": {"model.layers.self_attn.qkvr_proj", "model.layers.self_attn.o_proj",
+                "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+    "minimax_m3": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
+                   "model.layers.self_attn.indexer.q_proj", "model.layers.self_attn.indexer.k_proj",
+                   "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+}
+
+
 @pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
 def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
     """Decode steps of at most --gemv-max-rows rows project through Kiln's GEMV and generate what
-    the reference path generates; 0 keeps every projection on cuBLAS. The GEMV is counted, so a
-    path that silently falls back fails."""
-    from kiln.kernels import gemv as gemv_module
-
-    calls = {"n": 0}
-    real = gemv_module.gemv
-
-    def counted(*a, **kw):
-        calls["n"] += 1
-        return real(*a, **kw)
-
-    monkeypatch.setattr(gemv_module, "gemv", counted)
-    llama = os.path.basename(arch_dir).startswith("llama")
+    the reference path generates; 0 keeps every projection on F.linear. The GEMV is counted per
+    weight, so a projection that silently falls back (e.g. loses its `batch`) fails."""
+    arch = _arch(arch_dir)
+    calls = _count_gemv(monkeypatch)
+    llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
     want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     for rows in ((4, 0) if llama else (4,)):
-        calls["n"] = 0
-        got_out, got_rows = greedy(make_core(arch_dir, kernel_backend="triton", gemv_max_rows=rows, **kw), reqs,
-                                   max_tokens=4)
+        calls.clear()
+        core = make_core(arch_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
+        got_out, got_rows = greedy(core, reqs, max_tokens=4)
         assert got_out == want_out
         for rid in want_rows:
             torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
-        if llama:  # 3 decode steps of 3 rows, 2 layers x 4 projections each (prefill chunks are longer)
-            assert calls["n"] == (3 * 2 * 4 if rows else 0), (rows, calls["n"])
-        else:  # attention projections (and MSA's indexer) of every layer, dense MLPs
-            assert calls["n"] > 0
+        assert _gemv_modules(core, calls) == (GEMV_MODULES[arch] if rows else set())
+        if llama and rows:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer)
+            assert sum(calls.values()) == 3 * 2 * 4, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
+def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
+    """On the GPU (compiled kernels, CUDA graphs, fp32): one request decoding with
+    --gemv-max-rows 1 generates what --gemv-max-rows 0 (cuBLAS) generates, through the GEMV."""
+    arch = _arch(arch_dir)
+    calls = _count_gemv(monkeypatch)
+    reqs = prompts(1, seed=3, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4)
+    want_out, want_rows = greedy(make_core(arch_dir, gemv_max_rows=0, **kw), reqs, max_tokens=8)
+    assert not calls
+    core = make_core(arch_dir, gemv_max_rows=1, **kw)
+    got_out, got_rows = greedy(core, reqs, max_tokens=8)
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-3, rtol=1e-3)
+    assert _gemv_modules(core, calls) == GEMV_MODULES[arch]

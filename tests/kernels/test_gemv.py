@@ -63,3 +63,21 @@ def test_gemv_rejects_bad_shapes():
         gemv(torch.randn(2, 32), w)
     with pytest.raises(AssertionError, match="differ"):
         gemv(torch.randn(2, 16, dtype=torch.float64), w)
+
+
+def test_gemv_max_rows_flag():
+    """--gemv-max-rows: off by default, 0..16 (one MMA tile of rows), a clear error otherwise."""
+    import argparse
+
+    from kiln.config import EngineConfig
+
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        EngineConfig.add_cli_args(p)
+        return EngineConfig.from_cli_args(p.parse_args(argv))
+
+    assert parse(["--model-path", "m"]).gemv_max_rows == 0
+    assert parse(["--model-path", "m", "--gemv-max-rows", "1"]).gemv_max_rows == 1
+    for bad in (-1, MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="--gemv-max-rows takes 0"):
+            EngineConfig(model_path="m", gemv_max_rows=bad)
