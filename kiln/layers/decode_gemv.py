@@ -1,11 +1,12 @@
 """Decode projections through Kiln's GEMV (`kiln.kernels.gemv`) instead of cuBLAS.
 
 At a few rows per forward a projection is a pure weight stream. On the engine's kernel path, when
-the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`), `decode_linear`
-runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts before its
-predecessor has completed (PDL), then the all-reduce of a row-parallel layer. Anywhere else (the CPU engine, more rows, the
-trainer, anything autograd records, `--kernel-backend reference`, an adapter's forward) it calls
-the module, so those paths do not change by a bit.
+the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, opt-in),
+`decode_linear` runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts
+before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer.
+Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
+`--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
+do not change by a bit.
 
 The GEMV reads its weights before waiting for the kernel before it, so that kernel must not
 write them. Inside a forward none does; weight updates (RL syncs, LoRA merges) run between
