@@ -92,6 +92,14 @@ def main() -> None:
                       f"{bound:>10.2f}{t['cublas'] / t['gemv']:>9.2f}", flush=True)
 
 
+    # What autotune picked per (M, N, K, dtypes): the data for a tile chosen by shape, not timing.
+    from kiln.kernels.gemv import _dot_tuned, _fma_tuned
+
+    print("\nautotuned tiles (key: M, N, K, ...):")
+    for tuner in (_fma_tuned, _dot_tuned):
+        for key, cfg in sorted(tuner.cache.items(), key=str):
+            print(f"  {tuner.base_fn.__name__} {key[:3]}: {cfg}")
+
     print(f"\n{'chain':<14}{'mode':<13}{'rows':>5}{'us/layer':>10}{'bound':>8}{'of bw':>8}{'max err':>9}")
     for name, (hid, qkv, attn, inter) in SHAPES.items():
         layers = make_layers(args.layers, hid, qkv, attn, inter, dev, dt)
