@@ -11,15 +11,16 @@ edge), so the captured decode step benefits too.
 Every Kiln kernel therefore takes a `PDL` constexpr and calls `wait_for_previous(PDL)` as its
 first statement, before any load or store (the one exception: the decode GEMV,
 `kiln.kernels.gemv`, first starts loading its weights, which no kernel writes), and its wrapper
-launches it with `**pdl_launch(device)`. Waiting first makes the rule hold for every kernel without reasoning
-about which buffers its predecessor touches. Safety is transitive: a kernel runs past its wait
-only once its predecessor has completed, and the predecessor completed only after passing its
-own wait.
+launches it with `**pdl_launch(device)`. Waiting first makes the rule hold for every kernel
+without reasoning about which buffers its predecessor touches. Safety is transitive: a kernel
+runs past its wait only once its predecessor has completed, and the predecessor completed only
+after passing its own wait.
 
 A kernel does not trigger its successor's launch early (`griddepcontrol.launch_dependents`): the
 successor launches when this kernel's programs exit. An early trigger right after the wait made
-the decode GEMV faster but was followed by one device-side assert in a GPU test of speculative
-rounds, not understood (docs/benchmarks.md, eighth pass), so it is not used.
+the decode GEMV faster (branch `experiment/pdl-early-trigger`), and is left out until a GPU test
+failure first seen with it is understood (it also occurs without it; docs/benchmarks.md, eighth
+pass).
 
 `set_pdl(False)` (the engine's `--disable-pdl`) turns it off for A/B runs; it is off on the CPU
 interpreter and on GPUs older than sm_90, where the attribute does not exist.
