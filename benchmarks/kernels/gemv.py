@@ -26,21 +26,23 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import gemv
+from kiln.kernels.gemv import _dot_tuned, _fma_tuned, gemv
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
+
+def copy_bandwidth() -> float:
+    """HBM bandwidth from a 1 GiB device copy (what `benchmarks/roofline.py` measures for the
+    engine scripts, which run from benchmarks/ and import it as a top-level module)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), rep=200, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
 
 SHAPES = {  # hidden, q+k+v width, attention output width, intermediate
     "llama-8b": (4096, 6144, 4096, 14336),
     "inkling-bench": (2048, 3584, 2048, 6144),
 }
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), rep=200, return_mode="median")
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def make_layers(n_layers, hidden, qkv, attn, inter, dev, dt):
@@ -91,10 +93,7 @@ def main() -> None:
                 print(f"{name + ' ' + proj + f' {n}x{k}':<26}{m:>5}{t['cublas']:>11.2f}{t['gemv']:>10.2f}"
                       f"{bound:>10.2f}{t['cublas'] / t['gemv']:>9.2f}", flush=True)
 
-
     # What autotune picked per (M, N, K, dtypes): the data for a tile chosen by shape, not timing.
-    from kiln.kernels.gemv import _dot_tuned, _fma_tuned
-
     print("\nautotuned tiles (key: M, N, K, ...):")
     for tuner in (_fma_tuned, _dot_tuned):
         for key, cfg in sorted(tuner.cache.items(), key=str):
@@ -117,7 +116,6 @@ def main() -> None:
                                                        return_mode="median") * 1e3 / args.layers
                 print(f"{name:<14}{mode:<13}{m:>5}{us:>10.2f}{bound:>8.2f}{bound / us:>8.1%}{err:>9.1e}", flush=True)
             set_pdl(True)
-
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class PagedBackend:
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
                  gemv_max_rows: int = 0):
         self.use_kernels = use_kernels
-        self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv: forwards of at most this many rows use the GEMV
+        self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels

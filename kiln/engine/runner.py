@@ -152,7 +152,7 @@ class ModelRunner:
         tables = {"main": self.req_to_token.table, **self.window_tables}
         self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
                                     use_kernels=self.use_kernels, gate=self.load_gate,
-                                    gemv_max_rows=self.config.gemv_max_rows if self.use_kernels else 0)
+                                    gemv_max_rows=self.config.gemv_max_rows)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

@@ -65,11 +65,6 @@ def _gemv_modules(core, calls: dict) -> set[str]:
     return {".".join(x for x in names[ptr].split(".")[:-1] if not x.isdigit()) for ptr in calls}
 
 
-def _arch(arch_dir: str) -> str:
-    base = os.path.basename(arch_dir)  # the architecture's name, numbered by tmp_path_factory
-    return next(a for a in GEMV_MODULES if base.startswith(a))
-
-
 # The projections each architecture routes through the GEMV at decode (kiln/layers/decode_gemv.py).
 GEMV_MODULES = {
     "llama": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
@@ -80,6 +75,11 @@ GEMV_MODULES = {
                    "model.layers.self_attn.indexer.q_proj", "model.layers.self_attn.indexer.k_proj",
                    "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
 }
+
+
+def _arch(arch_dir: str) -> str:
+    base = os.path.basename(arch_dir)  # the architecture's name, numbered by tmp_path_factory
+    return next(a for a in GEMV_MODULES if base.startswith(a))
 
 
 @pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)

@@ -85,7 +85,7 @@ def gemv(fma: bool) -> None:
     point of the kernel)."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel
 
-    types = {**{n: "*bf16" for n in ("X", "W", "Y")}}
+    types = {n: "*bf16" for n in ("X", "W", "Y")}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
     div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
