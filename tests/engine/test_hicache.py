@@ -289,6 +289,68 @@ def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
 
 
+@pytest.mark.gpu
+def test_cuda_host_pool_unlocks_its_buffers_when_dropped():
+    """The pool's page-locked registration ends with the pool, while its memory is still allocated.
+    A registration left behind outlives the memory: when the allocator hands those addresses out
+    again, CUDA DMAs from the old pages (a later engine in the process read stale page tables)."""
+    import gc
+
+    from kiln.engine.cache.host_pool import HostPool
+
+    dev = torch.device("cuda")
+    kv = torch.zeros(64, 2, 8, device=dev)
+    cudart = torch.cuda.cudart()
+
+    def pool_buffer():
+        pool = HostPool({"main": lambda: [kv]}, {"main": 8}, 4, dev)
+        host = pool.spaces["main"].tensors[0]
+        assert host.is_pinned()
+        return pool, host
+
+    def reregisters(host) -> bool:  # still allocated (held here) and no longer registered
+        ok = int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
+        assert int(cudart.cudaHostUnregister(host.data_ptr())) == 0
+        return ok
+
+    pool, host = pool_buffer()
+    del pool
+    gc.collect()
+    assert reregisters(host)
+
+    # Dropped inside a CUDA graph capture (garbage collection can run there): no CUDA call may
+    # run, so the unlock waits for the next pool, and the capture stays valid.
+    pool, host = pool_buffer()
+    x = torch.zeros(4, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x + 1
+        del pool
+        gc.collect()
+    graph.replay()
+    assert y.sum().item() == 4
+    pool_buffer()  # unlocks what the capture left
+    assert reregisters(host)
+
+
+@pytest.mark.gpu
+def test_failed_host_registration_leaves_no_cuda_error():
+    """A failed cudaHostRegister (here: the range is registered already) must not surface as the
+    next kernel's failure (the runtime keeps it as the thread's last error)."""
+    from kiln.engine.cache.host_pool import _clear_cuda_error
+
+    cudart = torch.cuda.cudart()
+    t = torch.empty(1 << 16)
+    nbytes = t.numel() * t.element_size()
+    assert int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+    try:
+        assert int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) != 0
+        _clear_cuda_error(torch.device("cuda"))
+        assert torch.ones(4, device="cuda").sum().item() == 4
+    finally:
+        cudart.cudaHostUnregister(t.data_ptr())
+
+
 def test_weight_update_moves_disk_keys(tmp_path):
     """Pages computed after a weight update must never be found by an engine that loads the
     original weights (a restart): their disk keys chain from another root."""

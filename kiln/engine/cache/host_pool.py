@@ -22,6 +22,7 @@ same ordering.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -105,6 +106,43 @@ def available_host_bytes() -> Optional[int]:
     return None
 
 
+# Page-locked buffers of dropped pools whose finalizer ran inside a CUDA graph capture, where no
+# CUDA call may run (it would invalidate the capture): kept allocated, and so still validly
+# registered, until the next unlock outside a capture.
+_UNLOCK_LATER: list[torch.Tensor] = []
+
+
+def _unlock(buffers: list[torch.Tensor], device: torch.device) -> None:
+    """Unregister page-locked host buffers while they are still allocated (the finalizer holds
+    them, so their memory cannot be freed first). A registration that outlives its memory is
+    silent corruption: when the allocator hands those addresses out again, CUDA still treats
+    them as locked and DMAs from the old physical pages, so a pageable tensor copied to the GPU
+    from there arrives as stale data (seen as garbage page-table indices in a later engine of
+    the same process); registering the range again also fails."""
+    if torch.cuda.is_current_stream_capturing():  # garbage collection can run inside a capture
+        _UNLOCK_LATER.extend(buffers)
+        buffers.clear()
+        return
+    buffers.extend(_UNLOCK_LATER)
+    _UNLOCK_LATER.clear()
+    if not buffers:
+        return
+    torch.cuda.synchronize(device)  # copies still in flight read or write these buffers
+    for t in buffers:
+        if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
+            _clear_cuda_error(device)
+    buffers.clear()
+
+
+def _clear_cuda_error(device: torch.device) -> None:
+    """Consume the CUDA runtime's last error: a failed runtime call leaves it set, and PyTorch's
+    next kernel-launch check would raise it as that kernel's own failure."""
+    try:
+        torch.zeros(1, device=device)
+    except RuntimeError:
+        pass
+
+
 class HostPool:
     """Host spaces of `host_pages[name]` usable pages each."""
 
@@ -117,6 +155,12 @@ class HostPool:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list[_PendingCopy] = []
         self.generation = 0  # forwards so far (before_forward calls)
+        # Buffers page-locked with cudaHostRegister, unlocked when the pool is dropped (`close`).
+        self._locked: list[torch.Tensor] = []
+        if self.cuda:
+            _unlock([], self.device)  # what a finalizer inside a capture left for later
+        self.close = weakref.finalize(self, _unlock, self._locked, self.device)
+        self.close.atexit = False  # at exit the process's memory goes away anyway
         plans = {name: (dev(), max(1, host_pages[name]) + 1) for name, dev in spaces.items()}  # + page 0
         need = sum(pages * page_size * sum(t[0].numel() * t.element_size() for t in tensors)
                    for tensors, pages in plans.values())
@@ -138,7 +182,10 @@ class HostPool:
         t = torch.empty(shape, dtype=dtype)
         if self.cuda and t.numel():
             err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:  # could not lock this much memory: fall back to the pinned allocator
+            if int(err) == 0:
+                self._locked.append(t)
+            else:  # could not lock this much memory: fall back to the pinned allocator
+                _clear_cuda_error(self.device)
                 logger.warning("cudaHostRegister failed (%s); using PyTorch's pinned allocator", err)
                 t = torch.empty(shape, dtype=dtype, pin_memory=True)
         return t
