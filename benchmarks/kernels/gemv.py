@@ -1,6 +1,6 @@
 """Decode GEMV (`kiln.kernels.gemv`) against cuBLAS, alone and in a decoder layer's chain; CUDA only.
 
-    python -m benchmarks.kernels.gemv [--layers 32] [--rows 1,4]
+    python -m benchmarks.kernels.gemv [--layers 32] [--rows 1,4] [--sweep] [--shapes llama-8b] [--no-chain]
 
 A decode step at batch 1 is a chain of weight streams separated by small kernels. This replays,
 from a CUDA graph, the dense part of `--layers` decoder layers of the Llama-3.1-8B shape (and of
@@ -14,7 +14,8 @@ the Inkling `bench` shape), with every layer's weights distinct so nothing stays
 (No attention: the chain isolates the projections and what sits between them.) It prints the
 median time per layer, the bytes it must read, and the fraction of the measured copy bandwidth.
 The isolated table times each projection alone (a graph of up to 20 back-to-back calls over
-weight copies of at least 400 MB in all).
+weight copies of at least 400 MB in all) with the tile `fma_tile` / `dot_tile` picks; `--sweep`
+also times every candidate tile (`FMA_TILES`, `DOT_TILES`), the data for revisiting that rule.
 """
 
 from __future__ import annotations
@@ -26,9 +27,38 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import _dot_tuned, _fma_tuned, gemv
+from kiln.kernels.gemv import (DOT_TILES, FMA_MAX_ROWS, FMA_TILES, _gemv_dot_kernel, _gemv_fma_kernel, dot_tile,
+                               fma_tile, gemv)
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
+
+
+
+def gemv_with(tile: dict, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`gemv` with a given tile (the sweep); bf16, PDL off."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    args = (x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0))
+    grid = (triton.cdiv(n, tile["BLOCK_N"]),)
+    if m <= FMA_MAX_ROWS:
+        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m), PDL=False, **tile)
+    else:
+        _gemv_dot_kernel[grid](*args, PRECISION="tf32", PDL=False, **tile)
+    return y
+
+
+def candidate_tiles(m: int) -> list[dict]:
+    if m > FMA_MAX_ROWS:
+        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st) for bn, bk, wp, st in DOT_TILES]
+    bm = triton.next_power_of_2(m)  # the accumulator: at most 64 fp32 registers per thread
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=1) for bn, bk, wp in FMA_TILES
+            if bm * bn * bk <= 64 * 32 * wp]
+
+
+def tile_name(t: dict) -> str:
+    return f"{t['BLOCK_N']}x{t['BLOCK_K']}/w{t['num_warps']}"
+
 
 def copy_bandwidth() -> float:
     """HBM bandwidth from a 1 GiB device copy (what `benchmarks/roofline.py` measures for the
@@ -72,35 +102,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tile too (* = the rule's)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, from: " + ", ".join(SHAPES))
+    ap.add_argument("--no-chain", action="store_true", help="the isolated table only")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}", flush=True)
 
     print(f"\n{'shape':<26}{'rows':>5}{'cuBLAS us':>11}{'GEMV us':>10}{'bound us':>10}{'speedup':>9}")
-    for name, (hid, qkv, attn, inter) in SHAPES.items():
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    for name, (hid, qkv, attn, inter) in shapes.items():
         mats = {"qkv": (qkv, hid), "o": (hid, attn), "gate_up": (2 * inter, hid), "down": (hid, inter)}
         for proj, (n, k) in mats.items():
             ws = [torch.randn(n, k, device=dev, dtype=dt) for _ in range(max(2, (400 << 20) // (n * k * 2)))]
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=dt)
-                gemv(x, ws[0])  # autotune outside the graph
                 t = {}
-                for label, fn in (("cublas", lambda w: F.linear(x, w)), ("gemv", lambda w: gemv(x, w))):
-                    t[label] = triton.testing.do_bench_cudagraph(
+
+                def bench(fn):
+                    return triton.testing.do_bench_cudagraph(
                         lambda: [fn(w) for w in ws[:20]], rep=100, return_mode="median") * 1e3 / min(20, len(ws))
+
+                for label, fn in (("cublas", lambda w: F.linear(x, w)), ("gemv", lambda w: gemv(x, w))):
+                    fn(ws[0])  # compile outside the graph
+                    t[label] = bench(fn)
                 bound = n * k * 2 / bw * 1e6
                 print(f"{name + ' ' + proj + f' {n}x{k}':<26}{m:>5}{t['cublas']:>11.2f}{t['gemv']:>10.2f}"
                       f"{bound:>10.2f}{t['cublas'] / t['gemv']:>9.2f}", flush=True)
+                if args.sweep:
+                    rule = tile_name(fma_tile(m, k) if m <= FMA_MAX_ROWS else dot_tile())
+                    swept = []
+                    for tile in candidate_tiles(m):
+                        gemv_with(tile, x, ws[0])
+                        swept.append((bench(lambda w, tile=tile: gemv_with(tile, x, w)), tile_name(tile)))
+                    print("    tiles (us, no PDL): " + ", ".join(
+                        f"{tn}{'*' if tn == rule else ''} {us:.2f}" for us, tn in sorted(swept)), flush=True)
 
-    # What autotune picked per (M, N, K, dtypes): the data for a tile chosen by shape, not timing.
-    print("\nautotuned tiles (key: M, N, K, ...):")
-    for tuner in (_fma_tuned, _dot_tuned):
-        for key, cfg in sorted(tuner.cache.items(), key=str):
-            print(f"  {tuner.base_fn.__name__} {key[:3]}: {cfg}")
-
+    if args.no_chain:
+        return
     print(f"\n{'chain':<14}{'mode':<13}{'rows':>5}{'us/layer':>10}{'bound':>8}{'of bw':>8}{'max err':>9}")
-    for name, (hid, qkv, attn, inter) in SHAPES.items():
+    for name, (hid, qkv, attn, inter) in shapes.items():
         layers = make_layers(args.layers, hid, qkv, attn, inter, dev, dt)
         layer_bytes = 2 * (qkv * hid + hid * attn + 2 * inter * hid + hid * inter)
         bound = layer_bytes / bw * 1e6
@@ -109,7 +151,7 @@ def main() -> None:
             ref = None
             for mode in ("cublas", "gemv", "gemv-nopdl"):
                 set_pdl(mode != "gemv-nopdl")
-                out = chain(mode, layers, h, attn)[1].float()  # eager: autotunes, then checks
+                out = chain(mode, layers, h, attn)[1].float()  # eager: compiles, then checks
                 ref = out if ref is None else ref
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
                 us = triton.testing.do_bench_cudagraph(lambda: chain(mode, layers, h, attn), rep=200,

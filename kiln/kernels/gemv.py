@@ -14,9 +14,9 @@ Two inner loops, picked by the number of rows:
   multiplied (two tiles in flight per program). Narrow BLOCK_N gives many programs per SM.
 - 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
 
-The tile is autotuned on the first call of each (M, N, K) in a process, so which summation
-order a process uses depends on timing: outputs can differ in the last bits between two
-processes (one reason `--gemv-max-rows` is opt-in for now).
+The tile is a fixed function of the shape (`fma_tile`, `dot_tile`), not autotuned: an autotuned
+tile depends on timing, so two processes could sum in different orders and their outputs differ
+in the last bits. `python -m benchmarks.kernels.gemv` sweeps the candidates to revisit the rule.
 
 Reference: `torch.nn.functional.linear`; `tests/kernels/test_gemv.py` compares the two.
 `kiln.layers.decode_gemv` routes the engine's decode projections here (`--gemv-max-rows`).
@@ -36,28 +36,33 @@ MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuB
 FMA_MAX_ROWS = 4
 
 
-def _fma_configs():
-    out = []
-    for bn, bk, warps in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
-                          (8, 512, 4), (8, 256, 4), (16, 256, 8)):
-        out.append(triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=1))
-    return out
+# Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernels/gemv.py` sweeps.
+FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
+             (8, 512, 4), (8, 256, 4), (16, 256, 8))
+DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
+INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
 
 
-def _prune_fma(configs, named_args, **kwargs):
-    # Keep the accumulator at <= 64 fp32 registers per thread (plus the two weight tiles).
-    m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
-    kept = [c for c in configs
-            if m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 32 * c.num_warps]
-    return kept or configs[:1]
+def fma_tile(m: int, k: int) -> dict:
+    """The FMA tile for m rows of depth k, fixed by shape so that every process sums in the same
+    order (an autotuned tile depends on timing, and so would the last bits of every output).
+    From the sweeps on an H200 (docs/benchmarks.md, "ninth pass"): at 1 row, 2x1024 on 4 warps is
+    the best or within a few percent of it at K <= 4096 (Llama-8B qkv, o, gate_up), and 4x1024 on
+    8 warps at the long K of down projections; with the accumulator holding 2 or 4 rows, 4x1024
+    and 4x512 on 4 warps win."""
+    if m == 1:
+        bn, bk, warps = (2, 1024, 4) if k <= 4096 else (4, 1024, 8)
+    elif m == 2:
+        bn, bk, warps = 4, 1024, 4
+    else:
+        bn, bk, warps = 4, 512, 4
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
 
 
-DOT_CONFIGS = [
-    triton.Config(dict(BLOCK_N=16, BLOCK_K=256), num_warps=4, num_stages=4),
-    triton.Config(dict(BLOCK_N=16, BLOCK_K=512), num_warps=4, num_stages=3),
-    triton.Config(dict(BLOCK_N=32, BLOCK_K=256), num_warps=4, num_stages=3),
-]
-INTERPRETER_CONFIG = dict(BLOCK_N=4, BLOCK_K=32)
+def dot_tile() -> dict:
+    """The MMA tile for 5..16 rows (fixed, for the same reason as `fma_tile`)."""
+    bn, bk, warps, stages = DOT_TILES[0]
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -112,11 +117,6 @@ def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PRECISIO
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_fma_tuned = triton.autotune(_fma_configs(), key=["M", "N", "K"],
-                             prune_configs_by=dict(early_config_prune=_prune_fma))(_gemv_fma_kernel)
-_dot_tuned = triton.autotune(DOT_CONFIGS, key=["M", "N", "K"])(_gemv_dot_kernel)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights)."""
@@ -131,16 +131,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     args = (x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     if m <= FMA_MAX_ROWS:
-        block_m = triton.next_power_of_2(m)
-        if interpreting():
-            _gemv_fma_kernel[(triton.cdiv(n, INTERPRETER_CONFIG["BLOCK_N"]),)](
-                *args, BLOCK_M=block_m, **INTERPRETER_CONFIG, **pdl)
-        else:
-            _fma_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m, **pdl)
+        tile = INTERPRETER_TILE if interpreting() else fma_tile(m, k)
+        _gemv_fma_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](
+            *args, BLOCK_M=triton.next_power_of_2(m), **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
-    if interpreting():
-        _gemv_dot_kernel[(triton.cdiv(n, 16),)](*args, PRECISION=precision, BLOCK_N=16, BLOCK_K=32, **pdl)
-    else:
-        _dot_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, PRECISION=precision, **pdl)
+    tile = dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile()
+    _gemv_dot_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](*args, PRECISION=precision, **tile, **pdl)
     return y

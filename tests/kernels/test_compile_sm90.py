@@ -83,16 +83,18 @@ def rms_norm(pdl: bool) -> None:
 def gemv(fma: bool) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel)."""
-    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel
+    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile
 
     types = {n: "*bf16" for n in ("X", "W", "Y")}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
     div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    # the tiles the engine launches at the 8B shape (num_warps only changes the layout, not the order)
+    tile = {k: v for k, v in (fma_tile(1, 4096) if fma else dot_tile()).items() if k.startswith("BLOCK")}
     if fma:
-        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, PDL=True)
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, **tile)
     else:
-        kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", BLOCK_N=16, BLOCK_K=256, PDL=True)
+        kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.v4" in ptx[:wait], "the weight stream must start before the PDL wait"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kiln.kernels.gemv import MAX_ROWS, gemv  # noqa: E402
+from kiln.kernels.gemv import FMA_MAX_ROWS, FMA_TILES, MAX_ROWS, fma_tile, gemv  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
@@ -38,12 +38,47 @@ def test_gemv_matches_linear(device, dtype, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 8])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (2048, 2048)])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (2048, 2048), (12288, 2048)])
 def test_gemv_real_shapes(m, n, k):
-    """The autotuned configs at the 8B and Inkling bench shapes, bf16."""
+    """The tiles the engine launches at the 8B and Inkling bench shapes, bf16."""
     x, w = _case(m, n, k, torch.bfloat16, "cuda", seed=n + k + m)
     torch.testing.assert_close(gemv(x, w).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_fma_tiles_are_candidates_within_the_register_budget():
+    """The tile is a function of the shape only, one of the swept candidates, and its fp32
+    accumulator stays at <= 64 registers per thread (BLOCK_M x BLOCK_N x BLOCK_K over the threads)."""
+    for m in range(1, FMA_MAX_ROWS + 1):
+        for k in (64, 2048, 4096, 4097, 14336):
+            t = fma_tile(m, k)
+            assert (t["BLOCK_N"], t["BLOCK_K"], t["num_warps"]) in FMA_TILES
+            block_m = 1 << (m - 1).bit_length()
+            assert block_m * t["BLOCK_N"] * t["BLOCK_K"] <= 64 * 32 * t["num_warps"], (m, k, t)
+
+
+def _output_digest() -> str:
+    """SHA-256 of the GEMV's outputs at the 8B qkv shape for 1, 2, 4 and 8 rows (bf16, CUDA)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for m in (1, 2, 4, 8):
+        x, w = _case(m, 6144, 4096, torch.bfloat16, "cuda", seed=m)
+        h.update(gemv(x, w).view(torch.int16).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.gpu
+def test_gemv_is_bitwise_reproducible_across_processes():
+    """Another process computes the same bits: the tile does not depend on timing (both loops)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "from tests.kernels.test_gemv import _output_digest; print(_output_digest())"
+    there = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert there.stdout.strip() == _output_digest()
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
@@ -66,7 +101,8 @@ def test_gemv_rejects_bad_shapes():
 
 
 def test_gemv_max_rows_flag():
-    """--gemv-max-rows: off by default, 0..16 (one MMA tile of rows), a clear error otherwise."""
+    """--gemv-max-rows: unset by default (the runner resolves it: 1 on CUDA, 0 elsewhere), 0..16
+    (one MMA tile of rows), a clear error otherwise."""
     import argparse
 
     from kiln.config import EngineConfig
@@ -76,8 +112,8 @@ def test_gemv_max_rows_flag():
         EngineConfig.add_cli_args(p)
         return EngineConfig.from_cli_args(p.parse_args(argv))
 
-    assert parse(["--model-path", "m"]).gemv_max_rows == 0
-    assert parse(["--model-path", "m", "--gemv-max-rows", "1"]).gemv_max_rows == 1
+    assert parse(["--model-path", "m"]).gemv_max_rows is None
+    assert parse(["--model-path", "m", "--gemv-max-rows", "0"]).gemv_max_rows == 0
     for bad in (-1, MAX_ROWS + 1):
         with pytest.raises(ValueError, match="--gemv-max-rows takes 0"):
             EngineConfig(model_path="m", gemv_max_rows=bad)
