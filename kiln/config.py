@@ -89,12 +89,12 @@ class EngineConfig:
     disable_pdl: bool = opt(
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
-    gemv_max_rows: int = opt(
-        0, "Forwards of at most this many rows (1: batch-1 decode) run their dense projections "
-        "through Kiln's Triton GEMV, whose weight stream starts before the previous kernel has "
-        "completed (kiln/layers/decode_gemv.py); 0 (default) uses cuBLAS for every projection. "
-        "Opt-in for now: its tile is autotuned per process, and a GPU test of speculative rounds "
-        "fails with it in the full suite (docs/benchmarks.md, eighth pass). Up to 16.")
+    gemv_max_rows: Optional[int] = opt(
+        None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
+        "GEMV, whose weight stream starts before the previous kernel has completed "
+        "(kiln/layers/decode_gemv.py); 0 uses cuBLAS for every projection. Default: 1 (batch-1 "
+        "decode) on CUDA, 0 elsewhere. Up to 16; at 2-16 rows cuBLAS is mostly faster "
+        "(docs/benchmarks.md, ninth pass).")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(
@@ -131,7 +131,7 @@ class EngineConfig:
         sorted(TOOL_CALL_PARSERS))
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gemv_max_rows <= 16:  # kiln.kernels.gemv.MAX_ROWS (one MMA tile of rows)
+        if self.gemv_max_rows is not None and not 0 <= self.gemv_max_rows <= 16:  # gemv.MAX_ROWS: one MMA tile
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "

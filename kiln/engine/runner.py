@@ -91,6 +91,12 @@ class ModelRunner:
             return False
         return True
 
+    def gemv_max_rows(self) -> int:
+        """`--gemv-max-rows`, resolved: unset means 1 on CUDA (batch-1 decode) and 0 elsewhere (the
+        interpreter's GEMV is slow; tests ask for it explicitly)."""
+        rows = self.config.gemv_max_rows
+        return rows if rows is not None else int(self.device.type == "cuda")
+
     def _want_graphs(self) -> bool:
         # Graph replay needs kernels that take lengths as device tensors (the reference ops read
         # host lists).
@@ -152,7 +158,7 @@ class ModelRunner:
         tables = {"main": self.req_to_token.table, **self.window_tables}
         self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
                                     use_kernels=self.use_kernels, gate=self.load_gate,
-                                    gemv_max_rows=self.config.gemv_max_rows)
+                                    gemv_max_rows=self.gemv_max_rows())
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

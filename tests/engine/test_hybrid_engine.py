@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -45,6 +46,8 @@ def model_dir(request, tmp_path_factory):
 
 def make_core(model_dir: str, **kw) -> EngineCore:
     kw.setdefault("max_total_tokens", 4096)
+    if "KILN_TEST_GEMV_MAX_ROWS" in os.environ:  # the decode GEMV's row limit for every engine built here (GPU)
+        kw.setdefault("gemv_max_rows", int(os.environ["KILN_TEST_GEMV_MAX_ROWS"]))
     core = EngineCore(EngineConfig(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
                                    **kw))
     model = core.runner.model

@@ -94,6 +94,7 @@ def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
     want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
+    assert make_core(arch_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
     for rows in ((4, 0) if llama else (4,)):
         calls.clear()
         core = make_core(arch_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
@@ -109,15 +110,16 @@ def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
 def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
-    """On the GPU (compiled kernels, CUDA graphs, fp32): one request decoding with
-    --gemv-max-rows 1 generates what --gemv-max-rows 0 (cuBLAS) generates, through the GEMV."""
+    """On the GPU (compiled kernels, CUDA graphs, fp32): one request decoding with the default
+    --gemv-max-rows (1 on CUDA) generates what --gemv-max-rows 0 (cuBLAS) generates, through the GEMV."""
     arch = _arch(arch_dir)
     calls = _count_gemv(monkeypatch)
     reqs = prompts(1, seed=3, lo=34, hi=40)
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4)
     want_out, want_rows = greedy(make_core(arch_dir, gemv_max_rows=0, **kw), reqs, max_tokens=8)
     assert not calls
-    core = make_core(arch_dir, gemv_max_rows=1, **kw)
+    core = make_core(arch_dir, **kw)
+    assert core.runner.backend.gemv_max_rows == 1  # the default on CUDA
     got_out, got_rows = greedy(core, reqs, max_tokens=8)
     assert got_out == want_out
     for rid in want_rows:
