@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4: later passes (see the lane functions below); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8: later passes (see the lane functions below); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -463,10 +463,71 @@ lane0_gemv4() {  # without the early trigger: every GPU test, the speculative sy
 
 lane1_gemv4() { :; }
 
+lane0_gemv5() {  # the speculative tail failure: every GPU test with the GEMV off, then on (KILN_TEST_GEMV_MAX_ROWS),
+  # the test's scenario over many prompt seeds on real graphs (scratch/, not in the repository), the GEMV tiles
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests_gemv0 ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 150 ${XDIST:-} \
+    --ignore tests/server
+  if [ -f scratch/spec_tail_gpu.py ]; then step seeds_gemv0 ${T_SEEDS:-130} python -m scratch.spec_tail_gpu 16 0 6; fi
+  KILN_TEST_GEMV_MAX_ROWS=1 step gpu_tests_gemv1 ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider \
+    --timeout 150 ${XDIST:-} --ignore tests/server
+  step gemv_tiles ${T_MICRO:-60} python -m benchmarks.kernels.gemv --rows 1,2,4 --layers 8
+}
+
+lane1_gemv5() { :; }
+
+lane0_gemv6() {  # after the HostPool fix and the fixed GEMV tiles: the probe of a failed registration's error,
+  # every GPU test with the GEMV off and on, the tile sweep, batch-1 latency with the GEMV
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step probe 30 python -c "
+import torch; c = torch.cuda.cudart(); t = torch.empty(1 << 16); n = t.numel() * 4
+print('register', int(c.cudaHostRegister(t.data_ptr(), n, 0)), 'again', int(c.cudaHostRegister(t.data_ptr(), n, 0)))
+try:
+    torch.ones(4, device='cuda').sum().item(); print('next op: no error')
+except Exception as e: print('next op raised:', str(e).splitlines()[0])
+c.cudaHostUnregister(t.data_ptr())"
+  step gpu_tests_gemv0 ${T_TESTS:-180} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 150 ${XDIST:-} \
+    --ignore tests/server
+  KILN_TEST_GEMV_MAX_ROWS=1 step gpu_tests_gemv1 ${T_TESTS:-180} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider \
+    --timeout 150 ${XDIST:-} --ignore tests/server
+  step gemv_sweep ${T_MICRO:-100} python -m benchmarks.kernels.gemv --rows 1,2,4 --layers 16 --sweep
+  step latency_llama8b ${T_LAT:-70} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
+    --gemv-max-rows 1 --out "$R/json/latency_llama8b.json"
+  step inkling_b1 ${T_INK:-40} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --gemv-max-rows 1 --out "$R/json/inkling_b1.json"
+}
+
+lane1_gemv6() { :; }
+
+lane0_gemv7() {  # the GEMV's second tile rule: its tests, the Inkling-shape sweep, batch 1 with the GEMV off and on
+  step gemv_tests 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_gemv.py
+  step gemv_sweep ${T_MICRO:-70} python -m benchmarks.kernels.gemv --rows 1 --shapes inkling-bench,llama-8b --sweep --no-chain
+  for rows in 1 0; do
+    step latency_llama8b_gemv$rows ${T_LAT:-60} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
+      --gemv-max-rows $rows --out "$R/json/latency_llama8b_gemv$rows.json"
+    step inkling_b1_gemv$rows ${T_INK:-35} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
+    step minimax_b1_gemv$rows ${T_MM:-35} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
+  done
+}
+
+lane1_gemv7() { :; }
+
+lane0_gemv8() {  # the GEMV on by default (1 row on CUDA): every GPU test, then the 8B shape against transformers
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-170} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 150 ${XDIST:-} \
+    --ignore tests/server
+  step latency_llama8b ${T_LAT:-200} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+}
+
+lane1_gemv8() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -478,7 +539,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
