@@ -93,8 +93,8 @@ class EngineConfig:
         None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
         "GEMV, whose weight stream starts before the previous kernel has completed "
         "(kiln/layers/decode_gemv.py); 0 uses cuBLAS for every projection. Default: 1 (batch-1 "
-        "decode) on CUDA, 0 elsewhere. Up to 16; at 2-16 rows cuBLAS is mostly faster "
-        "(docs/benchmarks.md, ninth pass).")
+        "decode) with Triton kernels on one NVIDIA sm_90+ GPU with PDL, else 0. Up to 16; at 2-16 "
+        "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass).")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
+from kiln.engine.cache.host_pool import unlock_dropped
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +186,8 @@ class CudaGraphCapturer:
         self.free_before = torch.cuda.mem_get_info(device)[0]
 
     def capture(self, fn):
-        # Warm up outside the capture: Triton compiles and autotunes on first use, and the
-        # allocator settles its blocks.
+        # Warm up outside the capture: Triton compiles on first use, and the allocator settles
+        # its blocks.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for _ in range(2):
@@ -201,5 +202,6 @@ class CudaGraphCapturer:
 
     def done(self, sizes: list[int]) -> None:
         torch.cuda.synchronize(self.device)
+        unlock_dropped()  # host pools dropped during the captures (their finalizers only park)
         used = (self.free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("captured CUDA graphs for decode batch sizes %s (%.2f GiB)", sizes, used)

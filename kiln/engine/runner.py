@@ -92,10 +92,18 @@ class ModelRunner:
         return True
 
     def gemv_max_rows(self) -> int:
-        """`--gemv-max-rows`, resolved: unset means 1 on CUDA (batch-1 decode) and 0 elsewhere (the
-        interpreter's GEMV is slow; tests ask for it explicitly)."""
+        """`--gemv-max-rows`, resolved. Unset means 1 (batch-1 decode) where the GEMV was measured
+        ahead of cuBLAS: the kernel path with PDL (NVIDIA sm_90+; without PDL its weight stream
+        cannot start early and cuBLAS is faster) on one GPU (`--tp-size 2` with the GEMV has not
+        run on GPUs yet). 0 elsewhere; the CPU's tests ask for the interpreter's GEMV explicitly."""
         rows = self.config.gemv_max_rows
-        return rows if rows is not None else int(self.device.type == "cuda")
+        if rows is not None:
+            return rows
+        if not self.use_kernels or self.device.type != "cuda" or self.pc.tp_size > 1:
+            return 0
+        from kiln.kernels.launch import pdl_supported
+
+        return int(pdl_supported(self.device))
 
     def _want_graphs(self) -> bool:
         # Graph replay needs kernels that take lengths as device tensors (the reference ops read

@@ -1,7 +1,7 @@
 """Decode projections through Kiln's GEMV (`kiln.kernels.gemv`) instead of cuBLAS.
 
 At a few rows per forward a projection is a pure weight stream. On the engine's kernel path, when
-the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1 on CUDA by default),
+the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1 by default on Hopper),
 `decode_linear` runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts
 before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer.
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,

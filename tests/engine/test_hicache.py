@@ -290,13 +290,15 @@ def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_host_pool_unlocks_its_buffers_when_dropped():
-    """The pool's page-locked registration ends with the pool, while its memory is still allocated.
-    A registration left behind outlives the memory: when the allocator hands those addresses out
-    again, CUDA DMAs from the old pages (a later engine in the process read stale page tables)."""
+def test_cuda_host_pool_unlocks_its_buffers():
+    """The pool's page-locked registration ends while its memory is still allocated: at `close`,
+    or at the next safe point after the pool is dropped (its finalizer only parks the buffers: it
+    may run inside a CUDA graph capture). A registration left behind outlives the memory: when the
+    allocator hands those addresses out again, CUDA DMAs from the old pages (a later engine in
+    the process read stale page tables)."""
     import gc
 
-    from kiln.engine.cache.host_pool import HostPool
+    from kiln.engine.cache.host_pool import HostPool, unlock_dropped
 
     dev = torch.device("cuda")
     kv = torch.zeros(64, 2, 8, device=dev)
@@ -314,12 +316,16 @@ def test_cuda_host_pool_unlocks_its_buffers_when_dropped():
         return ok
 
     pool, host = pool_buffer()
-    del pool
-    gc.collect()
+    pool.close()
     assert reregisters(host)
 
-    # Dropped inside a CUDA graph capture (garbage collection can run there): no CUDA call may
-    # run, so the unlock waits for the next pool, and the capture stays valid.
+    pool, host = pool_buffer()
+    del pool
+    gc.collect()
+    unlock_dropped()
+    assert reregisters(host)
+
+    # Dropped inside a CUDA graph capture: the capture stays valid, and the next pool unlocks it.
     pool, host = pool_buffer()
     x = torch.zeros(4, device=dev)
     graph = torch.cuda.CUDAGraph()
@@ -329,14 +335,15 @@ def test_cuda_host_pool_unlocks_its_buffers_when_dropped():
         gc.collect()
     graph.replay()
     assert y.sum().item() == 4
-    pool_buffer()  # unlocks what the capture left
+    pool_buffer()[0].close()
     assert reregisters(host)
 
 
 @pytest.mark.gpu
 def test_failed_host_registration_leaves_no_cuda_error():
-    """A failed cudaHostRegister (here: the range is registered already) must not surface as the
-    next kernel's failure (the runtime keeps it as the thread's last error)."""
+    """After a failed cudaHostRegister (here: the range is registered already), `_clear_cuda_error`
+    keeps it from surfacing as the next kernel's failure (the runtime keeps it as the thread's
+    last error; call 2 of the ninth pass showed the next op raising without it)."""
     from kiln.engine.cache.host_pool import _clear_cuda_error
 
     cudart = torch.cuda.cudart()
@@ -349,6 +356,33 @@ def test_failed_host_registration_leaves_no_cuda_error():
         assert torch.ones(4, device="cuda").sum().item() == 4
     finally:
         cudart.cudaHostUnregister(t.data_ptr())
+
+
+def test_dropped_pools_buffers_are_unregistered_once_at_a_safe_point(monkeypatch):
+    """`_Unlocker` bookkeeping, with the CUDA calls faked: parking calls nothing; `unlock_dropped`
+    synchronizes each device once, then unregisters every parked buffer once."""
+    from kiln.engine.cache import host_pool
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", str(device))))
+    unlocker = host_pool._Unlocker()
+    monkeypatch.setattr(host_pool, "_UNLOCKER", unlocker)
+    a, b = torch.empty(4), torch.empty(8)
+    first, second = [a], [b]
+    unlocker.park(first, torch.device("cuda", 0))
+    unlocker.park(second, torch.device("cuda", 0))
+    assert first == [] and second == [] and calls == []  # a finalizer touches no CUDA
+    host_pool.unlock_dropped()
+    assert calls == [("sync", "cuda:0"), ("unregister", a.data_ptr()), ("unregister", b.data_ptr())]
+    host_pool.unlock_dropped()
+    assert len(calls) == 3  # each buffer once
 
 
 def test_weight_update_moves_disk_keys(tmp_path):

@@ -22,6 +22,7 @@ same ordering.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -106,32 +107,51 @@ def available_host_bytes() -> Optional[int]:
     return None
 
 
-# Page-locked buffers of dropped pools whose finalizer ran inside a CUDA graph capture, where no
-# CUDA call may run (it would invalidate the capture): kept allocated, and so still validly
-# registered, until the next unlock outside a capture.
-_UNLOCK_LATER: list[torch.Tensor] = []
+class _Unlocker:
+    """Page-locked buffers of dropped pools, waiting to be unregistered.
 
+    A registration must end while its memory is still allocated. One that outlives its memory is
+    silent corruption: when the allocator hands those addresses out again, CUDA still treats them
+    as locked and DMAs from the old physical pages, so a pageable tensor copied to the GPU from
+    there arrives as stale data (seen as garbage page-table indices in a later engine of the same
+    process), and registering the range again fails. A dropped pool's finalizer therefore only
+    parks its buffers here (keeping them allocated): it can run at any allocation, inside a CUDA
+    graph capture of this or another thread, where a CUDA call would invalidate the capture. They
+    are unregistered at the next safe point: a pool's creation or forward, or the end of a capture
+    (`unlock_dropped`)."""
 
-def _unlock(buffers: list[torch.Tensor], device: torch.device) -> None:
-    """Unregister page-locked host buffers while they are still allocated (the finalizer holds
-    them, so their memory cannot be freed first). A registration that outlives its memory is
-    silent corruption: when the allocator hands those addresses out again, CUDA still treats
-    them as locked and DMAs from the old physical pages, so a pageable tensor copied to the GPU
-    from there arrives as stale data (seen as garbage page-table indices in a later engine of
-    the same process); registering the range again also fails."""
-    if torch.cuda.is_current_stream_capturing():  # garbage collection can run inside a capture
-        _UNLOCK_LATER.extend(buffers)
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.parked: list[tuple[torch.Tensor, torch.device]] = []
+
+    def park(self, buffers: list[torch.Tensor], device: torch.device) -> None:
+        with self.lock:
+            self.parked += [(t, device) for t in buffers]
         buffers.clear()
-        return
-    buffers.extend(_UNLOCK_LATER)
-    _UNLOCK_LATER.clear()
-    if not buffers:
-        return
-    torch.cuda.synchronize(device)  # copies still in flight read or write these buffers
-    for t in buffers:
-        if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
-            _clear_cuda_error(device)
-    buffers.clear()
+
+    def unlock(self) -> None:
+        """Unregister every parked buffer (after the device's copies that may still use it)."""
+        with self.lock:
+            parked, self.parked = self.parked, []
+        for device in {d for _, d in parked}:
+            torch.cuda.synchronize(device)
+        for t, device in parked:
+            _unregister(t, device)
+
+
+_UNLOCKER = _Unlocker()  # process-wide, like the CUDA registrations it tracks
+
+
+def unlock_dropped() -> None:
+    """Unregister the page-locked buffers of dropped host pools (call outside any CUDA graph
+    capture; cheap when there are none)."""
+    if _UNLOCKER.parked:
+        _UNLOCKER.unlock()
+
+
+def _unregister(t: torch.Tensor, device: torch.device) -> None:
+    if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
+        _clear_cuda_error(device)
 
 
 def _clear_cuda_error(device: torch.device) -> None:
@@ -155,12 +175,13 @@ class HostPool:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list[_PendingCopy] = []
         self.generation = 0  # forwards so far (before_forward calls)
-        # Buffers page-locked with cudaHostRegister, unlocked when the pool is dropped (`close`).
+        # Buffers page-locked with cudaHostRegister: unregistered by `close`, or parked for the
+        # next safe point when the pool is dropped without it (`_Unlocker`).
         self._locked: list[torch.Tensor] = []
         if self.cuda:
-            _unlock([], self.device)  # what a finalizer inside a capture left for later
-        self.close = weakref.finalize(self, _unlock, self._locked, self.device)
-        self.close.atexit = False  # at exit the process's memory goes away anyway
+            unlock_dropped()
+            self._dropped = weakref.finalize(self, _UNLOCKER.park, self._locked, self.device)
+            self._dropped.atexit = False  # at exit the process's memory goes away anyway
         plans = {name: (dev(), max(1, host_pages[name]) + 1) for name, dev in spaces.items()}  # + page 0
         need = sum(pages * page_size * sum(t[0].numel() * t.element_size() for t in tensors)
                    for tensors, pages in plans.values())
@@ -189,6 +210,17 @@ class HostPool:
                 logger.warning("cudaHostRegister failed (%s); using PyTorch's pinned allocator", err)
                 t = torch.empty(shape, dtype=dtype, pin_memory=True)
         return t
+
+    def close(self) -> None:
+        """Unregister the page-locked buffers now (outside any CUDA graph capture); the pool's
+        copies are finished first. Dropping the pool without it defers this (`_Unlocker`)."""
+        if self.cuda:
+            self._dropped.detach()
+            torch.cuda.synchronize(self.device)
+            for t in self._locked:
+                _unregister(t, self.device)
+            self._locked.clear()
+        self._pending.clear()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.spaces.values() for t in s.tensors)
@@ -319,6 +351,8 @@ class HostPool:
         overwrite)."""
         self.finish_pending(before_generation=self.generation - 1)
         self.generation += 1
+        if self.cuda:
+            unlock_dropped()  # a safe point: no capture runs while the scheduler steps
         if self.gate is None:
             self.wait_device()
 
