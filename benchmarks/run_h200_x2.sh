@@ -40,6 +40,14 @@ step() {  # step NAME LIMIT CMD...: one bounded command, its stdout and stderr i
 }
 DECODE="python benchmarks/decode_batch.py $C"
 
+hybrids_b1() {  # hybrids_b1 ROWS LIMIT: Inkling and MiniMax-M3 bench at batch 1 with --gemv-max-rows ROWS
+  local rows=$1 lim=$2
+  step inkling_b1_gemv$rows ${T_INK:-$lim} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
+  step minimax_b1_gemv$rows ${T_MM:-$lim} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
+}
+
 lane0_diag() {
   step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 90 \
     --continue-on-collection-errors
@@ -425,12 +433,7 @@ lane0_gemv2() {  # the GEMV on by default at batch 1 (all three architectures): 
     tests/engine/test_kernel_path.py tests/engine/test_host_sync.py tests/engine/test_speculative.py
   step latency_llama8b ${T_LAT:-200} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
     --out "$R/json/latency_llama8b.json"
-  for rows in 1 0; do
-    step inkling_b1_gemv$rows ${T_INK:-50} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
-    step minimax_b1_gemv$rows ${T_MM:-50} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
-  done
+  for rows in 1 0; do hybrids_b1 $rows 50; done
 }
 
 lane1_gemv2() { :; }
@@ -505,10 +508,7 @@ lane0_gemv7() {  # the GEMV's second tile rule: its tests, the Inkling-shape swe
   for rows in 1 0; do
     step latency_llama8b_gemv$rows ${T_LAT:-60} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
       --gemv-max-rows $rows --out "$R/json/latency_llama8b_gemv$rows.json"
-    step inkling_b1_gemv$rows ${T_INK:-35} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
-    step minimax_b1_gemv$rows ${T_MM:-35} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
+    hybrids_b1 $rows 35
   done
 }
 
