@@ -89,6 +89,10 @@ class EngineConfig:
     disable_pdl: bool = opt(
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
+    pdl_early_trigger: bool = opt(
+        False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
+        "successor's programs (e.g. the decode GEMV's weight stream) start while it runs. Opt-in until "
+        "re-measured (docs/benchmarks.md, ninth pass).")
     gemv_max_rows: Optional[int] = opt(
         None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
         "GEMV, whose weight stream starts before the previous kernel has completed "

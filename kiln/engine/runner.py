@@ -41,7 +41,7 @@ class ModelRunner:
         if self.use_kernels:  # process-wide, like torch.backends flags; captured graphs keep it
             from kiln.kernels.launch import set_pdl  # imports triton, which CPU builds may lack
 
-            set_pdl(not config.disable_pdl)
+            set_pdl(not config.disable_pdl, early_trigger=config.pdl_early_trigger)
         # Kernels read per-sequence lengths from the device, not from host lists.
         self.needs_device_metadata = self.use_kernels
         # Speculative decoding: the draft length, and the state the drafter keeps in the page spaces.

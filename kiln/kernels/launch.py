@@ -16,11 +16,15 @@ without reasoning about which buffers its predecessor touches. Safety is transit
 runs past its wait only once its predecessor has completed, and the predecessor completed only
 after passing its own wait.
 
-A kernel does not trigger its successor's launch early (`griddepcontrol.launch_dependents`): the
-successor launches when this kernel's programs exit. An early trigger right after the wait made
-the decode GEMV faster (branch `experiment/pdl-early-trigger`), and is left out until a GPU test
-failure first seen with it is understood (it also occurs without it; docs/benchmarks.md, eighth
-pass).
+By default a kernel does not trigger its successor's launch early
+(`griddepcontrol.launch_dependents`): the successor launches when this kernel's programs exit.
+With `set_pdl(True, early_trigger=True)` (the engine's `--pdl-early-trigger`, opt-in) every kernel
+triggers right after its wait, so the successor's programs become resident while it runs: the
+decode GEMV then streams weights for the whole of the kernel before it (8B batch 1: 4.46 against
+4.51 ms per token in the eighth pass, measured before the GEMV's tiles were fixed). It stays
+opt-in until it is measured again: the GPU test failure it was held back for turned out to be the
+host pool's (docs/benchmarks.md, ninth pass). Correctness does not depend on it: every kernel
+still waits for its predecessor's completion before touching memory.
 
 `set_pdl(False)` (the engine's `--disable-pdl`) turns it off for A/B runs; it is off on the CPU
 interpreter and on GPUs older than sm_90, where the attribute does not exist.
@@ -33,20 +37,24 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels import interpreting
 
-_ENABLED = [True]  # a process-wide switch like torch.backends flags; set_pdl changes it
+_ENABLED = [True, False]  # (PDL, early trigger): process-wide like torch.backends flags; set_pdl sets them
 # The interpreter is chosen before any kernel module is imported (kiln/kernels/__init__.py).
 _INTERPRETING = interpreting()
-_ON = dict(PDL=True, launch_pdl=True)
-_OFF = dict(PDL=False, launch_pdl=False)
+# The kernels' PDL constexpr: 0 plain launch, 1 wait for the predecessor, 2 wait then trigger.
+_ON = dict(PDL=1, launch_pdl=True)
+_ON_TRIGGER = dict(PDL=2, launch_pdl=True)
+_OFF = dict(PDL=0, launch_pdl=False)
 
 
-def set_pdl(enabled: bool) -> None:
-    """Launch Kiln's kernels with PDL where the GPU supports it (default) or never."""
+def set_pdl(enabled: bool, early_trigger: bool = False) -> None:
+    """Launch Kiln's kernels with PDL where the GPU supports it (default) or never; with
+    `early_trigger`, each kernel also lets its successor launch right after its own wait."""
     _ENABLED[0] = bool(enabled)
+    _ENABLED[1] = bool(early_trigger)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,13 +73,17 @@ def pdl_supported(device: torch.device) -> bool:
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch: `kernel[grid](..., **pdl_launch(x.device))`. Called
     on every eager launch, so it allocates nothing."""
-    return _ON if pdl_supported(device) else _OFF
+    if not pdl_supported(device):
+        return _OFF
+    return _ON_TRIGGER if _ENABLED[1] else _ON
 
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """First statement of every kernel (after `kiln.kernels.gemv`'s weight prefetch, which reads
     nothing any kernel writes): with PDL, wait until the previous kernel has completed and its
-    writes are visible. A no-op when launched without PDL."""
+    writes are visible; with PDL == 2, then let the successor launch. A no-op without PDL."""
     if PDL:
         gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()

@@ -35,12 +35,17 @@ def test_pdl_off_where_it_cannot_apply(restore_pdl, monkeypatch):
     assert queried == []  # disabled: no device query at all
     launch.set_pdl(True)
     assert launch.pdl_supported(cuda0)
+    launch.set_pdl(True, early_trigger=True)  # PDL 2: wait, then let the successor launch
+    assert launch.pdl_launch(cuda0) == dict(PDL=2, launch_pdl=True)
+    assert launch.pdl_launch(cuda1) == dict(PDL=False, launch_pdl=False)
 
 
 def test_disable_pdl_flag():
     cfg = EngineConfig.from_cli_args(_parse(["--model-path", "m", "--disable-pdl"]))
     assert cfg.disable_pdl
     assert not EngineConfig.from_cli_args(_parse(["--model-path", "m"])).disable_pdl
+    assert EngineConfig.from_cli_args(_parse(["--model-path", "m", "--pdl-early-trigger"])).pdl_early_trigger
+    assert not EngineConfig.from_cli_args(_parse(["--model-path", "m"])).pdl_early_trigger
 
 
 def _parse(argv):
@@ -53,7 +58,8 @@ def _parse(argv):
 
 @pytest.mark.gpu
 def test_engine_output_identical_with_and_without_pdl(arch_dir, restore_pdl):
-    # Decode replays from CUDA graphs captured with (then without) PDL edges; prefill runs eagerly.
+    # Decode replays from CUDA graphs captured with (then without, then with early-triggered) PDL
+    # edges; prefill runs eagerly.
     # Before sm_90 both engines launch plainly: the flag must then change nothing either.
     from tests.engine.test_hybrid_engine import make_core, prompts
     from tests.engine.test_kernel_path import greedy
@@ -67,6 +73,10 @@ def test_engine_output_identical_with_and_without_pdl(arch_dir, restore_pdl):
     without = make_core(arch_dir, disable_pdl=True, **kw)
     assert not launch.pdl_supported(torch.device("cuda"))
     out_b, rows_b = greedy(without, reqs, max_tokens=12)
-    assert out_a == out_b
+    triggered = make_core(arch_dir, pdl_early_trigger=True, **kw)  # every kernel triggers its successor early
+    assert launch.pdl_launch(torch.device("cuda"))["PDL"] == (2 if hopper else 0)
+    out_c, rows_c = greedy(triggered, reqs, max_tokens=12)
+    assert out_a == out_b == out_c
     for rid in rows_a:
         assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_b[rid])), rid
+        assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_c[rid])), rid

@@ -71,13 +71,19 @@ def decode_attention(mtp: bool) -> None:
                                              PDL=True))
 
 
-def rms_norm(pdl: bool) -> None:
-    """The PDL wait (inline PTX `griddepcontrol.wait`) must assemble for sm_90."""
+def rms_norm(pdl) -> str:
+    """The PDL wait (inline PTX `griddepcontrol.wait`) must assemble for sm_90. Returns the PTX."""
     from kiln.kernels.norm import _rms_norm_kernel
 
     types = {**{n: "*bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "r_out_ptr")}, "eps": "fp32"}
-    compile_sm90(_rms_norm_kernel, types, dict(HAS_RESIDUAL=True, ONE_PASS=True, BLOCK_R=1, BLOCK_H=4096,
-                                               PDL=pdl))
+    return compile_sm90(_rms_norm_kernel, types, dict(HAS_RESIDUAL=True, ONE_PASS=True, BLOCK_R=1, BLOCK_H=4096,
+                                                      PDL=pdl))["ptx"]
+
+
+def rms_norm_trigger() -> None:
+    """--pdl-early-trigger (PDL 2): the kernel lets its successor launch right after its wait."""
+    ptx = rms_norm(2)
+    assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
 def gemv(fma: bool) -> None:
@@ -103,7 +109,7 @@ def gemv(fma: bool) -> None:
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
-         "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True),
+         "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False)}
 
 
