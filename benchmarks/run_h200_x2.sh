@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8: later passes (see the lane functions below); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next: later passes (see the lane functions below); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -40,12 +40,12 @@ step() {  # step NAME LIMIT CMD...: one bounded command, its stdout and stderr i
 }
 DECODE="python benchmarks/decode_batch.py $C"
 
-hybrids_b1() {  # hybrids_b1 ROWS LIMIT: Inkling and MiniMax-M3 bench at batch 1 with --gemv-max-rows ROWS
-  local rows=$1 lim=$2
-  step inkling_b1_gemv$rows ${T_INK:-$lim} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
-    --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/inkling_b1_gemv$rows.json"
-  step minimax_b1_gemv$rows ${T_MM:-$lim} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
-    --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/minimax_b1_gemv$rows.json"
+hybrids_b1() {  # hybrids_b1 TAG LIMIT [FLAGS...]: Inkling and MiniMax-M3 bench at batch 1 with FLAGS
+  local tag=$1 lim=$2; shift 2
+  step inkling_b1$tag ${T_INK:-$lim} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 "$@" --out "$R/json/inkling_b1$tag.json"
+  step minimax_b1$tag ${T_MM:-$lim} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 "$@" --out "$R/json/minimax_b1$tag.json"
 }
 
 lane0_diag() {
@@ -344,10 +344,7 @@ lane0_pdl() {  # programmatic dependent launch: kernel chains, GPU tests, then b
     if [ $v = off ]; then F=--disable-pdl; else F=; fi
     step llama8b_b1_$v ${T_8B:-75} $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 \
       --cuda-graph-max-bs 8 $F --out "$R/json/llama8b_b1_$v.json"
-    step inkling_b1_$v ${T_INK:-50} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 $F --out "$R/json/inkling_b1_$v.json"
-    step minimax_b1_$v ${T_MM:-50} $DECODE --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 \
-      --cuda-graph-max-bs 8 $F --out "$R/json/minimax_b1_$v.json"
+    hybrids_b1 _$v 50 $F
   done
 }
 
@@ -433,7 +430,7 @@ lane0_gemv2() {  # the GEMV on by default at batch 1 (all three architectures): 
     tests/engine/test_kernel_path.py tests/engine/test_host_sync.py tests/engine/test_speculative.py
   step latency_llama8b ${T_LAT:-200} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
     --out "$R/json/latency_llama8b.json"
-  for rows in 1 0; do hybrids_b1 $rows 50; done
+  for rows in 1 0; do hybrids_b1 _gemv$rows 50 --gemv-max-rows $rows; done
 }
 
 lane1_gemv2() { :; }
@@ -508,7 +505,7 @@ lane0_gemv7() {  # the GEMV's second tile rule: its tests, the Inkling-shape swe
   for rows in 1 0; do
     step latency_llama8b_gemv$rows ${T_LAT:-60} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
       --gemv-max-rows $rows --out "$R/json/latency_llama8b_gemv$rows.json"
-    hybrids_b1 $rows 35
+    hybrids_b1 _gemv$rows 35 --gemv-max-rows $rows
   done
 }
 
@@ -524,10 +521,27 @@ lane0_gemv8() {  # the GEMV on by default (1 row on CUDA): every GPU test, then 
 
 lane1_gemv8() { :; }
 
+lane0_next() {  # prepared for the next session (not run yet): the full GPU suite twice (the host pool's final
+  # version), then batch 1 with the early trigger off and on (8B against transformers once, hybrids)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  for i in 1 2; do
+    step gpu_tests_$i ${T_TESTS:-150} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 150 ${XDIST:-} \
+      --ignore tests/server
+  done
+  step latency_llama8b ${T_LAT:-150} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --out "$R/json/latency_llama8b.json"
+  step latency_llama8b_trigger ${T_LAT2:-60} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
+    --pdl-early-trigger --out "$R/json/latency_llama8b_trigger.json"
+  hybrids_b1 "" 35
+  hybrids_b1 _trigger 35 --pdl-early-trigger
+}
+
+lane1_next() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -539,7 +553,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
