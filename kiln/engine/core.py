@@ -99,6 +99,13 @@ class EngineCore:
         """True while generation is paused or the KV cache is released: requests wait."""
         return self.paused is not None or self.runner.kv_released
 
+    def shutdown(self) -> None:
+        """Release what outlives a dropped core by itself: the HiCache host pool's page-locked
+        memory (`HostPool.close`; without this it waits for a later safe point) after landing
+        its pending disk writes. The core is not used afterwards."""
+        if self.cache.hicache is not None:
+            self.cache.hicache.close()
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 

@@ -104,6 +104,7 @@ def test_every_tier_serves_exact_hits_and_survives_a_restart(model_dir, expected
     assert s.hicache_loaded_tokens_total > 0 and s.hicache_disk_written_tokens_total > 0
     if core.cache.windows:  # sliding-window KV and ShortConv inputs came back from the host
         assert core.cache.hicache.stats.loaded_window_pages > 0
+    core.shutdown()  # lands the disk writes, unlocks the host pool
     # A new engine on the same folder: the first turns are disk hits.
     again = hicache_core(model_dir, tmp_path)
     res = agent_rounds(again)
@@ -287,6 +288,11 @@ def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
     assert outputs(res) == outputs(agent_rounds(base))
     s = core.stats()
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
+    host = core.cache.hicache.host.spaces["main"].tensors[0]
+    core.shutdown()  # unlocks the pool: the buffer (held here) registers again
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
+    assert int(cudart.cudaHostUnregister(host.data_ptr())) == 0
 
 
 @pytest.mark.gpu
@@ -380,9 +386,19 @@ def test_dropped_pools_buffers_are_unregistered_once_at_a_safe_point(monkeypatch
     unlocker.park(second, torch.device("cuda", 0))
     assert first == [] and second == [] and calls == []  # a finalizer touches no CUDA
     host_pool.unlock_dropped()
-    assert calls == [("sync", "cuda:0"), ("unregister", a.data_ptr()), ("unregister", b.data_ptr())]
+    assert calls[0] == ("sync", "cuda:0")
+    assert sorted(calls[1:]) == sorted([("unregister", a.data_ptr()), ("unregister", b.data_ptr())])
     host_pool.unlock_dropped()
     assert len(calls) == 3  # each buffer once
+
+    def failing_sync(device=None):
+        raise RuntimeError("device lost")
+
+    unlocker.park([a], torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", failing_sync)
+    with pytest.raises(RuntimeError, match="device lost"):
+        host_pool.unlock_dropped()
+    assert unlocker.parked == [(a, torch.device("cuda", 0))]  # still allocated, still parked
 
 
 def test_weight_update_moves_disk_keys(tmp_path):

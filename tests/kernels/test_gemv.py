@@ -101,7 +101,7 @@ def test_gemv_rejects_bad_shapes():
 
 
 def test_gemv_max_rows_flag():
-    """--gemv-max-rows: unset by default (the runner resolves it: 1 on CUDA, 0 elsewhere), 0..16
+    """--gemv-max-rows: unset by default (the runner resolves it: 1 on one sm_90+ GPU with PDL, else 0), 0..16
     (one MMA tile of rows), a clear error otherwise."""
     import argparse
 

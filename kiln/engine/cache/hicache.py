@@ -443,6 +443,11 @@ class HiCache:
         if self.storage is not None:
             self._drain_disk()
 
+    def close(self) -> None:
+        """Engine shutdown: write what is queued for the disk, then unlock the host pool's memory."""
+        self.on_idle()
+        self.host.close()
+
     def flush(self) -> None:
         """Empty the host pool and this model's disk pages (the manager resets the tree)."""
         self._disk_queue.clear()

@@ -121,7 +121,9 @@ class _Unlocker:
     (`unlock_dropped`)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # Reentrant: an allocation under the lock can run garbage collection, and with it another
+        # dropped pool's finalizer (`park`) on this thread.
+        self.lock = threading.RLock()
         self.parked: list[tuple[torch.Tensor, torch.device]] = []
 
     def park(self, buffers: list[torch.Tensor], device: torch.device) -> None:
@@ -133,10 +135,16 @@ class _Unlocker:
         """Unregister every parked buffer (after the device's copies that may still use it)."""
         with self.lock:
             parked, self.parked = self.parked, []
-        for device in {d for _, d in parked}:
-            torch.cuda.synchronize(device)
-        for t, device in parked:
-            _unregister(t, device)
+        try:
+            for device in {d for _, d in parked}:
+                torch.cuda.synchronize(device)
+            while parked:
+                t, device = parked[-1]
+                _unregister(t, device)
+                parked.pop()
+        finally:  # an error above: what is left stays allocated, parked for the next try
+            with self.lock:
+                self.parked += parked
 
 
 _UNLOCKER = _Unlocker()  # process-wide, like the CUDA registrations it tracks
@@ -215,11 +223,11 @@ class HostPool:
         """Unregister the page-locked buffers now (outside any CUDA graph capture); the pool's
         copies are finished first. Dropping the pool without it defers this (`_Unlocker`)."""
         if self.cuda:
-            self._dropped.detach()
             torch.cuda.synchronize(self.device)
-            for t in self._locked:
-                _unregister(t, self.device)
-            self._locked.clear()
+            while self._locked:  # (an error leaves the rest to the finalizer)
+                _unregister(self._locked[-1], self.device)
+                self._locked.pop()
+            self._dropped.detach()
         self._pending.clear()
 
     def nbytes(self) -> int:
