@@ -15,7 +15,7 @@ the Inkling `bench` shape), with every layer's weights distinct so nothing stays
 median time per layer, the bytes it must read, and the fraction of the measured copy bandwidth.
 The isolated table times each projection alone (a graph of up to 20 back-to-back calls over
 weight copies of at least 400 MB in all) with the tile `fma_tile` / `dot_tile` picks; `--sweep`
-also times every candidate tile (`FMA_TILES`, `DOT_TILES`), the data for revisiting that rule.
+also times every candidate tile (`candidate_tiles`), the data for revisiting that rule.
 """
 
 from __future__ import annotations
@@ -27,33 +27,9 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import (DOT_TILES, FMA_MAX_ROWS, FMA_TILES, _gemv_dot_kernel, _gemv_fma_kernel, dot_tile,
-                               fma_tile, gemv)
+from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
-
-
-
-def gemv_with(tile: dict, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`gemv` with a given tile (the sweep); bf16, PDL off."""
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    args = (x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0))
-    grid = (triton.cdiv(n, tile["BLOCK_N"]),)
-    if m <= FMA_MAX_ROWS:
-        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m), PDL=False, **tile)
-    else:
-        _gemv_dot_kernel[grid](*args, PRECISION="tf32", PDL=False, **tile)
-    return y
-
-
-def candidate_tiles(m: int) -> list[dict]:
-    if m > FMA_MAX_ROWS:
-        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st) for bn, bk, wp, st in DOT_TILES]
-    bm = triton.next_power_of_2(m)  # the accumulator: at most 64 fp32 registers per thread
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=1) for bn, bk, wp in FMA_TILES
-            if bm * bn * bk <= 64 * 32 * wp]
 
 
 def tile_name(t: dict) -> str:
@@ -133,9 +109,11 @@ def main() -> None:
                 if args.sweep:
                     rule = tile_name(fma_tile(m, k) if m <= FMA_MAX_ROWS else dot_tile())
                     swept = []
+                    set_pdl(False)  # the tiles alone, without the early weight stream
                     for tile in candidate_tiles(m):
-                        gemv_with(tile, x, ws[0])
-                        swept.append((bench(lambda w, tile=tile: gemv_with(tile, x, w)), tile_name(tile)))
+                        gemv(x, ws[0], tile)
+                        swept.append((bench(lambda w, tile=tile: gemv(x, w, tile)), tile_name(tile)))
+                    set_pdl(True)
                     print("    tiles (us, no PDL): " + ", ".join(
                         f"{tn}{'*' if tn == rule else ''} {us:.2f}" for us, tn in sorted(swept)), flush=True)
 

@@ -25,6 +25,8 @@ Inference only; no host sync; the grid depends only on shapes (CUDA-graph captur
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -117,9 +119,21 @@ def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PRECISIO
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def candidate_tiles(m: int) -> list[dict]:
+    """The tiles `benchmarks/kernels/gemv.py --sweep` times for m rows: the MMA tiles past
+    FMA_MAX_ROWS, else the FMA tiles whose fp32 accumulator (BLOCK_M x BLOCK_N x BLOCK_K over the
+    threads) stays at <= 64 registers per thread."""
+    if m > FMA_MAX_ROWS:
+        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st) for bn, bk, wp, st in DOT_TILES]
+    block_m = triton.next_power_of_2(m)
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=1) for bn, bk, wp in FMA_TILES
+            if block_m * bn * bk <= 64 * 32 * wp]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
-    in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights)."""
+    in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
+    shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -131,11 +145,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     args = (x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     if m <= FMA_MAX_ROWS:
-        tile = INTERPRETER_TILE if interpreting() else fma_tile(m, k)
+        tile = tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k))
         _gemv_fma_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](
             *args, BLOCK_M=triton.next_power_of_2(m), **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
-    tile = dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile()
+    tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())
     _gemv_dot_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](*args, PRECISION=precision, **tile, **pdl)
     return y

@@ -289,10 +289,17 @@ def test_cuda_pinned_side_stream_copies(model_dir, tmp_path):
     s = core.stats()
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
     host = core.cache.hicache.host.spaces["main"].tensors[0]
-    core.shutdown()  # unlocks the pool: the buffer (held here) registers again
+    core.shutdown()  # unlocks the pool
+    assert _registers_again(host)
+
+
+def _registers_again(host: torch.Tensor) -> bool:
+    """Whether a host buffer (still allocated: the caller holds it) is no longer page-locked:
+    registering it succeeds (it is unregistered again)."""
     cudart = torch.cuda.cudart()
-    assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
+    ok = int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
     assert int(cudart.cudaHostUnregister(host.data_ptr())) == 0
+    return ok
 
 
 @pytest.mark.gpu
@@ -308,7 +315,6 @@ def test_cuda_host_pool_unlocks_its_buffers():
 
     dev = torch.device("cuda")
     kv = torch.zeros(64, 2, 8, device=dev)
-    cudart = torch.cuda.cudart()
 
     def pool_buffer():
         pool = HostPool({"main": lambda: [kv]}, {"main": 8}, 4, dev)
@@ -316,20 +322,15 @@ def test_cuda_host_pool_unlocks_its_buffers():
         assert host.is_pinned()
         return pool, host
 
-    def reregisters(host) -> bool:  # still allocated (held here) and no longer registered
-        ok = int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
-        assert int(cudart.cudaHostUnregister(host.data_ptr())) == 0
-        return ok
-
     pool, host = pool_buffer()
     pool.close()
-    assert reregisters(host)
+    assert _registers_again(host)
 
     pool, host = pool_buffer()
     del pool
     gc.collect()
     unlock_dropped()
-    assert reregisters(host)
+    assert _registers_again(host)
 
     # Dropped inside a CUDA graph capture: the capture stays valid, and the next pool unlocks it.
     pool, host = pool_buffer()
@@ -342,7 +343,7 @@ def test_cuda_host_pool_unlocks_its_buffers():
     graph.replay()
     assert y.sum().item() == 4
     pool_buffer()[0].close()
-    assert reregisters(host)
+    assert _registers_again(host)
 
 
 @pytest.mark.gpu

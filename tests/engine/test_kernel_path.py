@@ -110,9 +110,9 @@ def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
 def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
-    """On the GPU (compiled kernels, CUDA graphs, fp32): one request decoding with the default
-    --gemv-max-rows (1 on an sm_90+ GPU) generates what --gemv-max-rows 0 (cuBLAS) generates,
-    through the GEMV."""
+    """On the GPU (compiled kernels, CUDA graphs, fp32): one request decoding through the GEMV (the
+    default on an sm_90+ GPU, --gemv-max-rows 1 elsewhere) generates what --gemv-max-rows 0 (cuBLAS)
+    generates."""
     arch = _arch(arch_dir)
     calls = _count_gemv(monkeypatch)
     reqs = prompts(1, seed=3, lo=34, hi=40)
@@ -122,9 +122,10 @@ def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
     from kiln.kernels.launch import pdl_supported
 
     core = make_core(arch_dir, **kw)
-    if not pdl_supported(core.runner.device):  # the default is 1 only where PDL lets it stream early
-        pytest.skip("the GEMV is off by default without PDL (sm_90+)")
-    assert core.runner.backend.gemv_max_rows == 1
+    # the default: 1 where PDL lets the GEMV stream early (sm_90+), else 0 and the flag asks for it
+    assert core.runner.backend.gemv_max_rows == int(pdl_supported(core.runner.device))
+    if not pdl_supported(core.runner.device):
+        core = make_core(arch_dir, gemv_max_rows=1, **kw)
     got_out, got_rows = greedy(core, reqs, max_tokens=8)
     assert got_out == want_out
     for rid in want_rows:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kiln.kernels.gemv import FMA_MAX_ROWS, FMA_TILES, MAX_ROWS, fma_tile, gemv  # noqa: E402
+from kiln.kernels.gemv import FMA_MAX_ROWS, FMA_TILES, MAX_ROWS, candidate_tiles, fma_tile, gemv  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
@@ -35,6 +35,16 @@ def test_gemv_matches_linear(device, dtype, m, n, k):
     y = gemv(x, w)
     assert y.shape == (m, n) and y.dtype == x.dtype
     torch.testing.assert_close(y, F.linear(x, w), **(FP32 if dtype == torch.float32 else BF16))
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_every_candidate_tile_matches_linear(m):
+    """The tiles the benchmark's sweep passes in (`gemv(..., tile)`), on the interpreter in fp32."""
+    x, w = _case(m, 37, 200, torch.float32, "cpu", seed=m)
+    tiles = candidate_tiles(m)
+    assert tiles
+    for tile in tiles:
+        torch.testing.assert_close(gemv(x, w, tile), F.linear(x, w), **FP32)
 
 
 @pytest.mark.gpu

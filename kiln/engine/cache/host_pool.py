@@ -220,14 +220,12 @@ class HostPool:
         return t
 
     def close(self) -> None:
-        """Unregister the page-locked buffers now (outside any CUDA graph capture); the pool's
-        copies are finished first. Dropping the pool without it defers this (`_Unlocker`)."""
+        """Unregister the page-locked buffers now (outside any CUDA graph capture), as a dropped
+        pool's are at the next safe point (`_Unlocker`); the pool's copies are finished first."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            while self._locked:  # (an error leaves the rest to the finalizer)
-                _unregister(self._locked[-1], self.device)
-                self._locked.pop()
             self._dropped.detach()
+            _UNLOCKER.park(self._locked, self.device)
+            _UNLOCKER.unlock()
         self._pending.clear()
 
     def nbytes(self) -> int:
