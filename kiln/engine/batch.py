@@ -50,6 +50,10 @@ class ForwardBatch:
     extend_lens_t: Optional[torch.Tensor] = None  # [B] int64
     extend_starts_t: Optional[torch.Tensor] = None  # [B] int64
     max_extend_len: int = 0  # host int: the extend kernels' grid
+    # A CUDA graph's batch (`CudaGraphRunner`): its host length lists are the shape's
+    # placeholders, so no kernel may size anything from them (only the device copies above hold
+    # the replay's lengths).
+    in_graph: bool = False
     # Taps for block drafters (speculative decoding): the model's layer loop keeps the input hidden
     # state of every layer listed here (the residual entering it, SGLang's capture convention).
     capture_layers: tuple = ()

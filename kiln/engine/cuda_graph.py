@@ -96,6 +96,7 @@ class CudaGraphRunner:
         b.extend_lens_t = torch.full((bs,), q, dtype=torch.int64, device=self.device)
         b.extend_starts_t = self.arange[:bs] * q
         b.max_extend_len = q
+        b.in_graph = True
         if q > 1:
             b.extras["token_slots"] = self.token_slots[:t]
         return b

@@ -136,7 +136,7 @@ class MTPChainGraph:
             batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=rows["pos"][k - 1],
                                  prefix_lens=[0] * bs, extend_lens=[R] * bs, logits_indices=ids[:0],
                                  req_slots=self.req_slots[:bs], out_cache_loc=None,
-                                 win_out_locs={"swa": rows["swa"][k - 1]}, backend=d.runner.backend)
+                                 win_out_locs={"swa": rows["swa"][k - 1]}, backend=d.runner.backend, in_graph=True)
             batch.prefix_lens_t, batch.seq_lens_t = self.zeros[:bs], ext
             batch.extend_lens_t, batch.extend_starts_t, batch.max_extend_len = ext, self.starts[:bs], R
             batch.extras["token_slots"] = rows["token_slots"]
