@@ -12,25 +12,31 @@ drafter (`kiln.models.dflash`) and MiniMax-M3's DSpark (`kiln.models.dspark`, we
     .kernel_projection.weight, candidate_selector.{predecessor,successor}_codebook[.weight] (z-lab
     stores them bare), candidate_selector.hidden_projection.weight
 
-The drafter runs on the target's token embedding and LM head (passed in by the caller). Two
+The drafter runs on the target's token embedding and LM head (passed in by the caller). Three
 forwards of the same math:
 - `draft_hidden`: one block against raw context features, readable; the reference the engine
   path and the trainer are tested against;
-- `context_kv` + `forward_blocks`: what the engine runs. Every layer projects the *same* context
-  feature c_j into its keys and values ("KV injection"), so a layer's context K/V at position j
-  depends on c_j alone: the engine computes it once per committed position and keeps it
-  (`kiln.engine.spec.block_drafter`), then runs many blocks batched against the kept K/V.
+- `context_kv` + `forward_blocks`: what the engine's reference path runs. Every layer projects
+  the *same* context feature c_j into its keys and values ("KV injection"), so a layer's context
+  K/V at position j depends on c_j alone: the engine computes it once per committed position and
+  keeps it (`kiln.engine.spec.block_drafter`), then runs many blocks batched against the kept
+  K/V, gathered and padded;
+- `forward_paged`: the kernel path. The block rows' K/V go into the paged cache right after
+  their context's, so each row's attention is a decode attention over keys 0 .. anchor + B - 1
+  of its request (`kiln.engine.spec.block_pass`): no gather, shapes that do not depend on the
+  context length, and so one CUDA graph per batch size.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.dist.parallel import SINGLE
+from kiln.kernels import kernel_path
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
@@ -75,13 +81,31 @@ class BlockDrafterAttention(nn.Module):
                                            v.transpose(0, 1).float(), enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(o.transpose(0, 1).reshape(n, -1).to(x.dtype))
 
-    def kv(self, x: torch.Tensor, pos: torch.Tensor, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, x: torch.Tensor, pos: torch.Tensor, rotary: RotaryEmbedding, batch=None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated at `pos`) and values [n, Hkv, D] of rows x [n, H]: context
-        features or normed block rows, the same projections for both."""
+        features or normed block rows, the same projections for both. `batch` only picks the
+        kernels' path (`kiln.kernels.kernel_path`)."""
         n, d = x.shape[0], self.head_dim
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, d))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, d), batch)
         v = self.v_proj(x).view(n, self.num_kv_heads, d)
+        if kernel_path(batch, k):  # the RoPE kernel with no query heads rotates k alone
+            return rotary(pos, k[:, :0], k, batch)[1], v
         return apply_rotary(k, rotary.cos[pos], rotary.sin[pos]), v
+
+    def forward_paged(self, x: torch.Tensor, pos: torch.Tensor, rotary: RotaryEmbedding, batch,
+                      store: Callable, attend: Callable) -> torch.Tensor:
+        """The engine's kernel path of `forward_blocks`, with the context K/V left in the paged
+        cache: x [N, H] normed block rows at positions pos [N]; `store(k, v)` writes the block
+        rows' keys and values into the cache beside their context's, then `attend(q)` [N, Hq, D]
+        attends every row over its block's context and the whole block (bidirectional: every
+        key below anchor + B). Same math as `forward_blocks`."""
+        n, d = x.shape[0], self.head_dim
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, d), batch)
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, d), batch)
+        q, k = rotary(pos, q, k, batch)
+        store(k, self.v_proj(x).view(n, self.num_kv_heads, d))
+        return self.o_proj(attend(q).reshape(n, -1))
 
     def forward_blocks(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                        ctx_mask: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -157,10 +181,10 @@ class BlockDrafter(nn.Module):
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return logits
 
-    def context_features(self, taps: torch.Tensor) -> torch.Tensor:
+    def context_features(self, taps: torch.Tensor, batch=None) -> torch.Tensor:
         """taps [C, len(target_layer_ids) * H] (the tapped target hidden states, concatenated in
-        target_layer_ids order) -> c [C, H]."""
-        return self.hidden_norm(self.fc(taps))
+        target_layer_ids order) -> c [C, H]. `batch` only picks the kernels' path."""
+        return self.hidden_norm(self.fc(taps), batch)
 
     def draft_hidden(self, block_embeds: torch.Tensor, anchor_pos: int, ctx: torch.Tensor,
                      ctx_pos: torch.Tensor) -> torch.Tensor:
@@ -174,10 +198,10 @@ class BlockDrafter(nn.Module):
             h = layer(h, ctx, pos, ctx_pos, self.rotary)
         return self.norm(h)
 
-    def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor, batch=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys (rotated) and values [C, Hkv, D] of context features ctx [C, H] at
         positions pos [C]: what the engine keeps per committed position."""
-        return [layer.self_attn.kv(ctx, pos, self.rotary) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, pos, self.rotary, batch) for layer in self.layers]
 
     def forward_blocks(self, block_embeds: torch.Tensor, anchor_pos: torch.Tensor,
                        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor) -> torch.Tensor:
@@ -192,6 +216,21 @@ class BlockDrafter(nn.Module):
             h = h + layer.around(layer.attention_conv, attn, layer.input_layernorm(h), B)
             h = h + layer.around(layer.mlp_conv, layer.mlp, layer.post_attention_layernorm(h), B)
         return self.norm(h).view(R, B, H)
+
+    def forward_paged(self, block_embeds: torch.Tensor, pos: torch.Tensor, batch,
+                      caches: list[tuple[Callable, Callable]]) -> torch.Tensor:
+        """The engine's kernel path of `forward_blocks`: block_embeds [N, H] (blocks of
+        block_size rows back to back) at positions pos [N]; per layer, `caches[i]` = (store,
+        attend) as `BlockDrafterAttention.forward_paged` takes them. Returns final-normed hidden
+        states [N, H]; `batch` picks the kernels (`kiln.kernels.kernel_path`)."""
+        B = self.config.block_size
+        h = block_embeds
+        for layer, (store, attend) in zip(self.layers, caches):
+            attn = lambda x: layer.self_attn.forward_paged(x, pos, self.rotary, batch, store, attend)  # noqa: E731
+            h = h + layer.around(layer.attention_conv, attn, layer.input_layernorm(h, batch), B)
+            mlp = lambda x: layer.mlp(x, batch)  # noqa: E731
+            h = h + layer.around(layer.mlp_conv, mlp, layer.post_attention_layernorm(h, batch), B)
+        return self.norm(h, batch)
 
     # --- checkpoints (the standalone DFlash layout; MiniMax-M3 maps `dspark.` names itself) ----
 

@@ -49,18 +49,23 @@ TARGETS = {  # name: (target config, algorithm, target layers tapped, extra draf
 }
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
-def target(request, tmp_path_factory):
-    """(target dir, engine options for speculation)."""
-    cfg, algo, taps, extra = TARGETS[request.param]
-    d = tmp_path_factory.mktemp(request.param)
+def make_target(name: str, tmp_path_factory):
+    """(target dir, engine options for speculation) of TARGETS[name]."""
+    cfg, algo, taps, extra = TARGETS[name]
+    d = tmp_path_factory.mktemp(name)
     (d / "config.json").write_text(json.dumps(cfg))
     opts = {"speculative_algorithm": algo}
     if algo == "dflash":
-        draft = tmp_path_factory.mktemp(request.param + "_dflash")
+        draft = tmp_path_factory.mktemp(name + "_dflash")
         (draft / "config.json").write_text(json.dumps({**DFLASH, "target_layer_ids": taps, **extra}))
         opts["speculative_draft_model_path"] = str(draft)
     return str(d), opts
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def target(request, tmp_path_factory):
+    """(target dir, engine options for speculation)."""
+    return make_target(request.param, tmp_path_factory)
 
 
 def spec_core(target, k, **kw):
@@ -83,7 +88,7 @@ def fresh_context(core, ids: list[int]) -> torch.Tensor:
     """Context features c_j of every position of `ids`, from a packed target forward."""
     target, drafter = core.runner.model, core.runner.draft_model
     with torch.no_grad():
-        batch = packed_batch(torch.tensor(ids), [len(ids)])
+        batch = packed_batch(torch.tensor(ids, device=core.runner.device), [len(ids)])
         batch.capture_layers = tuple(drafter.config.target_layer_ids)
         target(batch)
         return drafter.context_features(batch.taps())
@@ -96,7 +101,7 @@ def assert_block_reference(core, res, drafts, token_map=None) -> int:
     blocks were compared."""
     from tests.models.test_dflash2 import reference_walk
 
-    target, drafter = core.runner.model, core.runner.draft_model
+    target, drafter, dev = core.runner.model, core.runner.draft_model, core.runner.device
     mask, checked = drafter.config.mask_token_id, 0
     for rid, (prompt, output, _, _) in res.items():
         ids = prompt + output
@@ -104,11 +109,11 @@ def assert_block_reference(core, res, drafts, token_map=None) -> int:
         for n, ds, logits in drafts.get(rid, []):
             a = n + 1  # run_spec records seq_len - 2; the block's anchor is position seq_len - 1
             with torch.no_grad():
-                block = target.model.embed_tokens(torch.tensor([ids[a]] + [mask] * (B - 1)))
-                h = drafter.draft_hidden(block, a, c[:a], torch.arange(a))
+                block = target.model.embed_tokens(torch.tensor([ids[a]] + [mask] * (B - 1), device=dev))
+                h = drafter.draft_hidden(block, a, c[:a], torch.arange(a, device=dev))
                 ref = drafter.process_logits(target.lm_head.compute_logits(h[1:len(ds) + 1]).float())
                 if token_map is not None:
-                    ref = torch.full_like(ref, float("-inf")).index_copy(1, torch.tensor(token_map), ref[:, token_map])
+                    ref = torch.full_like(ref, float("-inf")).index_copy(1, torch.tensor(token_map, device=dev), ref[:, token_map])
                 if drafter.candidate_selector is not None:
                     _, ref = reference_walk(drafter.candidate_selector, h[1:len(ds) + 1], ref, ids[a])
             assert_logits_match(torch.stack(logits), ref, f"{rid}: block at anchor {a}")
@@ -307,20 +312,93 @@ def test_hicache_tiers_carry_the_drafter_context(tmp_path):
     assert s.cached_tokens_host_total > 0 and s.cached_tokens_disk_total > 0, s
 
 
-def test_kernel_path_stores_the_drafter_context(tmp_path):
+def count_paged_passes(core) -> list[int]:
+    """Wrap the drafter's paged pass: the list gets each pass's request count."""
+    paged = core.scheduler.spec.drafter.paged
+    calls, run = [], paged.run
+    paged.run = lambda reqs: (calls.append(len(reqs)), run(reqs))[1]
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_dflash2", "minimax_m3"])  # DFlash, its selector, DSpark
+def test_kernel_path_drafts_over_the_paged_context(name, tmp_path_factory):
     # On the engine's kernel path (Triton's interpreter here) the context K/V go through the
-    # one-launch cache write (kernels/kv_store.py); the blocks read them back from the pool, so
-    # drafts equal to the fresh reference mean the kernel stored every row where it belongs.
+    # one-launch cache write (kernels/kv_store.py) and the blocks run `PagedBlockPass`: their own
+    # K/V written into the pool after the context's, then the decode attention kernel. Drafts
+    # equal to the fresh reference mean both stored every row where it belongs and read exactly
+    # the block's context. DFlash2's candidate selector keeps the padded reference pass.
     pytest.importorskip("triton")
-    model_dir, draft = dflash_dirs(tmp_path)
-    target = (str(model_dir), {"speculative_algorithm": "dflash", "speculative_draft_model_path": str(draft)})
+    target = make_target(name, tmp_path_factory)
     kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=40)
     ps = prompts(2, seed=29, lo=10, hi=30)
     core = spec_core(target, 3, kernel_backend="triton", **kw)
     assert core.runner.use_kernels
+    calls = count_paged_passes(core)
     res, drafts, _ = run_spec(core, ps, max_tokens=8)
     assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=8)
     assert assert_block_reference(core, res, drafts) > 0
+    selector = core.runner.draft_model.candidate_selector is not None
+    assert (not calls) if selector else calls, calls
+
+
+@pytest.mark.parametrize("name", ["llama", "minimax_m3"])  # DFlash; DSpark with MSA in the verify graphs
+def test_paged_block_pass_replays_from_graphs(name, tmp_path_factory):
+    # The paged pass captured per batch size (a capturer that re-runs the captured function
+    # stands in for CUDA graphs, as in tests/engine/test_graph_buffers.py): 3 requests replay the
+    # graph of 4, whose padding request must write nowhere but the scratch slot 0; the drafts stay
+    # on the device and the next verify gathers them there. The target's verify forwards replay
+    # from their graphs too: on MiniMax-M3 past MSA's selection start (32 tokens), where a graph
+    # batch must not size the block-score grid from its placeholder host lengths.
+    pytest.importorskip("triton")
+    from tests.engine.test_graph_buffers import RecomputeCapturer
+
+    target = make_target(name, tmp_path_factory)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
+    if name == "llama":
+        ps, n = prompts(3, seed=31, lo=8, hi=24), 6
+    else:  # a short context keeps the graphs' whole-context score grid small under the interpreter
+        ps, n, kw["context_length"] = prompts(3, seed=31, lo=33, hi=38), 4, 56
+    core = spec_core(target, 3, kernel_backend="triton", cuda_graph_max_bs=4, **kw)
+    runner = core.runner
+    runner.graphs = runner._new_graphs()
+    runner.graphs.capture(RecomputeCapturer())
+    verify_shapes = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda batch: (verify_shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
+    drafter, spec = core.scheduler.spec.drafter, core.scheduler.spec
+    capturer = RecomputeCapturer()
+    drafter.use_graphs(4, capturer)
+    assert sorted(drafter.paged.graphs) == [1, 2, 4]
+    calls = count_paged_passes(core)
+    gathered = []  # verify inputs whose drafts were still on the device
+    draft_ids = spec.draft_ids
+    spec.draft_ids = lambda r, k: (lambda out: (gathered.append(out[1] is not None), out)[1])(draft_ids(r, k))
+    written = []  # DRAFT_KV slots each replay changed, against the live blocks' slots
+    replay_of = {bs: replay for bs, (replay, _) in drafter.paged.graphs.items()}
+
+    def checked_replay(bs):
+        def replay():
+            pool, paged, table = drafter.pool, drafter.paged, drafter.table
+            before = pool.k[0].clone()
+            replay_of[bs]()
+            changed = set((pool.k[0] != before).flatten(1).any(1).nonzero().flatten().tolist())
+            n = int(paged.live.sum())
+            allowed = {0}
+            for a, row in zip(paged.anchor_pos[:n].tolist(), paged.req_slots[:n].tolist()):
+                allowed |= set(table[row, a:a + B].tolist())
+            written.append((bs, n, changed <= allowed))
+        return replay
+
+    drafter.paged.graphs = {bs: (checked_replay(bs), out) for bs, (_, out) in drafter.paged.graphs.items()}
+    res, drafts, _ = run_spec(core, ps, max_tokens=n)
+    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=n)
+    assert assert_block_reference(core, res, drafts) > 0
+    assert capturer.replays > 0 and 3 in calls, calls
+    assert any(bs == 4 and n == 3 for bs, n, _ in written), "no padded replay"
+    assert all(ok for *_, ok in written), written
+    assert any(gathered), "no verify read its drafts on the device"
+    assert 4 in verify_shapes, "no verify forward replayed"
+    core.check_integrity()
 
 
 def test_drafter_weights_are_read_from_the_directory(tmp_path):

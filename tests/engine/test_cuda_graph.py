@@ -59,3 +59,26 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     counts = core.stats().spec
     assert 0 < counts.accepted_tokens < 3 * counts.verify_steps
     assert fed, "no MTP pass was fed by its verify on the device"
+
+
+@pytest.mark.parametrize("name", ["llama", "minimax_m3"])  # DFlash, DSpark
+def test_block_drafter_pass_replays_from_graphs(name, tmp_path_factory):
+    # Block drafter rounds (k = 3) on the GPU: the block pass replays from its CUDA graphs
+    # (`PagedBlockPass`), its drafts gathered by the next verify on the device. Greedy output
+    # equals plain greedy decoding and every draft's logits the fresh reference block forward
+    # (fp32): the block rows' K/V went to the right slots and the padded graphs touched nothing else.
+    from tests.engine.test_block_drafter import (assert_block_reference, count_paged_passes, make_target,
+                                                 outputs, plain_core, spec_core)
+    from tests.engine.test_speculative import run_plain, run_spec
+
+    target = make_target(name, tmp_path_factory)
+    reqs = prompts(5, seed=7, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = spec_core(target, 3, **kw)
+    drafter = core.scheduler.spec.drafter
+    assert sorted(drafter.paged.graphs) == [1, 2, 4, 8]
+    calls = count_paged_passes(core)
+    res, drafts, _ = run_spec(core, reqs, max_tokens=16)
+    assert outputs(res) == run_plain(plain_core(target, **kw), reqs, max_tokens=16)
+    assert 5 in calls, calls  # 5 requests replay the graph of 8
+    assert assert_block_reference(core, res, drafts) > 0

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 
 class RecomputeCapturer:
-    """Replay = run the captured forward again and copy its result into the captured output."""
+    """Replay = run the captured forward again and copy its result (a tensor, or a tuple of them)
+    into the captured output."""
 
     def __init__(self):
         self.replays = 0
@@ -30,7 +31,9 @@ class RecomputeCapturer:
 
         def replay():
             self.replays += 1
-            out.copy_(fn())
+            new = fn()
+            for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
+                o.copy_(n)
 
         return replay, out
 

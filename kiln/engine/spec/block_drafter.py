@@ -39,7 +39,7 @@ import torch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
 from kiln.engine.spec.draft_vocab import DraftVocab
-from kiln.engine.spec.drafter import DraftState
+from kiln.engine.spec.drafter import DraftState, DraftsInFlight
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from kiln.models.block_drafter import BlockDrafter
 
@@ -91,7 +91,6 @@ class BlockDraftRunner:
 
     # Padded context rows (requests x longest context) one block batch may gather per layer.
     max_padded_tokens = 1 << 16
-    flight = None  # block drafts are read back after each pass (no DraftsInFlight)
 
     def __init__(self, runner, num_steps: int, token_map: Optional[list[int]] = None):
         self.runner = runner
@@ -106,6 +105,24 @@ class BlockDraftRunner:
         self.keep_logits = False  # tests: keep each draft's logits on the request
         # Exact verification of sampled requests: their drafts are drawn from q (SpecDecoder sets it)
         self.sample_drafts = False
+        self.context_length = runner.context_length
+        # The kernel path: blocks attend over the paged context (`PagedBlockPass`), their drafts
+        # left on the device (`flight`); the padded reference path otherwise.
+        self.paged = None
+        self.route = None  # lets the drafter's layers take their kernels (`LayerRoute`)
+        if runner.use_kernels:
+            from kiln.engine.spec.block_pass import LayerRoute, PagedBlockPass
+
+            self.route = LayerRoute(runner.backend)
+            self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, 64))
+        self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
+
+    def use_graphs(self, max_bs: int, capturer=None) -> None:
+        """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to `max_bs`."""
+        from kiln.engine.spec.block_pass import PagedBlockPass
+
+        self.paged = PagedBlockPass(self, max_bs)
+        self.paged.capture(capturer)
 
     # ---- the drafter contract --------------------------------------------------------------
     def new_state(self, r: Req) -> DraftState:
@@ -113,8 +130,11 @@ class BlockDraftRunner:
         return DraftState()
 
     def pages_needed(self, seq_len: int, k: int) -> int:
-        """Only the committed positions: a block's rows are never stored."""
-        return seq_len
+        """The committed positions; on the kernel path also the block's (its rows' K/V are written
+        at anchor .. anchor + B - 1, `kiln.engine.spec.block_pass`), within the context."""
+        if self.paged is None:
+            return seq_len
+        return max(seq_len, min(seq_len - 1 + self.block_size, self.context_length))
 
     @torch.inference_mode()
     def on_forward(self, batch) -> None:
@@ -132,12 +152,12 @@ class BlockDraftRunner:
         self.vocab.refresh()
 
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype))
+        c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype), self.route)
         if self.runner.use_kernels:  # one launch per layer instead of two index_puts
             from kiln.kernels.kv_store import store_kv
         else:
             from kiln.ops.attention import store_kv
-        for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
+        for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions, self.route)):
             store_kv(k, v, *self.pool.layer(layer), slots)
 
     def context_kv(self, r: Req, n: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -150,11 +170,33 @@ class BlockDraftRunner:
     @torch.inference_mode()
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """Draft `num_drafts[rid]` tokens (0: none) for every ready request into `req.spec.drafts`."""
+        self.flight = None
         for r in reqs:
             r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
         ready = [r for r in reqs if num_drafts.get(r.rid, 0) > 0]
+        if self._paged_can_run(ready):
+            self._draft_paged(ready, [num_drafts[r.rid] for r in ready])
+            return
         for group in self._groups(ready):
             self._draft(group, [num_drafts[r.rid] for r in group])
+
+    def _paged_can_run(self, reqs: list[Req]) -> bool:
+        """The paged pass drafts greedy argmax tokens only: not DFlash2's selector walk, not drafts
+        drawn from q (they need the host between positions)."""
+        if self.paged is None or self.drafter.candidate_selector is not None:
+            return False
+        if self.sample_drafts and any(not r.params.greedy for r in reqs):
+            return False
+        return self.paged.can_run(reqs)
+
+    def _draft_paged(self, reqs: list[Req], ks: list[int]) -> None:
+        """Draft on the paged pass; the drafts stay on the device (`DraftsInFlight`)."""
+        tokens, logits = self.paged.run(reqs)
+        self.flight = DraftsInFlight.start(tokens.clone())
+        for i, (r, k) in enumerate(zip(reqs, ks)):
+            r.spec.set_in_flight(self.flight, i, k)
+            if self.keep_logits:  # copies: the graph's logits are overwritten by the next pass
+                r.spec.draft_logits = [self.vocab.full(logits[i, j].clone()) for j in range(k)]
 
     def _groups(self, reqs: list[Req]) -> list[list[Req]]:
         """Requests in batches whose padded contexts stay under `max_padded_tokens`."""

@@ -55,9 +55,9 @@ from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify
 from kiln.engine.spec.verify import accepted_prefixes
 
 
-# Largest batch whose MTP pass is captured: the graphs keep [K, bs, V] fp32 draft logits, and
-# speculation pays off at small batches.
-MTP_GRAPH_MAX_BS = 64
+# Largest batch whose drafter pass (MTP chain, block drafter) is captured: the graphs keep
+# [K, bs, V] fp32 draft logits, and speculation pays off at small batches.
+DRAFT_GRAPH_MAX_BS = 64
 
 
 class SpecDecoder:
@@ -289,10 +289,13 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
 
         drafter = MTPDrafter(runner, runner.spec_steps, token_map)
         if runner.graphs is not None:  # CUDA graphs on: the steady-decode pass too
-            drafter.use_graphs(min(runner.graphs.max_bs, MTP_GRAPH_MAX_BS))
+            drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
         return SpecDecoder(scheduler, drafter)
     if algo in ("dflash", "dspark"):
         from kiln.engine.spec.block_drafter import BlockDraftRunner
 
-        return SpecDecoder(scheduler, BlockDraftRunner(runner, runner.spec_steps, token_map))
+        drafter = BlockDraftRunner(runner, runner.spec_steps, token_map)
+        if runner.graphs is not None and drafter.paged is not None:  # CUDA graphs on: the block pass too
+            drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
+        return SpecDecoder(scheduler, drafter)
     raise ValueError(f"--speculative-algorithm {algo!r} is not one of mtp, dflash, dspark")

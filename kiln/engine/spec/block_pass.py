@@ -1,0 +1,162 @@
+"""`PagedBlockPass`: a block drafter's pass (DFlash, DSpark) on the engine's kernel path, replayed
+from one CUDA graph per batch size.
+
+The reference path (`BlockDraftRunner._draft_padded`) gathers every request's context K/V from
+the pool into a [requests, longest context] tensor per layer and runs padded SDPA: its shapes
+change with the context, so it runs eagerly, and at batch 1 the host spent ~3.4 ms per pass
+launching its small PyTorch ops (H200, Inkling `bench`, a 1-layer drafter; docs/speculative.md).
+
+Here the block's own K/V go into the drafter's page space (`DRAFT_KV`) at the block's positions
+anchor .. anchor + B - 1, right after the context K/V of the committed positions < anchor. Then
+every block row attends to keys 0 .. anchor + B - 1 of its request, all of them (the block is
+bidirectional): exactly the decode attention kernel with seq_len = anchor + B, one query row per
+block row. Nothing depends on the context length but the kernel's loop bounds, so the pass is
+captured once per batch size, its inputs per *request* (anchor token, anchor position, request
+row) in static buffers, every row's token, position and slot derived on the device.
+
+Why writing the block rows into the pool is safe: positions >= anchor = `num_computed` are past
+the committed prefix. The next target forward stores the context K/V of every row it computes
+(`BlockDraftRunner.on_forward`) before any block reads them, and a later block only reads below
+its own anchor, which is again the committed length. The request's pages must cover anchor + B
+positions (`pages_needed`), so the writes land in its own pages; padding requests write the
+scratch slot 0 and read the padding row 0 of the page table.
+
+The drafts stay on the device (`DraftsInFlight`): the next verify gathers them there, and the
+host reads them back only to verify, after that forward is queued. Sampled drafts (exact
+verification), DFlash2's candidate selector and blocks that would reach past the context keep
+the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kiln.engine.batch import int64_to_device
+from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
+from kiln.engine.request import Req
+
+
+class LayerRoute:
+    """Stands in for a `ForwardBatch` where the drafter's layers only ask which path to take:
+    `kiln.kernels.kernel_path` and the GEMV route read `batch.backend`."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+
+class PagedBlockPass:
+    """The block pass of a `BlockDraftRunner` on the kernel path: eager, or from CUDA graphs after
+    `capture`."""
+
+    def __init__(self, owner, max_bs: int):
+        self.owner = owner  # the BlockDraftRunner: its drafter, pool, page table and draft head
+        runner = owner.runner
+        self.route = LayerRoute(runner.backend)
+        self.block_size = owner.block_size
+        self.K = owner.num_steps
+        self.context_length = runner.context_length
+        self.sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        z = lambda n: torch.zeros(n, dtype=torch.int64, device=runner.device)  # noqa: E731
+        # Per request (padding requests: all 0)
+        self.anchor_ids, self.anchor_pos, self.req_slots, self.live = (z(self.max_bs) for _ in range(4))
+        self.offsets = torch.arange(self.block_size, dtype=torch.int64, device=runner.device)
+        self.graphs: dict[int, tuple] = {}
+        self._ptrs: Optional[tuple] = None
+
+    # ---- the pass on the static buffers -----------------------------------------------------------
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.anchor_ids, self.anchor_pos, self.req_slots, self.live
+
+    def _block(self, bs: int, inputs: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of the first `bs` requests of the static buffers (or of `inputs`, tensors
+        like them) -> (drafts [bs, K] token ids, their logits [bs, K, N] over the draft
+        vocabulary, processed as `BlockDrafter.process_logits` does)."""
+        o = self.owner
+        drafter, pool, table = o.drafter, o.pool, o.table
+        B, K = self.block_size, self.K
+        anchor_ids, anchor_pos, req_slots, live = (t[:bs, None] for t in (inputs or self._buffers()))
+        pos = anchor_pos + self.offsets  # [bs, B]
+        # contiguous: the kernels index these with stride 1 (at bs 1 a reshaped expand would
+        # stay a stride-0 view)
+        rows = req_slots.expand(bs, B).contiguous()
+        # A live request's pages cover its block (`can_run`); padding writes the scratch slot 0
+        # and reads the page table's padding row 0.
+        slots = torch.where(live > 0, table[rows, pos], 0).view(-1)
+        seq_lens = (anchor_pos + B).expand(bs, B).contiguous().view(-1)
+        ids = torch.where(self.offsets == 0, anchor_ids, drafter.config.mask_token_id)
+        rows, pos = rows.view(-1), pos.view(-1)
+        emb = o.target.model.embed_tokens(ids.reshape(-1))
+        scale = drafter.config.head_dim ** -0.5
+        from kiln.kernels.decode_attention import decode_attention
+        from kiln.kernels.kv_store import store_kv
+
+        def layer_cache(i: int):
+            k_cache, v_cache = pool.layer(i)
+            return (lambda k, v: store_kv(k, v, k_cache, v_cache, slots),
+                    lambda q: decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale))
+
+        h = drafter.forward_paged(emb.to(drafter.fc.weight.dtype), pos, self.route,
+                                  [layer_cache(i) for i in range(len(drafter.layers))])
+        h = h.view(bs, B, -1)[:, 1:K + 1].reshape(bs * K, -1)
+        logits = drafter.process_logits(o.vocab.logits(h.to(emb.dtype))).view(bs, K, -1)
+        return o.vocab.tokens(logits.argmax(dim=-1)), logits
+
+    # ---- capture ------------------------------------------------------------------------------
+    def _addresses(self) -> tuple:
+        """What the graphs read by address: the pool, the page table and the weights (RL's release
+        + resume of the weights alone moves them)."""
+        o = self.owner
+        return (o.pool.layer(0)[0].data_ptr(), o.table.data_ptr(), o.target.lm_head.weight.data_ptr(),
+                o.drafter.fc.weight.data_ptr())
+
+    @torch.inference_mode()
+    def capture(self, capturer=None) -> None:
+        """Capture every batch size, largest first (one memory pool)."""
+        capturer = capturer or CudaGraphCapturer(self.owner.runner.device)
+        self.graphs = {}
+        for buf in self._buffers():
+            buf.zero_()  # warm-up and capture run on padding requests (scratch slot 0)
+        for bs in reversed(self.sizes):
+            replay, out = capturer.capture(lambda bs=bs: self._block(bs))
+            self.graphs[bs] = (replay, out)
+        capturer.done(self.sizes)
+        self._ptrs = self._addresses()
+
+    # ---- one pass -----------------------------------------------------------------------------
+    def can_run(self, reqs: list[Req]) -> bool:
+        """Whether `reqs` can draft here: every one ready to decode, with pages for its whole block
+        inside the context (the pool and page-table writes), and nothing that needs the host
+        between positions (sampled drafts, DFlash2's selector: the caller checks those)."""
+        B, ps = self.block_size, self.owner.runner.page_size
+        for r in reqs:
+            a = r.num_computed
+            if a != r.seq_len - 1 or a + B > self.context_length or a + B > len(r.pages) * ps:
+                return False
+        return bool(reqs)
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft for `reqs` (`can_run` said yes): (drafts [n, K], logits [n, K, N]). From a graph
+        when one is captured for a batch size >= n (views of static tensors: read them before the
+        next pass), else eagerly."""
+        n = len(reqs)
+        if self.graphs and self._ptrs != self._addresses():  # pools or weights were reallocated
+            self.capture()
+        t = int64_to_device({"ids": [r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs],
+                             "pos": [r.num_computed for r in reqs], "slots": [r.slot for r in reqs],
+                             "live": [1] * n}, self.anchor_ids.device)
+        bs = next((s for s in self.sizes if s >= n), None) if self.graphs else None
+        if bs is None and n > self.max_bs:  # eager, wider than the static buffers: its own inputs
+            return self._block(n, (t["ids"], t["pos"], t["slots"], t["live"]))
+        width = bs or n
+        for buf, name in zip(self._buffers(), ("ids", "pos", "slots", "live")):
+            buf[:n].copy_(t[name])
+            buf[n:width].zero_()
+        if bs is None:
+            return self._block(n)
+        replay, (tokens, logits) = self.graphs[bs]
+        replay()
+        return tokens[:n], logits[:n]
