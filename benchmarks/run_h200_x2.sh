@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next: later passes (see the lane functions below); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2: later passes (see the lane functions below); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -538,10 +538,48 @@ lane0_next() {  # prepared for the next session (not run yet): the full GPU suit
 
 lane1_next() { :; }
 
+lane0_df() {  # where a DFlash K = 3 round's time goes at batch 1 (dummy 1-layer drafter): GPU kernels, host
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  DF="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm dflash
+    --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
+  step dflash3 ${T_DF:-60} $DECODE $DF --batch-sizes 1,8 --out "$R/json/dflash3.json"
+  step dflash3_profile ${T_DFP:-90} $DECODE $DF --batch-sizes 1 --profile --profile-steps 10 --kernel-rows 45 \
+    --host-profile --host-phases --out "$R/json/dflash3_profile.json"
+  step mtp3_phases ${T_MP:-60} $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
+    --speculative-algorithm mtp --speculative-num-steps 3 --batch-sizes 1 --host-phases --out "$R/json/mtp3.json"
+}
+
+lane1_df() { :; }
+
+lane0_df2() {  # the paged block pass on CUDA graphs: every GPU test, then DFlash rounds (K = 3, 7) at batch
+  # 1 / 8 / 32 against plain decode in the same call, and where a K = 3 round's time goes at batch 1
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
+    --ignore tests/server
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  DF="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm dflash
+    --speculative-draft-model-path $R/dflash-bench"
+  step plain ${T_PL:-60} $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
+    --batch-sizes 1,8,32 --out "$R/json/plain.json"
+  for k in 3 7; do
+    step dflash$k ${T_DF:-80} $DECODE $DF --speculative-num-steps $k --batch-sizes 1,8,32 --out "$R/json/dflash$k.json"
+  done
+  step dflash3_phases ${T_DFP:-60} $DECODE $DF --speculative-num-steps 3 --batch-sizes 1 --profile --profile-steps 10 \
+    --kernel-rows 30 --host-phases --out "$R/json/dflash3_profile.json"
+}
+
+lane1_df2() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -553,7 +591,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next df df2 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
