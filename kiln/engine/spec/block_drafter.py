@@ -10,7 +10,8 @@ position j). Every target forward computes them for all its rows (`on_forward`, 
 forward, before verification), exactly as the target writes its own K/V. Then:
 
 - rollback is bookkeeping: rows of rejected drafts lie past `num_computed` and are overwritten
-  before any block reads them (a block for anchor position T - 1 reads positions < T - 1 only);
+  before any block reads them (a block for anchor position T - 1 reads the context below T - 1
+  only; on the kernel path also its own rows, which it writes first);
   "cropping the context back to the committed length" is `num_computed` itself;
 - prefix-cache hits are exact: a cached page carries the drafter's K/V with the target's, so a
   request admitted with a matched prefix has its whole context, and retraction, HiCache's host and
@@ -26,8 +27,13 @@ positions 1..k (over `--speculative-token-map`'s tokens when one is given: `Draf
 the candidate selector's walk over them, `kiln.models.dflash2`), or, for
 sampled requests under exact verification (`sample_drafts`), d_i drawn from
 q_i = the sampler's processing of position i's logits with d_1..d_{i-1} counted as output, q kept
-in `DraftState.q` for the verify. Every ready request's block runs in one batch (contexts padded
-and masked; split into groups when the padded contexts would exceed `max_padded_tokens`).
+in `DraftState.q` for the verify. Every ready request's block runs in one batch:
+- on the kernel path (`PagedBlockPass`, `kiln.engine.spec.block_pass`), greedy drafts without
+  DFlash2's selector: the block rows' own K/V are written into the pool past the committed prefix
+  and the blocks attend over the paged context, from one CUDA graph per batch size; the drafts
+  stay on the device (`DraftsInFlight`) for the next verify to gather;
+- otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
+  padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """
 
 from __future__ import annotations
@@ -108,19 +114,25 @@ class BlockDraftRunner:
         self.context_length = runner.context_length
         # The kernel path: blocks attend over the paged context (`PagedBlockPass`), their drafts
         # left on the device (`flight`); the padded reference path otherwise.
+        # DFlash2's candidate selector walks the draft positions on the host: no paged pass.
         self.paged = None
         self.route = None  # lets the drafter's layers take their kernels (`LayerRoute`)
         if runner.use_kernels:
             from kiln.engine.spec.block_pass import LayerRoute, PagedBlockPass
 
             self.route = LayerRoute(runner.backend)
-            self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, 64))
+            if self.drafter.candidate_selector is None:
+                from kiln.engine.spec.speculative import DRAFT_GRAPH_MAX_BS
+
+                self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, DRAFT_GRAPH_MAX_BS))
         self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
-        """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to `max_bs`."""
+        """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to
+        `max_bs` (the kernel path without DFlash2's selector: `paged` is set)."""
         from kiln.engine.spec.block_pass import PagedBlockPass
 
+        assert self.paged is not None, "no paged block pass on this path"
         self.paged = PagedBlockPass(self, max_bs)
         self.paged.capture(capturer)
 
@@ -183,7 +195,7 @@ class BlockDraftRunner:
     def _paged_can_run(self, reqs: list[Req]) -> bool:
         """The paged pass drafts greedy argmax tokens only: not DFlash2's selector walk, not drafts
         drawn from q (they need the host between positions)."""
-        if self.paged is None or self.drafter.candidate_selector is not None:
+        if self.paged is None:
             return False
         if self.sample_drafts and any(not r.params.greedy for r in reqs):
             return False

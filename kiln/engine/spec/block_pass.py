@@ -16,15 +16,16 @@ row) in static buffers, every row's token, position and slot derived on the devi
 
 Why writing the block rows into the pool is safe: positions >= anchor = `num_computed` are past
 the committed prefix. The next target forward stores the context K/V of every row it computes
-(`BlockDraftRunner.on_forward`) before any block reads them, and a later block only reads below
-its own anchor, which is again the committed length. The request's pages must cover anchor + B
+(`BlockDraftRunner.on_forward`) before any block reads them, and a later block reads the
+context below its own anchor, which is again the committed length, and its own rows, which it
+writes first. The request's pages must cover anchor + B
 positions (`pages_needed`), so the writes land in its own pages; padding requests write the
 scratch slot 0 and read the padding row 0 of the page table.
 
 The drafts stay on the device (`DraftsInFlight`): the next verify gathers them there, and the
-host reads them back only to verify, after that forward is queued. Sampled drafts (exact
-verification), DFlash2's candidate selector and blocks that would reach past the context keep
-the reference path.
+host reads them back only to verify, after that forward is queued. A pass with any sampled
+request (exact verification), any request whose block would reach past the context or lacks the
+pages for it, and DFlash2's candidate selector take the reference path, the whole pass at once.
 """
 
 from __future__ import annotations

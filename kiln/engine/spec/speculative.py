@@ -30,9 +30,10 @@ complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cache
 Overlap scheduling is off with speculation. On CUDA the verify forward of a round in which every
 request verifies the same number of drafts replays from a CUDA graph (`CudaGraphRunner`'s
 uniform-extend shapes); the drafter reads the replayed hidden states. A pass replayed from the
-MTP chain graph leaves its drafts on the device (`DraftsInFlight`): the step returns, the next
-step is scheduled and its verify forward queued (gathering the drafts on the device) while the
-GPU still drafts, and the host reads the drafts back only to verify. When every request of the
+MTP chain graph, or a block drafter's paged pass, leaves its drafts on the device
+(`DraftsInFlight`): the step returns, the next step is scheduled and its verify forward queued
+(gathering the drafts on the device) while the GPU still drafts, and the host reads the drafts
+back only to verify. When every request of the
 step is in a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
 device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
 behind it. Every round drafts K tokens up to the request's last one (the commit stops at
@@ -55,8 +56,9 @@ from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify
 from kiln.engine.spec.verify import accepted_prefixes
 
 
-# Largest batch whose drafter pass (MTP chain, block drafter) is captured: the graphs keep
-# [K, bs, V] fp32 draft logits, and speculation pays off at small batches.
+# Largest batch whose drafter pass (MTP chain, block drafter) is captured: the graphs keep K
+# fp32 draft-logit rows per request over the draft vocabulary, and speculation pays off at small
+# batches.
 DRAFT_GRAPH_MAX_BS = 64
 
 
@@ -137,8 +139,9 @@ class SpecDecoder:
 
     def _make_room(self, r: Req, keep: int = 0) -> int:
         """Pages for the pass, and how many tokens the request drafts. A request ready to decode
-        needs what the drafter writes (MTP: its committed positions for the catch-up and the draft
-        rows' stored positions up to T - 2 + k); pages beyond that (rejected positions of this
+        needs what the drafter writes (`pages_needed`; MTP: its committed positions for the
+        catch-up and the draft rows' stored positions up to T - 2 + k; a block drafter's paged
+        pass: its block's positions up to T - 2 + B); pages beyond that (rejected positions of this
         round) are freed, except below `keep` positions (a pass already queued writes there)."""
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
