@@ -8,6 +8,7 @@ compiled kernels (and CUDA graphs, see test_cuda_graph.py).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -19,8 +20,29 @@ LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_si
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
              rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 CONFIGS = {**ARCHS, "llama": LLAMA}
+# Triton's interpreter costs time per kernel launch and per program, so the CPU tests of the
+# kernel path (here, test_graph_buffers.py, the kernel-path MTP test) run these architectures
+# with fewer layers, keeping one of each kind and two in every KV space that has several:
+# Inkling's dense and MoE sliding-window layers and its full-attention layer, MiniMax-M3's dense
+# layer and two MoE layers (the Llamas keep their two). And with a 128-token context: the decode
+# grids are sized by it (MSA's block scores, the attention's splits; a sequence's keys still
+# split in two).
+FEWER_LAYERS = {
+    "inkling": dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "minimax_m3": dict(num_hidden_layers=3),
+}
+INTERP_CONFIGS = {arch: {**cfg, **FEWER_LAYERS.get(arch, {})} for arch, cfg in CONFIGS.items()}
+INTERP_CONTEXT = 128
 
 pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module", params=sorted(INTERP_CONFIGS))
+def interp_dir(request, tmp_path_factory) -> str:
+    """A model directory (config.json only, dummy weights) per `INTERP_CONFIGS` architecture."""
+    d = tmp_path_factory.mktemp(request.param)
+    (d / "config.json").write_text(json.dumps(INTERP_CONFIGS[request.param]))
+    return str(d)
 
 
 def greedy(core, reqs, max_tokens=5):
@@ -29,14 +51,14 @@ def greedy(core, reqs, max_tokens=5):
     return {rid: r[1] for rid, r in res.items()}, {rid: r[2] for rid, r in res.items()}
 
 
-def test_kernel_path_equals_reference(arch_dir):
+def test_kernel_path_equals_reference(interp_dir):
     # Prompts longer than the tiny sliding window (16) and MSA's selection start (32 tokens),
     # chunked (chunk 24 < prompt) so that extends have a cached prefix.
     # The interpreter runs MSA's kernels slowly: MiniMax-M3 gets two short-ish prompts.
-    reqs = prompts(2, seed=1, lo=34, hi=44) if "minimax" in arch_dir else prompts(3, seed=1, lo=30, hi=60)
-    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
-    want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
-    core = make_core(arch_dir, kernel_backend="triton", **kw)
+    reqs = prompts(2, seed=1, lo=34, hi=44) if "minimax" in interp_dir else prompts(3, seed=1, lo=30, hi=60)
+    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT)
+    want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
+    core = make_core(interp_dir, kernel_backend="triton", **kw)
     assert core.runner.use_kernels
     got_out, got_rows = greedy(core, reqs, max_tokens=4)
     assert got_out == want_out
@@ -82,22 +104,22 @@ def _arch(arch_dir: str) -> str:
     return next(a for a in GEMV_MODULES if base.startswith(a))
 
 
-@pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
-def test_decode_gemv_path_equals_reference(arch_dir, monkeypatch):
+@pytest.mark.parametrize("interp_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
+def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     """Decode steps of at most --gemv-max-rows rows project through Kiln's GEMV and generate what
     the reference path generates; 0 keeps every projection on F.linear. The GEMV is counted per
     weight, so a projection that silently falls back (e.g. loses its `batch`) fails."""
-    arch = _arch(arch_dir)
+    arch = _arch(interp_dir)
     calls = _count_gemv(monkeypatch)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
-    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64)
-    want_out, want_rows = greedy(make_core(arch_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
-    assert make_core(arch_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
+    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT)
+    want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
+    assert make_core(interp_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
     for rows in ((4, 0) if llama else (4,)):
         calls.clear()
-        core = make_core(arch_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
+        core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
         got_out, got_rows = greedy(core, reqs, max_tokens=4)
         assert got_out == want_out
         for rid in want_rows:
