@@ -14,7 +14,7 @@ import torch
 
 from kiln.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes
 from tests.engine.test_hybrid_engine import make_core, prompts
-from tests.engine.test_kernel_path import CONFIGS, greedy
+from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONFIGS, INTERP_CONTEXT, greedy
 
 pytest.importorskip("triton")
 
@@ -49,9 +49,10 @@ def test_batch_size_ladder():
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_padded_replays_equal_eager(arch, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[arch]))
+    (tmp_path / "config.json").write_text(json.dumps(INTERP_CONFIGS[arch]))  # fewer layers: the interpreter
     reqs = prompts(5, seed=3, lo=8, hi=30)
-    kw = dict(page_size=4, kernel_backend="triton", enable_return_routed_experts=arch == "inkling")
+    kw = dict(page_size=4, kernel_backend="triton", enable_return_routed_experts=arch == "inkling",
+              context_length=INTERP_CONTEXT)
     want_out, want_rows = greedy(make_core(str(tmp_path), **kw), reqs, max_tokens=6)
 
     core = make_core(str(tmp_path), **kw)
@@ -86,9 +87,11 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain,
                                                run_spec, spec_core)
 
-    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    # fewer layers and a short context for the interpreter (test_kernel_path.FEWER_LAYERS)
+    (tmp_path / "config.json").write_text(json.dumps({**SPEC_ARCHS[arch], **FEWER_LAYERS.get(arch, {})}))
     reqs = prompts(3, seed=4, lo=10, hi=30)
-    core = spec_core(str(tmp_path), 3, alpha=alpha, page_size=4, kernel_backend="triton", cuda_graph_max_bs=4)
+    core = spec_core(str(tmp_path), 3, alpha=alpha, page_size=4, kernel_backend="triton", cuda_graph_max_bs=4,
+                     context_length=INTERP_CONTEXT)
     runner, drafter = core.runner, core.scheduler.spec.drafter
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(RecomputeCapturer())
