@@ -385,13 +385,19 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
     assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps"} <= names
 
 
-def test_kernel_path_mtp_matches_reference_path(model_dir):
+def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path):
     # The Triton kernels (under the interpreter on the CPU) serve the MTP layers too: explicit
     # query positions, key_gap and key_offset in the extend kernel. Partial acceptance, so that
     # catch-up rows, draft rows and rejected drafts all occur; drafts must equal the reference.
     pytest.importorskip("triton")
+    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+
+    with open(f"{model_dir}/config.json") as f:  # fewer layers for the interpreter (FEWER_LAYERS)
+        cfg = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS.get(cfg["model_type"], {})}))
+    model_dir = str(tmp_path)
     ps = prompts(2, seed=21, lo=18, hi=40)
-    core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton")
+    core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT)
     assert core.runner.use_kernels
     res, drafts, _ = run_spec(core, ps, max_tokens=12)
     assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,
