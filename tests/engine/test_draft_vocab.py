@@ -78,21 +78,22 @@ def test_chain_graph_drafts_from_the_map(tmp_path):
     # same code for Inkling, and the graph tests on the Triton interpreter are slow.)
     pytest.importorskip("triton")
     from tests.engine.test_graph_buffers import RecomputeCapturer
+    from tests.engine.test_kernel_path import INTERP_CONTEXT
 
     (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS["llama"]))
     path, ids = token_map(tmp_path, seed=1)
     ps = prompts(2, seed=5, lo=10, hi=30)
     core = mapped_core(str(tmp_path), path, 3, alpha=0.01, page_size=4, kernel_backend="triton",
-                       cuda_graph_max_bs=4)
+                       cuda_graph_max_bs=2, context_length=INTERP_CONTEXT)  # graphs for the 2 requests
     runner, drafter = core.runner, core.scheduler.spec.drafter
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(RecomputeCapturer())
     chain = RecomputeCapturer()
-    drafter.use_graphs(4, chain)
+    drafter.use_graphs(2, chain)
     assert drafter.graph.graphs[1][1].shape[-1] == len(ids)  # the captured logits: the map's columns
-    res, drafts, _ = run_spec(core, ps, max_tokens=10)
+    res, drafts, _ = run_spec(core, ps, max_tokens=6)
     assert chain.replays > 0
-    want = run_plain(plain_core(str(tmp_path), alpha=0.01, page_size=4), ps, max_tokens=10)
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, page_size=4), ps, max_tokens=6)
     assert {rid: r[1] for rid, r in res.items()} == want
     assert {d for rows in drafts.values() for _, ds, _ in rows for d in ds} <= set(ids)
     assert assert_mtp_reference(core, res, drafts, reference=masked_reference(ids)) > 0
