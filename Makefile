@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 serve: venv
 	$(BIN)/kiln serve $(ARGS)
 
+# Two workers (pytest-xdist), one test file each at a time: the CI machine has 2 cores, and a
+# file's module-scoped fixtures (servers, engines) are built once. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest tests -m "not gpu" $(ARGS)
+	$(BIN)/python -m pytest tests -m "not gpu" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # CPU benchmark on the embedded model; pass extra flags with ARGS="...".
 bench-cpu: venv

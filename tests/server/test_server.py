@@ -127,7 +127,8 @@ def test_generate_native(server):
     assert r.status_code == 200 and len(r.json()) == 2 and all("text" in x for x in r.json())
 
 
-def test_metrics_and_flush(server):
+def test_metrics_and_flush(server, client):
+    client.chat.completions.create(**chat_args(max_tokens=2))  # tokens to count, whatever ran before
     text = httpx.get(server + "/metrics").text
     for name in ("kiln_num_running_reqs", "kiln_num_queue_reqs", "kiln_generation_tokens_total",
                  "kiln_prompt_tokens_total", "kiln_cached_tokens_total", "kiln_cache_hit_rate",
