@@ -3,7 +3,8 @@
 It executes each op that reads or writes cached state, against the pools the runner built from
 the model's `state_specs()`:
 - `attention`: full-attention layers use the main page space (FULL_KV), sliding-window layers the
-  "swa" window space (SWA_KV) when the model declares one;
+  "swa" window space (SWA_KV) when the model declares one; on the kernel path `rope_attention`
+  also rotates q and k, in the same launch as the cache write;
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space;
@@ -39,6 +40,7 @@ from kiln.ops import shortconv as conv_ops
 # Extends of at most this many tokens per sequence run the decode kernel, one query per token
 # (speculative verify, and the MTP layers' pass of a decode round: up to K + 2 rows).
 SHORT_EXTEND = 10
+SPLIT_COUNTERS = 65536
 
 
 class PagedBackend:
@@ -54,7 +56,9 @@ class PagedBackend:
             from kiln.kernels import msa as msa_kernels
             from kiln.kernels import shortconv as conv_kernels
             from kiln.kernels.kv_store import store_kv
+            from kiln.kernels.rotary import rope_store
 
+            self.k_rope_store = rope_store
             self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
             self.k_prologue = prologue_kernels
         # The cache write of every attention layer: one launch for K and V (and MSA's indexer
@@ -65,6 +69,11 @@ class PagedBackend:
         self.index_k = index_k  # TokenStatePool or None
         self.conv = conv  # TokenStatePool keyed by conv site id, or None
         self.tables = tables  # page space name -> [rows, max_context] token slots
+        # The decode kernel merges its splits in place with these counters (zeroed, left zeroed by
+        # every call; one stream runs the layers in order). Rows x KV heads beyond them take the
+        # merge kernel: 64K covers 8K query rows of 8 KV heads.
+        self.split_counters = (torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=next(iter(tables.values())).device)
+                               if use_kernels and tables else None)
 
     # ---- addressing ----------------------------------------------------------------------
     @staticmethod
@@ -98,12 +107,31 @@ class PagedBackend:
         return torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=num_tokens)
 
     # ---- attention -----------------------------------------------------------------------
-    def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _kv(self, layer) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """The layer's K/V caches (once HiCache copies on them are done) and their page space."""
         swa = self.swa_kv is not None and layer.layer_id in self.swa_kv.layer_index
         pool, space = (self.swa_kv, "swa") if swa else (self.full_kv, "main")
         k_cache, v_cache = pool.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache)
+        return k_cache, v_cache, space
+
+    def attention(self, layer, q, k, v, batch: ForwardBatch, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        k_cache, v_cache, space = self._kv(layer)
         self.store_kv(k, v, k_cache, v_cache, self._loc(batch, space))
+        return self._attend(layer, q, k_cache, v_cache, space, batch, rel)
+
+    def rope_attention(self, layer, rotary, positions: torch.Tensor, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        """`attention` of q and k rotated by `rotary` at `positions` (kernel path only): RoPE and
+        the cache write run as one launch (`kiln.kernels.rotary.rope_store`), bit-identical to
+        `rotary` followed by `attention`."""
+        assert self.use_kernels
+        k_cache, v_cache, space = self._kv(layer)
+        q = self.k_rope_store(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, self._loc(batch, space))
+        return self._attend(layer, q, k_cache, v_cache, space, batch, None)
+
+    def _attend(self, layer, q, k_cache, v_cache, space: str, batch: ForwardBatch,
+                rel: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attention of this forward's queries over the caches (this forward's K/V already in)."""
         table = self.tables[space]
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
@@ -112,7 +140,7 @@ class PagedBackend:
             if self.use_kernels and batch.max_extend_len <= SHORT_EXTEND:  # a decode round's pass
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
                                                     batch.positions + 1, layer.scale, win, rel, key_gap=gap,
-                                                    key_offset=offset)
+                                                    key_offset=offset, split_counters=self.split_counters)
             if self.use_kernels:
                 return self.k_attn.extend_attention(
                     q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t, batch.extend_lens_t,
@@ -125,13 +153,14 @@ class PagedBackend:
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
-                                                    layer.scale, win, rel)
+                                                    layer.scale, win, rel, split_counters=self.split_counters)
             if batch.max_extend_len <= SHORT_EXTEND:
                 # A few new tokens per sequence over a long cache (speculative verify): the
                 # extend kernel would run one program per (sequence, head) along the whole
                 # context; as one decode query per token it is split along the keys instead.
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
-                                                    batch.positions + 1, layer.scale, win, rel)
+                                                    batch.positions + 1, layer.scale, win, rel,
+                                                    split_counters=self.split_counters)
             return self.k_attn.extend_attention(q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t,
                                                 batch.extend_lens_t, batch.extend_starts_t, layer.scale, win, rel,
                                                 max_extend_len=batch.max_extend_len)

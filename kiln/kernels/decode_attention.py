@@ -5,8 +5,15 @@ bound on the context that only sizes the grid. Each program handles one (sequenc
 split) and all G query heads sharing that KV head, so every K/V byte is read once per step and
 the G x BLOCK_N scores come from one `tl.dot` (G padded to 16 rows, the smallest MMA tile).
 Splits partition each sequence's visible keys (the whole context, or the last W keys with a
-sliding window) into num_splits equal chunks; a second kernel merges the per-split partial
-results by their log-sum-exp. With one split the first kernel writes the output directly.
+sliding window) into num_splits equal chunks; the per-split partial results are merged by their
+log-sum-exp. With one split the first kernel writes the output directly.
+
+The merge runs either as a second kernel or, given `split_counters` (a zeroed int32 buffer the
+caller keeps), inside the first: each (sequence, KV head) counts its finished splits with an
+atomic, and the program that finishes last merges that head group's partials and resets its
+counter to zero for the next call. At batch-1 decode the merge kernel was a launch of its own per
+layer, bound by latency (docs/benchmarks.md). Calls sharing one counter buffer must not run
+concurrently (one stream: each call's programs wait for the previous kernel to complete).
 
 Graph capture: the grid depends only on shapes and host ints (B, Hkv, `max_len`), never on
 tensor values; each program derives its key range from `seq_lens` on the device, and splits
@@ -122,14 +129,39 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
 
 
 @triton.jit
+def _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
+                 stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """`_merge_kernel` for the query heads of one KV head, from inside the attention kernel. The
+    partials were written by other programs: read through L2 (".cg"), never a stale L1 line."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(MidLse + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :],
+                  mask=g_mask[:, None] & (offs_s < n_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    o_rows = MidO + b * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
+    for s in range(0, n_splits):
+        w = tl.exp2(tl.load(MidLse + b * stride_lb + heads * stride_lh + s, mask=g_mask, other=float("-inf"),
+                            cache_modifier=".cg") - m)
+        o = tl.load(o_rows + s * stride_ms, mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * o
+    acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], acc.to(Out.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_kernel(
-    Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel,
+    Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel, Counters,
     scale_log2, window, rel_len, num_splits, key_gap, key_offset,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -139,15 +171,19 @@ def _decode_kernel(
     lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    if SPLIT:
-        if start >= end:  # past this sequence's keys (the merge skips this split)
-            return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    if SPLIT:
+        if start >= end:  # past this sequence's keys (the merge skips this split)
+            if MERGE_HERE and split == 0:  # no keys at all (graph padding): zeros, as the merge kernel
+                tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
+                         mask=g_mask[:, None] & d_mask[None, :])
+            return
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(K.dtype.element_ty)
@@ -187,6 +223,16 @@ def _decode_kernel(
         tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
                  acc, mask=out_mask)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
+        if MERGE_HERE:
+            n_splits = tl.cdiv(seq_len - lo, per_split)  # the splits that held keys (start < end)
+            counter = Counters + b * tl.num_programs(1) + kvh
+            # Every warp's partials are written before the release; the last arrival acquires them.
+            tl.debug_barrier()
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
+                             stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                             BLOCK_G, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
@@ -230,7 +276,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, sliding_window: Optional[int] = None,
                      rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
-                     num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0) -> torch.Tensor:
+                     num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0,
+                     split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -244,6 +291,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence of length 0 yields zeros. No host sync: safe inside a CUDA graph after a warm-up.
     MTP layers: `key_gap` hides keys at distances 1 .. gap - 1 and keys are read at
     req_to_token[slot, position + key_offset] (as `kiln.ops.attention.paged_attention`).
+    split_counters: an int32 buffer of zeros with at least B * Hkv entries, owned by the caller
+    and left zeroed by every call: the splits are then merged inside the attention kernel (one
+    launch, see the module docstring). Too small or None: a second kernel merges.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -273,8 +323,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o = mid_lse = out.new_empty(1, 1, 1, 1, dtype=torch.float32)  # unused
     window = sliding_window if sliding_window is not None else 0
+    merge_here = num_splits > 1 and split_counters is not None and split_counters.numel() >= b * hkv
+    if merge_here:
+        assert split_counters.dtype == torch.int32 and split_counters.device == q.device
+    counters = split_counters if merge_here else seq_lens  # never touched without MERGE_HERE
     _decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg,
+        q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg, counters,
         scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits, key_gap, key_offset,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
@@ -283,9 +337,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),
+        MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_here:
         _merge_kernel[(b, hq)](
             out, mid_o, mid_lse, seq_lens, window, num_splits,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

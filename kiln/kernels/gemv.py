@@ -69,10 +69,14 @@ def dot_tile() -> dict:
 
 @triton.jit
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     GLU: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
-    that both load straight into the product's layout (no shared-memory shuffle per tile)."""
+    that both load straight into the product's layout (no shared-memory shuffle per tile).
+    GLU: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, with gate and up rounded
+    to y's dtype first and the product computed as `kiln.kernels.activation` does: bit for bit
+    the GEMV followed by `silu_and_mul`, one launch fewer."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -83,15 +87,27 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     x_ptrs = X + rm[:, None, None] * stride_xm + kk
     # The weights are never written by the previous kernel: start their stream before the wait.
     w = tl.load(w_ptrs, mask=n_ok & (kk < K), other=0.0)
+    if GLU:
+        u_ptrs = W + (rn + N)[None, :, None].to(tl.int64) * stride_wn + kk
+        u = tl.load(u_ptrs, mask=n_ok & (kk < K), other=0.0)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
         w_next = tl.load(w_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
-        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=m_ok & (kk < K - k0 + BLOCK_K), other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)
+        if GLU:
+            u_next = tl.load(u_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
+        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=m_ok & (kk < K - k0 + BLOCK_K), other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x
         w = w_next
+        if GLU:
+            acc_u += u.to(tl.float32) * x
+            u = u_next
     y = tl.sum(acc, axis=2)
+    if GLU:
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=2).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -130,24 +146,38 @@ def candidate_tiles(m: int) -> list[dict]:
             if block_m * bn * bk <= 64 * 32 * wp]
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
-    shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep)."""
+    shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
+
+    An fp32 weight with bf16 / fp16 rows (the MoE routers, M <= FMA_MAX_ROWS) gives the fp32
+    `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch).
+
+    glu (M <= FMA_MAX_ROWS): weight is a fused gate_up [2I, K] and the result is
+    `kiln.kernels.activation.silu_and_mul` of the product, [M, I], bit for bit, in one launch.
+    Each program then streams BLOCK_N / 2 gate rows and as many up rows (the bytes in flight per
+    program of the plain tile)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
     assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-    assert weight.dtype == x.dtype, f"weight {weight.dtype} and x {x.dtype} differ"
+    router = weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+    assert weight.dtype == x.dtype or router, f"weight {weight.dtype} and x {x.dtype} differ"
+    assert not router or m <= FMA_MAX_ROWS, f"an fp32 weight with {x.dtype} rows takes 1..{FMA_MAX_ROWS} rows"
+    assert not glu or (m <= FMA_MAX_ROWS and n % 2 == 0), f"glu takes 1..{FMA_MAX_ROWS} rows and [2I, K] weights"
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    args = (x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if router else x.dtype)
+    args = (x, weight, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     if m <= FMA_MAX_ROWS:
-        tile = tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k))
-        _gemv_fma_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](
-            *args, BLOCK_M=triton.next_power_of_2(m), **tile, **pdl)
+        tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
+        if glu:
+            tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
+        _gemv_fma_kernel[(triton.cdiv(n_out, tile["BLOCK_N"]),)](
+            *args, BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())

@@ -105,21 +105,35 @@ def _minimax_gate_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, T, scaling,
     _store_selection(rank, w, cols, rows, row_ok, ids_ptr, w_ptr, K)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False) -> torch.Tensor:
+    """z = F.linear(x.float(), weight.float()) [T, E], as in the references. With `use_gemv` and
+    at most FMA_MAX_ROWS rows (decode, a speculative verify), one GEMV launch that widens x as
+    it loads it (`kiln.kernels.gemv`), instead of a cast and an fp32 cuBLAS GEMM (a split-K
+    SIMT kernel at 2-4 rows: docs/benchmarks.md, "sixth pass"). Same products, another
+    summation order."""
+    from kiln.kernels.gemv import FMA_MAX_ROWS, gemv
+
+    if use_gemv and 0 < x.shape[0] <= FMA_MAX_ROWS and weight.dtype == torch.float32 and x.dim() == 2:
+        return gemv(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
 def _block_t(num_tokens: int) -> int:
     # A few tokens per program: enough work per program at prefill, one program at decode.
     return min(16, triton.next_power_of_2(max(num_tokens, 1)))
 
 
 def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
-              global_scale: torch.Tensor, top_k: int, route_scale: float
+              global_scale: torch.Tensor, top_k: int, route_scale: float, use_gemv: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inkling's router (MODELS.md 2.3) = `sink_gate_ref(..., forced_ids=None)`.
 
     x [T, H]; weight [E+S, H]; expert_bias [E]; global_scale [] (read on the device, no sync).
+    `use_gemv`: the logits of a few rows through the GEMV (`router_logits`).
     Returns (topk_ids [T, k] int64, routed_w [T, k] fp32, shared_w [T, S] fp32)."""
     e = expert_bias.shape[0]
     s = weight.shape[0] - e
-    z = F.linear(x.float(), weight.float())  # [T, E+S], as in the reference
+    z = router_logits(x, weight, use_gemv)  # [T, E+S]
     t = z.shape[0]
     ids = torch.empty(t, top_k, dtype=torch.long, device=z.device)
     routed_w = torch.empty(t, top_k, dtype=torch.float32, device=z.device)
@@ -135,12 +149,13 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
 
 
 def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 routed_scaling_factor: float, use_gemv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MiniMax-M3's router (MODELS.md 3.2) = `minimax_gate_ref(..., forced_ids=None)`.
 
-    x [T, H]; weight [E, H]; bias [E]. Returns (topk_ids [T, k] int64, routed_w [T, k] fp32)."""
+    x [T, H]; weight [E, H]; bias [E]; `use_gemv` as in `sink_gate`. Returns (topk_ids [T, k]
+    int64, routed_w [T, k] fp32)."""
     e = weight.shape[0]
-    z = F.linear(x.float(), weight.float())
+    z = router_logits(x, weight, use_gemv)
     t = z.shape[0]
     ids = torch.empty(t, top_k, dtype=torch.long, device=z.device)
     w = torch.empty(t, top_k, dtype=torch.float32, device=z.device)

@@ -13,6 +13,10 @@ not just close.
 q and k are read in place through their strides (views split out of a fused QKV projection); the
 results are new contiguous [T, heads, D] tensors. One program per token, all its heads; positions
 are read on the device, the grid depends only on T: CUDA-graph capturable. Inference only.
+
+`rope_store` also writes the layer's cache rows (`kiln.ops.attention.store_kv` of the rotated k
+and of v) in the same launch: at batch-1 decode RoPE and the cache write were two launches of a
+few microseconds each per layer, both bound by latency, not bytes (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,24 +25,29 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.kv_store import _blocks, _copy_row
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate heads 0..n_heads-1 of one token: x at x_ptr (head stride stride_h), out contiguous."""
+                  stride_oh, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate heads 0..n_heads-1 of one token: x at x_ptr (head stride stride_h), out at out_ptr
+    (head stride stride_oh). Rounded to x's dtype first, then to out's:
+    a cache of another dtype holds what storing the rotated tensor would give."""
     for h0 in range(0, n_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         m = (h < n_heads)[:, None] & d_ok[None, :]
         src = x_ptr + h[:, None] * stride_h + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(src, mask=m, other=0.0)
+        x2 = tl.load(src + HALF, mask=m, other=0.0)
+        dtype = x1.dtype
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = x1 * c[None, :] - x2 * s[None, :]
         o2 = x2 * c[None, :] + x1 * s[None, :]
-        dst = out_ptr + h[:, None] * (2 * HALF) + d[None, :]
-        tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=m)
+        dst = out_ptr + h[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o1.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF, o2.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -53,9 +62,9 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
     c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
     s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c, s, d, d_ok,
-                  HALF, BLOCK_H)
+                  2 * HALF, HALF, BLOCK_H)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, HK, c, s, d, d_ok,
-                  HALF, BLOCK_H)
+                  2 * HALF, HALF, BLOCK_H)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -85,3 +94,59 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
         **pdl_launch(q.device),
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                       HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                       stride_loc, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                       HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_HK: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c, s, d, d_ok,
+                  2 * HALF, HALF, BLOCK_H)
+    _rotate_heads(k_ptr + t * stride_kt, kc_ptr + slot * stride_kcs, stride_kh, HK, c, s, d, d_ok,
+                  stride_kch, HALF, BLOCK_H)
+    _copy_row(v_ptr, vc_ptr, t, slot, HK, 2 * HALF, stride_vt, stride_vh, stride_vcs, stride_vch,
+              BLOCK_HK, BLOCK_DV)
+
+
+def rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               loc: torch.Tensor) -> torch.Tensor:
+    """`rope` and `kiln.kernels.kv_store.store_kv` in one launch: q [T, Hq, D] rotated into a new
+    contiguous tensor (returned); k [T, Hk, D] rotated and v [T, Hk, D] copied into k_cache /
+    v_cache [slots, Hk, D] at rows loc [T] (device, any integer dtype). Bit-identical to
+    `store_kv(*rope(positions, q, k, cos, sin)[1:], v, ...)`, with the rotated k never written
+    anywhere but the cache."""
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0] == loc.shape[0]
+    assert v.shape == k.shape and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:], \
+        (q.shape, k.shape, v.shape, k_cache.shape, v_cache.shape)
+    assert q.shape[-1] == 2 * cos.shape[-1] and cos.stride() == sin.stride() and not loc.is_floating_point()
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches are written in place: no copies"
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t, hq, dim = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    half = dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hk)), 4096 // block_d))
+    block_hk, block_dv = _blocks(hk, dim)
+    _rope_store_kernel[(t,)](
+        q, k, v, q_out, k_cache, v_cache, cos, sin, positions, loc,
+        hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        loc.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_HK=block_hk, BLOCK_DV=block_dv,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device),
+    )
+    return q_out

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.engine.batch import ForwardBatch
+from kiln.kernels import kernel_path
 from kiln.ops import attention as ref_ops
 from kiln.ops import msa as msa_ops
 from kiln.ops import shortconv as conv_ops
@@ -50,12 +51,21 @@ class Attention(nn.Module):
         self.cache_offset = cache_offset
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rel: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D], rel: [T, Hq, R] (or [T, Hq*R]) or None -> [T, Hq*D]."""
+                rel: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
+        """q: [T, Hq*D] (or [T, Hq, D]), k/v: [T, Hkv*D] (or [T, Hkv, D]), rel: [T, Hq, R] (or
+        [T, Hq*R]) or None -> [T, Hq*D]. `rope` = (RotaryEmbedding, positions [T]) rotates q and
+        k first: given here rather than applied by the model, the engine's kernel path fuses the
+        rotation with the cache write (`PagedBackend.rope_attention`)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            rotary, positions = rope
+            if rel is None and hasattr(batch.backend, "rope_attention") and kernel_path(batch, q, k, v):
+                o = batch.backend.rope_attention(self, rotary, positions, q, k, v, batch)
+                return o.reshape(t, self.num_heads * self.head_dim)
+            q, k = rotary(positions, q, k, batch)
         if rel is not None:
             rel = rel.view(t, self.num_heads, rel.shape[-1] // (self.num_heads if rel.dim() == 2 else 1))
             o = batch.backend.attention(self, q, k, v, batch, rel=rel)

@@ -3,7 +3,8 @@
 At a few rows per forward a projection is a pure weight stream. On the engine's kernel path, when
 the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1 by default on Hopper),
 `decode_linear` runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts
-before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer.
+before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer;
+`decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV.
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.kernels import kernel_path
+from kiln.layers.activation import silu_and_mul
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -44,6 +46,15 @@ def gemv_path(batch, x: torch.Tensor, linear: nn.Module) -> bool:
             and linear.bias is None and type(linear).forward in _PLAIN_FORWARDS
             and not linear._forward_hooks and not linear._forward_pre_hooks
             and kernel_path(batch, x, linear.weight))
+
+
+def decode_swiglu(gate_up: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up projection (`kiln.layers.activation.silu_and_mul` of
+    `gate_up(x)`). Through the GEMV (`gemv_path`, at most FMA_MAX_ROWS rows) both run as one
+    launch, bit-identical to the GEMV followed by the SiLU-and-mul kernel."""
+    if gemv_path(batch, x, gate_up) and x.shape[0] <= _kernels().FMA_MAX_ROWS:
+        return _kernels().gemv(x, gate_up.weight, glu=True)
+    return silu_and_mul(decode_linear(gate_up, x, batch), batch)
 
 
 def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:

@@ -73,6 +73,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return ref_ops.swiglu_act(gate_up)
 
 
+def _router_gemv(batch) -> bool:
+    """Whether the router's logits of a few rows go through Kiln's GEMV: on the engine's kernel
+    path with the decode GEMV on (`--gemv-max-rows` > 0). Up to its 4-row loop whatever the
+    flag's row limit, for a speculative verify: there cuBLAS runs the fp32 GEMM as a split-K SIMT
+    kernel (`kiln.kernels.moe_gate.router_logits`; docs/benchmarks.md has the measurements)."""
+    backend = getattr(batch, "backend", None)
+    return getattr(backend, "use_kernels", False) and getattr(backend, "gemv_max_rows", 0) > 0
+
+
 def _routing(gate: nn.Module, batch, compute):
     """Run `compute(forced_ids)` with replayed ids if the batch has some for this gate, and record
     the ids used."""
@@ -104,7 +113,7 @@ class SinkGate(nn.Module):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight, self.global_scale):
                 return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
-                                               self.top_k, self.route_scale)
+                                               self.top_k, self.route_scale, _router_gemv(batch))
             return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
                                          self.top_k, self.route_scale, forced)
         return _routing(self, batch, compute)
@@ -126,7 +135,7 @@ class MiniMaxGate(nn.Module):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight):
                 return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
-                                                  self.top_k, self.routed_scaling_factor)
+                                                  self.top_k, self.routed_scaling_factor, _router_gemv(batch))
             return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.routed_scaling_factor, forced)
         return _routing(self, batch, compute)

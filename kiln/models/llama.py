@@ -19,9 +19,8 @@ from torch import nn
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
-from kiln.layers.activation import silu_and_mul
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear
+from kiln.layers.decode_gemv import decode_linear, decode_swiglu
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -39,8 +38,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)); `batch` only picks the kernels' paths (see
         `kiln.layers.activation`, `kiln.layers.decode_gemv`)."""
-        gate_up = decode_linear(self.gate_up_proj, x, batch)
-        return decode_linear(self.down_proj, silu_and_mul(gate_up, batch), batch)
+        return decode_linear(self.down_proj, decode_swiglu(self.gate_up_proj, x, batch), batch)
 
 
 class LlamaAttention(nn.Module):
@@ -65,8 +63,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, -1, d)
         if self.qk_norm:
             q, k = self.q_norm(q, batch), self.k_norm(k, batch)
-        q, k = self.rotary(positions, q, k, batch)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, batch)
+        o = self.attn(q, k, v, batch, rope=(self.rotary, positions))
         return decode_linear(self.o_proj, o, batch)
 
 

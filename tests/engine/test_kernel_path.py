@@ -51,7 +51,11 @@ def greedy(core, reqs, max_tokens=5):
     return {rid: r[1] for rid, r in res.items()}, {rid: r[2] for rid, r in res.items()}
 
 
-def test_kernel_path_equals_reference(interp_dir):
+def test_kernel_path_equals_reference(interp_dir, monkeypatch):
+    from kiln.kernels import rotary
+
+    # Llama's RoPE goes through the fused RoPE + cache write, never the separate rotation.
+    fused, separate = _count_calls(monkeypatch, rotary, "rope_store"), _count_calls(monkeypatch, rotary, "rope")
     # Prompts longer than the tiny sliding window (16) and MSA's selection start (32 tokens),
     # chunked (chunk 24 < prompt) so that extends have a cached prefix.
     # The interpreter runs MSA's kernels slowly: MiniMax-M3 gets two short-ish prompts.
@@ -64,18 +68,35 @@ def test_kernel_path_equals_reference(interp_dir):
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+    if "llama" in interp_dir:
+        assert fused[0] > 0 and separate[0] == 0, (fused, separate)
 
 
-def _count_gemv(monkeypatch) -> dict:
-    """Count `kiln.kernels.gemv.gemv` calls per weight (by data pointer) from now on."""
+def _count_calls(monkeypatch, module, name: str) -> list[int]:
+    """[calls] of module.name from now on (a list, so that the caller sees the count grow)."""
+    calls, real = [0], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _count_gemv(monkeypatch, glu_calls: dict | None = None) -> dict:
+    """Count `kiln.kernels.gemv.gemv` calls per weight (by data pointer) from now on; those with
+    the SiLU-and-mul folded in (glu=True) also into `glu_calls`."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
     real = gemv_module.gemv
 
-    def counted(x, weight):
+    def counted(x, weight, **kw):
         calls[weight.data_ptr()] = calls.get(weight.data_ptr(), 0) + 1
-        return real(x, weight)
+        if kw.get("glu") and glu_calls is not None:
+            glu_calls[weight.data_ptr()] = glu_calls.get(weight.data_ptr(), 0) + 1
+        return real(x, weight, **kw)
 
     monkeypatch.setattr(gemv_module, "gemv", counted)
     return calls
@@ -97,6 +118,8 @@ GEMV_MODULES = {
                    "model.layers.self_attn.indexer.q_proj", "model.layers.self_attn.indexer.k_proj",
                    "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
 }
+# Where the MoE kernels run (CUDA; the CPU engine keeps the MoE reference), the routers' logits too.
+ROUTERS = {"llama": set(), "inkling": {"model.layers.mlp.router"}, "minimax_m3": {"model.layers.mlp.gate"}}
 
 
 def _arch(arch_dir: str) -> str:
@@ -110,7 +133,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     the reference path generates; 0 keeps every projection on F.linear. The GEMV is counted per
     weight, so a projection that silently falls back (e.g. loses its `batch`) fails."""
     arch = _arch(interp_dir)
-    calls = _count_gemv(monkeypatch)
+    glu_calls: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
@@ -119,6 +143,7 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     assert make_core(interp_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
     for rows in ((4, 0) if llama else (4,)):
         calls.clear()
+        glu_calls.clear()
         core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
         got_out, got_rows = greedy(core, reqs, max_tokens=4)
         assert got_out == want_out
@@ -127,6 +152,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         assert _gemv_modules(core, calls) == (GEMV_MODULES[arch] if rows else set())
         if llama and rows:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer)
             assert sum(calls.values()) == 3 * 2 * 4, calls
+        # Every dense MLP's SiLU-and-mul rides in its gate_up GEMV (at most 4 rows: the FMA loop).
+        assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m and rows}
 
 
 @pytest.mark.gpu
@@ -152,4 +179,4 @@ def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-3, rtol=1e-3)
-    assert _gemv_modules(core, calls) == GEMV_MODULES[arch]
+    assert _gemv_modules(core, calls) == GEMV_MODULES[arch] | ROUTERS[arch]

@@ -45,7 +45,9 @@ def _tol(dtype):
 
 
 def _check_decode(device, seq_lens, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
-                  index_dtype=torch.int32, page_size=1, **kw):
+                  index_dtype=torch.int32, page_size=1, merge_here=False, **kw):
+    """merge_here: the splits merged inside the attention kernel (split counters, which every
+    call must leave zeroed), else by the merge kernel."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, r2t, rows = _paged_cache(seq_lens, hkv, d, dtype, device, gen, index_dtype, page_size)
     b = len(seq_lens)
@@ -53,10 +55,14 @@ def _check_decode(device, seq_lens, hq, hkv, d, dtype, window=None, rel_len=None
     rel = None if rel_len is None else torch.randn(b, hq, rel_len, generator=gen).to(device)
     lens = torch.tensor(seq_lens, device=device)
     scale = d ** -0.5
-    got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel, **kw)
+    counters = torch.zeros(b * hkv + 3, dtype=torch.int32, device=device) if merge_here else None
     want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel)
-    assert got.dtype == q.dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    for _ in range(2 if merge_here else 1):  # a second call finds the counters as the first left them
+        got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel, split_counters=counters, **kw)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+        if merge_here:
+            assert not counters.any()
 
 
 def _check_extend(device, seqs, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
@@ -105,11 +111,19 @@ def test_decode(device, group, case):
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("merge_here", [False, True], ids=["merge_kernel", "merge_in_kernel"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 20])
-def test_decode_cpu_splits(num_splits):
+def test_decode_cpu_splits(num_splits, merge_here):
     # One split writes the output directly; more splits than a short sequence has blocks leave
     # some splits empty, which the merge must skip; 20 splits of the long one take two merge steps.
-    _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits)
+    _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits,
+                  merge_here=merge_here)
+
+
+@INTERPRETER_ONLY
+def test_decode_cpu_merge_in_kernel_window():
+    # A window's splits start past the sequence start.
+    _check_decode("cpu", [1, 23, 40, 6], 8, 2, 32, torch.float32, 7, 5, num_splits=4, merge_here=True)
 
 
 @INTERPRETER_ONLY
@@ -123,9 +137,9 @@ def test_decode_cpu_empty_sequence_gives_zeros():
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, r2t, rows = _paged_cache([5, 9], 2, 16, torch.float32, "cpu", gen)
     q = torch.randn(2, 4, 16)
-    for splits in (1, 4):
+    for splits, counters in ((1, None), (4, None), (4, torch.zeros(4, dtype=torch.int32))):
         out = decode_attention(q, k_cache, v_cache, r2t, rows, torch.tensor([0, 9]), 0.25,
-                               num_splits=splits)
+                               num_splits=splits, split_counters=counters)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         want = paged_decode_attention(q[1:], k_cache, v_cache, r2t, rows[1:], torch.tensor([9]), 0.25)
         torch.testing.assert_close(out[1:], want, atol=1e-4, rtol=1e-4)
@@ -142,6 +156,7 @@ def test_decode_cpu_empty_sequence_gives_zeros():
 ])
 def test_decode_cuda_shapes(hq, hkv, d, window, rel_len, lens):
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
+    _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16, merge_here=True)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=1, num_splits=1)
 
 
@@ -152,16 +167,18 @@ def test_decode_cuda_fp32_is_exact():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_here", [False, True], ids=["merge_kernel", "merge_in_kernel"])
 @pytest.mark.parametrize("window,rel_len", [(None, None), (256, 64)])
-def test_decode_cuda_graph_capture(window, rel_len):
+def test_decode_cuda_graph_capture(window, rel_len, merge_here):
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d, max_len = 32, 8, 128, 2048
     k_cache, v_cache, r2t, rows = _paged_cache([max_len] * 4, hkv, d, torch.bfloat16, "cuda", gen, page_size=16)
     q = torch.randn(4, hq, d, generator=gen).to("cuda", torch.bfloat16)
     rel = None if rel_len is None else torch.randn(4, hq, rel_len, generator=gen).cuda()
     lens = torch.tensor([10, 2000, 700, 1], device="cuda")
+    counters = torch.zeros(32, dtype=torch.int32, device="cuda") if merge_here else None
     run = lambda: decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.1, window, rel,  # noqa: E731
-                                   max_len=max_len)
+                                   max_len=max_len, split_counters=counters)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up compiles and loads the kernels outside the capture
@@ -178,6 +195,7 @@ def test_decode_cuda_graph_capture(window, rel_len):
         graph.replay()
         want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.1, window, rel)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert counters is None or not counters.any()
 
 
 # ---- extend --------------------------------------------------------------------------------
@@ -222,7 +240,7 @@ def test_extend_cuda_shapes(hq, hkv, d, window, rel_len, seqs):
 # ---- MTP addressing: explicit positions, key_gap, key_offset ---------------------------------
 
 def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len, key_gap, key_offset, seed=0,
-               page_size=1, num_splits=None):
+               page_size=1, num_splits=None, split_counters=None):
     """rows_per_seq: ascending query positions per sequence, with jumps (catch-up rows then a
     draft row further ahead, as the MTP drafter builds them). kernel "extend": the extend kernel
     with `positions`; "decode": the decode kernel with one query per row (how the engine runs a
@@ -241,7 +259,9 @@ def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len,
                                as_t([0] + ext[:-1]).cumsum(0), d ** -0.5, window, rel, positions=as_t(positions), **mtp)
     else:
         got = decode_attention(q, k_cache, v_cache, r2t, torch.repeat_interleave(slots, as_t(ext)),
-                               as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits, **mtp)
+                               as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits,
+                               split_counters=split_counters, **mtp)
+        assert split_counters is None or not split_counters.any()
     want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
                            positions=positions, **mtp)
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
@@ -265,9 +285,12 @@ def test_extend_mtp_addressing(device, key_gap, key_offset):
 @pytest.mark.parametrize("key_gap,key_offset", [(0, 1), (2, 3), (4, 5)])
 def test_decode_mtp_addressing(device, key_gap, key_offset):
     if device == "cpu":
-        for splits in (1, 3):  # one split, and splits whose last blocks hold only hidden keys
+        # One split, and splits whose last blocks hold only hidden keys (merged by the merge
+        # kernel, then inside the attention kernel).
+        for splits, counters in ((1, None), (3, None), (3, torch.zeros(64, dtype=torch.int32))):
             _check_mtp("decode", device, MTP_CPU_SEQS[:2] + [list(range(3, 12))] + MTP_CPU_SEQS[3:], 4, 2, 32,
-                       torch.float32, 9, 6, key_gap, key_offset, seed=key_gap, num_splits=splits)
+                       torch.float32, 9, 6, key_gap, key_offset, seed=key_gap, num_splits=splits,
+                       split_counters=counters)
     else:
         _check_mtp("decode", device, MTP_CUDA_SEQS[:2] + [list(range(100, 110))] + MTP_CUDA_SEQS[3:], 16, 4, 128,
                    torch.bfloat16, 4096, 1024, key_gap, key_offset, seed=key_gap, page_size=16)

@@ -61,14 +61,27 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32", PDL=mtp))
 
 
-def decode_attention(mtp: bool) -> None:
+def decode_attention(mtp: bool, merge_here: bool = False) -> None:
+    """merge_here: the splits merged in the kernel (an acq_rel atomic count, then the last program
+    of a head group reads the others' partials through L2)."""
     from kiln.kernels.decode_attention import _decode_kernel
 
     types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "MidO": "*fp32", "MidLse": "*fp32", "Rel": "*fp32",
-             "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}}
-    compile_sm90(_decode_kernel, types, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=True,
-                                             HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp, DOT_PRECISION="tf32",
-                                             PDL=True))
+             "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}, "Counters": "*i32"}
+    ptx = compile_sm90(_decode_kernel, types, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+                                                   SPLIT=True, HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp,
+                                                   DOT_PRECISION="tf32", PDL=True, MERGE_HERE=merge_here,
+                                                   BLOCK_S=16))["ptx"]
+    if merge_here:
+        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "the merge needs ordered counts and L2 reads"
+
+
+def rope_store() -> None:
+    from kiln.kernels.rotary import _rope_store_kernel
+
+    types = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "kc_ptr", "vc_ptr")},
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "loc_ptr": "*i32"}
+    compile_sm90(_rope_store_kernel, types, dict(HALF=64, BLOCK_D=64, BLOCK_H=32, BLOCK_HK=8, BLOCK_DV=128, PDL=True))
 
 
 def rms_norm(pdl) -> str:
@@ -86,7 +99,16 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
-def gemv(fma: bool) -> None:
+def gemv_router() -> None:
+    """The routers' GEMV: bf16 rows, an fp32 weight and fp32 logits, up to 4 rows."""
+    from kiln.kernels.gemv import _gemv_fma_kernel, fma_tile
+
+    tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
+    compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
+                 dict(BLOCK_M=4, PDL=True, GLU=False, **tile))
+
+
+def gemv(fma: bool, glu: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel)."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile
@@ -98,7 +120,7 @@ def gemv(fma: bool) -> None:
     # the tiles the engine launches at the 8B shape (num_warps only changes the layout, not the order)
     tile = {k: v for k, v in (fma_tile(1, 4096) if fma else dot_tile()).items() if k.startswith("BLOCK")}
     if fma:
-        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, **tile)
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, **tile)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -110,7 +132,9 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
-         "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False)}
+         "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
+         "gemv_router": gemv_router,
+         "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store}
 
 
 def test_kernels_compile_for_sm90():

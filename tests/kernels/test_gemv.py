@@ -47,6 +47,33 @@ def test_every_candidate_tile_matches_linear(m):
         torch.testing.assert_close(gemv(x, w, tile), F.linear(x, w), **FP32)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(96, 64), (74, 200), (2, 1000)])
+def test_gemv_glu_is_gemv_then_silu_and_mul(device, dtype, m, n, k):
+    """The fused gate_up + SiLU-and-mul GEMV: bit for bit the two launches it replaces (ragged I
+    and K, every FMA row count), and close to the reference SwiGLU."""
+    from kiln.kernels.activation import silu_and_mul
+    from kiln.layers.activation import silu_and_mul_ref
+
+    x, w = _case(m, n, k, dtype, device, seed=m * 1000 + n + k)
+    y = gemv(x, w, glu=True)
+    assert y.shape == (m, n // 2) and y.dtype == x.dtype
+    torch.testing.assert_close(y, silu_and_mul(gemv(x, w)), rtol=0, atol=0)
+    ref = silu_and_mul_ref(F.linear(x.float(), w.float()))
+    torch.testing.assert_close(y.float(), ref, **(FP32 if dtype == torch.float32 else BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(28672, 4096), (12288, 2048)])
+def test_gemv_glu_real_shapes(n, k):
+    """The 8B and Inkling bench gate_up shapes, bf16, at one row (the engine's default)."""
+    from kiln.kernels.activation import silu_and_mul
+
+    x, w = _case(1, n, k, torch.bfloat16, "cuda", seed=n)
+    torch.testing.assert_close(gemv(x, w, glu=True), silu_and_mul(gemv(x, w)), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (2048, 2048), (12288, 2048)])
@@ -108,6 +135,10 @@ def test_gemv_rejects_bad_shapes():
         gemv(torch.randn(2, 32), w)
     with pytest.raises(AssertionError, match="differ"):
         gemv(torch.randn(2, 16, dtype=torch.float64), w)
+    with pytest.raises(AssertionError, match="fp32 weight"):
+        gemv(torch.randn(FMA_MAX_ROWS + 1, 16, dtype=torch.float16), w)
+    with pytest.raises(AssertionError, match="glu"):
+        gemv(torch.randn(FMA_MAX_ROWS + 1, 16), w, glu=True)
 
 
 def test_gemv_max_rows_flag():

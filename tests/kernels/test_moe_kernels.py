@@ -189,6 +189,36 @@ def test_minimax_gate_matches_reference(device, T, E, k, ties):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 3, 4])
+@pytest.mark.parametrize("ties", [False, True])
+def test_gates_with_router_logits_from_the_gemv(device, T, ties):
+    """The routers' fp32 logits of a few rows through the GEMV (`use_gemv`, the engine's decode
+    and verify rows): the real layout (fp32 router weight, half-precision rows widened in the
+    kernel), the reference's ids, and weights to fp32 summation-order error. Exact ties
+    (small integers) stay ties, so the lowest ids still win them."""
+    from kiln.kernels.moe_gate import router_logits
+
+    E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
+    gen = torch.Generator().manual_seed(T + 100 * ties)
+    x, weight, bias = _gate_inputs(device, T, E, S, gen, ties)
+    # fp16 on the interpreter (it has no bf16); both are exact in fp32
+    x, weight = x.to(torch.float16 if device == "cpu" else torch.bfloat16), weight.float()
+    z = router_logits(x, weight, use_gemv=True)
+    assert z.dtype == torch.float32 and z.shape == (T, E + S)
+    torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
+    gscale = torch.tensor(0.7, device=device)
+    ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
+    r_ids, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
+    assert torch.equal(ids, r_ids)
+    torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+    ids, w = _km().minimax_gate(x, weight[:E], bias, k, 2.5, use_gemv=True)
+    r_ids, r_w = ref.minimax_gate_ref(x, weight[:E], bias, k, 2.5)
+    assert torch.equal(ids, r_ids)
+    torch.testing.assert_close(w, r_w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gates_break_all_way_ties_to_the_lowest_ids(device):
     E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
     x = torch.ones(5, 16, device=device)

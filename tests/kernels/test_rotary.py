@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.kernels.rotary import rope  # noqa: E402
+from kiln.kernels.rotary import rope, rope_store  # noqa: E402
+from kiln.ops.attention import store_kv  # noqa: E402
 from kiln.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES, DEVICES  # noqa: E402
 
@@ -47,6 +48,49 @@ def test_rope_llama3_scaling_many_heads_and_empty(device):
     q, k = torch.zeros(0, 2, 16, device=device), torch.zeros(0, 1, 16, device=device)
     got_q, got_k = rope(torch.zeros(0, dtype=torch.long, device=device), q, k, rot.cos, rot.sin)
     assert got_q.shape == q.shape and got_k.shape == k.shape
+
+
+def _check_store(device, dtype, cache_dtype, t, hq, hk, d, seed=0):
+    """rope_store against the reference RoPE followed by the reference cache write: q, and every
+    cache row (written and untouched), bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    rot = RotaryEmbedding(d, 1000, 10000.0, LLAMA3).to(device)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype).to(device)
+    q = qkv[:, :hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].reshape(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(t, hk, d)
+    positions = torch.randint(0, 1000, (t,), generator=gen).to(device)
+    slots = 3 * t + 5
+    loc = torch.randperm(slots, generator=gen)[:t].to(torch.int32).to(device)
+    base = torch.randn(slots, hk, d, generator=gen).to(cache_dtype).to(device)
+    got_k, got_v, want_k, want_v = base.clone(), base.clone(), base.clone(), base.clone()
+    got_q = rope_store(positions, q, k, v, rot.cos, rot.sin, got_k, got_v, loc)
+    want_q, rk = rot(positions, q, k)
+    store_kv(rk, v, want_k, want_v, loc.long())
+    assert got_q.dtype == dtype and got_q.shape == q.shape and got_q.is_contiguous()
+    for got, want in ((got_q, want_q), (got_k, want_k), (got_v, want_v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 4, 2, 16), (7, 32, 8, 128), (5, 6, 3, 96)])
+def test_rope_store_matches_rope_then_store(device, dtype, t, hq, hk, d):
+    _check_store(device, dtype, dtype, t, hq, hk, d, seed=t + d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_store_casts_like_the_reference_and_handles_no_tokens(device):
+    # An fp32 projection into a narrower cache: rounded to fp32 first (the rotated tensor), then
+    # to the cache's dtype, as storing the rotated k would. The interpreter has no bf16: fp16.
+    cache_dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    _check_store(device, torch.float32, cache_dtype, 4, 8, 2, 32, seed=3)
+    rot = RotaryEmbedding(16, 8, 10000.0).to(device)
+    empty = torch.zeros(0, 2, 16, device=device)
+    cache = torch.zeros(4, 2, 16, device=device)
+    out = rope_store(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, 4, 16, device=device),
+                     empty, empty, rot.cos, rot.sin, cache, cache.clone(), torch.zeros(0, dtype=torch.long,
+                                                                                         device=device))
+    assert out.shape == (0, 4, 16) and not cache.any()
 
 
 @pytest.mark.gpu
