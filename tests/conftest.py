@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 # Under pytest-xdist (`make test` runs 2 workers) the workers share the cores: each worker, and the
 # servers and ranks its tests start, gets its share of threads instead of one per core each.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _threads = max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 

@@ -132,8 +132,10 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
 def _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """`_merge_kernel` for the query heads of one KV head, from inside the attention kernel. The
-    partials were written by other programs: read through L2 (".cg"), never a stale L1 line."""
+    """`_merge_kernel`'s result for the query heads of one KV head, from inside the attention
+    kernel (the splits are added one at a time, not in tiles: the same value up to fp32 rounding
+    order). The partials were written by other programs: read through L2 (".cg"), never a stale
+    L1 line."""
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(MidLse + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :],
                   mask=g_mask[:, None] & (offs_s < n_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
@@ -326,7 +328,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     merge_here = num_splits > 1 and split_counters is not None and split_counters.numel() >= b * hkv
     if merge_here:
         assert split_counters.dtype == torch.int32 and split_counters.device == q.device
-    counters = split_counters if merge_here else seq_lens  # never touched without MERGE_HERE
+    # never touched without MERGE_HERE; an int32 tensor either way, so that both compile to one variant
+    counters = split_counters if merge_here else req_slots.new_empty(1, dtype=torch.int32)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg, counters,
         scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits, key_gap, key_offset,

@@ -6,6 +6,7 @@ them for the GPU at real shapes in bf16.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -58,11 +59,33 @@ def _check_decode(device, seq_lens, hq, hkv, d, dtype, window=None, rel_len=None
     counters = torch.zeros(b * hkv + 3, dtype=torch.int32, device=device) if merge_here else None
     want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel)
     for _ in range(2 if merge_here else 1):  # a second call finds the counters as the first left them
-        got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel, split_counters=counters, **kw)
+        with _no_merge_kernel(merge_here):
+            got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel,
+                                   split_counters=counters, **kw)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
         if merge_here:
             assert not counters.any()
+
+
+@contextlib.contextmanager
+def _no_merge_kernel(active: bool = True):
+    """With split counters the splits must merge inside the attention kernel: a launch of the
+    merge kernel fails (so a silent fallback cannot pass as the in-kernel merge)."""
+    from kiln.kernels import decode_attention as module
+
+    real = module._merge_kernel
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge kernel ran: the splits were not merged in the attention kernel")
+
+    if active:
+        module._merge_kernel = Refuse()
+    try:
+        yield
+    finally:
+        module._merge_kernel = real
 
 
 def _check_extend(device, seqs, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
@@ -133,13 +156,17 @@ def test_decode_cpu_int64_table_odd_head_dim_fp16_pages():
 
 
 @INTERPRETER_ONLY
-def test_decode_cpu_empty_sequence_gives_zeros():
+def test_decode_cpu_empty_sequence_gives_zeros(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, r2t, rows = _paged_cache([5, 9], 2, 16, torch.float32, "cpu", gen)
     q = torch.randn(2, 4, 16)
+    # The output starts as NaN, not as whatever empty memory holds: the zeros must be written.
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
     for splits, counters in ((1, None), (4, None), (4, torch.zeros(4, dtype=torch.int32))):
-        out = decode_attention(q, k_cache, v_cache, r2t, rows, torch.tensor([0, 9]), 0.25,
-                               num_splits=splits, split_counters=counters)
+        with _no_merge_kernel(counters is not None):
+            out = decode_attention(q, k_cache, v_cache, r2t, rows, torch.tensor([0, 9]), 0.25,
+                                   num_splits=splits, split_counters=counters)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         want = paged_decode_attention(q[1:], k_cache, v_cache, r2t, rows[1:], torch.tensor([9]), 0.25)
         torch.testing.assert_close(out[1:], want, atol=1e-4, rtol=1e-4)
@@ -258,9 +285,10 @@ def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len,
         got = extend_attention(q, k_cache, v_cache, r2t, slots, as_t([0] * len(ext)), as_t(ext),
                                as_t([0] + ext[:-1]).cumsum(0), d ** -0.5, window, rel, positions=as_t(positions), **mtp)
     else:
-        got = decode_attention(q, k_cache, v_cache, r2t, torch.repeat_interleave(slots, as_t(ext)),
-                               as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits,
-                               split_counters=split_counters, **mtp)
+        with _no_merge_kernel(split_counters is not None):
+            got = decode_attention(q, k_cache, v_cache, r2t, torch.repeat_interleave(slots, as_t(ext)),
+                                   as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits,
+                                   split_counters=split_counters, **mtp)
         assert split_counters is None or not split_counters.any()
     want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
                            positions=positions, **mtp)
