@@ -51,16 +51,24 @@ def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
-                 HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
+def _cos_sin(t, pos_ptr, cos_ptr, sin_ptr, stride_cs, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's fp32 cos and sin rows (its position read on the device), the half-dim offsets
+    and their mask."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
     c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
     s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    return c, s, d, d_ok
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
+                 HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c, s, d, d_ok = _cos_sin(t, pos_ptr, cos_ptr, sin_ptr, stride_cs, HALF, BLOCK_D)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c, s, d, d_ok,
                   2 * HALF, HALF, BLOCK_H)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, HK, c, s, d, d_ok,
@@ -104,12 +112,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, cos_ptr, 
                        BLOCK_HK: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HALF
-    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
+    c, s, d, d_ok = _cos_sin(t, pos_ptr, cos_ptr, sin_ptr, stride_cs, HALF, BLOCK_D)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c, s, d, d_ok,
                   2 * HALF, HALF, BLOCK_H)
     _rotate_heads(k_ptr + t * stride_kt, kc_ptr + slot * stride_kcs, stride_kh, HK, c, s, d, d_ok,

@@ -76,6 +76,14 @@ def decode_attention(mtp: bool, merge_here: bool = False) -> None:
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "the merge needs ordered counts and L2 reads"
 
 
+def rope() -> None:
+    from kiln.kernels.rotary import _rope_kernel
+
+    types = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")},
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}
+    compile_sm90(_rope_kernel, types, dict(HALF=64, BLOCK_D=64, BLOCK_H=32, PDL=True))
+
+
 def rope_store() -> None:
     from kiln.kernels.rotary import _rope_store_kernel
 
@@ -134,7 +142,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_router": gemv_router,
-         "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store}
+         "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
+         "rope": rope}
 
 
 def test_kernels_compile_for_sm90():
