@@ -17,6 +17,7 @@ round are exercised.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -343,6 +344,42 @@ def test_kernel_path_drafts_over_the_paged_context(name, tmp_path_factory):
     assert assert_block_reference(core, res, drafts) > 0
     selector = core.runner.draft_model.candidate_selector is not None
     assert (not calls) if selector else calls, calls
+
+
+def test_kernel_path_splits_the_pass_by_request(tmp_path_factory):
+    # Under exact verification a sampled request draws its drafts from q on the padded pass,
+    # while the greedy request of the same step keeps the paged pass (one request per paged
+    # pass here, where one sampled request used to send the whole step to the padded pass).
+    # Both passes in one step write disjoint rows of the drafter's cache: the greedy output is
+    # plain greedy, every emitted token's logit row is the reference's, q rows are processed.
+    pytest.importorskip("triton")
+    from tests.engine.test_spec_sampled import FLAGS, assert_q_rows_are_processed_draft_logits, mixed_params, watch
+
+    target = make_target("llama", tmp_path_factory)
+    kw = dict(page_size=4, kernel_backend="triton")
+    # a penalised sampled request (every kind of processing) and a greedy one
+    ps = prompts(2, seed=21, lo=12, hi=20)
+    params = [dataclasses.replace(p, max_tokens=9) for p in (mixed_params()[1], mixed_params()[2])]
+    core = spec_core(target, 3, **kw, **FLAGS["tokenwise"])
+    drafter = core.scheduler.spec.drafter
+    steps = []  # per drafter step: (rids of its paged pass, rids of its padded passes)
+    run, paged_run, padded = drafter.run, drafter.paged.run, drafter._draft
+
+    def step(reqs, num_drafts):
+        steps.append(([], []))
+        run(reqs, num_drafts)
+
+    drafter.run = step
+    drafter.paged.run = lambda reqs: (steps[-1][0].extend(r.rid for r in reqs), paged_run(reqs))[1]
+    drafter._draft = lambda reqs, ks: (steps[-1][1].extend(r.rid for r in reqs), padded(reqs, ks))[1]
+    passes, _ = watch(core)
+    res, _, _ = run_spec(core, ps, params=params)
+    both = [s for s in steps if s == (["r1"], ["r0"])]
+    assert len(both) >= 3, steps  # steps that drafted the greedy r1 paged and the sampled r0 padded
+    assert all("r0" not in paged for paged, _ in steps), steps
+    assert res["r1"][1] == run_plain(plain_core(target, **kw), [ps[1]], max_tokens=9)["r0"]
+    assert_reference(core, res)
+    assert_q_rows_are_processed_draft_logits(passes, min_rows=4)
 
 
 def test_oracle_acceptance_on_the_paged_pass(tmp_path_factory):

@@ -186,20 +186,25 @@ class BlockDraftRunner:
         for r in reqs:
             r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
         ready = [r for r in reqs if num_drafts.get(r.rid, 0) > 0]
-        if self._paged_can_run(ready):
-            self._draft_paged(ready, [num_drafts[r.rid] for r in ready])
-            return
-        for group in self._groups(ready):
+        paged, padded = self._split_paged(ready)
+        if paged:
+            self._draft_paged(paged, [num_drafts[r.rid] for r in paged])
+        for group in self._groups(padded):
             self._draft(group, [num_drafts[r.rid] for r in group])
 
-    def _paged_can_run(self, reqs: list[Req]) -> bool:
-        """The paged pass drafts greedy argmax tokens only: not DFlash2's selector walk, not drafts
-        drawn from q (they need the host between positions)."""
+    def _split_paged(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
+        """(the requests the paged pass drafts, the rest for the padded pass). The paged pass
+        drafts greedy argmax tokens only: not DFlash2's selector walk (no paged pass at all), not
+        drafts drawn from q (they need the host between positions); and each of its requests
+        needs its whole block's pages inside the context (`PagedBlockPass.can_run`). The two
+        passes write disjoint rows of the drafter's cache, so one step can run both."""
         if self.paged is None:
-            return False
-        if self.sample_drafts and any(not r.params.greedy for r in reqs):
-            return False
-        return self.paged.can_run(reqs)
+            return [], reqs
+        paged, padded = [], []
+        for r in reqs:
+            sampled = self.sample_drafts and not r.params.greedy
+            (padded if sampled or not self.paged.can_run([r]) else paged).append(r)
+        return paged, padded
 
     def _draft_paged(self, reqs: list[Req], ks: list[int]) -> None:
         """Draft on the paged pass; the drafts stay on the device (`DraftsInFlight`)."""
