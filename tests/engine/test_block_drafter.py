@@ -382,6 +382,41 @@ def test_kernel_path_splits_the_pass_by_request(tmp_path_factory):
     assert_q_rows_are_processed_draft_logits(passes, min_rows=4)
 
 
+def test_requests_short_of_pages_for_their_block_draft_on_the_padded_pass(tmp_path_factory):
+    # The pool cannot give any request the pages its block needs (anchor + B positions) after
+    # a verify, only its committed ones: the paged pass cannot run, and each request drafts on
+    # the padded pass, which stores nothing past them, instead of drafting nothing that round.
+    pytest.importorskip("triton")
+    target = make_target("llama", tmp_path_factory)
+    kw = dict(page_size=4, kernel_backend="triton")
+    ps = prompts(2, seed=32, lo=12, hi=20)
+    core = spec_core(target, 3, **kw)
+    spec, cache = core.scheduler.spec, core.scheduler.cache
+    grow, make_room, short = cache.grow, spec._make_room, [False]
+    cache.grow = lambda r, n: not (short[0] and n > r.seq_len) and grow(r, n)
+
+    ks = []  # drafts granted to each request ready to decode
+
+    def short_of_pages(r, keep=0):
+        short[0] = True
+        try:
+            k = make_room(r, keep)
+        finally:
+            short[0] = False
+        if r.num_computed == r.seq_len - 1:
+            ks.append(k)
+        return k
+
+    spec._make_room = short_of_pages
+    padded, draft = [], spec.drafter._draft
+    spec.drafter._draft = lambda reqs, k: (padded.append(len(reqs)), draft(reqs, k))[1]
+    res, drafts, _ = run_spec(core, ps, max_tokens=8)
+    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=8)
+    assert len(ks) >= 8 and all(k == 3 for k in ks), ks
+    assert padded
+    assert assert_block_reference(core, res, drafts) > 0
+
+
 def test_oracle_acceptance_on_the_paged_pass(tmp_path_factory):
     # Accepted drafts on the kernel path: the next block's anchor then lands inside the previous
     # block's rows, whose K/V the pass wrote into the pool and the verify overwrote with context

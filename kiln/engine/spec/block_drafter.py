@@ -148,6 +148,11 @@ class BlockDraftRunner:
             return seq_len
         return max(seq_len, min(seq_len - 1 + self.block_size, self.context_length))
 
+    def min_pages_needed(self, seq_len: int, k: int) -> int:
+        """The committed positions: the padded pass stores nothing past them, and a request
+        whose pages stop short of its block drafts there (`_split_paged`)."""
+        return seq_len
+
     @torch.inference_mode()
     def on_forward(self, batch) -> None:
         """Context K/V of every row of the target forward, at the rows' token slots."""

@@ -107,6 +107,10 @@ class Drafter(Protocol):
     def pages_needed(self, seq_len: int, k: int) -> int:
         """Positions the request's pages must cover to draft k tokens after this step."""
 
+    def min_pages_needed(self, seq_len: int, k: int) -> int:
+        """The fewest positions with which the request still drafts k tokens, on a slower pass
+        when the pool cannot give it `pages_needed` (a block drafter's padded pass)."""
+
     def on_forward(self, batch) -> None: ...
 
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None: ...

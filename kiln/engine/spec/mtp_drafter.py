@@ -122,6 +122,10 @@ class MTPDrafter:
         """The committed positions (catch-up) and the draft rows' stored positions up to T - 2 + k."""
         return max(seq_len, seq_len - 1 + k)
 
+    def min_pages_needed(self, seq_len: int, k: int) -> int:
+        """No other pass: the chain stores every draft row."""
+        return self.pages_needed(seq_len, k)
+
     def on_forward(self, batch) -> None:
         """Nothing before verification: h^0 is stored for committed rows only (`on_commit`)."""
 

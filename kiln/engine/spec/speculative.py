@@ -141,8 +141,9 @@ class SpecDecoder:
         """Pages for the pass, and how many tokens the request drafts. A request ready to decode
         needs what the drafter writes (`pages_needed`; MTP: its committed positions for the
         catch-up and the draft rows' stored positions up to T - 2 + k; a block drafter's paged
-        pass: its block's positions up to T - 2 + B); pages beyond that (rejected positions of this
-        round) are freed, except below `keep` positions (a pass already queued writes there)."""
+        pass: its block's positions up to T - 2 + B, or only the committed ones on its padded pass
+        when the pool is short); pages beyond that (rejected positions of this round) are freed,
+        except below `keep` positions (a pass already queued writes there)."""
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
             return 0
@@ -153,8 +154,12 @@ class SpecDecoder:
         if len(r.pages) > cdiv(need, self.page_size):
             self.cache.shrink(r, need)
         elif not self.cache.grow(r, need):
-            k = 0
-            self.cache.grow(r, T)  # if even this fails the pass stops at the pages it has
+            # Short of pages: the drafter's pass that needs fewest may still draft (a block
+            # drafter's padded pass), else no drafts this round.
+            low = max(self.drafter.min_pages_needed(T, k), keep)
+            if low >= need or not self.cache.grow(r, low):
+                k = 0
+                self.cache.grow(r, T)  # if even this fails the pass stops at the pages it has
         return k
 
     def _verify_and_commit(self, logits: torch.Tensor, reqs: list[Req], first_rows: list[int],
