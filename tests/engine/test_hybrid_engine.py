@@ -48,6 +48,8 @@ def make_core(model_dir: str, **kw) -> EngineCore:
     kw.setdefault("max_total_tokens", 4096)
     if "KILN_TEST_GEMV_MAX_ROWS" in os.environ:  # the decode GEMV's row limit for every engine built here (GPU)
         kw.setdefault("gemv_max_rows", int(os.environ["KILN_TEST_GEMV_MAX_ROWS"]))
+    if os.environ.get("KILN_TEST_PDL_EARLY_TRIGGER") == "1":  # --pdl-early-trigger for every engine built here
+        kw.setdefault("pdl_early_trigger", True)
     core = EngineCore(EngineConfig(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
                                    **kw))
     model = core.runner.model
