@@ -17,6 +17,7 @@ import multiprocessing as mp
 from kiln.config import EngineConfig
 from kiln.dist.init import init_tensor_parallel, shutdown
 from kiln.engine.core import EngineCore
+from tests.engine.test_hybrid_engine import _run_greedy
 from tests.engine.test_kernel_path import greedy
 
 pytestmark = pytest.mark.slow
@@ -28,27 +29,54 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int = 6):
-    """Greedy outputs and the stacked logit rows they were sampled from, per request."""
+    """Greedy outputs and the stacked logit rows they were sampled from, per request (outputs
+    only, and no rows, with speculative decoding: its verify samples rows of its own)."""
     core.scheduler.check_after_step = True
+    if core.scheduler.spec is not None:
+        out, _ = _run_greedy(core, prompts, max_tokens, "r")
+        core.check_integrity()
+        return out, {}
     out, rows = greedy(core, prompts, max_tokens=max_tokens)
     return out, {k: torch.stack(v) for k, v in rows.items()}
 
 
-def _config(model_dir: str, tp: int) -> EngineConfig:
+def _config(model_dir: str, tp: int, **extra) -> EngineConfig:
     return EngineConfig(model_path=model_dir, device="cpu", dtype="float32", tp_size=tp, max_total_tokens=2048,
-                        page_size=4, chunked_prefill_size=16, skip_tokenizer_init=True)
+                        page_size=4, chunked_prefill_size=16, skip_tokenizer_init=True, **extra)
 
 
-def _rank(rank: int, model_dir: str, port: int, vocab: int, results) -> None:
+def _spec_counts(core: EngineCore):
+    """(proposed per position, accepted, every pass's drafts) of speculative decoding (the
+    drafts recorded by `_record_drafts`), or None without it."""
+    spec = core.stats().spec
+    return None if spec is None else (list(spec.proposed), spec.accepted_tokens, core.recorded_drafts)
+
+
+def _record_drafts(core: EngineCore) -> EngineCore:
+    """Keep every drafter pass's drafts, per request, in `core.recorded_drafts`."""
+    drafter, core.recorded_drafts = core.scheduler.spec.drafter, []
+    run = drafter.run
+
+    def recorded(reqs, num_drafts):
+        run(reqs, num_drafts)
+        core.recorded_drafts.append({r.rid: list(r.spec.drafts) for r in reqs})
+
+    drafter.run = recorded
+    return core
+
+
+def _rank(rank: int, model_dir: str, port: int, vocab: int, results, extra=None) -> None:
     torch.set_num_threads(1)
     import gc
 
     pc = init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "cpu")
     try:
-        core = EngineCore(_config(model_dir, 2), pc=pc)
+        core = EngineCore(_config(model_dir, 2, **(extra or {})), pc=pc)
+        if core.scheduler.spec is not None:
+            _record_drafts(core)
         out, rows = generate(core, _prompts(vocab))
         # Plain arrays: a tensor would travel as shared memory that dies with this process.
-        results.put((rank, (out, {k: v.numpy() for k, v in rows.items()})))
+        results.put((rank, (out, {k: v.numpy() for k, v in rows.items()}, _spec_counts(core))))
         # Free the model before leaving the group: tearing gloo down under live tensors can
         # abort the process at exit ("terminate called without an active exception").
         del core
@@ -63,11 +91,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tp2(model_dir: str, vocab: int):
+def run_tp2(model_dir: str, vocab: int, extra=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, model_dir, port, vocab, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, model_dir, port, vocab, results, extra)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=600) for _ in procs)
@@ -103,10 +131,38 @@ def test_tp2_equals_tp1(arch, tmp_path):
     want_out, want_rows = generate(EngineCore(_config(model_dir, 1)), _prompts(vocab))
     got = run_tp2(model_dir, vocab)
     for rank in (0, 1):
-        out, rows = got[rank]
+        out, rows, _ = got[rank]
         assert out == want_out, f"rank {rank} greedy tokens differ from tp 1"
         for rid, r in want_rows.items():
             torch.testing.assert_close(torch.from_numpy(rows[rid]), r, atol=1e-4, rtol=1e-4)
+
+
+def test_tp2_token_map_drafts_as_tp1(tmp_path):
+    """MTP drafts over a token map with the LM head split over the vocabulary: every rank
+    assembles the hot rows of both slices (the map spans both), so each rank drafts, accepts and
+    emits what one process does, and the output is plain greedy."""
+    model_dir = _preset_dir(tmp_path / "model", "inkling")
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(torch.randperm(vocab, generator=g)[:vocab // 2].tolist()))
+    spec = dict(speculative_algorithm="mtp", speculative_num_steps=2, speculative_token_map=str(path))
+    torch.set_num_threads(1)
+    plain_out, _ = generate(EngineCore(_config(model_dir, 1)), _prompts(vocab))
+    one = _record_drafts(EngineCore(_config(model_dir, 1, **spec)))
+    want_out, _ = generate(one, _prompts(vocab))
+    assert want_out == plain_out
+    want_counts = _spec_counts(one)
+    assert sum(want_counts[0]) > 0, want_counts
+    # the drafts come from both ranks' vocabulary slices (a rank with only its own would draft
+    # from half the map)
+    per_rank = (vocab + 1) // 2
+    drafted = {d for step in want_counts[2] for ds in step.values() for d in ds}
+    assert min(drafted) < per_rank <= max(drafted), sorted(drafted)
+    got = run_tp2(model_dir, vocab, spec)
+    for rank in (0, 1):
+        out, _, counts = got[rank]
+        assert out == want_out and counts == want_counts, (rank, counts, want_counts)
 
 
 def test_serve_tp2_equals_tp1(tmp_path):

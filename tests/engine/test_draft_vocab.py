@@ -14,13 +14,12 @@ What must hold, on the tiny Inkling and Llama MTP targets and a DFlash drafter (
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.spec.draft_vocab import DraftVocab, hot_tokens, load_token_map, main
+from kiln.engine.spec.draft_vocab import hot_tokens, load_token_map, main
 from kiln.models.mtp import forward_mtp_reference
 from tests.engine.test_hybrid_engine import make_core, prompts
 from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, copy_drafter, plain_core, run_plain,
@@ -167,9 +166,6 @@ def test_token_map_files_and_errors(tmp_path):
             load_token_map(str(tmp_path / name), V)
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
         EngineConfig(speculative_token_map=str(tmp_path / "a.json"))
-    head = SimpleNamespace(vocab_size=V, weight=torch.zeros(V, 4), pc=SimpleNamespace(tp_size=2))
-    with pytest.raises(ValueError, match="--tp-size 1"):
-        DraftVocab(head, [1, 2])
 
 
 def test_hot_tokens_and_the_map_writer(tmp_path, capsys):

@@ -13,7 +13,8 @@ The map is SGLang's `--speculative-token-map`: a file of token ids, `.pt` (a 1-D
 a list, as `torch.save` writes it) or `.json` (a list). `hot_tokens` builds one from token
 sequences (e.g. `kiln train-draft`'s generations): `python -m kiln.engine.spec.draft_vocab`.
 
-The hot rows are a copy of the LM head's rows ([N, H], made once), so a graph can read them at a
+The hot rows are a copy of the LM head's rows ([N, H], made once; with tensor parallelism every
+rank holds all N, gathered from the ranks' vocabulary slices), so a graph can read them at a
 fixed address; `refresh` copies them again after the weights change (RL updates, LoRA merges).
 The copy (N x H) stays on the device when RL releases the weights to the host.
 """
@@ -63,19 +64,27 @@ class DraftVocab:
         self.vocab_size = lm_head.vocab_size
         self.ids = self.weight = None
         if ids is not None:
-            if lm_head.pc.tp_size > 1:
-                raise ValueError("--speculative-token-map needs --tp-size 1 (the LM head is split over the "
-                                 "vocabulary across ranks)")
             self.ids = torch.tensor(ids, dtype=torch.int64, device=lm_head.weight.device)
             self.weight = torch.empty(len(ids), lm_head.weight.shape[1], dtype=lm_head.weight.dtype,
                                       device=lm_head.weight.device)
             self.refresh()
 
     def refresh(self) -> None:
-        """Copy the hot rows of the LM head again (after its weights changed), in place."""
-        if self.ids is not None:
-            w = self.lm_head.weight
+        """Copy the hot rows of the LM head again (after its weights changed), in place. With
+        tensor parallelism each rank holds a slice of the vocabulary's rows and every rank gets
+        every hot row: each fills in the rows of its slice, and a sum over the ranks assembles
+        them (every rank calls this, as every rank applies each weight update)."""
+        if self.ids is None:
+            return
+        w, pc = self.lm_head.weight, self.lm_head.pc
+        if pc.tp_size == 1:
             self.weight.copy_(w.index_select(0, self.ids.to(w.device)))
+            return
+        local = self.ids.to(w.device) - self.lm_head.start
+        mine = (local >= 0) & (local < w.shape[0])
+        rows = torch.zeros_like(self.weight)
+        rows[mine] = w.index_select(0, local[mine])
+        self.weight.copy_(pc.all_reduce(rows))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 draft logits [..., size]."""
