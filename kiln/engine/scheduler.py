@@ -235,8 +235,12 @@ class Scheduler:
             left_prefill = r.remaining_prefill() - 1
             left_out = r.params.max_tokens - len(r.output_ids)
             tokens += max(left_prefill, 0) + left_out * self.new_token_ratio
-            if self.spec is not None:  # the positions a round verifies before rolling back
-                tokens += self.spec.num_steps
+            if self.spec is not None:
+                # Beyond its committed tokens a request holds, at some point of a round, the
+                # positions its verify writes before rolling back (K), or those its drafter's pass
+                # writes (a block drafter's paged pass: its block, B - 1).
+                T = r.seq_len
+                tokens += max(self.spec.num_steps, self.spec.drafter.pages_needed(T, self.spec.num_steps) - T)
         return cdiv(int(tokens), self.page_size) + len(self.running)
 
     def _chunk(self, r: Req, budget: int, batch_nonempty: bool) -> int:

@@ -417,6 +417,22 @@ def test_requests_short_of_pages_for_their_block_draft_on_the_padded_pass(tmp_pa
     assert assert_block_reference(core, res, drafts) > 0
 
 
+def test_admission_reserves_each_request_its_block_on_the_paged_pass(tmp_path_factory):
+    # Admission keeps pages for what running requests will hold beyond their committed tokens:
+    # the verify's K positions, or a block drafter's block (B - 1) on the paged pass.
+    pytest.importorskip("triton")
+    from kiln.engine.io import GenerateReq
+
+    target = make_target("llama", tmp_path_factory)
+    for backend, extra in (("triton", B - 1), ("reference", 2)):
+        core = spec_core(target, 2, page_size=2, kernel_backend=backend)
+        sched = core.scheduler
+        core.add_request(GenerateReq(rid="a", input_ids=list(range(10)), params=SamplingParams(max_tokens=4)))
+        core.step()  # the prompt in one chunk: nothing left to prefill
+        sched.new_token_ratio = 0.0  # and no expected output: only the round's positions count
+        assert sched._reserved_pages() == -(-extra // 2) + 1, backend
+
+
 def test_oracle_acceptance_on_the_paged_pass(tmp_path_factory):
     # Accepted drafts on the kernel path: the next block's anchor then lands inside the previous
     # block's rows, whose K/V the pass wrote into the pool and the verify overwrote with context
