@@ -67,8 +67,8 @@ def test_block_drafter_pass_replays_from_graphs(name, tmp_path_factory):
     # (`PagedBlockPass`), its drafts gathered by the next verify on the device. Greedy output
     # equals plain greedy decoding and every draft's logits the fresh reference block forward
     # (fp32): the block rows' K/V went to the right slots and the padded graphs touched nothing else.
-    from tests.engine.test_block_drafter import (assert_block_reference, count_paged_passes, make_target,
-                                                 outputs, plain_core, spec_core)
+    from tests.engine.test_block_drafter import assert_block_reference, make_target, outputs, plain_core, spec_core
+    from tests.engine.test_block_pass import count_paged_passes
     from tests.engine.test_speculative import run_plain, run_spec
 
     target = make_target(name, tmp_path_factory)
