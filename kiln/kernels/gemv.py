@@ -162,14 +162,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
     assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-    router = weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
-    assert weight.dtype == x.dtype or router, f"weight {weight.dtype} and x {x.dtype} differ"
-    assert not router or m <= FMA_MAX_ROWS, f"an fp32 weight with {x.dtype} rows takes 1..{FMA_MAX_ROWS} rows"
+    # half-precision rows against an fp32 weight (the routers): widened in the kernel, fp32 result
+    widen = weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+    assert weight.dtype == x.dtype or widen, f"weight {weight.dtype} and x {x.dtype} differ"
+    assert not widen or m <= FMA_MAX_ROWS, f"an fp32 weight with {x.dtype} rows takes 1..{FMA_MAX_ROWS} rows"
     assert not glu or (m <= FMA_MAX_ROWS and n % 2 == 0), f"glu takes 1..{FMA_MAX_ROWS} rows and [2I, K] weights"
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n_out = n // 2 if glu else n
-    y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if router else x.dtype)
+    y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
     args = (x, weight, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     if m <= FMA_MAX_ROWS:
