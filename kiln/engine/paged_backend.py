@@ -236,7 +236,8 @@ class PagedBackend:
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
-                                             batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale)
+                                             batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale,
+                                             q_pos=batch.positions)
             # A tight bound on the blocks any sequence spans keeps the score grid small; a graph's
             # batch has no host lengths (they are placeholders), so its grid spans the context.
             max_len = None if batch.in_graph else max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))

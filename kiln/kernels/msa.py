@@ -6,9 +6,13 @@ token: the request row of `req_to_token` it reads and its absolute position `q_p
 
 1. block scores  S[row, g, b] = max over keys t of block b with t <= q_pos of qI.kI / sqrt(DI)
    (-inf when block b holds no such key). Decode reads every cached index key of every
-   sequence, so this is the bandwidth-bound part: one program per (block, kv head, row) streams
-   that block's index keys once (`_decode_scores_kernel`). Chunked prefill scores a tile of
-   queries of one sequence against a block with one `tl.dot` (`_extend_scores_kernel`).
+   sequence, so this is the bandwidth-bound part: each (kv head, row) has a fixed number of
+   programs, and each streams every P-th block's index keys once, up to the query's own block
+   (`_decode_scores_kernel`). Chunked prefill scores a tile of queries of one sequence against
+   a block with one `tl.dot` (`_extend_scores_kernel`), with the same loop over blocks. The loop
+   is bounded by the row's length, not the grid: a grid of one program per block of the longest
+   context a graph may see cost MiniMax-M3 `bench` 25 us per layer at a 1K context (131072 / 128
+   blocks x 4 heads, nearly all idle).
 2. selection (`_select_kernel`, one program per (row, kv head)): exactly `select_blocks` -
    all causal blocks when there are at most N, else the N-1 best history blocks, best first,
    equal scores to the lower id, then the local block; -1 pads. Each block becomes one int64 key
@@ -20,10 +24,11 @@ token: the request row of `req_to_token` it reads and its absolute position `q_p
    split per row (flash-decoding: small batches need more programs than rows x heads),
    `_combine_kernel` merges the partial softmaxes.
 
-Everything launches on grids sized from shapes only (the number of blocks comes from `max_len`,
+Everything launches on grids sized from shapes only (the scores' width comes from `max_len`,
 default `req_to_token.shape[1]`), with no host sync: `msa_decode` can be captured in a CUDA graph.
-Loop bounds are compile-time constants and runs past the data are masked; this is also what
-Triton's interpreter (CPU tests) needs, as it cannot iterate over runtime-valued ranges.
+Loops over blocks are `while` loops on a loaded length (Triton's interpreter, which runs the CPU
+tests, cannot take a loaded value as a `range` bound); loops within a block have compile-time
+bounds and mask what runs past the data.
 """
 
 from __future__ import annotations
@@ -70,9 +75,13 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
                           s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di,
                           DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           TILE_T: tl.constexpr, PDL: tl.constexpr):
-    """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max."""
+    """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max.
+
+    Program p of a (head, row) scores blocks p, p + P, .. (P = the grid's first dimension) up to
+    the query's own block, a loop bounded by the row's length: the grid is sized to fill the GPU,
+    not by the longest possible context (a captured graph's grid spans the context, which cost
+    one program per block of it, nearly all idle). Blocks past the query's are not written."""
     wait_for_previous(PDL)
-    blk = tl.program_id(0)
     g = tl.program_id(1)
     row = tl.program_id(2)
     qp = tl.load(qpos_ptr + row)
@@ -81,22 +90,25 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
     dmask = offs_d < DI
     q = tl.load(qI_ptr + row * s_qr + g * s_qg + offs_d, mask=dmask, other=0.0).to(tl.float32)
     offs_t = tl.arange(0, TILE_T)
-    best = tl.full([TILE_T], float("-inf"), tl.float32)
-    for t0 in range(0, BLOCK_SIZE, TILE_T):
-        t = t0 + offs_t
-        pos = blk * BLOCK_SIZE + t
-        # Keys past the query are masked before their slot is read: req_to_token holds stale
-        # or zero slots there. Fully masked tiles (blocks past the sequence) issue no loads.
-        tmask = (t < BLOCK_SIZE) & (pos <= qp)
-        slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
-        k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
-                    mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        logit = tl.sum(k * q[None, :], axis=1)
-        best = tl.maximum(best, tl.where(tmask, logit, float("-inf")))
-    # max commutes with the division (rounding is monotone), so this equals the reference's
-    # max of (qI.kI / sqrt(DI)) up to the order of the dot product's sum.
-    score = tl.max(best, axis=0) / sqrt_di
-    tl.store(s_ptr + row * s_sr + g * s_sg + blk, score)
+    blk = tl.program_id(0)
+    while blk <= qp // BLOCK_SIZE:
+        best = tl.full([TILE_T], float("-inf"), tl.float32)
+        for t0 in range(0, BLOCK_SIZE, TILE_T):
+            t = t0 + offs_t
+            pos = blk * BLOCK_SIZE + t
+            # Keys past the query are masked before their slot is read: req_to_token holds stale
+            # or zero slots there.
+            tmask = (t < BLOCK_SIZE) & (pos <= qp)
+            slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
+            k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
+                        mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            logit = tl.sum(k * q[None, :], axis=1)
+            best = tl.maximum(best, tl.where(tmask, logit, float("-inf")))
+        # max commutes with the division (rounding is monotone), so this equals the reference's
+        # max of (qI.kI / sqrt(DI)) up to the order of the dot product's sum.
+        score = tl.max(best, axis=0) / sqrt_di
+        tl.store(s_ptr + row * s_sr + g * s_sg + blk, score)
+        blk += tl.num_programs(0)
 
 
 @triton.jit
@@ -111,11 +123,11 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
 
     Programs are laid out over an upper bound of the tile count; tile_end_ptr holds the running
     total of tiles per sequence, so a program finds its sequence by counting the ends <= its id
-    (programs past the last tile store nothing).
+    (programs past the last tile store nothing). As in the decode kernel, program p of a tile
+    scores blocks p, p + P, .. up to the tile's last visible key, whatever the grid's size.
     """
     wait_for_previous(PDL)
     tile = tl.program_id(0)
-    blk = tl.program_id(1)
     g = tl.program_id(2)
     offs_s = tl.arange(0, NUM_SEQS_P)
     ends = tl.load(tile_end_ptr + offs_s, mask=offs_s < num_seqs, other=2147483647)
@@ -136,20 +148,24 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     q = tl.load(qI_ptr + rows[:, None] * s_qr + g * s_qg + offs_d[None, :],
                 mask=qmask[:, None] & dmask[None, :], other=0.0)
     offs_t = tl.arange(0, TILE_T)
-    best = tl.full([TILE_Q], float("-inf"), tl.float32)
-    for t0 in range(0, BLOCK_SIZE, TILE_T):
-        t = t0 + offs_t
-        pos = blk * BLOCK_SIZE + t
-        # A key is needed if some live query of the tile sees it; the last live query's position
-        # is prefix + min(n, tile end) - 1.
-        tmask = live & (t < BLOCK_SIZE) & (pos < prefix + tl.minimum(n, (tile - first_tile + 1) * TILE_Q))
-        slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
-        k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
-                    mask=tmask[:, None] & dmask[None, :], other=0.0)
-        logit = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [TILE_Q, TILE_T], fp32
-        vis = tmask[None, :] & (pos[None, :] <= q_pos[:, None])
-        best = tl.maximum(best, tl.max(tl.where(vis, logit, float("-inf")), axis=1))
-    tl.store(s_ptr + rows * s_sr + g * s_sg + blk, best / sqrt_di, mask=qmask)
+    # A key is needed if some live query of the tile sees it: positions below `end`, one past
+    # the last live query's (prefix + min(n, tile end) - 1); a dead program has end = 0.
+    end = tl.where(live, prefix + tl.minimum(n, (tile - first_tile + 1) * TILE_Q), 0)
+    blk = tl.program_id(1)
+    while blk < (end + BLOCK_SIZE - 1) // BLOCK_SIZE:
+        best = tl.full([TILE_Q], float("-inf"), tl.float32)
+        for t0 in range(0, BLOCK_SIZE, TILE_T):
+            t = t0 + offs_t
+            pos = blk * BLOCK_SIZE + t
+            tmask = (t < BLOCK_SIZE) & (pos < end)
+            slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
+            k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
+                        mask=tmask[:, None] & dmask[None, :], other=0.0)
+            logit = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [TILE_Q, TILE_T], fp32
+            vis = tmask[None, :] & (pos[None, :] <= q_pos[:, None])
+            best = tl.maximum(best, tl.max(tl.where(vis, logit, float("-inf")), axis=1))
+        tl.store(s_ptr + rows * s_sr + g * s_sg + blk, best / sqrt_di, mask=qmask)
+        blk += tl.num_programs(1)
 
 
 # ---- 2. selection ----------------------------------------------------------------------------
@@ -317,14 +333,21 @@ def _num_blocks(req_to_token: torch.Tensor, block_size: int, max_len: Optional[i
     return max(1, -(-length // block_size))
 
 
+def _score_programs(rows: int, g: int, nb: int, device: torch.device) -> int:
+    """Programs per (row, head) of the decode score kernel: enough for ~4 waves of its 16-warp
+    programs across the batch, at most one per block. The grid never depends on the lengths."""
+    return max(1, min(nb, -(-4 * _programs_wanted(device) // (rows * g))))
+
+
 def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
                       req_slots: torch.Tensor, q_pos: torch.Tensor, block_size: int,
-                      max_len: Optional[int] = None) -> torch.Tensor:
+                      max_len: Optional[int] = None, programs: Optional[int] = None) -> torch.Tensor:
     """Block scores S [R, G, NB] fp32 of one query per row, NB = ceil(max_len / block_size).
 
     qI: [R, G, DI]; ki_cache: [slots, G, DI]; req_slots, q_pos: [R] int64 (the row of
-    req_to_token and the query's position; it sees positions 0..q_pos). Blocks with no visible
-    key (past the query) are -inf.
+    req_to_token and the query's position; it sees positions 0..q_pos). Only the blocks up to
+    the query's own (0..q_pos // block_size) are written; the rest hold anything (`msa_select`
+    reads none of them). `programs` overrides the programs per (row, head) (tests).
     """
     r, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
@@ -334,7 +357,8 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     if r == 0:
         return scores
     tile_t, warps = _scores_config(block_size)
-    _decode_scores_kernel[(nb, g, r)](
+    per_row = programs or _score_programs(r, g, nb, qI.device)
+    _decode_scores_kernel[(per_row, g, r)](
         qI, ki_cache, req_to_token, req_slots, q_pos, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di),
@@ -420,7 +444,7 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
                seq_lens: torch.Tensor, block_size: int, topk_blocks: int, scale: float,
-               max_len: Optional[int] = None) -> torch.Tensor:
+               max_len: Optional[int] = None, q_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MSA decode: one query per sequence at position seq_len - 1, whose K, V and kI are already
     in the caches. Same result as `kiln.ops.msa.paged_msa_attention` with prefix_lens =
     seq_lens - 1 and extend_lens = 1.
@@ -428,9 +452,10 @@ def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     q: [B, Hq, D]; qI: [B, G, DI]; k_cache, v_cache: [slots, G, D]; ki_cache: [slots, G, DI];
     req_to_token: [rows, L]; req_slots, seq_lens: [B] int64 on the device. `max_len` bounds the
     sequence lengths (default L); it sets the grid of the score kernel, so keep it fixed across
-    replays of a captured graph. Returns [B, Hq, D] in q's dtype.
+    replays of a captured graph. `q_pos` may pass seq_lens - 1 when the caller has it (the
+    engine's decode positions), saving a launch per layer. Returns [B, Hq, D] in q's dtype.
     """
-    q_pos = seq_lens - 1
+    q_pos = seq_lens - 1 if q_pos is None else q_pos
     scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len)
     sel = msa_select(scores, q_pos, block_size, topk_blocks)
     return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale)
@@ -444,10 +469,11 @@ _EXTEND_TILE_Q = 32
 def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
                       req_slots: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                       extend_starts: torch.Tensor, block_size: int,
-                      max_len: Optional[int] = None) -> torch.Tensor:
+                      max_len: Optional[int] = None, programs: Optional[int] = None) -> torch.Tensor:
     """Block scores S [T, G, NB] fp32 for the new queries of several sequences (concatenated in
     qI [T, G, DI]; sequence s has extend_lens[s] queries from row extend_starts[s], at positions
-    prefix_lens[s]..). Blocks with no key visible to a query are -inf."""
+    prefix_lens[s]..). Blocks with no key visible to a query are -inf. `programs` overrides the
+    programs per (query tile, head) (tests)."""
     t, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
     nb = _num_blocks(req_to_token, block_size, max_len)
@@ -458,8 +484,9 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     tq = _EXTEND_TILE_Q
     tile_end = torch.cumsum((extend_lens + tq - 1) // tq, 0)
     max_tiles = -(-t // tq) + ns  # each sequence wastes less than one tile
-    assert nb <= 65535 and g <= 65535
-    _extend_scores_kernel[(max_tiles, nb, g)](
+    per_tile = programs or max(1, min(nb, -(-4 * _programs_wanted(qI.device) // (max_tiles * g))))
+    assert per_tile <= 65535 and g <= 65535
+    _extend_scores_kernel[(max_tiles, per_tile, g)](
         qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, tile_end, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di), ns,

@@ -107,6 +107,20 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
+def moe_gemv(shared: bool) -> None:
+    """The MoE one-token path (`kiln.kernels.moe`) at the bench shape's tiles: a data-dependent
+    expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel."""
+    from kiln.kernels.moe import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
+
+    up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
+    w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr")}
+    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32"}
+    ks = 8 if shared else 6
+    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up))
+    compile_sm90(_expert_down_gemv_kernel, types, dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True,
+                                                       **down))
+
+
 def gemv_router() -> None:
     """The routers' GEMV: bf16 rows, an fp32 weight and fp32 logits, up to 4 rows."""
     from kiln.kernels.gemv import _gemv_fma_kernel, fma_tile
@@ -136,14 +150,27 @@ def gemv(fma: bool, glu: bool = False) -> None:
     assert "ld.global.v4" in ptx[:wait], "the weight stream must start before the PDL wait"
 
 
+def msa_scores() -> None:
+    """The MSA score kernels loop over blocks with a `while` on a loaded length (the compiler must
+    accept the loop-carried block id next to a loaded int64 position)."""
+    from kiln.kernels.msa import _decode_scores_kernel, _extend_scores_kernel
+
+    i64 = ("r2t_ptr", "rslot_ptr", "qpos_ptr", "seq_rslot_ptr", "seq_prefix_ptr", "seq_len_ptr", "seq_start_ptr")
+    types = {"qI_ptr": "*bf16", "kI_ptr": "*bf16", "s_ptr": "*fp32", "sqrt_di": "fp32", "tile_end_ptr": "*i64",
+             **{n: "*i64" for n in i64}}
+    compile_sm90(_decode_scores_kernel, types, dict(DI=128, DI_P=128, BLOCK_SIZE=128, TILE_T=64, PDL=True))
+    compile_sm90(_extend_scores_kernel, types, dict(NUM_SEQS_P=4, DI=128, DI_P=128, BLOCK_SIZE=128, TILE_Q=32,
+                                                    TILE_T=64, DOT_PREC="tf32", PDL=True))
+
+
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
-         "gemv_router": gemv_router,
+         "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
-         "rope": rope}
+         "rope": rope, "msa_scores": msa_scores}
 
 
 def test_kernels_compile_for_sm90():

@@ -94,8 +94,9 @@ def reference_selection(c: Case, block, topk):
     return torch.cat(out)
 
 
-def check_scores(got, c: Case, block):
-    """Kernel scores [T, G, NB] equal the reference's on every causal block, -inf on the rest."""
+def check_scores(got, c: Case, block, past_written=True):
+    """Kernel scores [T, G, NB] equal the reference's on every causal block, and are -inf on the
+    rest where the kernel writes them (`past_written`; the decode kernel leaves them as they were)."""
     start = 0
     for slot, prefix, n in zip(c.req_slots.tolist(), c.prefix_lens, c.extend_lens):
         total = prefix + n
@@ -107,7 +108,8 @@ def check_scores(got, c: Case, block):
         finite = torch.isfinite(ref)
         assert torch.equal(finite, torch.isfinite(mine[..., :nb]))
         torch.testing.assert_close(mine[..., :nb][finite], ref[finite], rtol=1e-5, atol=1e-5)
-        assert torch.isneginf(mine[..., nb:]).all()
+        if past_written:
+            assert torch.isneginf(mine[..., nb:]).all()
         start += n
 
 
@@ -133,12 +135,35 @@ def test_decode_matches_reference(device, kind, ties):
     q_pos = c.seq_lens - 1
     scores = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"])
     assert scores.shape == (len(lens), p["g"], p["max_len"] // p["block"])
-    check_scores(scores, c, p["block"])
+    check_scores(scores, c, p["block"], past_written=False)
     sel = K.msa_select(scores, q_pos, p["block"], p["topk"])
     assert torch.equal(sel, reference_selection(c, p["block"], p["topk"]))
     out = K.msa_decode(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
                        c.seq_lens, p["block"], p["topk"], scale)
     torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("programs", [2, 5, 12])
+def test_score_programs_stride_over_blocks(device, programs):
+    """Each program scores every P-th block up to its row's (or query tile's) last one, whatever
+    P is: fewer programs than blocks (each loops), as many, more (some score nothing). Decode
+    leaves the blocks past each query unwritten, so only the causal ones are compared there."""
+    p = TINY
+    lens = DECODE_LENS["long"]
+    c = make_case(device, torch.float32, [n - 1 for n in lens], [1] * len(lens), p["hq"], p["g"],
+                  p["d"], p["di"], p["max_len"], seed=4)
+    q_pos = c.seq_lens - 1
+    scores = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"],
+                                 programs=programs)
+    check_scores(scores, c, p["block"], past_written=False)
+    prefix, ext = [20, 7, 0], [6, 1, 5]
+    c = make_case(device, torch.float32, prefix, ext, p["hq"], p["g"], p["d"], p["di"], p["max_len"], seed=5)
+    dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    starts = dev([sum(ext[:i]) for i in range(len(ext))])
+    scores = K.msa_extend_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, dev(prefix), dev(ext),
+                                 starts, p["block"], programs=programs)
+    check_scores(scores, c, p["block"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
