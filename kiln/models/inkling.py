@@ -30,6 +30,9 @@ from kiln.models.llama import LlamaMLP
 from kiln.models.mtp import MTPHost, MTPLayer, replicated_linear
 
 
+ATTN_SCALE = "attn_scale"  # ForwardBatch.extras key: this forward's lam [T], shared by its full layers
+
+
 def attn_scale(positions: torch.Tensor, beta: float, floor_scale: float) -> torch.Tensor:
     """lam_i = 1 + beta * ln(floor((i + 1) / floor_scale) + 1) per absolute position i (fp32).
 
@@ -112,7 +115,11 @@ class InklingAttention(nn.Module):
         t, d = x.shape[0], self.attn.head_dim
         nh, nkv = self.attn.num_heads, self.attn.num_kv_heads
         q, k, v, r = self.qkvr_proj.split(decode_linear(self.qkvr_proj, x, batch))
-        lam = attn_scale(batch.positions, self.beta, self.floor_scale) if self.full else None  # [T] fp32
+        lam = None
+        if self.full:  # [T] fp32, computed once per forward by InklingModel (MTP layers: here)
+            lam = batch.extras.get(ATTN_SCALE)
+            if lam is None:
+                lam = attn_scale(batch.positions, self.beta, self.floor_scale)
         if self._fused_prologue(x, batch):
             q, k, v = batch.backend.conv_qk_norm(self, q, k, v, batch, lam)
         else:
@@ -177,12 +184,21 @@ class InklingModel(nn.Module):
                                 l - cfg.first_k_dense_layers if cfg.is_moe(l) else None, True, pc)
             for l in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.beta, self.floor_scale = cfg.attn_scale_beta, cfg.attn_scale_floor
+        self.has_full = any(not cfg.is_sliding(l) for l in range(cfg.num_hidden_layers))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
-        for i, layer in enumerate(self.layers):
-            batch.capture(i, h, residual)
-            h, residual = layer(h, batch, residual)
+        # lam depends on the positions only: one computation (six small launches) serves every
+        # full layer of this forward. Dropped at the end, so no later forward sees a stale one.
+        if self.has_full:
+            batch.extras[ATTN_SCALE] = attn_scale(batch.positions, self.beta, self.floor_scale)
+        try:
+            for i, layer in enumerate(self.layers):
+                batch.capture(i, h, residual)
+                h, residual = layer(h, batch, residual)
+        finally:
+            batch.extras.pop(ATTN_SCALE, None)
         return self.norm(h, batch, residual)[0]
 
 

@@ -185,3 +185,32 @@ def test_checkpoint_round_trip(tmp_path, tie):
                                    atol=0, rtol=0)
     with pytest.raises(ValueError, match="missing"):
         tiny_inkling().load_weights((k, v) for k, v in sd.items() if "experts.3." not in k or "shared" in k)
+
+
+def test_one_attn_scale_per_forward(model, monkeypatch):
+    """The full layers share one lam per forward (computed by InklingModel from the positions),
+    and no later forward can see it: the logits equal per-layer computation's, and the batch
+    keeps no lam afterwards."""
+    import kiln.models.inkling as inkling
+    from kiln.models.reference import packed_batch
+
+    model = tiny_inkling(seed=3, num_hidden_layers=12)  # two full layers (5 and 11)
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = inkling.attn_scale
+    monkeypatch.setattr(inkling, "attn_scale", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        batch = packed_batch(ids, [40])
+        shared = model.compute_logits(model(batch), batch)
+        assert len(calls) == 1 and inkling.ATTN_SCALE not in batch.extras
+        monkeypatch.setattr(inkling.InklingModel, "forward", _forward_without_shared_lam)
+        alone = packed_forward(model, ids, [40])[0]
+    assert len(calls) == 3  # one per full layer without the shared value
+    torch.testing.assert_close(shared, alone, atol=0, rtol=0)
+
+
+def _forward_without_shared_lam(self, batch):
+    h, residual = self.embed_tokens(batch.input_ids), None
+    for layer in self.layers:
+        h, residual = layer(h, batch, residual)
+    return self.norm(h, batch, residual)[0]
