@@ -1,6 +1,7 @@
 """MoE: Triton kernels (`kiln.kernels.moe`) vs the PyTorch references (`kiln.ops.moe`), CUDA only.
 
     python -m benchmarks.kernels.moe [--tokens 1 8 64 256 8192] [--sweep]
+    python -m benchmarks.kernels.moe --gemv [T ...]
 
 Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
 two shared experts. Rows:
@@ -16,11 +17,20 @@ shared ones, over the graph time.
 
 `--sweep` times the fused call with other tile configs per token count and prints the best ones
 (how `kiln.kernels.moe.pick_config` was chosen).
+
+`--gemv` (instead of the table above) times `fused_experts`' two paths against each other at T=1
+(or the given token counts) on the Inkling and MiniMax-M3 bench presets' MoE, read from
+`kiln.models.presets`: Inkling's S=2 weighted shared experts of width I, MiniMax-M3's one
+unweighted shared expert of width num_shared_experts * I (as `kiln.layers.moe` builds them). Both
+replay from a CUDA graph over COPIES copies of the weights; TB/s counts the expert weight bytes a
+call must read (the experts hit, plus the shared ones). The grouped path is forced with an
+explicit config, the GEMV path past one token by raising `GEMV_MAX_TOKENS` while it is captured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -28,12 +38,12 @@ E, K, H, I, S = 64, 6, 2048, 512, 2
 COPIES = 8
 
 
-def _weights(n, dtype, dev, gen):
+def _weights(n, dtype, dev, gen, e=E, h=H, i=I, shared_inter=S * I):
     def rnd(*shape, fan_in):
         return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).div_(fan_in ** 0.5).to(dtype)
 
-    return [dict(w13=rnd(E, 2 * I, H, fan_in=H), w2=rnd(E, H, I, fan_in=I),
-                 sw13=rnd(2 * S * I, H, fan_in=H), sw2=rnd(H, S * I, fan_in=I)) for _ in range(n)]
+    return [dict(w13=rnd(e, 2 * i, h, fan_in=h), w2=rnd(e, h, i, fan_in=i),
+                 sw13=rnd(2 * shared_inter, h, fan_in=h), sw2=rnd(h, shared_inter, fan_in=i)) for _ in range(n)]
 
 
 def _graph_time(fn) -> float:
@@ -114,13 +124,85 @@ def sweep(tokens, dtype, dev, gen) -> None:
             print(f"   {us:8.1f} us  BLOCK_M={cfg.block_m} up={cfg.up} down={cfg.down}")
 
 
+def bench_shapes() -> list[tuple]:
+    """(arch, E, k, H, I, shared chunks, shared weights given) of the hybrid bench presets' MoE."""
+    from kiln.models.presets import PRESETS
+
+    shapes = []
+    for arch in ("inkling", "minimax_m3"):
+        c = PRESETS[arch]["bench"]
+        shapes.append((arch, c["num_experts"], c["num_experts_per_tok"], c["hidden_size"],
+                       c["moe_intermediate_size"], c["num_shared_experts"], arch == "inkling"))
+    return shapes
+
+
+@contextlib.contextmanager
+def _gemv_max_tokens(n: int):
+    from kiln.kernels import moe as KM
+
+    saved = KM.GEMV_MAX_TOKENS
+    KM.GEMV_MAX_TOKENS = n
+    try:
+        yield
+    finally:
+        KM.GEMV_MAX_TOKENS = saved
+
+
+def gemv_vs_grouped(tokens, dtype, dev, gen) -> None:
+    print(f"fused_experts at few tokens: grouped path vs GEMV path, {dtype}, graph median us per call, "
+          f"TB/s of expert weights read")
+    head = (f"{'model':<11} {'E':>3} {'k':>2} {'H':>5} {'I':>4} {'C':>2} {'T':>3} {'MB':>6} "
+            f"{'grouped':>8} {'TB/s':>5} {'gemv':>8} {'TB/s':>5} {'speedup':>7} {'max diff':>9}")
+    print(head)
+    print("-" * len(head))
+    for shape in bench_shapes():
+        _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen)
+        torch.cuda.empty_cache()  # the next shape's copies
+
+
+def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
+    from kiln.kernels import moe as KM
+
+    arch, e, k, h, i, chunks, weighted = shape
+    elt = torch.finfo(dtype).bits // 8
+    layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
+    for t in tokens:
+        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
+        w = torch.rand(t, k, generator=gen, device=dev)
+        sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
+        nbytes = (torch.unique(ids).numel() + chunks) * 3 * i * h * elt
+
+        def calls(config):
+            def fn():
+                return [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),
+                                         config=config) for L in layers]
+            return fn
+
+        grouped = calls(KM.pick_config(t, k, e, h, i))
+        gemv = calls(None)
+        grouped_us = _graph_time(grouped) / COPIES
+        with _gemv_max_tokens(t):
+            gemv_us = _graph_time(gemv) / COPIES
+            diff = (gemv()[0].float() - grouped()[0].float()).abs().max().item()
+        print(f"{arch:<11} {e:>3} {k:>2} {h:>5} {i:>4} {chunks:>2} {t:>3} {nbytes / 1e6:>6.1f} "
+              f"{grouped_us:>8.1f} {nbytes / grouped_us / 1e6:>5.2f} {gemv_us:>8.1f} "
+              f"{nbytes / gemv_us / 1e6:>5.2f} {grouped_us / gemv_us:>6.2f}x {diff:>9.2e}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
     ap.add_argument("--sweep", action="store_true", help="time other tile configs too")
+    ap.add_argument("--gemv", type=int, nargs="*", metavar="T",
+                    help="only time the grouped path against the GEMV path, at T tokens (default 1)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.moe needs CUDA")
+    if args.gemv is not None:
+        dev = torch.device("cuda")
+        gemv_vs_grouped(args.gemv or [1], torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))
+        return
 
     from kiln.kernels import moe as KM
     from kiln.ops import moe as R
