@@ -136,7 +136,11 @@ class PagedBackend:
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
         positions = batch.extras.get("positions_cpu")
-        if gap > 1 or offset or positions is not None:  # an MTP layer (explicit query positions)
+        mtp = gap > 1 or offset or positions is not None
+        if not (self.use_kernels and batch.mode == ForwardMode.DECODE and not mtp):
+            # only the decode kernel computes Inkling's bias from its projection's input
+            rel = attn_ops.materialized(rel)
+        if mtp:  # an MTP layer (explicit query positions)
             if self.use_kernels and batch.max_extend_len <= SHORT_EXTEND:  # a decode round's pass
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
                                                     batch.positions + 1, layer.scale, win, rel, key_gap=gap,

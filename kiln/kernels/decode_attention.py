@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.ops.attention import RelProjection
 
 
 LOG2E = 1.4426950408889634
@@ -95,12 +96,26 @@ def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _projected_bias(rel_r, RelW, stride_rw, lam, query_pos, pos, n_mask, offs_r, r_mask,
+                    DOT_PRECISION: tl.constexpr):
+    """[BLOCK_G, BLOCK_N] bias of `kiln.ops.attention.RelProjection`: each head's r [BLOCK_G,
+    BLOCK_R] against the row of P at each key's distance, rounded to P's dtype as the projection's
+    output is, then times lam (fp32)."""
+    w = tl.load(RelW + (query_pos - pos)[:, None] * stride_rw + offs_r[None, :],
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    bias = tl.dot(rel_r, tl.trans(w), input_precision=DOT_PRECISION)
+    return bias.to(RelW.dtype.element_ty).to(tl.float32) * lam
+
+
+@triton.jit
 def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
-                 scale_log2, rel_row, g_mask, d_mask, query_pos, key_gap, BLOCK_N: tl.constexpr,
+                 scale_log2, rel_row, g_mask, d_mask, query_pos, key_gap, rel_r, RelW, stride_rw, lam,
+                 offs_r, r_mask, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, APPLY_REL: tl.constexpr, HAS_GAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, REL_PROJ: tl.constexpr):
     """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one). rel_row
-    points at each head's bias for distance 0 shifted by the query position: rel_row - pos.
+    points at each head's bias for distance 0 shifted by the query position: rel_row - pos; with
+    REL_PROJ the bias is computed from rel_r and P instead (`_projected_bias`).
     HAS_GAP (MTP layers): keys at distances 1 .. key_gap - 1 are hidden."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -114,7 +129,11 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
     k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if APPLY_REL:
-        bias = tl.load(rel_row - pos[None, :], mask=g_mask[:, None] & n_mask[None, :], other=0.0)
+        if REL_PROJ:
+            bias = _projected_bias(rel_r, RelW, stride_rw, lam, query_pos, pos, n_mask, offs_r, r_mask,
+                                   DOT_PRECISION)
+        else:
+            bias = tl.load(rel_row - pos[None, :], mask=g_mask[:, None] & n_mask[None, :], other=0.0)
         s += bias.to(tl.float32) * 1.4426950408889634
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -156,14 +175,15 @@ def _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel, Counters,
-    scale_log2, window, rel_len, num_splits, key_gap, key_offset,
+    Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel, Counters, RelW, Lam,
+    scale_log2, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh, stride_rw,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr, REL_PROJ: tl.constexpr = False,
+    HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -204,15 +224,27 @@ def _decode_kernel(
     if HAS_REL:
         rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), end)
     rel_row = Rel + b * stride_relb + heads[:, None] * stride_relh + query_pos
+    # REL_PROJ: Rel holds r [B, Hq, d_r] (its strides in stride_relb / stride_relh), RelW P [R, d_r]
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rel_dim
+    rel_r = tl.zeros([BLOCK_G, BLOCK_R], K.dtype.element_ty)
+    lam = 1.0
+    if REL_PROJ:
+        rel_r = tl.load(Rel + b * stride_relb + heads[:, None] * stride_relh + offs_r[None, :],
+                        mask=g_mask[:, None] & r_mask[None, :], other=0.0).to(RelW.dtype.element_ty)
+        if HAS_LAM:
+            lam = tl.load(Lam + b)
     for n0 in range(start, rel_start, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, n0, rel_start, m_i, l_i, acc, token_row, k_base, v_base,
                                      stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
-                                     key_gap, BLOCK_N, BLOCK_D, False, HAS_GAP, DOT_PRECISION)
+                                     key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
+                                     BLOCK_N, BLOCK_D, False, HAS_GAP, DOT_PRECISION, REL_PROJ)
     if HAS_REL:
         for n0 in range(rel_start, end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
                                          stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
-                                         key_gap, BLOCK_N, BLOCK_D, True, HAS_GAP, DOT_PRECISION)
+                                         key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
+                                         BLOCK_N, BLOCK_D, True, HAS_GAP, DOT_PRECISION, REL_PROJ)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
@@ -286,7 +318,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     position seq_len - 1 whose K/V are already in k_cache/v_cache [num_slots, Hkv, D];
     req_to_token [rows, max_context] (int32/int64) maps (req_slots[b], position) to a cache slot;
     seq_lens [B] int64; optional sliding window W (keys with seq_len - 1 - j < W) and rel
-    [B, Hq, R] bias added to the scaled logit at distance seq_len - 1 - j < R.
+    [B, Hq, R] bias added to the scaled logit at distance seq_len - 1 - j < R; rel may also be a
+    `RelProjection` (r [B, Hq, d_r], P [R, d_r], lam [B]), whose bias the kernel computes per key.
 
     max_len: host bound on seq_lens used only to size the grid (default req_to_token.shape[1]);
     results do not depend on it. num_splits overrides the split count (tests, tuning). A
@@ -315,10 +348,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = pick_num_splits(b, hkv, max_keys, q.device)
     cfg = decode_config(block_d, q.device)
     block_n = cfg["block_n"]
+    proj = rel if isinstance(rel, RelProjection) else None
+    if proj is not None:
+        rel = proj.r
+        assert proj.weight.stride(-1) == 1 and proj.weight.shape[1] == rel.shape[2]
+        rel_len, rel_dim = proj.weight.shape
+        lam = proj.lam if proj.lam is not None else seq_lens  # never read without a lam
+    else:
+        rel_len, rel_dim, lam = (rel.shape[2] if rel is not None else 0), 0, seq_lens
     if rel is not None:
-        assert rel.shape[:2] == (b, hq), f"rel must be [B, Hq, R], got {tuple(rel.shape)}"
+        assert rel.shape[:2] == (b, hq), f"rel must be [B, Hq, R] (or r [B, Hq, d_r]), got {tuple(rel.shape)}"
         rel = rel if rel.stride(-1) == 1 else rel.contiguous()
     rel_arg = rel if rel is not None else q  # never read without HAS_REL
+    rel_w = proj.weight if proj is not None else q  # never read without REL_PROJ
     if num_splits > 1:
         mid_o = torch.empty(b, hq, num_splits, d, device=q.device, dtype=torch.float32)
         mid_lse = torch.empty(b, hq, num_splits, device=q.device, dtype=torch.float32)
@@ -332,11 +374,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters = split_counters if merge_here else req_slots.new_empty(1, dtype=torch.int32)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg, counters,
-        scale * LOG2E, window, rel.shape[2] if rel is not None else 0, num_splits, key_gap, key_offset,
+        rel_w, lam, scale * LOG2E, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1),
+        req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1), rel_w.stride(0),
+        REL_PROJ=proj is not None, HAS_LAM=proj is not None and proj.lam is not None,
+        BLOCK_R=max(16, triton.next_power_of_2(rel_dim)),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),

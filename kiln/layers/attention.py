@@ -53,7 +53,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rel: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
         """q: [T, Hq*D] (or [T, Hq, D]), k/v: [T, Hkv*D] (or [T, Hkv, D]), rel: [T, Hq, R] (or
-        [T, Hq*R]) or None -> [T, Hq*D]. `rope` = (RotaryEmbedding, positions [T]) rotates q and
+        [T, Hq*R]), a `kiln.ops.attention.RelProjection` of one, or None -> [T, Hq*D]. `rope` = (RotaryEmbedding, positions [T]) rotates q and
         k first: given here rather than applied by the model, the engine's kernel path fuses the
         rotation with the cache write (`PagedBackend.rope_attention`)."""
         t = q.shape[0]
@@ -66,7 +66,9 @@ class Attention(nn.Module):
                 o = batch.backend.rope_attention(self, rotary, positions, q, k, v, batch)
                 return o.reshape(t, self.num_heads * self.head_dim)
             q, k = rotary(positions, q, k, batch)
-        if rel is not None:
+        if isinstance(rel, ref_ops.RelProjection):  # the backend computes the bias (or materialises it)
+            o = batch.backend.attention(self, q, k, v, batch, rel=rel)
+        elif rel is not None:
             rel = rel.view(t, self.num_heads, rel.shape[-1] // (self.num_heads if rel.dim() == 2 else 1))
             o = batch.backend.attention(self, q, k, v, batch, rel=rel)
         else:
@@ -79,8 +81,8 @@ class PackedAttentionBackend:
 
     def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
         assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
-        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window, rel,
-                                        getattr(layer, "key_gap", 0))
+        return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window,
+                                        ref_ops.materialized(rel), getattr(layer, "key_gap", 0))
 
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Whole sequences: taps before each sequence start read zeros."""

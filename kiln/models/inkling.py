@@ -20,6 +20,7 @@ from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
 from kiln.layers.decode_gemv import decode_linear
+from kiln.ops.attention import RelProjection
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -129,9 +130,8 @@ class InklingAttention(nn.Module):
             k = self.k_norm(k.reshape(t, nkv, d), batch)
             if lam is not None:
                 q = (q.float() * lam[:, None, None]).to(q.dtype)
-        rel = self.rel_proj(r.reshape(t, nh, self.qkvr_proj.rel_dim))  # [T, Hq, R]
-        if lam is not None:
-            rel = rel.float() * lam[:, None, None]
+        # [T, Hq, R] = rel_proj(r) (* lam), computed where the attention backend finds it cheapest
+        rel = RelProjection(r.reshape(t, nh, self.qkvr_proj.rel_dim), self.rel_proj.weight, lam)
         o = decode_linear(self.o_proj, self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel), batch)
         return self.o_conv(o, batch) if self.use_conv else o
 

@@ -15,6 +15,7 @@ page of the prefix cache holds only entries that are functions of the tokens it 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -31,6 +32,29 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache[loc] = v.to(v_cache.dtype)
     if index_k is not None:
         index_k_cache[loc] = index_k.to(index_k_cache.dtype)
+
+
+@dataclass(frozen=True)
+class RelProjection:
+    """Inkling's relative-logit bias before its projection: rel = r P^T (times lam), [T, Hq, R].
+
+    The decode attention kernel computes each key's bias from r and the row of P at the key's
+    distance (`kiln.kernels.decode_attention`), which saves the projection's launch and the
+    [T, Hq, R] round trip; every other path calls `materialize`, the definition."""
+
+    r: torch.Tensor  # [T, Hq, d_r]
+    weight: torch.Tensor  # P [R, d_r], the bias-free projection's weight
+    lam: Optional[torch.Tensor] = None  # [T] fp32: full layers' attention scale
+
+    def materialize(self) -> torch.Tensor:
+        """[T, Hq, R]: the projection in r's dtype, then (full layers) times lam in fp32."""
+        rel = F.linear(self.r, self.weight)
+        return rel if self.lam is None else rel.float() * self.lam[:, None, None]
+
+
+def materialized(rel):
+    """A bias tensor from either form (None stays None)."""
+    return rel.materialize() if isinstance(rel, RelProjection) else rel
 
 
 def rel_bias(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

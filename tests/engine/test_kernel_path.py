@@ -52,10 +52,15 @@ def greedy(core, reqs, max_tokens=5):
 
 
 def test_kernel_path_equals_reference(interp_dir, monkeypatch):
+    from kiln.kernels import attention as attn_kernels
     from kiln.kernels import decode_attention, rotary
+    from kiln.ops.attention import RelProjection
 
     # Llama's RoPE goes through the fused RoPE + cache write, never the separate rotation.
     fused, separate = _count_calls(monkeypatch, rotary, "rope_store"), _count_calls(monkeypatch, rotary, "rope")
+    # Inkling's decode attention computes the relative bias from its projection's input.
+    projected = _count_calls(monkeypatch, attn_kernels, "decode_attention",
+                             when=lambda *a, **kw: isinstance(a[8] if len(a) > 8 else kw.get("rel"), RelProjection))
     # Decode attention merges its splits in the attention kernel (the engine passes its counters):
     # a launch of the separate merge kernel fails the test.
     monkeypatch.setattr(decode_attention, "_merge_kernel", None)
@@ -73,15 +78,17 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
     if _arch(interp_dir) == "llama":
         assert fused[0] > 0 and separate[0] == 0, (fused, separate)
+    assert (projected[0] > 0) == (_arch(interp_dir) == "inkling"), projected
     assert not core.runner.backend.split_counters.any()  # every call leaves them zeroed
 
 
-def _count_calls(monkeypatch, module, name: str) -> list[int]:
-    """[calls] of module.name from now on (a list, so that the caller sees the count grow)."""
+def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
+    """[calls] of module.name from now on (a list, so that the caller sees the count grow); with
+    `when`, only the calls whose arguments it accepts."""
     calls, real = [0], getattr(module, name)
 
     def counted(*args, **kwargs):
-        calls[0] += 1
+        calls[0] += when is None or bool(when(*args, **kwargs))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counted)

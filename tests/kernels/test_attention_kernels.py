@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.kernels.attention import decode_attention, extend_attention  # noqa: E402
-from kiln.ops.attention import paged_attention, paged_decode_attention  # noqa: E402
+from kiln.ops.attention import RelProjection, materialized, paged_attention, paged_decode_attention  # noqa: E402
 from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
 
 
@@ -45,19 +45,32 @@ def _tol(dtype):
     return dict(atol=2e-2, rtol=2e-2) if dtype in (torch.bfloat16, torch.float16) else dict(atol=1e-4, rtol=1e-4)
 
 
+def _rel_projection(b, hq, rel_len, rel_dim, dtype, device, gen, with_lam):
+    """Inkling's bias before its projection (`RelProjection`): O(1) logits, lam in [1, 2)."""
+    r = torch.randn(b, hq, rel_dim, generator=gen).to(dtype).to(device)
+    w = (torch.randn(rel_len, rel_dim, generator=gen) / rel_dim ** 0.5).to(dtype).to(device)
+    lam = (1 + torch.rand(b, generator=gen)).to(device) if with_lam else None
+    return RelProjection(r, w, lam)
+
+
 def _check_decode(device, seq_lens, hq, hkv, d, dtype, window=None, rel_len=None, seed=0,
-                  index_dtype=torch.int32, page_size=1, merge_here=False, **kw):
+                  index_dtype=torch.int32, page_size=1, merge_here=False, rel_dim=None, with_lam=True, **kw):
     """merge_here: the splits merged inside the attention kernel (split counters, which every
-    call must leave zeroed), else by the merge kernel."""
+    call must leave zeroed), else by the merge kernel. rel_dim: the bias is given as a
+    `RelProjection` (r [B, Hq, rel_dim], P [rel_len, rel_dim], lam when `with_lam`) and the
+    reference gets its materialised [B, Hq, rel_len]."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, r2t, rows = _paged_cache(seq_lens, hkv, d, dtype, device, gen, index_dtype, page_size)
     b = len(seq_lens)
     q = torch.randn(b, hq, d, generator=gen).to(dtype).to(device)
-    rel = None if rel_len is None else torch.randn(b, hq, rel_len, generator=gen).to(device)
+    if rel_dim is not None:
+        rel = _rel_projection(b, hq, rel_len, rel_dim, dtype, device, gen, with_lam)
+    else:
+        rel = None if rel_len is None else torch.randn(b, hq, rel_len, generator=gen).to(device)
     lens = torch.tensor(seq_lens, device=device)
     scale = d ** -0.5
     counters = torch.zeros(b * hkv + 3, dtype=torch.int32, device=device) if merge_here else None
-    want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel)
+    want = paged_decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, materialized(rel))
     for _ in range(2 if merge_here else 1):  # a second call finds the counters as the first left them
         with _no_merge_kernel(merge_here):
             got = decode_attention(q, k_cache, v_cache, r2t, rows, lens, scale, window, rel,
@@ -144,6 +157,19 @@ def test_decode_cpu_splits(num_splits, merge_here):
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("rel_dim,with_lam,window,num_splits,merge_here", [
+    (8, True, None, 1, False),    # one split writes the output
+    (8, False, 9, 3, True),       # sliding layer (no lam), splits merged in the kernel
+    (20, True, None, 4, False),   # d_r not a power of two, the merge kernel
+])
+def test_decode_cpu_rel_projection(rel_dim, with_lam, window, num_splits, merge_here):
+    """The bias computed in the kernel from r and P (and lam) equals attention with the
+    materialised bias, also where R is shorter than the context (keys past R get none)."""
+    _check_decode("cpu", [1, 23, 40, 6], 8, 2, 32, torch.float32, window, 17, rel_dim=rel_dim,
+                  with_lam=with_lam, num_splits=num_splits, merge_here=merge_here, seed=rel_dim)
+
+
+@INTERPRETER_ONLY
 def test_decode_cpu_merge_in_kernel_window():
     # A window's splits start past the sequence start.
     _check_decode("cpu", [1, 23, 40, 6], 8, 2, 32, torch.float32, 7, 5, num_splits=4, merge_here=True)
@@ -185,6 +211,17 @@ def test_decode_cuda_shapes(hq, hkv, d, window, rel_len, lens):
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16, merge_here=True)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=1, num_splits=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lam,window", [(True, None), (False, 4096)], ids=["full", "sliding"])
+def test_decode_cuda_rel_projection(with_lam, window):
+    """Inkling bench shapes: R = 1024, d_r = 32, bf16, the bias computed per key in the kernel."""
+    lens = [5000, 100, 4096, 1023, 1]
+    _check_decode("cuda", lens, 16, 4, 128, torch.bfloat16, window, 1024, page_size=16, rel_dim=32,
+                  with_lam=with_lam, merge_here=True)
+    _check_decode("cuda", lens, 16, 4, 128, torch.bfloat16, window, 1024, page_size=16, rel_dim=32,
+                  with_lam=with_lam, seed=1, num_splits=1)
 
 
 @pytest.mark.gpu
