@@ -61,17 +61,20 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32", PDL=mtp))
 
 
-def decode_attention(mtp: bool, merge_here: bool = False) -> None:
+def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False) -> None:
     """merge_here: the splits merged in the kernel (an acq_rel atomic count, then the last program
-    of a head group reads the others' partials through L2)."""
+    of a head group reads the others' partials through L2). rel_proj: Inkling's bias computed per
+    key from r and P (`RelProjection`), with a full layer's lam."""
     from kiln.kernels.decode_attention import _decode_kernel
 
-    types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "MidO": "*fp32", "MidLse": "*fp32", "Rel": "*fp32",
+    types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out", "RelW")}, "MidO": "*fp32", "MidLse": "*fp32",
+             "Rel": "*bf16" if rel_proj else "*fp32", "Lam": "*fp32",
              "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}, "Counters": "*i32"}
     ptx = compile_sm90(_decode_kernel, types, dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-                                                   SPLIT=True, HAS_WINDOW=mtp, HAS_REL=mtp, HAS_GAP=mtp,
+                                                   SPLIT=True, HAS_WINDOW=mtp, HAS_REL=mtp or rel_proj, HAS_GAP=mtp,
                                                    DOT_PRECISION="tf32", PDL=True, MERGE_HERE=merge_here,
-                                                   BLOCK_S=16))["ptx"]
+                                                   BLOCK_S=16, REL_PROJ=rel_proj, HAS_LAM=rel_proj,
+                                                   BLOCK_R=32))["ptx"]
     if merge_here:
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "the merge needs ordered counts and L2 reads"
 
@@ -170,6 +173,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
+         "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "rope": rope, "msa_scores": msa_scores}
 
 
