@@ -190,15 +190,60 @@ def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
               f"{nbytes / gemv_us / 1e6:>5.2f} {grouped_us / gemv_us:>6.2f}x {diff:>9.2e}")
 
 
+# Candidate one-token tiles (BLOCK_N, BLOCK_K, warps) that `--gemv-sweep` times
+UP_TILES = ((2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (4, 2048, 8),
+            (8, 1024, 8))
+DOWN_TILES = ((2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (8, 256, 4), (16, 256, 4), (4, 256, 4))
+
+
+def gemv_sweep(dtype, dev, gen) -> None:
+    """The one-token path at T=1 with each candidate gate/up tile (down tile as shipped), then each
+    down tile (gate/up at the best one), against the grouped path: how `GEMV_*_TILE` are chosen."""
+    from kiln.kernels import moe as KM
+
+    saved = KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE
+    for arch, e, k, h, i, chunks, weighted in bench_shapes():
+        layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
+        x = torch.randn(1, h, generator=gen, device=dev).to(dtype)
+        ids = torch.rand(1, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
+        w = torch.rand(1, k, generator=gen, device=dev)
+        sw = torch.rand(1, chunks, generator=gen, device=dev) if weighted else None
+        nbytes = (k + chunks) * 3 * i * h * torch.finfo(dtype).bits // 8
+
+        def timed(config=None):
+            fn = lambda: [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),  # noqa: E731
+                                           config=config) for L in layers]
+            us = _graph_time(fn) / COPIES
+            return f"{us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s"
+
+        print(f"{arch}: grouped {timed(KM.pick_config(1, k, e, h, i))}")
+        best = (float("inf"), saved[0])
+        for tile in UP_TILES:
+            KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = tile, saved[1]
+            line = timed()
+            print(f"{arch}: up {tile} down {saved[1]}: {line}")
+            best = min(best, (float(line.split()[0]), tile))
+        for tile in DOWN_TILES:
+            KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = best[1], tile
+            print(f"{arch}: up {best[1]} down {tile}: {timed()}")
+        KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = saved
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
     ap.add_argument("--sweep", action="store_true", help="time other tile configs too")
     ap.add_argument("--gemv", type=int, nargs="*", metavar="T",
                     help="only time the grouped path against the GEMV path, at T tokens (default 1)")
+    ap.add_argument("--gemv-sweep", action="store_true", help="only time the one-token path's candidate tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.moe needs CUDA")
+    if args.gemv_sweep:
+        dev = torch.device("cuda")
+        gemv_sweep(torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))
+        return
     if args.gemv is not None:
         dev = torch.device("cuda")
         gemv_vs_grouped(args.gemv or [1], torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))

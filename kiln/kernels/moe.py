@@ -128,15 +128,14 @@ def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[
 
 
 # The one-token path's tiles (BLOCK_N, BLOCK_K, num_warps): a fixed function of the shape, never
-# autotuned, so that every process sums in the same order (as `kiln.kernels.gemv`). NOT yet tuned
-# on a GPU: picked so that the bench shapes (H=2048, I=512, 6 routed + 2 shared slots) launch two
-# programs per SM of an H200 (gate/up: 8 slots x 512/16 = 256; down: 2048/8 = 256), each with
-# fp32 accumulators of <= 64 registers per thread (the bound of `gemv.candidate_tiles`) and two
-# weight tiles in flight (ptxas for sm_90 at bf16: 176 and 168 registers, no spills; BLOCK_N=16
-# with BLOCK_K=512 spills). `python -m benchmarks.kernels.moe --gemv` times them against the
-# grouped path; revisit them with it.
-GEMV_UP_TILE = (16, 256, 4)
-GEMV_DOWN_TILE = (8, 512, 4)
+# autotuned, so that every process sums in the same order (as `kiln.kernels.gemv`). From
+# `python -m benchmarks.kernels.moe --gemv-sweep` on an H200 (docs/benchmarks.md, twelfth pass):
+# narrow row blocks with long K steps, as for the dense GEMV. At one token, CUDA-graph medians
+# over 8 weight copies: MiniMax-M3 bench 18.5 us with these two (grouped path 20.9); Inkling bench
+# 20.0 us with this down tile and a gate/up tile of (8, 256), which timed as (2, 1024) did within
+# 0.1 us (grouped 20.8). The first guess, (16, 256) / (8, 512), took 24.0 and 21.8 us.
+GEMV_UP_TILE = (2, 1024, 4)
+GEMV_DOWN_TILE = (2, 512, 4)
 # Under the interpreter: small tiles, so that the tests' tiny shapes span several of them.
 GEMV_INTERPRETER_TILE = (4, 16, 1)
 
