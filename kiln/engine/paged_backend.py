@@ -137,8 +137,10 @@ class PagedBackend:
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
         positions = batch.extras.get("positions_cpu")
         mtp = gap > 1 or offset or positions is not None
-        if not (self.use_kernels and batch.mode == ForwardMode.DECODE and not mtp):
-            # only the decode kernel computes Inkling's bias from its projection's input
+        decode_rows = batch.mode == ForwardMode.DECODE or batch.max_extend_len <= SHORT_EXTEND
+        if not (self.use_kernels and decode_rows and not mtp):
+            # only the decode kernel (decode steps, verifies) computes Inkling's bias from its
+            # projection's input
             rel = attn_ops.materialized(rel)
         if mtp:  # an MTP layer (explicit query positions)
             if self.use_kernels and batch.max_extend_len <= SHORT_EXTEND:  # a decode round's pass

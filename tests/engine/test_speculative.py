@@ -385,7 +385,7 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
     assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps"} <= names
 
 
-def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path):
+def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch):
     # The Triton kernels (under the interpreter on the CPU) serve the MTP layers too: explicit
     # query positions, key_gap and key_offset in the extend kernel. Partial acceptance, so that
     # catch-up rows, draft rows and rejected drafts all occur; drafts must equal the reference.
@@ -399,8 +399,28 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path):
     ps = prompts(2, seed=21, lo=18, hi=40)
     core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT)
     assert core.runner.use_kernels
+    verify_projected = _count_projected_verify_rows(monkeypatch)
     res, drafts, _ = run_spec(core, ps, max_tokens=12)
+    if cfg["model_type"] == "inkling":  # verifies compute the relative bias in the decode kernel too
+        assert verify_projected[0] > 0
     assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,
                                                               max_tokens=12)
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
+
+
+def _count_projected_verify_rows(monkeypatch) -> list[int]:
+    """[calls] of the decode attention kernel with a verify's rows (several per request) and
+    Inkling's bias as a `RelProjection` (computed in the kernel, not materialised)."""
+    from kiln.kernels import attention as attn_kernels
+    from kiln.ops.attention import RelProjection
+
+    calls, real = [0], attn_kernels.decode_attention
+
+    def counted(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, scale, window=None, rel=None, **kw):
+        rows_per_request = req_slots.numel() > len(set(req_slots.tolist()))
+        calls[0] += isinstance(rel, RelProjection) and rows_per_request
+        return real(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, scale, window, rel, **kw)
+
+    monkeypatch.setattr(attn_kernels, "decode_attention", counted)
+    return calls
