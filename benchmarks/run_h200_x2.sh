@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger: later passes (see the lane functions below); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3: later passes (see the lane functions below); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
@@ -644,14 +644,61 @@ lane0_trigger() {  # prepared for the next session (not run yet): can --pdl-earl
     step inkling_b64${f:+_trigger} 60 $DECODE --model-path $INK --batch-sizes 8,64 --input-len 1024 --output-len 128 \
       $f --out "$R/json/inkling_b64${f:+_trigger}.json"
   done
+  # where a batch-1 hybrid step goes now, with the trigger on (the kernel table of each)
+  for m in $INK $MM; do
+    step profile_b1_${m#preset:} 70 $DECODE --model-path $m --batch-sizes 1 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 8 --pdl-early-trigger --profile --kernel-rows 45
+  done
 }
 
 lane1_trigger() { :; }
 
+lane0_msa() {  # seventh session: every GPU test; MSA scores sized to fill the GPU, the MoE one-token path, lam once, the bias in the kernel
+  # against 813b32e (scratch/base) at batch 1 and 64; Inkling batch 64 with the early trigger off / on again
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+  step moe_t1 ${T_MICRO:-60} python -m benchmarks.kernels.moe ${MOE_ARGS:---gemv 1 2 4}
+  local OLD="python scratch/base/benchmarks/decode_batch.py $C" NEW="$DECODE"
+  for v in OLD NEW; do
+    step inkling_b1_$v 45 ${!v} --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8
+    step minimax_b1_$v 45 ${!v} --model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8
+  done
+  for v in OLD NEW; do
+    step minimax_b64_$v 60 ${!v} --model-path $MM --batch-sizes 64 --input-len 1024 --output-len 128
+  done
+  for f in "" --pdl-early-trigger; do
+    step inkling_b64${f:+_trigger} 50 $DECODE --model-path $INK --batch-sizes 64 --input-len 1024 --output-len 128 $f
+  done
+  # without PDL every kernel's time is its own: where a batch-1 Inkling step goes now
+  step profile_inkling_nopdl 50 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 8 --disable-pdl --profile --kernel-rows 30
+}
+
+lane1_msa() { :; }
+
+lane0_msa2() {  # the MoE one-token tiles swept; Inkling batch 64 with the trigger (its compile outlasted call 2's
+  # limit); the hybrids at batch 1 with the trigger; MiniMax-M3 at 8K context
+  step moe_sweep ${T_MICRO:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  step inkling_b64_trigger 90 $DECODE --model-path $INK --batch-sizes 64 --input-len 1024 --output-len 128 --pdl-early-trigger
+  hybrids_b1 _trigger 45 --pdl-early-trigger
+  step minimax_8k 150 $DECODE --model-path $MM --batch-sizes 8,64 --input-len 8192 --output-len 256 --time-limit 50
+}
+
+lane1_msa2() { :; }
+
+lane0_msa3() {  # the swept MoE one-token tiles: their GPU tests, the hybrids at batch 1
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 4"; fi
+  step moe_tests 90 python -m pytest -m gpu -q -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_kernels.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_kernel_path.py
+  hybrids_b1 "" 45
+}
+
+lane1_msa3() { :; }
+
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python -c "import torch,triton,transformers;print('# torch',torch.__version__,'triton',triton.__version__,'transformers',transformers.__version__)"
 case $PHASE in
-  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger)
+  diag|tables|final|spec|spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3)
     (export CUDA_VISIBLE_DEVICES=0; lane0_$PHASE) > "$R/lane0.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; lane1_$PHASE) > "$R/lane1.log" 2>&1 &
     wait
@@ -663,7 +710,7 @@ case $PHASE in
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next df df2 fuse fuse2 fuse3 trigger " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
+    if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next df df2 fuse fuse2 fuse3 trigger msa msa2 msa3 " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
