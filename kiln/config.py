@@ -92,8 +92,8 @@ class EngineConfig:
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs. On an H200: "
-        "1.5-6% faster at batch 1, but 6-20% slower for Inkling at batch 64, hence opt-in "
-        "(docs/benchmarks.md, twelfth pass).")
+        "1.5-4% faster at batch 1 (docs/benchmarks.md, eleventh pass), but 6-20% slower for Inkling at "
+        "batch 64 (twelfth pass), hence opt-in.")
     gemv_max_rows: Optional[int] = opt(
         None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
         "GEMV, whose weight stream starts before the previous kernel has completed "

@@ -22,9 +22,9 @@ With `set_pdl(True, early_trigger=True)` (the engine's `--pdl-early-trigger`, op
 triggers right after its wait, so the successor's programs become resident while it runs: the
 decode GEMV then streams weights for the whole of the kernel before it (8B batch 1: 4.46 against
 4.51 ms per token in the eighth pass, measured before the GEMV's tiles were fixed). It stays
-opt-in until it is measured again: the GPU test failure it was held back for turned out to be the
-host pool's (docs/benchmarks.md, ninth pass). Correctness does not depend on it: every kernel
-still waits for its predecessor's completion before touching memory.
+opt-in: it gains 1.5-4% at batch 1 (docs/benchmarks.md, eleventh pass) but cost Inkling 6-20% at
+batch 64 (twelfth pass). Correctness does not depend on it: every kernel still waits for its
+predecessor's completion before touching memory.
 
 `set_pdl(False)` (the engine's `--disable-pdl`) turns it off for A/B runs; it is off on the CPU
 interpreter and on GPUs older than sm_90, where the attribute does not exist.

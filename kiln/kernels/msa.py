@@ -72,7 +72,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
-                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_blocks,
                           DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           TILE_T: tl.constexpr, PDL: tl.constexpr):
     """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max.
@@ -91,7 +91,8 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
     q = tl.load(qI_ptr + row * s_qr + g * s_qg + offs_d, mask=dmask, other=0.0).to(tl.float32)
     offs_t = tl.arange(0, TILE_T)
     blk = tl.program_id(0)
-    while blk <= qp // BLOCK_SIZE:
+    last = tl.minimum(qp // BLOCK_SIZE, num_blocks - 1)  # a row longer than max_len: no store past NB
+    while blk <= last:
         best = tl.full([TILE_T], float("-inf"), tl.float32)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
             t = t0 + offs_t
@@ -114,7 +115,7 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
 @triton.jit
 def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr, seq_len_ptr,
                           seq_start_ptr, tile_end_ptr, s_ptr,
-                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs, num_blocks,
                           NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, TILE_Q: tl.constexpr, TILE_T: tl.constexpr,
                           DOT_PREC: tl.constexpr, PDL: tl.constexpr):
@@ -152,7 +153,7 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     # the last live query's (prefix + min(n, tile end) - 1); a dead program has end = 0.
     end = tl.where(live, prefix + tl.minimum(n, (tile - first_tile + 1) * TILE_Q), 0)
     blk = tl.program_id(1)
-    while blk < (end + BLOCK_SIZE - 1) // BLOCK_SIZE:
+    while blk < tl.minimum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, num_blocks):
         best = tl.full([TILE_Q], float("-inf"), tl.float32)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
             t = t0 + offs_t
@@ -334,8 +335,10 @@ def _num_blocks(req_to_token: torch.Tensor, block_size: int, max_len: Optional[i
 
 
 def _score_programs(rows: int, g: int, nb: int, device: torch.device) -> int:
-    """Programs per (row, head) of the decode score kernel: enough for ~4 waves of its 16-warp
-    programs across the batch, at most one per block. The grid never depends on the lengths."""
+    """Programs per (row, head) of the decode score kernel: 4 per SM across the batch (one wave of
+    its 16-warp programs), at most one per block. The grid never depends on the lengths, so in a
+    large batch a row much longer than the others is walked by few programs (a known limit:
+    spreading (row, block) pairs over the grid would need a device-side prefix sum)."""
     return max(1, min(nb, -(-4 * _programs_wanted(device) // (rows * g))))
 
 
@@ -361,7 +364,7 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     _decode_scores_kernel[(per_row, g, r)](
         qI, ki_cache, req_to_token, req_slots, q_pos, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
-        scores.stride(0), scores.stride(1), math.sqrt(di),
+        scores.stride(0), scores.stride(1), math.sqrt(di), nb,
         DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps, **pdl_launch(qI.device))
     return scores
 
@@ -484,12 +487,16 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     tq = _EXTEND_TILE_Q
     tile_end = torch.cumsum((extend_lens + tq - 1) // tq, 0)
     max_tiles = -(-t // tq) + ns  # each sequence wastes less than one tile
+    # Eager (max_len given, so nb is tight): a program per block, which keeps a long sequence's
+    # blocks parallel beside a long prefill chunk. In a graph nb spans the context: fill the GPU.
+    if programs is None and max_len is not None:
+        programs = nb
     per_tile = programs or max(1, min(nb, -(-4 * _programs_wanted(qI.device) // (max_tiles * g))))
     assert per_tile <= 65535 and g <= 65535
     _extend_scores_kernel[(max_tiles, per_tile, g)](
         qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, tile_end, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
-        scores.stride(0), scores.stride(1), math.sqrt(di), ns,
+        scores.stride(0), scores.stride(1), math.sqrt(di), ns, nb,
         NUM_SEQS_P=_p2(ns), DI=di, DI_P=max(16, _p2(di)), BLOCK_SIZE=block_size, TILE_Q=tq,
         TILE_T=max(16, min(_p2(block_size), 64)), DOT_PREC=_dot_precision(qI.dtype), num_warps=4,
         **pdl_launch(qI.device))

@@ -53,9 +53,10 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rel: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
         """q: [T, Hq*D] (or [T, Hq, D]), k/v: [T, Hkv*D] (or [T, Hkv, D]), rel: [T, Hq, R] (or
-        [T, Hq*R]), a `kiln.ops.attention.RelProjection` of one, or None -> [T, Hq*D]. `rope` = (RotaryEmbedding, positions [T]) rotates q and
-        k first: given here rather than applied by the model, the engine's kernel path fuses the
-        rotation with the cache write (`PagedBackend.rope_attention`)."""
+        [T, Hq*R]), a `kiln.ops.attention.RelProjection` of one, or None -> [T, Hq*D].
+        `rope` = (RotaryEmbedding, positions [T]) rotates q and k first: given here rather than
+        applied by the model, the engine's kernel path fuses the rotation with the cache write
+        (`PagedBackend.rope_attention`)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

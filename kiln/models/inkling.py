@@ -20,7 +20,6 @@ from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
 from kiln.layers.decode_gemv import decode_linear
-from kiln.ops.attention import RelProjection
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -29,6 +28,7 @@ from kiln.layers.shortconv import ShortConv
 from kiln.models.inkling_config import InklingConfig
 from kiln.models.llama import LlamaMLP
 from kiln.models.mtp import MTPHost, MTPLayer, replicated_linear
+from kiln.ops.attention import RelProjection
 
 
 ATTN_SCALE = "attn_scale"  # ForwardBatch.extras key: this forward's lam [T], shared by its full layers

@@ -167,6 +167,25 @@ def test_score_programs_stride_over_blocks(device, programs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_scores_stop_at_max_len(device):
+    """A row longer than max_len (a caller's error) must not make the kernels store past the
+    scores' NB blocks into the next (row, head): each row's blocks below NB stay right. The last
+    row is the longest, so its stores past NB would leave the allocation (under the interpreter
+    the process then crashes, as it did before the kernels bounded their loops by NB)."""
+    p = TINY
+    lens = [45, 30, 48]
+    c = make_case(device, torch.float32, [n - 1 for n in lens], [1] * len(lens), p["hq"], p["g"],
+                  p["d"], p["di"], p["max_len"], seed=6)
+    nb = 5  # max_len 20: rows span up to 12 blocks
+    full = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, c.seq_lens - 1, p["block"])
+    for programs in (1, 3):
+        got = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, c.seq_lens - 1, p["block"],
+                                  max_len=nb * p["block"], programs=programs)
+        assert got.shape[-1] == nb
+        torch.testing.assert_close(got, full[..., :nb], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("blocks_per_split", [1, 2, 3])
 def test_sparse_attention_splits(device, blocks_per_split):
     """Split-softmax merge (`_combine_kernel`), uneven last split and -1 padding included, and

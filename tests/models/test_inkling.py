@@ -187,7 +187,7 @@ def test_checkpoint_round_trip(tmp_path, tie):
         tiny_inkling().load_weights((k, v) for k, v in sd.items() if "experts.3." not in k or "shared" in k)
 
 
-def test_one_attn_scale_per_forward(model, monkeypatch):
+def test_one_attn_scale_per_forward(monkeypatch):
     """The full layers share one lam per forward (computed by InklingModel from the positions),
     and no later forward can see it: the logits equal per-layer computation's, and the batch
     keeps no lam afterwards."""
