@@ -72,7 +72,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
-                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_blocks,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_blocks, select_blocks,
                           DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           TILE_T: tl.constexpr, PDL: tl.constexpr):
     """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max.
@@ -80,7 +80,9 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
     Program p of a (head, row) scores blocks p, p + P, .. (P = the grid's first dimension) up to
     the query's own block, a loop bounded by the row's length: the grid is sized to fill the GPU,
     not by the longest possible context (a captured graph's grid spans the context, which cost
-    one program per block of it, nearly all idle). Blocks past the query's are not written."""
+    one program per block of it, nearly all idle). Blocks past the query's are not written.
+    With select_blocks = N > 0 only what selection reads is scored: the history blocks (before
+    the query's own) of rows with more than N causal blocks; nothing for the others."""
     wait_for_previous(PDL)
     g = tl.program_id(1)
     row = tl.program_id(2)
@@ -91,7 +93,11 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
     q = tl.load(qI_ptr + row * s_qr + g * s_qg + offs_d, mask=dmask, other=0.0).to(tl.float32)
     offs_t = tl.arange(0, TILE_T)
     blk = tl.program_id(0)
-    last = tl.minimum(qp // BLOCK_SIZE, num_blocks - 1)  # a row longer than max_len: no store past NB
+    local = qp // BLOCK_SIZE
+    last = local
+    if select_blocks > 0:
+        last = tl.where(local + 1 > select_blocks, local - 1, -1)
+    last = tl.minimum(last, num_blocks - 1)  # a row longer than max_len: no store past NB
     while blk <= last:
         best = tl.full([TILE_T], float("-inf"), tl.float32)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
@@ -344,13 +350,16 @@ def _score_programs(rows: int, g: int, nb: int, device: torch.device) -> int:
 
 def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
                       req_slots: torch.Tensor, q_pos: torch.Tensor, block_size: int,
-                      max_len: Optional[int] = None, programs: Optional[int] = None) -> torch.Tensor:
+                      max_len: Optional[int] = None, programs: Optional[int] = None,
+                      select_blocks: int = 0) -> torch.Tensor:
     """Block scores S [R, G, NB] fp32 of one query per row, NB = ceil(max_len / block_size).
 
     qI: [R, G, DI]; ki_cache: [slots, G, DI]; req_slots, q_pos: [R] int64 (the row of
     req_to_token and the query's position; it sees positions 0..q_pos). Only the blocks up to
     the query's own (0..q_pos // block_size) are written; the rest hold anything (`msa_select`
-    reads none of them). `programs` overrides the programs per (row, head) (tests).
+    reads none of them). With `select_blocks` N > 0, only what `msa_select(..., N)` reads: the
+    blocks before the query's own, in rows with more than N causal blocks (at most N: all are
+    taken, no score is read). `programs` overrides the programs per (row, head) (tests).
     """
     r, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
@@ -364,7 +373,7 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     _decode_scores_kernel[(per_row, g, r)](
         qI, ki_cache, req_to_token, req_slots, q_pos, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
-        scores.stride(0), scores.stride(1), math.sqrt(di), nb,
+        scores.stride(0), scores.stride(1), math.sqrt(di), nb, select_blocks,
         DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps, **pdl_launch(qI.device))
     return scores
 
@@ -459,7 +468,8 @@ def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     engine's decode positions), saving a launch per layer. Returns [B, Hq, D] in q's dtype.
     """
     q_pos = seq_lens - 1 if q_pos is None else q_pos
-    scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len)
+    scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len,
+                               select_blocks=topk_blocks)
     sel = msa_select(scores, q_pos, block_size, topk_blocks)
     return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale)
 

@@ -167,6 +167,33 @@ def test_score_programs_stride_over_blocks(device, programs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("programs", [None, 3])
+def test_decode_scores_only_what_selection_reads(device, programs, monkeypatch):
+    """With select_blocks = N, a row with at most N causal blocks is not scored at all and a
+    longer row only before its own block (the selection reads nothing else): those scores stay
+    as allocated (NaN here) and the rest equal the full scores; msa_decode's output is unchanged."""
+    p = TINY  # block 4, N 3: rows 1, 5, 9 take every causal block (at most 3), 13+ select
+    lens = [1, 5, 9, 13, 45, 30, 17, 48]
+    c = make_case(device, torch.float32, [n - 1 for n in lens], [1] * len(lens), p["hq"], p["g"],
+                  p["d"], p["di"], p["max_len"], seed=8)
+    q_pos = c.seq_lens - 1
+    full = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"])
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    got = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"],
+                              programs=programs, select_blocks=p["topk"])
+    monkeypatch.undo()
+    for r, n in enumerate(lens):
+        local = (n - 1) // p["block"]
+        scored = local if local + 1 > p["topk"] else 0
+        torch.testing.assert_close(got[r, :, :scored], full[r, :, :scored], rtol=0, atol=0)
+        assert got[r, :, scored:local + 1].isnan().all(), (r, got[r])
+    out = K.msa_decode(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
+                       c.seq_lens, p["block"], p["topk"], p["d"] ** -0.5)
+    torch.testing.assert_close(out, reference(c, p["block"], p["topk"], p["d"] ** -0.5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_scores_stop_at_max_len(device):
     """A row longer than max_len (a caller's error) must not make the kernels store past the
     scores' NB blocks into the next (row, head): each row's blocks below NB stay right. The last
