@@ -198,10 +198,11 @@ DOWN_TILES = ((2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (8, 256, 4), 
 
 def gemv_sweep(dtype, dev, gen) -> None:
     """The one-token path at T=1 with each candidate gate/up tile (down tile as shipped), then each
-    down tile (gate/up at the best one), against the grouped path: how `GEMV_*_TILE` are chosen."""
+    down tile (gate/up at the best one), against the grouped path: how `kiln.kernels.moe_gemv.GEMV_*_TILE` are chosen."""
     from kiln.kernels import moe as KM
+    from kiln.kernels import moe_gemv as KG
 
-    saved = KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE
+    saved = KG.GEMV_UP_TILE, KG.GEMV_DOWN_TILE
     for arch, e, k, h, i, chunks, weighted in bench_shapes():
         layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
         x = torch.randn(1, h, generator=gen, device=dev).to(dtype)
@@ -219,14 +220,14 @@ def gemv_sweep(dtype, dev, gen) -> None:
         print(f"{arch}: grouped {timed(KM.pick_config(1, k, e, h, i))}")
         best = (float("inf"), saved[0])
         for tile in UP_TILES:
-            KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = tile, saved[1]
+            KG.GEMV_UP_TILE, KG.GEMV_DOWN_TILE = tile, saved[1]
             line = timed()
             print(f"{arch}: up {tile} down {saved[1]}: {line}")
             best = min(best, (float(line.split()[0]), tile))
         for tile in DOWN_TILES:
-            KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = best[1], tile
+            KG.GEMV_UP_TILE, KG.GEMV_DOWN_TILE = best[1], tile
             print(f"{arch}: up {best[1]} down {tile}: {timed()}")
-        KM.GEMV_UP_TILE, KM.GEMV_DOWN_TILE = saved
+        KG.GEMV_UP_TILE, KG.GEMV_DOWN_TILE = saved
         torch.cuda.empty_cache()
 
 

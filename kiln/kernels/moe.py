@@ -28,22 +28,8 @@ never on values, and no host sync, so the decode step can be captured in a CUDA 
    fp32 (shared chunks: the shared weight or 1), stored per slot in fp32.
 4. `_sum_slots_kernel`: per token, the KS slot rows summed in fp32 in slot order, cast once.
 
-One-token path (T <= GEMV_MAX_TOKENS = 1, batch-1 decode). There every slot has its own expert, so
-the grouped GEMMs use 1 of the 16 rows of each MMA tile, and align and sum_slots are two more
-latency-bound launches around a pure weight stream (on an H200, ~45 us per bench MoE layer for
-~50 MB of weights, ~12 us at HBM bandwidth). Two launches instead, both GEMVs on CUDA cores in fp32
-like `kiln.kernels.gemv` (no tl.dot: one row), grids again fixed by shapes:
-1. `_expert_up_gemv_kernel`, grid (T*KS, I / BLOCK_N): program (slot, n) reads its expert straight
-   from topk_ids (or its shared chunk, addressed as above), dots BLOCK_N gate and up rows with x
-   over all of H, and stores SwiGLU(gate, up) (fp32, as `_gate_up_kernel`) into act [T*KS, I].
-2. `_expert_down_gemv_kernel`, grid (H / BLOCK_N, T): program n walks the KS slots in
-   `_sum_slots_kernel`'s order, dots act with BLOCK_N rows of each slot's down weight, weights it as
-   `_down_kernel` does and sums in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
-The kernels take any T (one program row per token), but past one token the grouped path stays:
-tokens that share an expert read it once there, once per slot here (the crossover is not
-measured; `benchmarks/kernels/moe.py --gemv` times both at T=1). The GEMV tiles are fixed by shape
-(`gemv_tiles`), so the same inputs give the same bits in every process, though not the grouped
-path's bits (the sums run in another order).
+One-token path (T <= GEMV_MAX_TOKENS = 1, batch-1 decode): two expert GEMVs,
+`kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -55,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.kernels.moe_gemv import experts_gemv
 
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
@@ -125,33 +111,6 @@ def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[
     if total == 0 or n_shared == 0 or total % n_shared or (total // n_shared) % inter:
         return 0
     return total // inter
-
-
-# The one-token path's tiles (BLOCK_N, BLOCK_K, num_warps): a fixed function of the shape, never
-# autotuned, so that every process sums in the same order (as `kiln.kernels.gemv`). From
-# `python -m benchmarks.kernels.moe --gemv-sweep` on an H200 (docs/benchmarks.md, twelfth pass):
-# narrow row blocks with long K steps, as for the dense GEMV. At one token, CUDA-graph medians
-# over 8 weight copies: MiniMax-M3 bench 18.5 us with these two (grouped path 20.9); Inkling bench
-# 20.0 us with this down tile and a gate/up tile of (8, 256), which timed as (2, 1024) did within
-# 0.1 us (grouped 20.8). The first guess, (16, 256) / (8, 512), took 24.0 and 21.8 us.
-GEMV_UP_TILE = (2, 1024, 4)
-GEMV_DOWN_TILE = (2, 512, 4)
-# Under the interpreter: small tiles, so that the tests' tiny shapes span several of them.
-GEMV_INTERPRETER_TILE = (4, 16, 1)
-
-
-def gemv_tiles(hidden: int, inter: int) -> tuple[dict, dict]:
-    """Launch arguments (BLOCK_N, BLOCK_K, num_warps, num_stages) of the one-token path's gate/up
-    kernel (N over `inter`, K over `hidden`) and down kernel (N over `hidden`, K over `inter`).
-    No tile is wider than the power-of-2 padded dim it covers."""
-    up, down = (GEMV_INTERPRETER_TILE,) * 2 if interpreting() else (GEMV_UP_TILE, GEMV_DOWN_TILE)
-
-    def tile(t, n_dim, k_dim):
-        bn, bk, warps = t
-        pad = triton.next_power_of_2
-        return dict(BLOCK_N=min(bn, pad(n_dim)), BLOCK_K=min(bk, pad(k_dim)), num_warps=warps, num_stages=1)
-
-    return tile(up, inter, hidden), tile(down, hidden, inter)
 
 
 @triton.jit
@@ -330,136 +289,8 @@ def _sum_slots_kernel(slots_ptr, out_ptr, H, KS: tl.constexpr, BLOCK_H: tl.const
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
-                           stride_xt, stride_we, stride_wn, stride_sn,
-                           K: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """act[s, cols] = silu(gate) * up of slot s = t*KS + j (program (s, n)), cols the n-th BLOCK_N
-    of I: two weight row blocks over all of K = H, CUDA-core FMAs into [BLOCK_N, BLOCK_K] fp32
-    accumulators reduced once at the end, the next tiles loaded while the current ones are
-    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`)."""
-    wait_for_previous(PDL)
-    s = tl.program_id(0)
-    t = s // KS
-    j = s % KS
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    n_ok = col_ok[:, None]
-    rk = tl.arange(0, BLOCK_K)[None, :]
-
-    # Addressed as `_gate_up_kernel` does. Routed slot j: expert topk_ids[t, j], gate rows n and
-    # up rows I + n of w13[e]. Shared chunk c = j - K: rows c*I + n and C*I + c*I + n of sw13.
-    is_shared = j >= K
-    e = tl.load(ids_ptr + t * K + tl.minimum(j, K - 1)).to(tl.int64)
-    chunk = tl.maximum(j - K, 0).to(tl.int64)
-    w_base = tl.where(is_shared, sw13_ptr + chunk * I * stride_sn, w13_ptr + e * stride_we)
-    row_stride = tl.where(is_shared, stride_sn, stride_wn).to(tl.int64)
-    up_off = tl.where(is_shared, (KS - K) * I, I).to(tl.int64) * row_stride
-    g_ptrs = w_base + cols[:, None].to(tl.int64) * row_stride + rk  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + rk  # [1, BLOCK_K]
-
-    g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
-    u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(BLOCK_K, H + BLOCK_K, BLOCK_K):
-        # load tile k0 (masked off past H) while tile k0 - BLOCK_K is multiplied
-        g_next = tl.load(g_ptrs + k0, mask=n_ok & (rk < H - k0), other=0.0)
-        u_next = tl.load(g_ptrs + up_off + k0, mask=n_ok & (rk < H - k0), other=0.0)
-        # x rounded to the weights' dtype first, as the grouped GEMM feeds it to tl.dot
-        xk = tl.load(x_ptrs + (k0 - BLOCK_K), mask=rk < H - k0 + BLOCK_K, other=0.0)
-        xk = xk.to(g.dtype).to(tl.float32)
-        acc_g += g.to(tl.float32) * xk
-        acc_u += u.to(tl.float32) * xk
-        g = g_next
-        u = u_next
-    acc_g = tl.sum(acc_g, axis=1)
-    acc_u = tl.sum(acc_u, axis=1)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32, as _gate_up_kernel
-    tl.store(act_ptr + s.to(tl.int64) * I + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                    J: tl.constexpr, K: tl.constexpr):
-    """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
-    `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I]."""
-    if J < K:
-        e = tl.load(ids_ptr + t * K + J).to(tl.int64)
-        ptrs = w2_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wh + rk
-    else:
-        ptrs = sw2_ptr + (J - K) * I + rows[:, None].to(tl.int64) * stride_sh + rk
-    return ptrs
-
-
-@triton.jit
-def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shared_w_ptr, out_ptr,
-                             H, I, stride_we, stride_wh, stride_sh,
-                             K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
-                             SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
-    BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
-    then shared chunks), summed in fp32 in registers and cast once."""
-    wait_for_previous(PDL)
-    t = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = (rows < H)[:, None]
-    rk = tl.arange(0, BLOCK_K)[None, :]
-    last = (tl.cdiv(I, BLOCK_K) - 1) * BLOCK_K  # where each slot's last K tile starts
-
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                             0, K)
-    w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
-    for j in tl.static_range(KS):
-        a_ptrs = act_ptr + (t * KS + j) * I + rk
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, I, BLOCK_K):  # all but the last tile, the next one loading
-            w_next = tl.load(w_ptrs + k0, mask=row_ok & (rk < I - k0), other=0.0)
-            acc += w.to(tl.float32) * tl.load(a_ptrs + (k0 - BLOCK_K)).to(tl.float32)
-            w = w_next
-        if j + 1 < KS:
-            # The next slot's stream starts before this slot's last tile is multiplied, so the
-            # loads stay in flight across slots too.
-            next_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh,
-                                        stride_sh, j + 1, K)
-            w_next = tl.load(next_ptrs, mask=row_ok & (rk < I), other=0.0)
-        a = tl.load(a_ptrs + last, mask=rk < I - last, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * a
-        # The slot's weight multiplies its fp32 output, as in _down_kernel.
-        if j < K:
-            out += tl.sum(acc, axis=1) * tl.load(topk_w_ptr + t * K + j)
-        elif HAS_SW:
-            out += tl.sum(acc, axis=1) * tl.load(shared_w_ptr + t * NUM_SW + (j - K) // SW_REP)
-        else:
-            out += tl.sum(acc, axis=1)
-        if j + 1 < KS:
-            w_ptrs = next_ptrs
-            w = w_next
-    tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w, sw_rep,
-                  has_sw) -> torch.Tensor:
-    # The GEMV path of fused_experts (arguments prepared there): act [T*KS, I] in the weights'
-    # dtype between the two kernels, no slot buffer.
-    T, H = x.shape
-    inter = w2.shape[2]
-    up, down = gemv_tiles(H, inter)
-    act = torch.empty(T * ks_slots, inter, dtype=w2.dtype, device=x.device)
-    _expert_up_gemv_kernel[(T * ks_slots, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w13, sw13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
-        K=k, KS=ks_slots, **up, **pdl_launch(x.device))
-    _expert_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]), T)](
-        act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
-        K=k, KS=ks_slots, NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
-    return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -504,8 +335,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     shared_w = shared_w.float().contiguous() if has_sw else topk_w
     sw_rep = max(1, chunks // n_shared_w)
     if T <= GEMV_MAX_TOKENS and config is None:
-        return _experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
-                             sw_rep, has_sw)
+        return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
+                            sw_rep, has_sw)
 
     cfg = config or pick_config(T, k, E, H, inter)
     bm = cfg.block_m

@@ -111,9 +111,9 @@ def rms_norm_trigger() -> None:
 
 
 def moe_gemv(shared: bool) -> None:
-    """The MoE one-token path (`kiln.kernels.moe`) at the bench shape's tiles: a data-dependent
+    """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
     expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel."""
-    from kiln.kernels.moe import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
+    from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
     w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr")}

@@ -1,0 +1,133 @@
+"""The MoE one-token path (kiln.kernels.moe_gemv, taken by `kiln.kernels.moe.fused_experts` at
+one token) against the reference ops and against the grouped path, and the choice between them.
+
+"cpu" runs the kernels under Triton's interpreter; "cuda" compiled, at the bench shapes' sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import kernels
+from kiln.ops import moe as ref
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY
+from tests.kernels.test_moe_kernels import _check_experts, _km, _routing, _weights
+
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
+
+# (device, dtype): the GEMV kernels widen every weight to fp32 before multiplying, so unlike the
+# grouped path's tl.dot they also run bf16 under the interpreter.
+GEMV_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-fp32", marks=INTERPRETER_ONLY),
+               pytest.param("cpu", torch.bfloat16, id="cpu-bf16", marks=INTERPRETER_ONLY),
+               pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
+               pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu)]
+
+# (E, k, shared experts S, shared width in routed widths, shared weights given, ragged H and I)
+GEMV_CASES = [pytest.param(4, 1, 0, 1, False, False, id="k1"),
+              pytest.param(8, 3, 0, 1, False, False, id="k3"),
+              pytest.param(8, 2, 2, 1, True, False, id="inkling-shared"),
+              pytest.param(8, 2, 1, 2, False, False, id="minimax-shared"),
+              pytest.param(8, 2, 2, 2, True, False, id="wide-weighted-shared"),  # 2 chunks per weight
+              pytest.param(8, 2, 2, 1, True, True, id="ragged-shared"),
+              pytest.param(8, 1, 0, 1, False, True, id="ragged-k1")]
+
+
+def _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, seed):
+    """Random one-token inputs: (x, w13, w2, ids, w, shared) and the reference sum in fp32."""
+    if device == "cuda":
+        E, k = E * 8, k * 2
+        H, I = (2000, 200) if ragged else (2048, 512)
+    else:
+        H, I = (37, 19) if ragged else (32, 16)  # several interpreter tiles; masked edges when ragged
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2, sw13, sw2 = _weights(E, H, I, dtype, device, gen, shared_inter=S * I * shared_mult)
+    x = torch.randn(1, H, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(1, E, k, gen, device)
+    want = ref.experts_ref(x, w13, w2, ids, w, torch.float32)
+    shared = None
+    if S:
+        sw = (torch.rand(1, S, generator=gen) + 0.1).to(device) if shared_weighted else None
+        shared = (sw13, sw2, sw)
+        want = want + ref.shared_experts_ref(x, sw13, sw2, sw)
+    return (x, w13, w2, ids, w, shared), want
+
+
+def _tol(dtype):
+    # bf16 as in _shape: the reference rounds its GEMM outputs to bf16, the kernels keep fp32.
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device,dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("E,k,S,shared_mult,shared_weighted,ragged", GEMV_CASES)
+def test_one_token_path_matches_reference(device, dtype, E, k, S, shared_mult, shared_weighted, ragged):
+    args, want = _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, seed=E + k + S)
+    x, w13, w2, ids, w, shared = args
+    got = _km().fused_experts(x, w13, w2, ids, w, shared=shared)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **_tol(dtype))
+    got32 = _km().fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32, shared=shared)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, want, **_tol(dtype))
+    assert (got32 - want).norm() <= 1e-2 * want.norm()
+
+
+# fp32 only under the interpreter: the grouped path's bf16 tl.dot does not run there.
+@pytest.mark.parametrize("device,dtype", [p for p in GEMV_DTYPES if p.id != "cpu-bf16"])
+@pytest.mark.parametrize("E,k,S,shared_mult,shared_weighted,ragged", GEMV_CASES)
+def test_one_token_path_matches_grouped_path(device, dtype, E, k, S, shared_mult, shared_weighted, ragged,
+                                             monkeypatch):
+    args, _ = _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, seed=7 + E + k + S)
+    gemv = _km().fused_experts(*args[:5], out_dtype=torch.float32, shared=args[5])
+    monkeypatch.setattr(_km(), "GEMV_MAX_TOKENS", 0)
+    grouped = _km().fused_experts(*args[:5], out_dtype=torch.float32, shared=args[5])
+    # Both sum in fp32 and round act to the weights' dtype; only the order of the sums differs
+    # (and with it, rarely, an act element's rounding in bf16).
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gemv, grouped, **tol)
+
+
+class _Refused:
+    """Stands in for a kernel that must not launch."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.name} launched")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_token_path_is_taken_at_one_token_only(device, monkeypatch):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    args, want = _one_token(device, dtype, 8, 2, 2, 1, True, False, seed=11)
+    x, w13, w2, ids, w, shared = args
+    km = _km()
+    from kiln.kernels import moe_gemv
+    with monkeypatch.context() as m:  # one token: the GEMV kernels only
+        for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
+            m.setattr(km, name, _Refused(name))
+        got = km.fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32, shared=shared)
+        torch.testing.assert_close(got, want, **_tol(dtype))
+        with pytest.raises(AssertionError, match="_align_kernel launched"):  # two tokens: grouped
+            km.fused_experts(x.expand(2, -1), w13, w2, ids.expand(2, -1), w.expand(2, -1), shared=shared)
+        cfg = km.pick_config(1, ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2])
+        with pytest.raises(AssertionError, match="_align_kernel launched"):  # an explicit config: grouped
+            km.fused_experts(x, w13, w2, ids, w, shared=shared, config=cfg)
+    with monkeypatch.context() as m:  # two tokens never launch the GEMV kernels
+        for name in ("_expert_up_gemv_kernel", "_expert_down_gemv_kernel"):
+            m.setattr(moe_gemv, name, _Refused(name))
+        sw2 = shared[2].expand(2, -1)
+        got = km.fused_experts(x.expand(2, -1), w13, w2, ids.expand(2, -1), w.expand(2, -1),
+                               out_dtype=torch.float32, shared=(shared[0], shared[1], sw2))
+        torch.testing.assert_close(got, want.expand(2, -1), **_tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_path_takes_several_tokens(device, monkeypatch):
+    # The GEMV kernels take any T (what `benchmarks/kernels/moe.py --gemv T` times), shared and not.
+    monkeypatch.setattr(_km(), "GEMV_MAX_TOKENS", 4)
+    for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
+        monkeypatch.setattr(_km(), name, _Refused(name))
+    _check_experts(device, 3, 8, 2, 2, seed=12)
+    _check_experts(device, 4, 8, 3, 1, shared_mult=2, shared_weighted=False, seed=13)
