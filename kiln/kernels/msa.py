@@ -341,10 +341,11 @@ def _num_blocks(req_to_token: torch.Tensor, block_size: int, max_len: Optional[i
 
 
 def _score_programs(rows: int, g: int, nb: int, device: torch.device) -> int:
-    """Programs per (row, head) of the decode score kernel: 4 per SM across the batch (one wave of
-    its 16-warp programs), at most one per block. The grid never depends on the lengths, so in a
-    large batch a row much longer than the others is walked by few programs (a known limit:
-    spreading (row, block) pairs over the grid would need a device-side prefix sum)."""
+    """Programs per (row or query tile, head) of the score kernels: 4 per SM across the grid (one
+    wave of the decode kernel's 16-warp programs), at most one per block. The grid never depends
+    on the lengths, so in a large batch a row much longer than the others is walked by few
+    programs (a known limit: spreading (row, block) pairs over the grid would need a device-side
+    prefix sum)."""
     return max(1, min(nb, -(-4 * _programs_wanted(device) // (rows * g))))
 
 
@@ -501,7 +502,7 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     # blocks parallel beside a long prefill chunk. In a graph nb spans the context: fill the GPU.
     if programs is None and max_len is not None:
         programs = nb
-    per_tile = programs or max(1, min(nb, -(-4 * _programs_wanted(qI.device) // (max_tiles * g))))
+    per_tile = programs or _score_programs(max_tiles, g, nb, qI.device)
     assert per_tile <= 65535 and g <= 65535
     _extend_scores_kernel[(max_tiles, per_tile, g)](
         qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, tile_end, scores,

@@ -390,7 +390,9 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
     # query positions, key_gap and key_offset in the extend kernel. Partial acceptance, so that
     # catch-up rows, draft rows and rejected drafts all occur; drafts must equal the reference.
     pytest.importorskip("triton")
-    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+    from kiln.kernels import attention as attn_kernels
+    from kiln.ops.attention import RelProjection
+    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT, _count_calls
 
     with open(f"{model_dir}/config.json") as f:  # fewer layers for the interpreter (FEWER_LAYERS)
         cfg = json.load(f)
@@ -399,7 +401,10 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
     ps = prompts(2, seed=21, lo=18, hi=40)
     core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT)
     assert core.runner.use_kernels
-    verify_projected = _count_projected_verify_rows(monkeypatch)
+    # rows of a verify: several per request; Inkling's bias as a RelProjection (computed in the kernel)
+    verify_projected = _count_calls(monkeypatch, attn_kernels, "decode_attention",
+                                    when=lambda *a, **kw: isinstance(a[8], RelProjection)
+                                    and a[4].numel() > len(set(a[4].tolist())))
     res, drafts, _ = run_spec(core, ps, max_tokens=12)
     if cfg["model_type"] == "inkling":  # verifies compute the relative bias in the decode kernel too
         assert verify_projected[0] > 0
@@ -407,20 +412,3 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
                                                               max_tokens=12)
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
-
-
-def _count_projected_verify_rows(monkeypatch) -> list[int]:
-    """[calls] of the decode attention kernel with a verify's rows (several per request) and
-    Inkling's bias as a `RelProjection` (computed in the kernel, not materialised)."""
-    from kiln.kernels import attention as attn_kernels
-    from kiln.ops.attention import RelProjection
-
-    calls, real = [0], attn_kernels.decode_attention
-
-    def counted(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, scale, window=None, rel=None, **kw):
-        rows_per_request = req_slots.numel() > len(set(req_slots.tolist()))
-        calls[0] += isinstance(rel, RelProjection) and rows_per_request
-        return real(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, scale, window, rel, **kw)
-
-    monkeypatch.setattr(attn_kernels, "decode_attention", counted)
-    return calls
