@@ -3,6 +3,8 @@
 
     python -m benchmarks.kernels.attention [--batch 1 8 64] [--context 1024 8192 32768]
                                            [--shape llama-3.1-8b inkling-bench] [--no-reference]
+                                           [--table-len 131072] [--min-split-keys 64 256]
+                                           [--merge-kernel]
 
 Shapes: Llama-3.1-8B (Hq=32, Hkv=8, D=128) and the Inkling bench preset's sliding-window layers
 (Hq=16, Hkv=4, D=128, rel bias R=1024, window 4096), bf16, every sequence at the full context,
@@ -10,13 +12,18 @@ pages of 16 tokens in random order. Times are medians of `triton.testing.do_benc
 the L2 before each call): the eager call, the same call replayed alone from a CUDA graph (graph
 launch included), and `in-graph`: the time one call adds inside a graph of 20 calls, each after
 an L2 flush, less the flushes alone (how it runs inside the engine's whole-step decode graph).
-GB/s = K+V bytes the step must read (min(ctx, window) keys per sequence and kv head) / in-graph
-time; % is of the H200's nominal 4.8 TB/s.
+`--table-len`: the page table's width, which sizes the split grid as in the engine (whose table
+spans the longest context it allows); by default the grid is sized for the context itself. The
+splits are merged inside the attention kernel, as in the engine (`--merge-kernel`: by a second
+kernel). `--min-split-keys`: one row per value of `decode_attention.MIN_SPLIT_KEYS` (the least
+keys per split). GB/s = K+V bytes the step must read (min(ctx, window) keys per sequence and kv
+head) / in-graph time; % is of the H200's nominal 4.8 TB/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -49,21 +56,29 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) reference op")
+    ap.add_argument("--merge-kernel", action="store_true",
+                    help="merge the splits in a second kernel (default: inside the attention kernel, as the engine)")
+    ap.add_argument("--table-len", type=int, default=0,
+                    help="page-table width (sizes the split grid, as the engine's table does); 0: the context")
+    ap.add_argument("--min-split-keys", type=int, nargs="+", default=[0],
+                    help="values of MIN_SPLIT_KEYS to time (0: the module's own)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.attention needs CUDA")
 
     import triton
 
+    from kiln.kernels import decode_attention as module
     from kiln.kernels.decode_attention import decode_attention, pick_num_splits
     from kiln.ops.attention import paged_decode_attention
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
+    default_min_keys = module.MIN_SPLIT_KEYS
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# {dtype}, page {PAGE}, times in ms (median); speedup = ref / graph; GB/s and % of "
           "4.8 TB/s from the in-graph time")
-    cols = ["shape", "B", "ctx", "splits", "ref", "eager", "graph", "in-graph", "speedup", "GB/s", "%peak"]
+    cols = ["shape", "B", "ctx", "splits", "min_keys", "ref", "eager", "graph", "in-graph", "speedup", "GB/s", "%peak"]
     flush = torch.empty(32 * 2 ** 20, dtype=torch.int32, device=dev)  # 128 MB > the 60 MB L2
     print(f"{cols[0]:>14}" + "".join(f"{c:>9}" for c in cols[1:]))
     for name in args.shape:
@@ -75,46 +90,49 @@ def main(argv=None) -> None:
         # One pair of caches per shape, large enough for the biggest batch x context.
         k_cache = torch.randn(pages * PAGE, hkv, d, device=dev, dtype=dtype, generator=gen)
         v_cache = torch.randn(pages * PAGE, hkv, d, device=dev, dtype=dtype, generator=gen)
-        for b in args.batch:
-            for ctx in args.context:
-                n_pages = b * -(-ctx // PAGE)
-                page_ids = torch.randperm(pages, device=dev, generator=gen)[:n_pages]
-                table = (page_ids[:, None] * PAGE + torch.arange(PAGE, device=dev)).view(b, -1)[:, :ctx]
-                table = table.to(torch.int32).contiguous()
-                req_slots = torch.arange(b, device=dev)
-                seq_lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
-                q = torch.randn(b, hq, d, device=dev, dtype=dtype, generator=gen)
-                rel = None if rel_len is None else torch.randn(b, hq, rel_len, device=dev, generator=gen)
-                call = lambda: decode_attention(q, k_cache, v_cache, table, req_slots, seq_lens,  # noqa: E731
-                                                scale, window, rel, max_len=ctx)
-                out = call()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    call()
-                t_eager, t_graph = bench(call), bench(graph.replay)
-                t_in = in_graph_time(call, flush, bench)
-                t_ref = float("nan")
-                if not args.no_reference:
-                    ref_call = lambda: paged_decode_attention(q, k_cache, v_cache, table, req_slots,  # noqa: E731
-                                                              seq_lens, scale, window, rel)
-                    try:
-                        ref = ref_call()
-                        err = (out.float() - ref.float()).abs().max().item()
-                        assert err < 5e-2, f"kernel differs from the reference by {err}"
-                        del ref
-                        t_ref = bench(ref_call)
-                    except torch.OutOfMemoryError:
-                        pass  # the reference gathers (and upcasts) the whole padded context
-                keys = min(ctx, window) if window else ctx
-                kv_bytes = b * keys * hkv * d * 2 * k_cache.element_size()
-                gbs = kv_bytes / (t_in * 1e-3) / 1e9
-                splits = pick_num_splits(b, hkv, keys, dev)
-                row = [b, ctx, splits, t_ref, t_eager, t_graph, t_in, t_ref / t_graph, gbs,
-                       100 * gbs * 1e9 / NOMINAL_BW]
-                print(f"{name:>14}" + "".join(f"{x:>9}" if isinstance(x, int) else f"{x:>9.4f}" if x < 100
-                                              else f"{x:>9.1f}" for x in row), flush=True)
-                graph = table = q = rel = None  # free before the next configuration
-                torch.cuda.empty_cache()
+        for b, ctx, min_keys in itertools.product(args.batch, args.context, args.min_split_keys):
+            n_pages = b * -(-ctx // PAGE)
+            page_ids = torch.randperm(pages, device=dev, generator=gen)[:n_pages]
+            table = (page_ids[:, None] * PAGE + torch.arange(PAGE, device=dev)).view(b, -1)[:, :ctx]
+            width = max(args.table_len, ctx)
+            table = torch.nn.functional.pad(table.to(torch.int32), (0, width - ctx)).contiguous()
+            module.MIN_SPLIT_KEYS = min_keys or default_min_keys
+            req_slots = torch.arange(b, device=dev)
+            seq_lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
+            q = torch.randn(b, hq, d, device=dev, dtype=dtype, generator=gen)
+            rel = None if rel_len is None else torch.randn(b, hq, rel_len, device=dev, generator=gen)
+            counters = torch.zeros(b * hkv, dtype=torch.int32, device=dev)
+            call = lambda: decode_attention(q, k_cache, v_cache, table, req_slots, seq_lens,  # noqa: E731
+                                            scale, window, rel, max_len=None if args.table_len else ctx,
+                                            split_counters=None if args.merge_kernel else counters)
+            out = call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            t_eager, t_graph = bench(call), bench(graph.replay)
+            t_in = in_graph_time(call, flush, bench)
+            t_ref = float("nan")
+            if not args.no_reference:
+                ref_call = lambda: paged_decode_attention(q, k_cache, v_cache, table, req_slots,  # noqa: E731
+                                                          seq_lens, scale, window, rel)
+                try:
+                    ref = ref_call()
+                    err = (out.float() - ref.float()).abs().max().item()
+                    assert err < 5e-2, f"kernel differs from the reference by {err}"
+                    del ref
+                    t_ref = bench(ref_call)
+                except torch.OutOfMemoryError:
+                    pass  # the reference gathers (and upcasts) the whole padded context
+            keys = min(ctx, window) if window else ctx
+            kv_bytes = b * keys * hkv * d * 2 * k_cache.element_size()
+            gbs = kv_bytes / (t_in * 1e-3) / 1e9
+            splits = pick_num_splits(b, hkv, min(width, window) if window else width, dev)
+            row = [b, ctx, splits, module.MIN_SPLIT_KEYS, t_ref, t_eager, t_graph, t_in, t_ref / t_graph, gbs,
+                   100 * gbs * 1e9 / NOMINAL_BW]
+            print(f"{name:>14}" + "".join(f"{x:>9}" if isinstance(x, int) else f"{x:>9.4f}" if x < 100
+                                          else f"{x:>9.1f}" for x in row), flush=True)
+            graph = table = q = rel = None  # free before the next configuration
+            torch.cuda.empty_cache()
         k_cache = v_cache = None
         torch.cuda.empty_cache()
 

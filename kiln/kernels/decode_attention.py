@@ -5,8 +5,10 @@ bound on the context that only sizes the grid. Each program handles one (sequenc
 split) and all G query heads sharing that KV head, so every K/V byte is read once per step and
 the G x BLOCK_N scores come from one `tl.dot` (G padded to 16 rows, the smallest MMA tile).
 Splits partition each sequence's visible keys (the whole context, or the last W keys with a
-sliding window) into num_splits equal chunks; the per-split partial results are merged by their
-log-sum-exp. With one split the first kernel writes the output directly.
+sliding window) into num_splits equal chunks of at least `min_split_keys` keys (the grid is sized for
+the longest context the caller allows, so a short sequence uses only its first few splits); the
+per-split partial results are merged by their log-sum-exp. With one split the first kernel writes
+the output directly.
 
 The merge runs either as a second kernel or, given `split_counters` (a zeroed int32 buffer the
 caller keeps), inside the first: each (sequence, KV head) counts its finished splits with an
@@ -63,13 +65,18 @@ MIN_PROGRAMS_PER_SM = 4
 MAX_PROGRAMS_PER_SM = 8
 SPLIT_KEYS = 512
 MAX_SPLITS = 128
+# Keys per split at least: below this a split's fixed cost (its start, and one more partial for the
+# merge to read) outweighs the parallelism it adds. The engine sizes the grid for the longest
+# context it allows, so at a short context this bound is what sets the split count.
+MIN_SPLIT_KEYS = 256
 
 
 def decode_config(block_d: int, device: torch.device) -> dict:
     """Keys per loop step, warps and pipeline stages of the decode kernel."""
-    if device.type != "cuda":  # the interpreter: small blocks so tiny tests span several
-        return dict(block_n=16, num_warps=4, num_stages=1)
-    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
+    if device.type != "cuda":  # the interpreter: small blocks and splits, so tiny tests span several
+        return dict(block_n=16, num_warps=4, num_stages=1, min_split_keys=16)
+    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3,
+                min_split_keys=MIN_SPLIT_KEYS)
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
@@ -85,14 +92,16 @@ def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.devi
 
 
 @triton.jit
-def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """First visible key and keys per split (a multiple of BLOCK_N) of one sequence. Both kernels
-    call this, so the merge sees exactly the splits the attention kernel wrote."""
+def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               MIN_SPLIT: tl.constexpr):
+    """First visible key and keys per split (a multiple of BLOCK_N, at least MIN_SPLIT, itself a
+    multiple of BLOCK_N) of one sequence. Both kernels call this, so the merge sees exactly the
+    splits the attention kernel wrote."""
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    return lo, tl.maximum(per_split, BLOCK_N)
+    return lo, tl.maximum(per_split, MIN_SPLIT)
 
 
 @triton.jit
@@ -148,29 +157,42 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
 
 
 @triton.jit
-def _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
+def _merge_heads(Out, MidO, MidLse, b, h0, n_heads, n_splits,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """`_merge_kernel`'s result for the query heads of one KV head, from inside the attention
-    kernel (the splits are added one at a time, not in tiles: the same value up to fp32 rounding
-    order). The partials were written by other programs: read through L2 (".cg"), never a stale
-    L1 line."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(MidLse + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :],
-                  mask=g_mask[:, None] & (offs_s < n_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    o_rows = MidO + b * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
-    for s in range(0, n_splits):
-        w = tl.exp2(tl.load(MidLse + b * stride_lb + heads * stride_lh + s, mask=g_mask, other=float("-inf"),
-                            cache_modifier=".cg") - m)
-        o = tl.load(o_rows + s * stride_ms, mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-    acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                 SPLIT_TILE: tl.constexpr):
+    """Out[b, h] for the n_heads query heads from h0: sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s
+    - m) over the first n_splits splits (the ones that held keys; the others were never written).
+    Online over tiles of SPLIT_TILE splits x BLOCK_H heads, each tile's log-sum-exps and partials
+    loaded at once: the merge is a chain of L2 round trips, one per tile (usually one in all), not
+    one per split. The partials may come from other programs of the same kernel: read through L2
+    (".cg"), never a stale L1 line."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_t = tl.arange(0, SPLIT_TILE)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = h0 + offs_h
+    h_mask = offs_h < n_heads
+    d_mask = offs_d < HEAD_DIM
+    lse_rows = MidLse + b * stride_lb + heads[:, None] * stride_lh
+    o_rows = MidO + b * stride_mb + heads[:, None, None] * stride_mh + offs_d[None, None, :]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, SPLIT_TILE):
+        t_mask = h_mask[:, None] & (s0 + offs_t < n_splits)[None, :]
+        lse = tl.load(lse_rows + s0 + offs_t[None, :], mask=t_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(o_rows + (s0 + offs_t)[None, :, None] * stride_ms, mask=t_mask[:, :, None] & d_mask[None, None, :],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split of this head yet: no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m_i = m_new
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys at all (graph padding): zeros
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], acc.to(Out.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :])
+             mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -182,7 +204,8 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr, REL_PROJ: tl.constexpr = False,
+    MERGE_HERE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    REL_PROJ: tl.constexpr = False,
     HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     wait_for_previous(PDL)
@@ -190,7 +213,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -264,46 +287,42 @@ def _decode_kernel(
             tl.debug_barrier()
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_group(Out, MidO, MidLse, b, heads, g_mask, d_mask, offs_d, n_splits,
+                _merge_heads(Out, MidO, MidLse, b, kvh * GROUP, GROUP, n_splits,
                              stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                             BLOCK_G, BLOCK_D, BLOCK_S)
+                             HEAD_DIM, BLOCK_D, BLOCK_H, SPLIT_TILE)
 
 
 @triton.jit
 def _merge_kernel(
     Out, MidO, MidLse, SeqLens, window, num_splits,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Out[b, h] = sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s - m) over the splits that held
-    keys of sequence b (the others were never written)."""
+    """The merge of one (sequence, KV head)'s query heads, when the attention kernel does not merge
+    (`_merge_heads`)."""
     wait_for_previous(PDL)
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
+    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     n_splits = tl.cdiv(tl.maximum(seq_len - lo, 0), per_split)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_row = MidLse + b * stride_lb + h * stride_lh
-    lse = tl.load(lse_row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(n_splits > 0, m, 0.0)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    offs_t = tl.arange(0, SPLIT_TILE)
-    o_rows = MidO + b * stride_mb + h * stride_mh + offs_d[None, :]
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    # SPLIT_TILE splits per step: one load each instead of a chain of small dependent ones.
-    for s0 in range(0, n_splits, SPLIT_TILE):
-        t_mask = s0 + offs_t < n_splits
-        w = tl.exp2(tl.load(lse_row + s0 + offs_t, mask=t_mask, other=float("-inf")) - m)
-        o = tl.load(o_rows + (s0 + offs_t)[:, None] * stride_ms, mask=t_mask[:, None] & d_mask[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-    acc = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, acc.to(Out.dtype.element_ty), mask=d_mask)
+    _merge_heads(Out, MidO, MidLse, b, kvh * GROUP, GROUP, n_splits,
+                 stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                 HEAD_DIM, BLOCK_D, BLOCK_H, SPLIT_TILE)
+
+
+# fp32 partials in one merge tile: 64 registers a thread at 4 warps.
+MERGE_TILE_VALUES = 8192
+
+
+def merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
+    """(BLOCK_H, SPLIT_TILE) of `_merge_heads`: all of a KV head's query heads, and as many splits
+    as keep a tile of partials within MERGE_TILE_VALUES."""
+    block_h = max(2, triton.next_power_of_2(group))
+    tile = max(1, min(triton.next_power_of_2(num_splits), MERGE_TILE_VALUES // (block_h * block_d)))
+    return block_h, tile
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -311,7 +330,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, sliding_window: Optional[int] = None,
                      rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
                      num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0,
-                     split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     split_counters: Optional[torch.Tensor] = None,
+                     min_split_keys: Optional[int] = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -322,7 +342,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `RelProjection` (r [B, Hq, d_r], P [R, d_r], lam [B]), whose bias the kernel computes per key.
 
     max_len: host bound on seq_lens used only to size the grid (default req_to_token.shape[1]);
-    results do not depend on it. num_splits overrides the split count (tests, tuning). A
+    results do not depend on it. num_splits overrides the split count and min_split_keys the
+    least keys per split (`MIN_SPLIT_KEYS`, rounded up to the key block; tests, tuning). A
     sequence of length 0 yields zeros. No host sync: safe inside a CUDA graph after a warm-up.
     MTP layers: `key_gap` hides keys at distances 1 .. gap - 1 and keys are read at
     req_to_token[slot, position + key_offset] (as `kiln.ops.attention.paged_attention`).
@@ -348,6 +369,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = pick_num_splits(b, hkv, max_keys, q.device)
     cfg = decode_config(block_d, q.device)
     block_n = cfg["block_n"]
+    min_split = cfg["min_split_keys"] if min_split_keys is None else min_split_keys
+    min_split = max(1, triton.cdiv(min_split, block_n)) * block_n
+    block_h, split_tile = merge_tile(group, block_d, num_splits)
     proj = rel if isinstance(rel, RelProjection) else None
     if proj is not None:
         rel = proj.r
@@ -384,16 +408,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),
-        MERGE_HERE=merge_here, BLOCK_S=triton.next_power_of_2(num_splits),
+        MERGE_HERE=merge_here, MIN_SPLIT=min_split, BLOCK_H=block_h, SPLIT_TILE=split_tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device),
     )
     if num_splits > 1 and not merge_here:
-        _merge_kernel[(b, hq)](
+        _merge_kernel[(b, hkv)](
             out, mid_o, mid_lse, seq_lens, window, num_splits,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-            SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), HAS_WINDOW=sliding_window is not None,
-            num_warps=4 if block_d >= 128 else 2, **pdl_launch(q.device),
+            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, MIN_SPLIT=min_split, BLOCK_H=block_h,
+            SPLIT_TILE=split_tile, HAS_WINDOW=sliding_window is not None, num_warps=4, **pdl_launch(q.device),
         )
     return out

@@ -157,6 +157,20 @@ def test_decode_cpu_splits(num_splits, merge_here):
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("merge_here", [False, True], ids=["merge_kernel", "merge_in_kernel"])
+def test_decode_cpu_min_split_keys_and_merge_tiles(merge_here, monkeypatch):
+    """Splits of at least 48 keys: of 20 splits, 7 hold the 300-key sequence's keys (15 would by
+    length), 1 each of the short ones; the merge walks them in tiles of 2 splits (several tiles,
+    the last one part full)."""
+    from kiln.kernels import decode_attention as module
+
+    monkeypatch.setattr(module, "MERGE_TILE_VALUES", 2 * 2 * 32)  # BLOCK_H 2 x 2 splits x D 32
+    assert module.merge_tile(2, 32, 20) == (2, 2)
+    _check_decode("cpu", [3, 300, 33, 97], 4, 2, 32, torch.float32, rel_len=20, num_splits=20,
+                  min_split_keys=40, merge_here=merge_here)  # rounded up to 48 (3 key blocks)
+
+
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("rel_dim,with_lam,window,num_splits,merge_here", [
     (8, True, None, 1, False),    # one split writes the output
     (8, False, 9, 3, True),       # sliding layer (no lam), splits merged in the kernel
@@ -211,6 +225,9 @@ def test_decode_cuda_shapes(hq, hkv, d, window, rel_len, lens):
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16, merge_here=True)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=1, num_splits=1)
+    # splits of one key block each (the split count set by length alone), merged in several tiles
+    _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=2, page_size=16,
+                  min_split_keys=1, merge_here=True, max_len=2 ** 17)
 
 
 @pytest.mark.gpu
