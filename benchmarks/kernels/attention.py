@@ -4,7 +4,7 @@
     python -m benchmarks.kernels.attention [--batch 1 8 64] [--context 1024 8192 32768]
                                            [--shape llama-3.1-8b inkling-bench] [--no-reference]
                                            [--table-len 131072] [--min-split-keys 64 256]
-                                           [--merge-kernel]
+                                           [--max-splits 32 128] [--merge-kernel]
 
 Shapes: Llama-3.1-8B (Hq=32, Hkv=8, D=128) and the Inkling bench preset's sliding-window layers
 (Hq=16, Hkv=4, D=128, rel bias R=1024, window 4096), bf16, every sequence at the full context,
@@ -15,9 +15,9 @@ an L2 flush, less the flushes alone (how it runs inside the engine's whole-step 
 `--table-len`: the page table's width, which sizes the split grid as in the engine (whose table
 spans the longest context it allows); by default the grid is sized for the context itself. The
 splits are merged inside the attention kernel, as in the engine (`--merge-kernel`: by a second
-kernel). `--min-split-keys`: one row per value of `decode_attention.MIN_SPLIT_KEYS` (the least
-keys per split). GB/s = K+V bytes the step must read (min(ctx, window) keys per sequence and kv
-head) / in-graph time; % is of the H200's nominal 4.8 TB/s.
+kernel). `--min-split-keys` / `--max-splits`: one row per value of the module's MIN_SPLIT_KEYS
+(the least keys per split) / MAX_SPLITS. GB/s = K+V bytes the step must read (min(ctx, window)
+keys per sequence and kv head) / in-graph time; % is of the H200's nominal 4.8 TB/s.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def main(argv=None) -> None:
                     help="page-table width (sizes the split grid, as the engine's table does); 0: the context")
     ap.add_argument("--min-split-keys", type=int, nargs="+", default=[0],
                     help="values of MIN_SPLIT_KEYS to time (0: the module's own)")
+    ap.add_argument("--max-splits", type=int, nargs="+", default=[0],
+                    help="values of MAX_SPLITS to time (0: the module's own)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.attention needs CUDA")
@@ -73,7 +75,7 @@ def main(argv=None) -> None:
     from kiln.ops.attention import paged_decode_attention
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
-    default_min_keys = module.MIN_SPLIT_KEYS
+    default_min_keys, default_max_splits = getattr(module, "MIN_SPLIT_KEYS", 0), module.MAX_SPLITS
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# {dtype}, page {PAGE}, times in ms (median); speedup = ref / graph; GB/s and % of "
@@ -90,13 +92,15 @@ def main(argv=None) -> None:
         # One pair of caches per shape, large enough for the biggest batch x context.
         k_cache = torch.randn(pages * PAGE, hkv, d, device=dev, dtype=dtype, generator=gen)
         v_cache = torch.randn(pages * PAGE, hkv, d, device=dev, dtype=dtype, generator=gen)
-        for b, ctx, min_keys in itertools.product(args.batch, args.context, args.min_split_keys):
+        for b, ctx, min_keys, max_splits in itertools.product(args.batch, args.context, args.min_split_keys,
+                                                               args.max_splits):
             n_pages = b * -(-ctx // PAGE)
             page_ids = torch.randperm(pages, device=dev, generator=gen)[:n_pages]
             table = (page_ids[:, None] * PAGE + torch.arange(PAGE, device=dev)).view(b, -1)[:, :ctx]
             width = max(args.table_len, ctx)
             table = torch.nn.functional.pad(table.to(torch.int32), (0, width - ctx)).contiguous()
             module.MIN_SPLIT_KEYS = min_keys or default_min_keys
+            module.MAX_SPLITS = max_splits or default_max_splits
             req_slots = torch.arange(b, device=dev)
             seq_lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
             q = torch.randn(b, hq, d, device=dev, dtype=dtype, generator=gen)

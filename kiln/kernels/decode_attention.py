@@ -64,11 +64,15 @@ def dot_precision(dtype: torch.dtype) -> str:
 MIN_PROGRAMS_PER_SM = 4
 MAX_PROGRAMS_PER_SM = 8
 SPLIT_KEYS = 512
-MAX_SPLITS = 128
-# Keys per split at least: below this a split's fixed cost (its start, and one more partial for the
-# merge to read) outweighs the parallelism it adds. The engine sizes the grid for the longest
-# context it allows, so at a short context this bound is what sets the split count.
-MIN_SPLIT_KEYS = 256
+# At most 32 splits: the engine sizes the grid for its longest context, which at batch 1 would ask
+# for 128, and the last program of each head group then merges 128 partials (8B shape at 8K: 31 us
+# per call at 128 splits, 21 at 32; docs/benchmarks.md, thirteenth pass).
+MAX_SPLITS = 32
+# Keys per split at least (0: one key block). Longer minimum splits were slower at batch 1 on an
+# H200 (1K context: 8.7 us at one block against 10.0 at 128 keys and 14.1 at 256; docs/benchmarks.md,
+# thirteenth pass): a split's keys are a chain of dependent block loads, and fewer programs
+# overlap fewer of them. Kept as a knob for other GPUs and head dims.
+MIN_SPLIT_KEYS = 0
 
 
 def decode_config(block_d: int, device: torch.device) -> dict:
@@ -136,6 +140,8 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
         n_mask = n_mask & ((dist == 0) | (dist >= key_gap))
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    # V's load is issued with K's, not after the scores: one memory round trip per block, not two.
+    v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if APPLY_REL:
         if REL_PROJ:
@@ -151,7 +157,6 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
