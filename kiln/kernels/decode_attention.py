@@ -5,9 +5,10 @@ bound on the context that only sizes the grid. Each program handles one (sequenc
 split) and all G query heads sharing that KV head, so every K/V byte is read once per step and
 the G x BLOCK_N scores come from one `tl.dot` (G padded to 16 rows, the smallest MMA tile).
 Splits partition each sequence's visible keys (the whole context, or the last W keys with a
-sliding window) into num_splits equal chunks of at least `min_split_keys` keys (the grid is sized for
-the longest context the caller allows, so a short sequence uses only its first few splits); the
-per-split partial results are merged by their log-sum-exp. With one split the first kernel writes
+sliding window) into num_splits chunks of equal length (the last one may be shorter), a multiple
+of the key block and at least `min_split_keys`; the grid is sized for the longest context the
+caller allows, so a short sequence uses only its first few splits. The per-split partial results
+are merged by their log-sum-exp. With one split the first kernel writes
 the output directly.
 
 The merge runs either as a second kernel or, given `split_counters` (a zeroed int32 buffer the
@@ -76,9 +77,10 @@ MIN_SPLIT_KEYS = 0
 
 
 def decode_config(block_d: int, device: torch.device) -> dict:
-    """Keys per loop step, warps and pipeline stages of the decode kernel."""
-    if device.type != "cuda":  # the interpreter: small blocks and splits, so tiny tests span several
-        return dict(block_n=16, num_warps=4, num_stages=1, min_split_keys=16)
+    """Keys per loop step (block_n), warps, pipeline stages and least keys per split of the decode
+    kernel."""
+    if device.type != "cuda":  # the interpreter: small blocks, so tiny tests span several
+        return dict(block_n=16, num_warps=4, num_stages=1, min_split_keys=MIN_SPLIT_KEYS)
     return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3,
                 min_split_keys=MIN_SPLIT_KEYS)
 
@@ -98,14 +100,15 @@ def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.devi
 @triton.jit
 def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                MIN_SPLIT: tl.constexpr):
-    """First visible key and keys per split (a multiple of BLOCK_N, at least MIN_SPLIT, itself a
-    multiple of BLOCK_N) of one sequence. Both kernels call this, so the merge sees exactly the
-    splits the attention kernel wrote."""
+    """First visible key, keys per split (a multiple of BLOCK_N, at least MIN_SPLIT) and the number
+    of splits that hold keys, of one sequence. Both kernels call this, so the merge sees exactly
+    the splits the attention kernel wrote."""
+    tl.static_assert(MIN_SPLIT >= BLOCK_N and MIN_SPLIT % BLOCK_N == 0)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    return lo, tl.maximum(per_split, MIN_SPLIT)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    return lo, per_split, tl.cdiv(seq_len - lo, per_split)
 
 
 @triton.jit
@@ -140,7 +143,8 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
         n_mask = n_mask & ((dist == 0) | (dist >= key_gap))
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    # V's load is issued with K's, not after the scores: one memory round trip per block, not two.
+    # V's load is issued with K's, not after the scores. The pipelined loop (num_stages > 1) turns
+    # both into asynchronous copies anyway; unpipelined, this saves a memory round trip per block.
     v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if APPLY_REL:
@@ -169,8 +173,8 @@ def _merge_heads(Out, MidO, MidLse, b, h0, n_heads, n_splits,
     """Out[b, h] for the n_heads query heads from h0: sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s
     - m) over the first n_splits splits (the ones that held keys; the others were never written).
     Online over tiles of SPLIT_TILE splits x BLOCK_H heads, each tile's log-sum-exps and partials
-    loaded at once: the merge is a chain of L2 round trips, one per tile (usually one in all), not
-    one per split. The partials may come from other programs of the same kernel: read through L2
+    loaded at once: the merge is a chain of L2 round trips, one per tile (one or two at the 32
+    splits of `MAX_SPLITS` and a group of 4), not one per split. The partials may come from other programs of the same kernel: read through L2
     (".cg"), never a stale L1 line."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_t = tl.arange(0, SPLIT_TILE)
@@ -218,7 +222,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
+    lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -286,7 +290,6 @@ def _decode_kernel(
                  acc, mask=out_mask)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
         if MERGE_HERE:
-            n_splits = tl.cdiv(seq_len - lo, per_split)  # the splits that held keys (start < end)
             counter = Counters + b * tl.num_programs(1) + kvh
             # Every warp's partials are written before the release; the last arrival acquires them.
             tl.debug_barrier()
@@ -311,8 +314,7 @@ def _merge_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
-    n_splits = tl.cdiv(tl.maximum(seq_len - lo, 0), per_split)
+    lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     _merge_heads(Out, MidO, MidLse, b, kvh * GROUP, GROUP, n_splits,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                  HEAD_DIM, BLOCK_D, BLOCK_H, SPLIT_TILE)
@@ -324,8 +326,9 @@ MERGE_TILE_VALUES = 8192
 
 def merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
     """(BLOCK_H, SPLIT_TILE) of `_merge_heads`: all of a KV head's query heads, and as many splits
-    as keep a tile of partials within MERGE_TILE_VALUES."""
-    block_h = max(2, triton.next_power_of_2(group))
+    as keep a tile of partials within MERGE_TILE_VALUES (at least one split: a group of more than
+    MERGE_TILE_VALUES / D heads, 64 at D 128, exceeds it)."""
+    block_h = max(2, triton.next_power_of_2(group))  # an MHA group of 1 is masked to a tile of 2
     tile = max(1, min(triton.next_power_of_2(num_splits), MERGE_TILE_VALUES // (block_h * block_d)))
     return block_h, tile
 
@@ -348,7 +351,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     max_len: host bound on seq_lens used only to size the grid (default req_to_token.shape[1]);
     results do not depend on it. num_splits overrides the split count and min_split_keys the
-    least keys per split (`MIN_SPLIT_KEYS`, rounded up to the key block; tests, tuning). A
+    least keys per split (default `MIN_SPLIT_KEYS`; rounded up to a multiple of the key block,
+    64 keys or 32 at D > 128, and at least one block); neither changes the result or the grid
+    (splits past a sequence's keys exit at once): tests and tuning. A
     sequence of length 0 yields zeros. No host sync: safe inside a CUDA graph after a warm-up.
     MTP layers: `key_gap` hides keys at distances 1 .. gap - 1 and keys are read at
     req_to_token[slot, position + key_offset] (as `kiln.ops.attention.paged_attention`).

@@ -151,23 +151,38 @@ def test_decode(device, group, case):
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 20])
 def test_decode_cpu_splits(num_splits, merge_here):
     # One split writes the output directly; more splits than a short sequence has blocks leave
-    # some splits empty, which the merge must skip; 20 splits of the long one take two merge steps.
+    # some splits empty, which the merge must skip. (Merges over several tiles: below.)
     _check_decode("cpu", [3, 300, 33], 4, 2, 32, torch.float32, rel_len=20, num_splits=num_splits,
                   merge_here=merge_here)
 
 
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("merge_here", [False, True], ids=["merge_kernel", "merge_in_kernel"])
-def test_decode_cpu_min_split_keys_and_merge_tiles(merge_here, monkeypatch):
-    """Splits of at least 48 keys: of 20 splits, 7 hold the 300-key sequence's keys (15 would by
-    length), 1 each of the short ones; the merge walks them in tiles of 2 splits (several tiles,
-    the last one part full)."""
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 2, 48)], ids=["group2", "group3_d48"])
+def test_decode_cpu_min_split_keys_and_merge_tiles(merge_here, hq, hkv, d, monkeypatch):
+    """Splits of at least 40 keys (rounded up to 48, three key blocks): of 20 splits, the 300-key
+    sequence fills 7 (19 by length alone), the 97-key one 3, the short ones 1. The merge walks
+    them in tiles of 2 splits (several tiles, the last one part full); group 3 and D 48 leave
+    padded heads and head-dim columns in every tile."""
     from kiln.kernels import decode_attention as module
 
-    monkeypatch.setattr(module, "MERGE_TILE_VALUES", 2 * 2 * 32)  # BLOCK_H 2 x 2 splits x D 32
-    assert module.merge_tile(2, 32, 20) == (2, 2)
-    _check_decode("cpu", [3, 300, 33, 97], 4, 2, 32, torch.float32, rel_len=20, num_splits=20,
-                  min_split_keys=40, merge_here=merge_here)  # rounded up to 48 (3 key blocks)
+    block_h, block_d = (2, 32) if d == 32 else (4, 64)
+    monkeypatch.setattr(module, "MERGE_TILE_VALUES", block_h * 2 * block_d)  # BLOCK_H x 2 splits x BLOCK_D
+    assert module.merge_tile(hq // hkv, block_d, 20) == (block_h, 2)
+    # Record which partials the attention kernel writes: its scratch starts as NaN.
+    written, empty = [], torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        if t.dtype == torch.float32 and t.dim() == 3 and t.shape[2] == 20:  # MidLse [B, Hq, splits]
+            written.append(t.fill_(float("nan")))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    _check_decode("cpu", [3, 300, 33, 97], hq, hkv, d, torch.float32, rel_len=20, num_splits=20,
+                  min_split_keys=40, merge_here=merge_here)
+    filled = (~written[-1].isnan()).sum(-1)  # [B, Hq]: the splits that held keys
+    assert filled.tolist() == [[1] * hq, [7] * hq, [1] * hq, [3] * hq]
 
 
 @INTERPRETER_ONLY
@@ -225,7 +240,7 @@ def test_decode_cuda_shapes(hq, hkv, d, window, rel_len, lens):
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, page_size=16, merge_here=True)
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=1, num_splits=1)
-    # splits of one key block each (the split count set by length alone), merged in several tiles
+    # the grid of a 128K table (27-32 splits, as in the engine), merged over several tiles
     _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, seed=2, page_size=16,
                   min_split_keys=1, merge_here=True, max_len=2 ** 17)
 
