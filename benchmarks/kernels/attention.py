@@ -60,14 +60,26 @@ def main(argv=None) -> None:
                     help="merge the splits in a second kernel (default: inside the attention kernel, as the engine)")
     ap.add_argument("--table-len", type=int, default=0,
                     help="page-table width (sizes the split grid, as the engine's table does); 0: the context")
-    ap.add_argument("--min-split-keys", type=int, nargs="+", default=[0],
-                    help="values of MIN_SPLIT_KEYS to time (0: the module's own)")
-    ap.add_argument("--max-splits", type=int, nargs="+", default=[0],
-                    help="values of MAX_SPLITS to time (0: the module's own)")
+    ap.add_argument("--min-split-keys", type=int, nargs="+", default=[None],
+                    help="values of MIN_SPLIT_KEYS to time (default: the module's own)")
+    ap.add_argument("--max-splits", type=int, nargs="+", default=[None],
+                    help="values of MAX_SPLITS to time (default: the module's own)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.attention needs CUDA")
 
+    from kiln.kernels import decode_attention as module
+
+    # Swept values are set on the module for each row; the module's own are restored at the end.
+    defaults = getattr(module, "MIN_SPLIT_KEYS", 0), module.MAX_SPLITS
+    try:
+        _sweep(args, *defaults)
+    finally:
+        module.MIN_SPLIT_KEYS, module.MAX_SPLITS = defaults
+
+
+def _sweep(args, default_min_keys: int, default_max_splits: int) -> None:
+    """One row per (shape, batch, context, least keys per split, most splits)."""
     import triton
 
     from kiln.kernels import decode_attention as module
@@ -75,7 +87,6 @@ def main(argv=None) -> None:
     from kiln.ops.attention import paged_decode_attention
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
-    default_min_keys, default_max_splits = getattr(module, "MIN_SPLIT_KEYS", 0), module.MAX_SPLITS
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# {dtype}, page {PAGE}, times in ms (median); speedup = ref / graph; GB/s and % of "
@@ -99,8 +110,8 @@ def main(argv=None) -> None:
             table = (page_ids[:, None] * PAGE + torch.arange(PAGE, device=dev)).view(b, -1)[:, :ctx]
             width = max(args.table_len, ctx)
             table = torch.nn.functional.pad(table.to(torch.int32), (0, width - ctx)).contiguous()
-            module.MIN_SPLIT_KEYS = min_keys or default_min_keys
-            module.MAX_SPLITS = max_splits or default_max_splits
+            module.MIN_SPLIT_KEYS = default_min_keys if min_keys is None else min_keys
+            module.MAX_SPLITS = default_max_splits if max_splits is None else max_splits
             req_slots = torch.arange(b, device=dev)
             seq_lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
             q = torch.randn(b, hq, d, device=dev, dtype=dtype, generator=gen)
@@ -130,7 +141,7 @@ def main(argv=None) -> None:
             keys = min(ctx, window) if window else ctx
             kv_bytes = b * keys * hkv * d * 2 * k_cache.element_size()
             gbs = kv_bytes / (t_in * 1e-3) / 1e9
-            splits = pick_num_splits(b, hkv, min(width, window) if window else width, dev)
+            splits = pick_num_splits(b, hkv, min(width, window) if window else width, dev, module.MIN_SPLIT_KEYS)
             row = [b, ctx, splits, module.MIN_SPLIT_KEYS, t_ref, t_eager, t_graph, t_in, t_ref / t_graph, gbs,
                    100 * gbs * 1e9 / NOMINAL_BW]
             print(f"{name:>14}" + "".join(f"{x:>9}" if isinstance(x, int) else f"{x:>9.4f}" if x < 100

@@ -85,16 +85,18 @@ def decode_config(block_d: int, device: torch.device) -> dict:
                 min_split_keys=MIN_SPLIT_KEYS)
 
 
-def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
-    """How many chunks each sequence's keys are split into (see MIN_PROGRAMS_PER_SM)."""
+def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device,
+                    min_split_keys: int = 0) -> int:
+    """How many chunks each sequence's keys are split into (see MIN_PROGRAMS_PER_SM); never more
+    than `max_keys` fills at `min_split_keys` keys a split (the kernel's least split length)."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     programs = max(1, batch * kv_heads)
     low = triton.cdiv(MIN_PROGRAMS_PER_SM * sms, programs)
     high = triton.cdiv(MAX_PROGRAMS_PER_SM * sms, programs)
     splits = min(high, max(low, triton.cdiv(max_keys, SPLIT_KEYS)))
-    # Never more splits than BLOCK_N-key blocks (64 keys at least per split).
-    return max(1, min(splits, triton.cdiv(max(max_keys, 1), 64), MAX_SPLITS))
+    # Never more splits than BLOCK_N-key blocks (64 keys at least per split) or minimum splits.
+    return max(1, min(splits, triton.cdiv(max(max_keys, 1), max(64, min_split_keys)), MAX_SPLITS))
 
 
 @triton.jit
@@ -375,12 +377,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_keys = req_to_token.shape[1] if max_len is None else max_len
     if sliding_window is not None:
         max_keys = min(max_keys, sliding_window)
-    if num_splits is None:
-        num_splits = pick_num_splits(b, hkv, max_keys, q.device)
     cfg = decode_config(block_d, q.device)
     block_n = cfg["block_n"]
     min_split = cfg["min_split_keys"] if min_split_keys is None else min_split_keys
     min_split = max(1, triton.cdiv(min_split, block_n)) * block_n
+    if num_splits is None:
+        num_splits = pick_num_splits(b, hkv, max_keys, q.device, min_split)
     block_h, split_tile = merge_tile(group, block_d, num_splits)
     proj = rel if isinstance(rel, RelProjection) else None
     if proj is not None:

@@ -185,6 +185,14 @@ def test_decode_cpu_min_split_keys_and_merge_tiles(merge_here, hq, hkv, d, monke
     assert filled.tolist() == [[1] * hq, [7] * hq, [1] * hq, [3] * hq]
 
 
+def test_split_count_never_exceeds_what_the_least_split_fills():
+    from kiln.kernels.decode_attention import pick_num_splits
+
+    cpu = torch.device("cpu")
+    assert pick_num_splits(1, 2, 1024, cpu) == 8  # 4 programs per "SM" (4 on the CPU) over 2 heads
+    assert pick_num_splits(1, 2, 1024, cpu, min_split_keys=256) == 4  # 1024 keys fill 4 such splits
+
+
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("rel_dim,with_lam,window,num_splits,merge_here", [
     (8, True, None, 1, False),    # one split writes the output
