@@ -77,12 +77,10 @@ MIN_SPLIT_KEYS = 0
 
 
 def decode_config(block_d: int, device: torch.device) -> dict:
-    """Keys per loop step (block_n), warps, pipeline stages and least keys per split of the decode
-    kernel."""
-    if device.type != "cuda":  # the interpreter: small blocks, so tiny tests span several
-        return dict(block_n=16, num_warps=4, num_stages=1, min_split_keys=MIN_SPLIT_KEYS)
-    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3,
-                min_split_keys=MIN_SPLIT_KEYS)
+    """Keys per loop step, warps and pipeline stages of the decode kernel."""
+    if device.type != "cuda":  # the interpreter: small blocks so tiny tests span several
+        return dict(block_n=16, num_warps=4, num_stages=1)
+    return dict(block_n=64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device,
@@ -379,7 +377,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_keys = min(max_keys, sliding_window)
     cfg = decode_config(block_d, q.device)
     block_n = cfg["block_n"]
-    min_split = cfg["min_split_keys"] if min_split_keys is None else min_split_keys
+    min_split = MIN_SPLIT_KEYS if min_split_keys is None else min_split_keys
     min_split = max(1, triton.cdiv(min_split, block_n)) * block_n
     if num_splits is None:
         num_splits = pick_num_splits(b, hkv, max_keys, q.device, min_split)
