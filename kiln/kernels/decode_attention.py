@@ -8,8 +8,7 @@ Splits partition each sequence's visible keys (the whole context, or the last W 
 sliding window) into num_splits chunks of equal length (the last one may be shorter), a multiple
 of the key block and at least `min_split_keys`; the grid is sized for the longest context the
 caller allows, so a short sequence uses only its first few splits. The per-split partial results
-are merged by their log-sum-exp. With one split the first kernel writes
-the output directly.
+are merged by their log-sum-exp. With one split the first kernel writes the output directly.
 
 The merge runs either as a second kernel or, given `split_counters` (a zeroed int32 buffer the
 caller keeps), inside the first: each (sequence, KV head) counts its finished splits with an
@@ -67,7 +66,8 @@ MAX_PROGRAMS_PER_SM = 8
 SPLIT_KEYS = 512
 # At most 32 splits: the engine sizes the grid for its longest context, which at batch 1 would ask
 # for 128, and the last program of each head group then merges 128 partials (8B shape at 8K: 31 us
-# per call at 128 splits, 21 at 32; docs/benchmarks.md, thirteenth pass).
+# per call at 128 splits, 21 at 32 in the kernel benchmark, but only 20.2 -> 19.6 us inside the
+# engine's step; docs/benchmarks.md, thirteenth pass).
 MAX_SPLITS = 32
 # Keys per split at least (0: one key block). Longer minimum splits were slower at batch 1 on an
 # H200 (1K context: 8.7 us at one block against 10.0 at 128 keys and 14.1 at 256; docs/benchmarks.md,
