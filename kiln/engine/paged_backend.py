@@ -8,9 +8,9 @@ the model's `state_specs()`:
 - `short_conv`: the last K-1 inputs of each sequence come from the "conv" window space (CONV),
   this forward's inputs are written there;
 - `msa_attention`: K/V in FULL_KV and the indexer keys in INDEX_K, both in the main page space;
-- `conv_qk_norm` (kernel path; decode steps and short extends such as a speculative verify):
-  Inkling's k/v ShortConvs over the "conv" space fused with the q/k norms
-  (`kiln.kernels.conv_qk_norm`).
+- `conv_qk_norm_attention` (kernel path; decode steps and short extends such as a speculative
+  verify): Inkling's k/v ShortConvs over the "conv" space fused with the q/k norms and the K/V
+  cache write (`kiln.kernels.conv_qk_norm`), then attention.
 The math is the reference ops in `kiln.ops`; only the addressing lives here. Before a layer
 touches its buffers it waits for HiCache copies still running on them (`LayerGate`). With
 `use_kernels` (CUDA), the same calls go to the Triton kernels in `kiln.kernels`, which read the
@@ -46,9 +46,10 @@ SPLIT_COUNTERS = 65536
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
-                 gemv_max_rows: int = 0):
+                 gemv_max_rows: int = 0, gemv_prefetch_bytes: int = 0):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
+        self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
@@ -200,25 +201,31 @@ class PagedBackend:
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
 
     def fuses_conv_qk_norm(self, batch: ForwardBatch) -> bool:
-        """Whether `conv_qk_norm` serves this batch: the kernel path, and a decode step or chunks
+        """Whether `conv_qk_norm_attention` serves this batch: the kernel path, and a decode step or chunks
         of at most SHORT_EXTEND tokens (a speculative verify; longer prefill chunks keep the
         separate kernels, whose programs cover several rows)."""
         return self.use_kernels and (batch.mode == ForwardMode.DECODE or batch.max_extend_len <= SHORT_EXTEND)
 
-    def conv_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                     q_scale: Optional[torch.Tensor] = None):
+    def conv_qk_norm_attention(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                               q_scale: Optional[torch.Tensor], rel) -> torch.Tensor:
         """Inkling's attention prologue in one launch (when `fuses_conv_qk_norm`,
-        `kiln.kernels.conv_qk_norm`): layer.k_conv / v_conv on k and v with their conv-space
-        history and state writes (as `short_conv`), then layer.q_norm / k_norm per head and q
-        times `q_scale` [T] (lam). q [T, Hq*D], k / v [T, Hkv*D] -> ([T, Hq, D], [T, Hkv, D], [T, Hkv*D])."""
+        `kiln.kernels.conv_qk_norm.conv_qk_norm_store`), then `layer.attn` over the caches:
+        layer.k_conv / v_conv on k and v with their conv-space history and state writes (as
+        `short_conv`), layer.q_norm / k_norm per head, q times `q_scale` [T] (lam), and the new
+        k and v written into the layer's K/V cache (as `attention` writes them). q [T, Hq*D],
+        k / v [T, Hkv*D] -> [T, Hq*D]."""
         assert self.fuses_conv_qk_norm(batch)
         k_buf, v_buf = self.conv.layer(layer.k_conv.conv_id), self.conv.layer(layer.v_conv.conv_id)
         self.gate.wait(k_buf, v_buf)
+        k_cache, v_cache, space = self._kv(layer.attn)
         rows = batch.req_slots if batch.mode == ForwardMode.DECODE else self._token_slots(batch, q.shape[0])
-        return self.k_prologue.conv_qk_norm(
+        q = self.k_prologue.conv_qk_norm_store(
             q, k, v, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, layer.k_norm.eps,
             layer.k_conv.weight, layer.v_conv.weight, k_buf, v_buf, self.tables["conv"], rows,
-            batch.positions, batch.win_out_locs["conv"], layer.attn.head_dim, q_scale)
+            batch.positions, batch.win_out_locs["conv"], layer.attn.head_dim, q_scale,
+            k_cache, v_cache, self._loc(batch, space))
+        o = self._attend(layer.attn, q, k_cache, v_cache, space, batch, rel)
+        return o.reshape(q.shape[0], -1)
 
     def _conv_history(self, buf: torch.Tensor, batch: ForwardBatch, k: int, device) -> torch.Tensor:
         """[B, K-1, C]: each sequence's K-1 inputs before its first new token (zeros before the

@@ -12,7 +12,9 @@ split out of the fused qkvr projection:
     v_out = v'
 
 and, like the ShortConv kernels, k and v are written into their conv buffers at out_locs[t] after
-their history was read. A tap is inside the chunk when the row d before has the same request row
+their history was read. `conv_qk_norm_store` writes k_out and v_out straight into the layer's
+K/V cache at cache_locs[t] instead of into new tensors (the cache write of
+`kiln.kernels.kv_store`, one launch fewer per layer). A tap is inside the chunk when the row d before has the same request row
 and position p - d (the rows of a chunk are consecutive; a request has one chunk per forward), so
 decode rows, whose neighbours are other requests, read every tap from the buffer. Unfused that is five to seven launches per layer (two convs, two norms,
 the lam scale's mul and casts); at batch 1 the launches, not the bytes, are the cost.
@@ -80,10 +82,14 @@ def _conv_qk_norm_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
     qn_w_ptr, kn_w_ptr, kc_w_ptr, vc_w_ptr, k_buf_ptr, v_buf_ptr,
     table_ptr, slots_ptr, pos_ptr, out_locs_ptr, lam_ptr,
-    HQ, HKV, D, NQB, NKB, q_eps, k_eps,
+    cache_locs_ptr, HQ, HKV, D, NQB, NKB, q_eps, k_eps,
     stride_q, stride_k, stride_v, stride_kcw, stride_vcw, stride_kbuf, stride_vbuf, stride_tab,
-    K: tl.constexpr, HAS_LAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    stride_kout, stride_vout,
+    K: tl.constexpr, HAS_LAM: tl.constexpr, TO_CACHE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """k_out / v_out row of token b: b, or with TO_CACHE its cache slot cache_locs[b] (the outputs
+    are then the K and V caches, rows of stride_kout / stride_vout)."""
     wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)  # the row (token)
     blk = tl.program_id(1)
@@ -109,17 +115,21 @@ def _conv_qk_norm_kernel(
         pos = tl.load(pos_ptr + b)
         out_loc = tl.load(out_locs_ptr + b).to(tl.int64)
         table_row = table_ptr + slot.to(tl.int64) * stride_tab
+        row = tl.load(cache_locs_ptr + b).to(tl.int64) if TO_CACHE else b
         if is_k:
             yk = _conv_tile(k_ptr, b, stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
                             slots_ptr, pos_ptr, slot, pos, out_loc, c, m, K)
             # The conv's result in the model's dtype is what k's norm reads.
             yk = yk.to(k_out_ptr.dtype.element_ty).to(tl.float32)
             yk = _rms_norm_tile(yk, kn_w_ptr, d, d_ok, D, k_eps)
-            tl.store(k_out_ptr + b * HKV * D + c, yk.to(k_out_ptr.dtype.element_ty), mask=m)
+            # rounded to k's dtype first, as the unfused path's k_out (then the cache's, as store_kv)
+            yk = yk.to(k_ptr.dtype.element_ty).to(k_out_ptr.dtype.element_ty)
+            tl.store(k_out_ptr + row * stride_kout + c, yk, mask=m)
         else:
             yv = _conv_tile(v_ptr, b, stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row,
                             slots_ptr, pos_ptr, slot, pos, out_loc, c, m, K)
-            tl.store(v_out_ptr + b * HKV * D + c, yv.to(v_out_ptr.dtype.element_ty), mask=m)
+            yv = yv.to(v_ptr.dtype.element_ty).to(v_out_ptr.dtype.element_ty)
+            tl.store(v_out_ptr + row * stride_vout + c, yv, mask=m)
 
 
 def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,6 +148,38 @@ def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns (q_out [T, Hq, D], k_out [T, Hkv, D], v_out [T, Hkv*D]), new tensors in the inputs'
     dtypes, and writes k, v into k_buf / v_buf at out_locs (after reading the history)."""
+    hkv = k.shape[1] // head_dim
+    k_out = torch.empty(k.shape[0], hkv, head_dim, dtype=k.dtype, device=k.device)
+    v_out = torch.empty(v.shape[0], hkv * head_dim, dtype=v.dtype, device=v.device)
+    q_out = _launch(q, k, v, q_norm_w, k_norm_w, q_eps, k_eps, k_conv_w, v_conv_w, k_buf, v_buf, conv_table,
+                    row_slots, positions, out_locs, head_dim, q_scale, k_out.view(k.shape[0], -1), v_out, None)
+    return q_out, k_out, v_out
+
+
+def conv_qk_norm_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, q_eps: float, k_eps: float,
+                       k_conv_w: torch.Tensor, v_conv_w: torch.Tensor,
+                       k_buf: torch.Tensor, v_buf: torch.Tensor, conv_table: torch.Tensor,
+                       row_slots: torch.Tensor, positions: torch.Tensor, out_locs: torch.Tensor,
+                       head_dim: int, q_scale: Optional[torch.Tensor],
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, cache_locs: torch.Tensor) -> torch.Tensor:
+    """`conv_qk_norm` whose k_out and v_out go to k_cache / v_cache [slots, Hkv, D] at cache_locs
+    [T] (cast to the cache's dtype, as `kiln.kernels.kv_store.store_kv` writes them) instead of
+    new tensors: bit for bit `conv_qk_norm` then `store_kv`, in one launch. Returns q_out."""
+    hkv = k.shape[1] // head_dim
+    for cache in (k_cache, v_cache):
+        assert cache.dim() == 3 and cache.shape[1:] == (hkv, head_dim) and cache.stride(2) == 1 \
+            and cache.stride(1) == head_dim, "cache rows must be [Hkv, D] contiguous"
+    assert cache_locs.shape == (q.shape[0],) and cache_locs.stride(-1) == 1, cache_locs.shape
+    return _launch(q, k, v, q_norm_w, k_norm_w, q_eps, k_eps, k_conv_w, v_conv_w, k_buf, v_buf, conv_table,
+                   row_slots, positions, out_locs, head_dim, q_scale, k_cache.view(k_cache.shape[0], -1),
+                   v_cache.view(v_cache.shape[0], -1), cache_locs)
+
+
+def _launch(q, k, v, q_norm_w, k_norm_w, q_eps, k_eps, k_conv_w, v_conv_w, k_buf, v_buf, conv_table,
+            row_slots, positions, out_locs, head_dim, q_scale, k_out, v_out, cache_locs) -> torch.Tensor:
+    """The launch behind both wrappers: k_out / v_out are [rows, Hkv*D] with a contiguous last
+    dim, indexed by token (cache_locs None) or by cache_locs. Returns q_out [T, Hq, D]."""
     d = head_dim
     bsz = q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -147,13 +189,13 @@ def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     c = hkv * d
     assert k_conv_w.shape == v_conv_w.shape and k_conv_w.shape[0] == c, (k_conv_w.shape, c)
     assert k_buf.shape[1] == v_buf.shape[1] == c and q_norm_w.shape == k_norm_w.shape == (d,)
-    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w, row_slots, positions, out_locs):
+    assert k_out.shape[1] == v_out.shape[1] == c, (k_out.shape, v_out.shape, c)
+    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w, row_slots, positions, out_locs,
+              k_out, v_out):
         assert t.stride(-1) == 1, "channel / position dims must be contiguous"
     q_out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(bsz, hkv, d, dtype=k.dtype, device=k.device)
-    v_out = torch.empty(bsz, c, dtype=v.dtype, device=v.device)
     if bsz == 0:
-        return q_out, k_out, v_out
+        return q_out
     block_d = triton.next_power_of_2(d)
     # ~512 elements per program: at batch 1 a few dozen programs share the step's few KB.
     block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), 512 // block_d))
@@ -163,10 +205,10 @@ def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, q_out, k_out, v_out,
         q_norm_w, k_norm_w, k_conv_w, v_conv_w, k_buf, v_buf,
         conv_table, row_slots, positions, out_locs, lam,
-        hq, hkv, d, nqb, nkb, float(q_eps), float(k_eps),
+        cache_locs if cache_locs is not None else out_locs, hq, hkv, d, nqb, nkb, float(q_eps), float(k_eps),
         q.stride(0), k.stride(0), v.stride(0), k_conv_w.stride(0), v_conv_w.stride(0),
-        k_buf.stride(0), v_buf.stride(0), conv_table.stride(0),
-        K=k_conv_w.shape[1], HAS_LAM=q_scale is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device),
+        k_buf.stride(0), v_buf.stride(0), conv_table.stride(0), k_out.stride(0), v_out.stride(0),
+        K=k_conv_w.shape[1], HAS_LAM=q_scale is not None, TO_CACHE=cache_locs is not None,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device),
     )
-    return q_out, k_out, v_out
+    return q_out

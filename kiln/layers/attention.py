@@ -10,9 +10,10 @@ Backend interface (what an engine backend implements for the models here):
 - `attention(layer, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], batch, rel=None) -> [T,Hq,D]`, where
   `rel [T,Hq,R]` is Inkling's per-query relative-logit bias (see `kiln.ops.attention`);
 - `short_conv(conv, x [T,C], batch) -> [T,C]` for `kiln.layers.shortconv.ShortConv` sites;
-- optionally `conv_qk_norm(layer, q, k, v, batch, q_scale)`: Inkling's attention prologue fused
-  (k/v ShortConv, q/k norms, lam), which `PagedBackend` offers on its kernel path for decode
-  steps and short extends (`fuses_conv_qk_norm`; `InklingAttention` uses it only there).
+- optionally `conv_qk_norm_attention(layer, q, k, v, batch, q_scale, rel)`: Inkling's attention
+  prologue fused (k/v ShortConv, q/k norms, lam, the cache write) then attention, which
+  `PagedBackend` offers on its kernel path for decode steps and short extends
+  (`fuses_conv_qk_norm`; `InklingAttention` uses it only there).
 """
 
 from __future__ import annotations

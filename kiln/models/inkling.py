@@ -108,7 +108,8 @@ class InklingAttention(nn.Module):
 
     def _fused_prologue(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step or a short extend (a speculative verify) on the engine's kernel path runs
-        the k/v convs, the q/k norms and q's lam scale as one launch (`PagedBackend.conv_qk_norm`)."""
+        the k/v convs, the q/k norms, q's lam scale and the K/V cache write as one launch
+        (`PagedBackend.conv_qk_norm_attention`)."""
         return (self.use_conv and kernel_path(batch, x) and hasattr(batch.backend, "fuses_conv_qk_norm")
                 and batch.backend.fuses_conv_qk_norm(batch))
 
@@ -121,8 +122,10 @@ class InklingAttention(nn.Module):
             lam = batch.extras.get(ATTN_SCALE)
             if lam is None:
                 lam = attn_scale(batch.positions, self.beta, self.floor_scale)
+        # [T, Hq, R] = rel_proj(r) (* lam), computed where the attention backend finds it cheapest
+        rel = RelProjection(r.reshape(t, nh, self.qkvr_proj.rel_dim), self.rel_proj.weight, lam)
         if self._fused_prologue(x, batch):
-            q, k, v = batch.backend.conv_qk_norm(self, q, k, v, batch, lam)
+            o = batch.backend.conv_qk_norm_attention(self, q, k, v, batch, lam, rel)
         else:
             if self.use_conv:  # on the raw projections, before the per-head norm
                 k, v = self.k_conv(k, batch), self.v_conv(v, batch)
@@ -130,9 +133,8 @@ class InklingAttention(nn.Module):
             k = self.k_norm(k.reshape(t, nkv, d), batch)
             if lam is not None:
                 q = (q.float() * lam[:, None, None]).to(q.dtype)
-        # [T, Hq, R] = rel_proj(r) (* lam), computed where the attention backend finds it cheapest
-        rel = RelProjection(r.reshape(t, nh, self.qkvr_proj.rel_dim), self.rel_proj.weight, lam)
-        o = decode_linear(self.o_proj, self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel), batch)
+            o = self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel)
+        o = decode_linear(self.o_proj, o, batch)
         return self.o_conv(o, batch) if self.use_conv else o
 
 

@@ -61,6 +61,9 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
     # Inkling's decode attention computes the relative bias from its projection's input.
     projected = _count_calls(monkeypatch, attn_kernels, "decode_attention",
                              when=lambda *a, **kw: isinstance(a[8] if len(a) > 8 else kw.get("rel"), RelProjection))
+    # Inkling's decode writes K/V in its fused prologue.
+    from kiln.kernels import conv_qk_norm as prologue_kernels
+    in_prologue = _count_calls(monkeypatch, prologue_kernels, "conv_qk_norm_store")
     # Decode attention merges its splits in the attention kernel (the engine passes its counters):
     # a launch of the separate merge kernel fails the test.
     monkeypatch.setattr(decode_attention, "_merge_kernel", None)
@@ -79,6 +82,7 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
     if _arch(interp_dir) == "llama":
         assert fused[0] > 0 and separate[0] == 0, (fused, separate)
     assert (projected[0] > 0) == (_arch(interp_dir) == "inkling"), projected
+    assert (in_prologue[0] > 0) == (_arch(interp_dir) == "inkling"), in_prologue
     assert not core.runner.backend.split_counters.any()  # every call leaves them zeroed
 
 

@@ -110,6 +110,34 @@ def test_short_chunks_read_their_own_rows(device, dtype, prefix_lens, extend_len
                 extend_lens=extend_lens))
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("extend_lens,lam", [(None, False), ([4, 4, 4, 4], True), ([3, 1, 2, 2], False)])
+def test_store_variant_is_prologue_then_cache_write(device, dtype, extend_lens, lam):
+    """`conv_qk_norm_store` = `conv_qk_norm` then `kiln.kernels.kv_store.store_kv` of its k and v
+    into the layer's caches (at slots other than the conv buffers'), bit for bit: q, both conv
+    buffers, and every cache row, written or not."""
+    from kiln.kernels.conv_qk_norm import conv_qk_norm_store
+    from kiln.kernels.kv_store import store_kv
+
+    case = Case([0, 5, 1, 9], 4, 2, 16, 4, dtype, device, seed=11, lam=lam, extend_lens=extend_lens)
+    b = case.q.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.randn(40, case.hkv, case.d, generator=gen).to(dtype).to(device) for _ in range(2)]
+    cache_locs = torch.randperm(40, generator=gen)[:b].to(device)
+    q, k, v, k_buf, v_buf = case.run()
+    want_k, want_v = (c.clone() for c in caches)
+    store_kv(k, v.view(b, case.hkv, case.d), want_k, want_v, cache_locs)
+
+    k_buf2, table, _, out_locs = case.paged_k.to_device()
+    v_buf2 = case.paged_v.buf.to(k_buf2.device)
+    q2 = conv_qk_norm_store(case.q, case.k, case.v, case.qn_w, case.kn_w, EPS, EPS, case.kc_w, case.vc_w, k_buf2,
+                            v_buf2, table, case.row_slots, case.positions, out_locs, case.d, case.lam,
+                            caches[0], caches[1], cache_locs)
+    for name, g, w in (("q", q2, q), ("k_buf", k_buf2, k_buf), ("v_buf", v_buf2, v_buf),
+                       ("k_cache", caches[0], want_k), ("v_cache", caches[1], want_v)):
+        assert torch.equal(g, w), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz", [1, 3, 64, 256])
 def test_real_shapes_on_cuda(bsz):
