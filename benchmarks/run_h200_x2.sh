@@ -20,6 +20,7 @@
 #   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3|split|split2|verify8|tables8|prof8k: later passes (see the lane functions in benchmarks/h200_passes/); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
+#   PHASE=pf|pf2 and later: one lane (no lane1 function), on one GPU; the log's tail is printed
 #   PHASE=tp2    both GPUs: `run_h200_tp2.sh` alone
 # Every step is bounded by `timeout`; each lane's tables and logs go to $OUT/lane{0,1}.log.
 #
@@ -69,5 +70,10 @@ case $PHASE in
     if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next df df2 fuse fuse2 fuse3 trigger msa msa2 msa3 split split2 verify8 tables8 prof8k " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
-  *) echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
+  *) if declare -F "lane0_$PHASE" > /dev/null && ! declare -F "lane1_$PHASE" > /dev/null; then  # one-lane passes
+       (export CUDA_VISIBLE_DEVICES=0; "lane0_$PHASE") > "$R/lane0.log" 2>&1
+       tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
+       grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0
+     fi
+     echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
 esac

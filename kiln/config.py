@@ -91,15 +91,24 @@ class EngineConfig:
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
-        "successor's programs (e.g. the decode GEMV's weight stream) start while it runs. On an H200: "
-        "1.5-4% faster at batch 1 (docs/benchmarks.md, eleventh pass), but 6-20% slower for Inkling at "
-        "batch 64 (twelfth pass), hence opt-in.")
+        "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "
+        "forward, eager or replayed, at any batch size (see --pdl-early-trigger-max-tokens).")
+    pdl_early_trigger_max_tokens: int = opt(
+        8, "CUDA graphs of at most this many rows (decode batch, or batch x (draft length + 1) for a "
+        "speculative verify) are captured with the early trigger of --pdl-early-trigger; 0: none. "
+        "On an H200 it gains 1.5-4%% at batch 1 and ~1%% at batch 8 but costs Inkling 6-20%% at "
+        "batch 64 (docs/benchmarks.md, eleventh and twelfth passes).")
     gemv_max_rows: Optional[int] = opt(
         None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
         "GEMV, whose weight stream starts before the previous kernel has completed "
         "(kiln/layers/decode_gemv.py); 0 uses cuBLAS for every projection. Default: 1 (batch-1 "
         "decode) with Triton kernels on one NVIDIA sm_90+ GPU with PDL, else 0. Up to 16; at 2-16 "
         "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass).")
+    gemv_l2_prefetch_mb: int = opt(
+        40, "A decode GEMV whose weight is at most this many MB also asks the whole matrix into L2 "
+        "before its PDL wait, so that HBM streams it while the kernel before (attention, a norm) runs "
+        "(kiln/kernels/prefetch.py; NVIDIA sm_90+). 0: off. Keep it below the GPU's L2 (50 MB on an "
+        "H100/H200).")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(
@@ -138,6 +147,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.gemv_max_rows is not None and not 0 <= self.gemv_max_rows <= 16:  # gemv.MAX_ROWS: one MMA tile
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
+        if self.gemv_l2_prefetch_mb < 0:
+            raise ValueError(f"--gemv-l2-prefetch-mb takes 0 (off) or more, got {self.gemv_l2_prefetch_mb}")
+        if self.pdl_early_trigger_max_tokens < 0:
+            raise ValueError(f"--pdl-early-trigger-max-tokens takes 0 (no graph) or more rows, got "
+                             f"{self.pdl_early_trigger_max_tokens}")
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
                              "are two ways to verify sampled drafts; pick one")

@@ -28,8 +28,9 @@ Kernels that run inside must not synchronise with the host or size their grids f
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
@@ -56,11 +57,14 @@ class CudaGraphRunner:
     slots the batch carries (`ForwardBatch.win_out_locs`). `tokens_per_seq` lists the batch shapes
     to capture: 1 is decode; q > 1 is a *uniform extend* of q tokens per sequence on top of any
     cached prefix, with logits for every row (a speculative round verifying q - 1 drafts). Every
-    shape shares the static buffers and one memory pool."""
+    shape shares the static buffers and one memory pool. `capture_context(rows)`, if given, wraps
+    the capture of each graph of `rows` token rows."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_bs: int,
-                 windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,)):
+                 windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,),
+                 capture_context: Optional[Callable[[int], ContextManager]] = None):
         self.forward = forward
+        self.capture_context = capture_context or (lambda rows: contextlib.nullcontext())
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.tokens_per_seq = sorted(set(tokens_per_seq))
@@ -110,7 +114,8 @@ class CudaGraphRunner:
         for q in sorted(self.tokens_per_seq, key=lambda q: -q * self.sizes_of[q][-1]):
             for bs in reversed(self.sizes_of[q]):
                 batch = self._batch(bs, q)
-                replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
+                with self.capture_context(bs * q):
+                    replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
                 self.graphs[(q, bs)] = (replay, logits, batch)
         capturer.done(self.sizes)
 

@@ -115,7 +115,16 @@ class ModelRunner:
         forward of a full round (the last token + `spec_steps` drafts per request)."""
         shapes = (1, self.spec_steps + 1) if self.spec_steps else (1,)
         return CudaGraphRunner(self._forward_eager, min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
-                               list(self.window_tables), self.device, tokens_per_seq=shapes)
+                               list(self.window_tables), self.device, tokens_per_seq=shapes,
+                               capture_context=self._graph_capture_context)
+
+    def _graph_capture_context(self, rows: int):
+        """PDL's early trigger for graphs of at most `--pdl-early-trigger-max-tokens` rows (all
+        of them with `--pdl-early-trigger`): it gains at batch 1 and 8 but costs at batch 64."""
+        from kiln.kernels.launch import early_trigger
+
+        cfg = self.config
+        return early_trigger(cfg.pdl_early_trigger or rows <= cfg.pdl_early_trigger_max_tokens)
 
     def _graph_reserve_bytes(self) -> int:
         """GPU memory kept out of the KV pools for the decode graphs' activations: the largest
@@ -166,7 +175,8 @@ class ModelRunner:
         tables = {"main": self.req_to_token.table, **self.window_tables}
         self.backend = PagedBackend(self.full_kv, tables, swa_kv=self.swa_kv, index_k=self.index_k, conv=self.conv,
                                     use_kernels=self.use_kernels, gate=self.load_gate,
-                                    gemv_max_rows=self.gemv_max_rows())
+                                    gemv_max_rows=self.gemv_max_rows(),
+                                    gemv_prefetch_bytes=self.config.gemv_l2_prefetch_mb << 20)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

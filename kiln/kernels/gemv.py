@@ -6,7 +6,10 @@ any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic depende
 (`kiln.kernels.launch`) this kernel starts as its predecessor's programs (a norm, attention, the
 SwiGLU product) exit, before that grid has completed and its writes are visible, and it loads its
 first weight tile *before* `griddepcontrol.wait`: weights are never written by the kernel before
-it, so the stream is under way by the time x is readable. Only x is read after the wait.
+it, so the stream is under way by the time x is readable. Only x is read after the wait. A
+weight of at most `prefetch_bytes` is also asked into L2 whole before the wait
+(`kiln.kernels.prefetch`): with PDL's early trigger the first wave of programs is resident during
+the kernel before (attention, a norm) and HBM, idle there, streams the matrix.
 
 Two inner loops, picked by the number of rows:
 - 1 to 4 rows (BLOCK_M = M rounded up to 1, 2 or 4): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
@@ -68,9 +72,9 @@ def dot_tile() -> dict:
 
 
 @triton.jit
-def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr):
+                     GLU: tl.constexpr, PREFETCH: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -91,6 +95,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         u_ptrs = W + (rn + N)[None, :, None].to(tl.int64) * stride_wn + kk
         u = tl.load(u_ptrs, mask=n_ok & (kk < K), other=0.0)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:
+        l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
@@ -113,8 +119,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 @triton.jit
-def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PRECISION: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
+                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= 16 rows (one MMA tile)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -124,6 +131,8 @@ def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PRECISIO
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
     w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)  # before the wait, as above
+    if PREFETCH:
+        l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
     x = tl.load(x_ptrs, mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
     acc = tl.dot(x, tl.trans(w), tl.zeros((16, BLOCK_N), dtype=tl.float32), input_precision=PRECISION)
@@ -146,7 +155,8 @@ def candidate_tiles(m: int) -> list[dict]:
             if block_m * bn * bk <= 64 * 32 * wp]
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
+         prefetch_bytes: int = 0) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
@@ -157,7 +167,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     glu (M <= FMA_MAX_ROWS): weight is a fused gate_up [2I, K] and the result is
     `kiln.kernels.activation.silu_and_mul` of the product, [M, I], bit for bit, in one launch.
     Each program then streams BLOCK_N / 2 gate rows and as many up rows (the bytes in flight per
-    program of the plain tile)."""
+    program of the plain tile).
+
+    prefetch_bytes: a weight whose storage spans at most this many bytes is prefetched into L2
+    before the PDL wait (`kiln.kernels.prefetch`; NVIDIA sm_90+, not interpreted). The result does
+    not change by a bit."""
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -177,10 +191,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
         tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
-        _gemv_fma_kernel[(triton.cdiv(n_out, tile["BLOCK_N"]),)](
-            *args, BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
+        grid = triton.cdiv(n_out, tile["BLOCK_N"])
+        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
+                                  BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())
-    _gemv_dot_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](*args, PRECISION=precision, **tile, **pdl)
+    grid = triton.cdiv(n, tile["BLOCK_N"])
+    _gemv_dot_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), PRECISION=precision,
+                              **tile, **pdl)
     return y

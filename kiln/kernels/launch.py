@@ -18,13 +18,14 @@ after passing its own wait.
 
 By default a kernel does not trigger its successor's launch early
 (`griddepcontrol.launch_dependents`): the successor launches when this kernel's programs exit.
-With `set_pdl(True, early_trigger=True)` (the engine's `--pdl-early-trigger`, opt-in) every kernel
-triggers right after its wait, so the successor's programs become resident while it runs: the
-decode GEMV then streams weights for the whole of the kernel before it (8B batch 1: 4.46 against
-4.51 ms per token in the eighth pass, measured before the GEMV's tiles were fixed). It stays
-opt-in: it gains 1.5-4% at batch 1 (docs/benchmarks.md, eleventh pass) but cost Inkling 6-20% at
-batch 64 (twelfth pass). Correctness does not depend on it: every kernel still waits for its
-predecessor's completion before touching memory.
+With the early trigger every kernel triggers right after its wait, so the successor's programs
+become resident while it runs: the decode GEMV then streams weights for the whole of the kernel
+before it. It gains 1.5-4% at batch 1 (docs/benchmarks.md, eleventh pass) but cost Inkling 6-20%
+at batch 64 (twelfth pass), where the successor's early programs hold SM slots the grouped MoE
+GEMMs' later waves need. So the engine turns it on per CUDA graph: graphs of at most
+`--pdl-early-trigger-max-tokens` rows are captured inside `early_trigger(True)`; everywhere with
+`--pdl-early-trigger` (`set_pdl(True, early_trigger=True)`). Correctness does not depend on it:
+every kernel still waits for its predecessor's completion before touching memory.
 
 `set_pdl(False)` (the engine's `--disable-pdl`) turns it off for A/B runs; it is off on the CPU
 interpreter and on GPUs older than sm_90, where the attribute does not exist.
@@ -32,6 +33,7 @@ interpreter and on GPUs older than sm_90, where the attribute does not exist.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -55,6 +57,19 @@ def set_pdl(enabled: bool, early_trigger: bool = False) -> None:
     `early_trigger`, each kernel also lets its successor launch right after its own wait."""
     _ENABLED[0] = bool(enabled)
     _ENABLED[1] = bool(early_trigger)
+
+
+@contextlib.contextmanager
+def early_trigger(on: bool):
+    """Kernels launched (or captured into a CUDA graph) inside the block trigger their successor
+    right after their wait when `on`, and do not when not; the process-wide setting is restored
+    after. PDL itself stays as `set_pdl` left it."""
+    before = _ENABLED[1]
+    _ENABLED[1] = bool(on)
+    try:
+        yield
+    finally:
+        _ENABLED[1] = before
 
 
 @functools.lru_cache(maxsize=None)

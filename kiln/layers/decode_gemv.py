@@ -9,8 +9,9 @@ Anywhere else (the CPU engine, more rows, the trainer, anything autograd records
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
 
-The GEMV reads its weights before waiting for the kernel before it, so that kernel must not
-write them. Inside a forward none does; weight updates (RL syncs, LoRA merges) run between
+The GEMV reads its weights before waiting for the kernel before it (and, up to
+`batch.backend.gemv_prefetch_bytes`, asks the whole matrix into L2 there: `--gemv-l2-prefetch-mb`),
+so that kernel must not write them. Inside a forward none does; weight updates (RL syncs, LoRA merges) run between
 forwards, and every forward starts with the embedding.
 """
 
@@ -48,12 +49,16 @@ def gemv_path(batch, x: torch.Tensor, linear: nn.Module) -> bool:
             and kernel_path(batch, x, linear.weight))
 
 
+def _prefetch_bytes(batch) -> int:
+    return getattr(batch.backend, "gemv_prefetch_bytes", 0)
+
+
 def decode_swiglu(gate_up: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     """silu(gate) * up of a fused gate_up projection (`kiln.layers.activation.silu_and_mul` of
     `gate_up(x)`). Through the GEMV (`gemv_path`, at most FMA_MAX_ROWS rows) both run as one
     launch, bit-identical to the GEMV followed by the SiLU-and-mul kernel."""
     if gemv_path(batch, x, gate_up) and x.shape[0] <= _kernels().FMA_MAX_ROWS:
-        return _kernels().gemv(x, gate_up.weight, glu=True)
+        return _kernels().gemv(x, gate_up.weight, glu=True, prefetch_bytes=_prefetch_bytes(batch))
     return silu_and_mul(decode_linear(gate_up, x, batch), batch)
 
 
@@ -62,7 +67,7 @@ def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     layer, as its forward does)."""
     if not gemv_path(batch, x, linear):
         return linear(x)
-    y = _kernels().gemv(x, linear.weight)
+    y = _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch))
     if isinstance(linear, RowParallelLinear) and linear.reduce_output:
         y = linear.pc.all_reduce(y)
     return y

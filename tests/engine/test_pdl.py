@@ -40,12 +40,70 @@ def test_pdl_off_where_it_cannot_apply(restore_pdl, monkeypatch):
     assert launch.pdl_launch(cuda1) == dict(PDL=False, launch_pdl=False)
 
 
+def test_early_trigger_context_restores(restore_pdl, monkeypatch):
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(launch, "_sm90_or_later", lambda index: True)
+    cuda0 = torch.device("cuda", 0)
+    with launch.early_trigger(True):
+        assert launch.pdl_launch(cuda0)["PDL"] == 2
+        with launch.early_trigger(False):
+            assert launch.pdl_launch(cuda0)["PDL"] == 1
+        assert launch.pdl_launch(cuda0)["PDL"] == 2
+    assert launch.pdl_launch(cuda0)["PDL"] == 1
+    launch.set_pdl(True, early_trigger=True)
+    with launch.early_trigger(False):
+        assert launch.pdl_launch(cuda0)["PDL"] == 1
+    assert launch.pdl_launch(cuda0)["PDL"] == 2
+
+
+def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
+    """The engine captures graphs of at most --pdl-early-trigger-max-tokens rows (decode batch, or
+    batch x (K + 1) for a verify) with PDL 2, the others with PDL 1; --pdl-early-trigger: all."""
+    from types import SimpleNamespace
+
+    from kiln.engine.cuda_graph import CudaGraphRunner
+    from kiln.engine.runner import ModelRunner
+
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(launch, "_sm90_or_later", lambda index: True)
+
+    class RecordingCapturer:  # what a kernel launched during each capture would be given
+        def __init__(self):
+            self.pdl = []
+
+        def capture(self, fn):
+            self.pdl.append(launch.pdl_launch(torch.device("cuda", 0))["PDL"])
+            return (lambda: None), None
+
+        def done(self, sizes):
+            pass
+
+    for everywhere, max_tokens in ((False, 8), (False, 0), (True, 0)):
+        runner = SimpleNamespace(config=EngineConfig(pdl_early_trigger=everywhere,
+                                                     pdl_early_trigger_max_tokens=max_tokens))
+        context = lambda rows: ModelRunner._graph_capture_context(runner, rows)  # noqa: E731
+        g = CudaGraphRunner(lambda b: None, 16, [], torch.device("cpu"), tokens_per_seq=(1, 4),
+                            capture_context=context)
+        capturer = RecordingCapturer()
+        g.capture(capturer)
+        rows = [bs * q for q in sorted(g.tokens_per_seq, key=lambda q: -q * g.sizes_of[q][-1])
+                for bs in reversed(g.sizes_of[q])]
+        assert rows == [64, 32, 16, 8, 4, 16, 8, 4, 2, 1]  # verify graphs of 4 rows per sequence first
+        assert capturer.pdl == [2 if everywhere or r <= max_tokens else 1 for r in rows]
+        assert launch.pdl_launch(torch.device("cuda", 0))["PDL"] == 1  # restored after every capture
+    with pytest.raises(ValueError, match="pdl-early-trigger-max-tokens"):
+        EngineConfig(pdl_early_trigger_max_tokens=-1)
+
+
 def test_disable_pdl_flag():
     cfg = EngineConfig.from_cli_args(_parse(["--model-path", "m", "--disable-pdl"]))
     assert cfg.disable_pdl
     assert not EngineConfig.from_cli_args(_parse(["--model-path", "m"])).disable_pdl
     assert EngineConfig.from_cli_args(_parse(["--model-path", "m", "--pdl-early-trigger"])).pdl_early_trigger
     assert not EngineConfig.from_cli_args(_parse(["--model-path", "m"])).pdl_early_trigger
+    assert EngineConfig.from_cli_args(_parse(["--model-path", "m"])).pdl_early_trigger_max_tokens == 8
+    assert EngineConfig.from_cli_args(
+        _parse(["--model-path", "m", "--pdl-early-trigger-max-tokens", "0"])).pdl_early_trigger_max_tokens == 0
 
 
 def _parse(argv):
@@ -67,16 +125,19 @@ def test_engine_output_identical_with_and_without_pdl(arch_dir, restore_pdl):
     hopper = torch.cuda.get_device_capability() >= (9, 0) and torch.version.hip is None
     reqs = prompts(5, seed=3, lo=20, hi=60)
     kw = dict(page_size=4, chunked_prefill_size=32, dtype="bfloat16", device="cuda", cuda_graph_max_bs=16)
-    with_pdl = make_core(arch_dir, **kw)
+    with_pdl = make_core(arch_dir, pdl_early_trigger_max_tokens=0, **kw)  # no graph triggers early
     assert launch.pdl_supported(torch.device("cuda")) == hopper
     out_a, rows_a = greedy(with_pdl, reqs, max_tokens=12)
+    small = make_core(arch_dir, **kw)  # the default: graphs of <= 8 rows trigger early, the 16 does not
+    out_d, rows_d = greedy(small, reqs, max_tokens=12)
     without = make_core(arch_dir, disable_pdl=True, **kw)
     assert not launch.pdl_supported(torch.device("cuda"))
     out_b, rows_b = greedy(without, reqs, max_tokens=12)
     triggered = make_core(arch_dir, pdl_early_trigger=True, **kw)  # every kernel triggers its successor early
     assert launch.pdl_launch(torch.device("cuda"))["PDL"] == (2 if hopper else 0)
     out_c, rows_c = greedy(triggered, reqs, max_tokens=12)
-    assert out_a == out_b == out_c
+    assert out_a == out_b == out_c == out_d
     for rid in rows_a:
+        assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_d[rid])), rid
         assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_b[rid])), rid
         assert torch.equal(torch.stack(rows_a[rid]), torch.stack(rows_c[rid])), rid

@@ -39,15 +39,15 @@ def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", di
     return asm
 
 
-def conv_qk_norm(has_lam: bool) -> None:
+def conv_qk_norm(has_lam: bool, to_cache: bool = False) -> None:
     from kiln.kernels.conv_qk_norm import _conv_qk_norm_kernel
 
     bf16 = ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "v_out_ptr", "qn_w_ptr", "kn_w_ptr",
             "kc_w_ptr", "vc_w_ptr", "k_buf_ptr", "v_buf_ptr")
     types = {**{n: "*bf16" for n in bf16}, "lam_ptr": "*fp32", "q_eps": "fp32", "k_eps": "fp32",
-             **{n: "*i64" for n in ("table_ptr", "slots_ptr", "pos_ptr", "out_locs_ptr")}}
-    compile_sm90(_conv_qk_norm_kernel, types, dict(K=4, HAS_LAM=has_lam, BLOCK_H=4, BLOCK_D=128,
-                                                        PDL=True))
+             **{n: "*i64" for n in ("table_ptr", "slots_ptr", "pos_ptr", "out_locs_ptr", "cache_locs_ptr")}}
+    compile_sm90(_conv_qk_norm_kernel, types, dict(K=4, HAS_LAM=has_lam, TO_CACHE=to_cache, BLOCK_H=4,
+                                                   BLOCK_D=128, PDL=True))
 
 
 def extend_attention(mtp: bool) -> None:
@@ -140,12 +140,13 @@ def gemv_router() -> None:
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
-                 dict(BLOCK_M=4, PDL=True, GLU=False, **tile))
+                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, **tile))
 
 
-def gemv(fma: bool, glu: bool = False) -> None:
+def gemv(fma: bool, glu: bool = False, prefetch: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
-    point of the kernel)."""
+    point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
+    (`kiln.kernels.prefetch`), and without it no prefetch at all."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile
 
     types = {n: "*bf16" for n in ("X", "W", "Y")}
@@ -155,12 +156,16 @@ def gemv(fma: bool, glu: bool = False) -> None:
     # the tiles the engine launches at the 8B shape (num_warps only changes the layout, not the order)
     tile = {k: v for k, v in (fma_tile(1, 4096) if fma else dot_tile()).items() if k.startswith("BLOCK")}
     if fma:
-        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, **tile)
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, **tile)
     else:
-        kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, **tile)
+        kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.v4" in ptx[:wait], "the weight stream must start before the PDL wait"
+    if prefetch:
+        assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait], "the L2 prefetch must be issued before the wait"
+    else:
+        assert "cp.async.bulk.prefetch" not in ptx
 
 
 def msa_scores() -> None:
@@ -177,10 +182,12 @@ def msa_scores() -> None:
 
 
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
+         "conv_qk_norm_store": lambda: conv_qk_norm(True, to_cache=True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
+         "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),

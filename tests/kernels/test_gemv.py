@@ -158,3 +158,60 @@ def test_gemv_max_rows_flag():
     for bad in (-1, MAX_ROWS + 1):
         with pytest.raises(ValueError, match="--gemv-max-rows takes 0"):
             EngineConfig(model_path="m", gemv_max_rows=bad)
+
+
+def test_prefetch_plan_covers_the_span_once():
+    """`kiln.kernels.prefetch`: the chunks the first programs issue (program p: chunks p, p + P,
+    ...; the last one cut at the span's end, empty ones skipped) tile the span exactly, in
+    16-byte units, and a span over the budget is not prefetched."""
+    from kiln.kernels.prefetch import ALIGN, CHUNKS_PER_PROGRAM, prefetch_plan
+
+    for span, grid, sms in [(33554432, 2048, 132), (7340032 + 6, 1536, 132), (4096, 3, 132), (48, 1, 132),
+                            (2 ** 20, 64, 132), (123456 * 16, 10 ** 5, 132)]:
+        plan = prefetch_plan(span, 40 << 20, grid, sms)
+        assert plan["PREFETCH"] and plan["PF_PROGRAMS"] == min(grid, sms)
+        assert plan["PF_SPAN"] == span // ALIGN * ALIGN and plan["PF_CHUNK"] % ALIGN == 0
+        covered = []
+        for pid in range(plan["PF_PROGRAMS"]):
+            for i in range(CHUNKS_PER_PROGRAM.value):  # the kernel's arithmetic, per lane
+                start = (pid + i * plan["PF_PROGRAMS"]) * plan["PF_CHUNK"]
+                n = min(max(plan["PF_SPAN"] - start, 0), plan["PF_CHUNK"])
+                if n:
+                    assert n % ALIGN == 0
+                    covered.append((start, start + n))
+        covered.sort()
+        assert covered[0][0] == 0 and covered[-1][1] == plan["PF_SPAN"]
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "gaps or overlaps"
+    assert not prefetch_plan(41 << 20, 40 << 20, 100, 132)["PREFETCH"]  # over the budget
+    assert not prefetch_plan(15, 40 << 20, 100, 132)["PREFETCH"]  # under one 16-byte unit
+    assert not prefetch_plan(4096, 0, 100, 132)["PREFETCH"]  # off
+
+
+def test_prefetch_is_off_where_it_cannot_run():
+    """The interpreter (these CPU tests) and CPU tensors never compile the prefetch in, and the
+    result is the plain GEMV's."""
+    from kiln.kernels.prefetch import prefetch_args
+
+    x, w = _case(1, 37, 200, torch.float32, "cpu", seed=5)
+    assert not prefetch_args(w, 1 << 30, 10)["PREFETCH"]
+    torch.testing.assert_close(gemv(x, w, prefetch_bytes=1 << 30), gemv(x, w), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,glu", [(1, 2048, 2048, False), (1, 3584, 2048, False), (1, 12288, 2048, True),
+                                       (2, 4096, 4096, False), (8, 2048, 2048, False), (1, 37, 200, False)])
+def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
+    """The L2 prefetch before the PDL wait is a cache hint: with it on (a budget above the
+    weight), the GEMV's output equals the plain GEMV's bit for bit, in both loops, the GLU
+    epilogue, a ragged span, a weight view with a row stride and an fp32 router weight."""
+    from kiln.kernels.prefetch import prefetch_args
+
+    x, w = _case(m, n, k, torch.bfloat16, "cuda", seed=n + k + m)
+    assert prefetch_args(w, 1 << 30, 64)["PREFETCH"] == (torch.cuda.get_device_capability() >= (9, 0))
+    assert not prefetch_args(w, 16, 64)["PREFETCH"]
+    torch.testing.assert_close(gemv(x, w, glu=glu, prefetch_bytes=1 << 30), gemv(x, w, glu=glu), rtol=0, atol=0)
+    wide = torch.randn(n, k + 64, device="cuda").to(torch.bfloat16)[:, 32:32 + k]  # row stride k + 64
+    torch.testing.assert_close(gemv(x, wide, prefetch_bytes=1 << 30), gemv(x, wide), rtol=0, atol=0)
+    if m <= FMA_MAX_ROWS and not glu:
+        w32 = w.float()
+        torch.testing.assert_close(gemv(x, w32, prefetch_bytes=1 << 30), gemv(x, w32), rtol=0, atol=0)

@@ -1,0 +1,26 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# ninth session (2026-12-02): the early trigger in small graphs, the GEMV's L2 prefetch, Inkling's cache write in
+# its prologue: pf, pf2.
+# shellcheck shell=bash
+
+lane0_pf() {  # every GPU test; batch 1 of the three models against 9b1b466 (scratch/base), with each new
+  # default turned off in turn (--gemv-l2-prefetch-mb 0, --pdl-early-trigger-max-tokens 0); an Inkling K = 3 round
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-250} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+  local OLD="scratch/base/" B8="--model-path $LLAMA $C --num-runs 3 --no-hf"
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for v in base:$OLD: new:: nopf::--gemv-l2-prefetch-mb=0 notrig::--pdl-early-trigger-max-tokens=0; do
+    IFS=: read -r tag dir flag <<< "$v"
+    step llama8b_b1_$tag 60 python ${dir}benchmarks/latency.py $B8 $flag --out "$R/json/llama8b_b1_$tag.json"
+  done
+  for m in inkling:$INK minimax:$MM; do
+    for v in base:$OLD: new:: nopf::--gemv-l2-prefetch-mb=0 notrig::--pdl-early-trigger-max-tokens=0; do
+      IFS=: read -r tag dir flag <<< "$v"
+      [ "${m%%:*}" = minimax ] && [ "$tag" = notrig ] && continue
+      step ${m%%:*}_b1_$tag 40 python ${dir}benchmarks/decode_batch.py $C --model-path ${m#*:} $HB $flag \
+        --out "$R/json/${m%%:*}_b1_$tag.json"
+    done
+  done
+  step inkling_mtp3_new 50 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/inkling_mtp3_new.json"
+}
