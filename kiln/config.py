@@ -105,10 +105,10 @@ class EngineConfig:
         "decode) with Triton kernels on one NVIDIA sm_90+ GPU with PDL, else 0. Up to 16; at 2-16 "
         "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass).")
     gemv_l2_prefetch_mb: int = opt(
-        40, "A decode GEMV whose weight is at most this many MB also asks the whole matrix into L2 "
-        "before its PDL wait, so that HBM streams it while the kernel before (attention, a norm) runs "
-        "(kiln/kernels/prefetch.py; NVIDIA sm_90+). 0: off. Keep it below the GPU's L2 (50 MB on an "
-        "H100/H200).")
+        0, "A decode GEMV whose weight is at most this many MB also asks the whole matrix into L2 "
+        "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
+        "runs (kiln/kernels/prefetch.py; NVIDIA sm_90+). 0 (default): off. Measured slower on an H200 "
+        "at 40 (8B batch 1: 4.49 against 4.40 ms; docs/benchmarks.md, fourteenth pass).")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

@@ -1,6 +1,6 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # ninth session (2026-12-02): the early trigger in small graphs, the GEMV's L2 prefetch, Inkling's cache write in
-# its prologue: pf, pf2.
+# its prologue: pf (call 1), pf2 (call 2).
 # shellcheck shell=bash
 
 lane0_pf() {  # every GPU test; batch 1 of the three models against 9b1b466 (scratch/base), with each new
@@ -23,4 +23,16 @@ lane0_pf() {  # every GPU test; batch 1 of the three models against 9b1b466 (scr
   done
   step inkling_mtp3_new 50 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 \
     --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/inkling_mtp3_new.json"
+}
+
+lane0_pf2() {  # the final defaults (trigger in graphs of <= 8 rows, no prefetch): Inkling plain decode against
+  # K = 3 MTP rounds at batch 1/8/32; the hybrids' tables at input 8192 / output 1024, batch 8 to 128
+  step plain_inkling 60 $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --out "$R/json/plain_inkling.json"
+  step spec_inkling_k3 90 $DECODE --model-path $INK --batch-sizes 1,8,32 --input-len 1024 --output-len 64 \
+    --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_inkling_k3.json"
+  step inkling_8k_1024 ${T_INK8:-200} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 60 --out "$R/json/inkling_8k_1024.json"
+  step minimax_8k_1024 ${T_MM8:-220} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 60 --out "$R/json/minimax_8k_1024.json"
 }
