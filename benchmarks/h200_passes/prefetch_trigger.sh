@@ -36,3 +36,21 @@ lane0_pf2() {  # the final defaults (trigger in graphs of <= 8 rows, no prefetch
   step minimax_8k_1024 ${T_MM8:-220} $DECODE --model-path $MM --batch-sizes 8,32,64,128 --input-len 8192 \
     --output-len 1024 --time-limit 60 --out "$R/json/minimax_8k_1024.json"
 }
+
+lane0_pf3() {  # call 2's large batches ran slower than the eighth session's (other machine, longer output):
+  # the same call, 9b1b466 (scratch/base) against this code with and without the small graphs' trigger
+  local OLD="python scratch/base/benchmarks/decode_batch.py $C"
+  for v in base new notrig; do
+    local cmd="$DECODE" flag=""
+    [ $v = base ] && cmd=$OLD
+    [ $v = notrig ] && flag=--pdl-early-trigger-max-tokens=0
+    step inkling_8k_$v 80 $cmd --model-path $INK --batch-sizes 64,128 --input-len 8192 --output-len 256 \
+      --time-limit 40 $flag --out "$R/json/inkling_8k_$v.json"
+  done
+  for v in base new; do
+    local cmd="$DECODE"
+    [ $v = base ] && cmd=$OLD
+    step spec_inkling_k3_b32_$v 60 $cmd --model-path $INK --batch-sizes 32 --input-len 1024 --output-len 64 \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_b32_$v.json"
+  done
+}
