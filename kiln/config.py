@@ -94,10 +94,10 @@ class EngineConfig:
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "
         "forward, eager or replayed, at any batch size (see --pdl-early-trigger-max-tokens).")
     pdl_early_trigger_max_tokens: int = opt(
-        8, "CUDA graphs of at most this many rows (decode batch, or batch x (draft length + 1) for a "
-        "speculative verify) are captured with the early trigger of --pdl-early-trigger; 0: none. "
-        "On an H200 it gains 1.5-4%% at batch 1 and ~1%% at batch 8 but costs Inkling 6-20%% at "
-        "batch 64 (docs/benchmarks.md, eleventh and twelfth passes).")
+        8, "Decode CUDA graphs of at most this many rows are captured with the early trigger of "
+        "--pdl-early-trigger; 0: none. Not with speculative decoding, where it did not gain. On an "
+        "H200 it gains 1.5-4%% at batch 1 and ~1%% at batch 8 but costs Inkling 6-20%% at batch 64 "
+        "(docs/benchmarks.md, eleventh, twelfth and fourteenth passes).")
     gemv_max_rows: Optional[int] = opt(
         None, "Forwards of at most this many rows run their dense projections through Kiln's Triton "
         "GEMV, whose weight stream starts before the previous kernel has completed "

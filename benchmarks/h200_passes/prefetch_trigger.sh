@@ -54,3 +54,15 @@ lane0_pf3() {  # call 2's large batches ran slower than the eighth session's (ot
       --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/spec_b32_$v.json"
   done
 }
+
+lane0_pf4() {  # OUTPUT_LEN (default 64), BATCHES (32), VARIANTS. call 3's K = 3 rounds at batch 32: 9.73 ms on 9b1b466 against 11.23 on this code; alternated,
+  # with the small graphs' trigger off too
+  local OLD="python scratch/base/benchmarks/decode_batch.py $C"
+  for v in ${VARIANTS:-base new notrig base2 new2}; do
+    local cmd="$DECODE" flag=""
+    [ "${v%%[0-9]*}" = base ] && cmd=$OLD
+    [ $v = notrig ] && flag=--pdl-early-trigger-max-tokens=0
+    step spec_inkling_k3_b32_$v 60 $cmd --model-path $INK --batch-sizes ${BATCHES:-32} --input-len 1024 --output-len ${OUTPUT_LEN:-64} \
+      --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 $flag --out "$R/json/spec_b32_$v.json"
+  done
+}

@@ -120,11 +120,15 @@ class ModelRunner:
 
     def _graph_capture_context(self, rows: int):
         """PDL's early trigger for graphs of at most `--pdl-early-trigger-max-tokens` rows (all
-        of them with `--pdl-early-trigger`): it gains at batch 1 and 8 but costs at batch 64."""
+        of them with `--pdl-early-trigger`): it gains at batch 1 and 8 but costs at batch 64.
+        Not with speculative decoding (unless --pdl-early-trigger): there it gained nothing at
+        batch 1 and 8, and K = 3 rounds at batch 32 ran ~0.6-0.9 ms slower with it
+        (docs/benchmarks.md, fourteenth pass; why is not established)."""
         from kiln.kernels.launch import early_trigger
 
         cfg = self.config
-        return early_trigger(cfg.pdl_early_trigger or rows <= cfg.pdl_early_trigger_max_tokens)
+        small = rows <= cfg.pdl_early_trigger_max_tokens and not self.spec_steps
+        return early_trigger(cfg.pdl_early_trigger or small)
 
     def _graph_reserve_bytes(self) -> int:
         """GPU memory kept out of the KV pools for the decode graphs' activations: the largest

@@ -57,8 +57,8 @@ def test_early_trigger_context_restores(restore_pdl, monkeypatch):
 
 
 def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
-    """The engine captures graphs of at most --pdl-early-trigger-max-tokens rows (decode batch, or
-    batch x (K + 1) for a verify) with PDL 2, the others with PDL 1; --pdl-early-trigger: all."""
+    """The engine captures graphs of at most --pdl-early-trigger-max-tokens rows with PDL 2, the
+    others with PDL 1; with speculative decoding none; --pdl-early-trigger: all."""
     from types import SimpleNamespace
 
     from kiln.engine.cuda_graph import CudaGraphRunner
@@ -78,9 +78,9 @@ def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
         def done(self, sizes):
             pass
 
-    for everywhere, max_tokens in ((False, 8), (False, 0), (True, 0)):
+    for everywhere, max_tokens, spec in ((False, 8, 0), (False, 0, 0), (True, 0, 0), (False, 8, 3), (True, 8, 3)):
         runner = SimpleNamespace(config=EngineConfig(pdl_early_trigger=everywhere,
-                                                     pdl_early_trigger_max_tokens=max_tokens))
+                                                     pdl_early_trigger_max_tokens=max_tokens), spec_steps=spec)
         context = lambda rows: ModelRunner._graph_capture_context(runner, rows)  # noqa: E731
         g = CudaGraphRunner(lambda b: None, 16, [], torch.device("cpu"), tokens_per_seq=(1, 4),
                             capture_context=context)
@@ -89,7 +89,7 @@ def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
         rows = [bs * q for q in sorted(g.tokens_per_seq, key=lambda q: -q * g.sizes_of[q][-1])
                 for bs in reversed(g.sizes_of[q])]
         assert rows == [64, 32, 16, 8, 4, 16, 8, 4, 2, 1]  # verify graphs of 4 rows per sequence first
-        assert capturer.pdl == [2 if everywhere or r <= max_tokens else 1 for r in rows]
+        assert capturer.pdl == [2 if everywhere or (r <= max_tokens and not spec) else 1 for r in rows]
         assert launch.pdl_launch(torch.device("cuda", 0))["PDL"] == 1  # restored after every capture
     with pytest.raises(ValueError, match="pdl-early-trigger-max-tokens"):
         EngineConfig(pdl_early_trigger_max_tokens=-1)
