@@ -66,3 +66,14 @@ lane0_pf4() {  # OUTPUT_LEN (default 64), BATCHES (32), VARIANTS. call 3's K = 3
       --cuda-graph-max-bs 32 --speculative-algorithm mtp --speculative-num-steps 3 $flag --out "$R/json/spec_b32_$v.json"
   done
 }
+
+lane0_pf5() {  # Inkling's o_conv in the o_proj GEMV's epilogue: the GPU tests it touches, then batch 1
+  # against 9b1b466 (scratch/base)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
+    tests/kernels/test_conv_qk_norm.py tests/kernels/test_shortconv_kernels.py tests/engine/test_kernel_path.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_pdl.py tests/engine/test_hybrid_engine.py
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step inkling_b1_base 40 python scratch/base/benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_base.json"
+  step inkling_b1_new 40 $DECODE --model-path $INK $HB --out "$R/json/inkling_b1_new.json"
+}

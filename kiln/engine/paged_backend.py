@@ -200,6 +200,16 @@ class PagedBackend:
         buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
 
+    def decode_conv_args(self, conv, batch: ForwardBatch) -> Optional[tuple]:
+        """The arguments of `kiln.kernels.shortconv.short_conv_decode` after x for `conv` in this
+        decode step, for a kernel that runs it in its epilogue (`kiln.kernels.gemv`'s `conv`); None
+        where only `short_conv` serves (no kernels, or not a decode step)."""
+        if not (self.use_kernels and batch.mode == ForwardMode.DECODE):
+            return None
+        buf = self.conv.layer(conv.conv_id)
+        self.gate.wait(buf)
+        return (conv.weight, buf, self.tables["conv"], batch.req_slots, batch.seq_lens_t, batch.win_out_locs["conv"])
+
     def fuses_conv_qk_norm(self, batch: ForwardBatch) -> bool:
         """Whether `conv_qk_norm_attention` serves this batch: the kernel path, and a decode step or chunks
         of at most SHORT_EXTEND tokens (a speculative verify; longer prefill chunks keep the

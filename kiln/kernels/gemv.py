@@ -37,6 +37,7 @@ import triton.language as tl
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
+from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
@@ -73,14 +74,19 @@ def dot_tile() -> dict:
 
 @triton.jit
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
+                     CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr, PREFETCH: tl.constexpr):
+                     GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
+                     CKP: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
     GLU: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, with gate and up rounded
     to y's dtype first and the product computed as `kiln.kernels.activation` does: bit for bit
-    the GEMV followed by `silu_and_mul`, one launch fewer."""
+    the GEMV followed by `silu_and_mul`, one launch fewer.
+    CONV: row m is decode sequence m and y goes through its ShortConv (`kiln.kernels.shortconv`:
+    weight CW [N, CK], buffer CBUF, table CTAB, rows CSLOTS, lengths CLENS, state slots CLOCS),
+    the history loaded after the wait, before the main loop."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -98,6 +104,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if PREFETCH:
         l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
+    if CONV:
+        hist = decode_conv_history(rm, rm < M, rn, rn < N, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS,
+                                   CK, CKP)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
@@ -114,6 +123,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if GLU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=2).to(Y.dtype.element_ty).to(tl.float32)
+    if CONV:  # the conv reads the projection as the unfused path stores it
+        y = decode_conv_epilogue(y.to(CBUF.dtype.element_ty), hist, rm, rm < M, rn, rn < N, CW, stride_cw, CBUF,
+                                 stride_cbuf, CLOCS, CK, CKP)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -155,8 +167,25 @@ def candidate_tiles(m: int) -> list[dict]:
             if block_m * bn * bk <= 64 * 32 * wp]
 
 
+def _conv_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
+    """The FMA kernel's conv-epilogue arguments (y stands in for every pointer without one)."""
+    if conv is None:
+        return dict(CW=y, CBUF=y, CTAB=y, CSLOTS=y, CLENS=y, CLOCS=y, stride_cw=0, stride_cbuf=0, stride_ctab=0,
+                    CONV=False, CK=1, CKP=1)
+    w, buf, table, slots, lens, locs = conv
+    m, n = y.shape
+    assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 2, (w.shape, buf.shape, n)
+    assert buf.dtype == y.dtype, "the conv state is kept in the model's dtype"
+    assert slots.shape[0] >= m and lens.shape[0] >= m and locs.shape[0] >= m
+    for t in (w, buf, table, slots, lens, locs):
+        assert t.stride(-1) == 1, "channel / position dims must be contiguous"
+    return dict(CW=w, CBUF=buf, CTAB=table, CSLOTS=slots, CLENS=lens, CLOCS=locs, stride_cw=w.stride(0),
+                stride_cbuf=buf.stride(0), stride_ctab=table.stride(0), CONV=True, CK=w.shape[1],
+                CKP=triton.next_power_of_2(w.shape[1] - 1))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
-         prefetch_bytes: int = 0) -> torch.Tensor:
+         prefetch_bytes: int = 0, conv: Optional[tuple] = None) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
@@ -171,7 +200,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
 
     prefetch_bytes: a weight whose storage spans at most this many bytes is prefetched into L2
     before the PDL wait (`kiln.kernels.prefetch`; NVIDIA sm_90+, not interpreted). The result does
-    not change by a bit."""
+    not change by a bit.
+
+    conv (M <= FMA_MAX_ROWS, not glu) = (weight [N, K], conv_buf, conv_table, req_slots, seq_lens,
+    out_locs), the arguments of `kiln.kernels.shortconv.short_conv_decode` after x: the result is
+    that decode ShortConv of the GEMV's output (row m is sequence m), and the output rows go into
+    conv_buf[out_locs], in one launch. Same rounding points as the two launches; the conv's adds
+    may be contracted into FMAs here (the ShortConv kernel forbids that), so within an ulp of
+    them rather than bit for bit."""
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -187,12 +223,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
     args = (x, weight, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
+    assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     if m <= FMA_MAX_ROWS:
         tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(n_out, tile["BLOCK_N"])
-        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
+        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), **_conv_args(conv, y),
                                   BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

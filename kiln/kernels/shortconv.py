@@ -108,6 +108,45 @@ def _short_conv_kernel(
     tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur.to(buf_ptr.dtype.element_ty), mask=mask2)
 
 
+@triton.jit
+def decode_conv_history(rm, m_ok, c, c_ok, buf_ptr, stride_buf, table_ptr, stride_tab, slots_ptr, lens_ptr,
+                        K: tl.constexpr, KP: tl.constexpr):
+    """The K-1 earlier inputs of decode rows rm (row m: sequence m, its new token at position
+    seq_lens[m] - 1) for channels c: fp32 [BLOCK_M, KP, BLOCK_C], tap j at position
+    seq_len - K + j (zeros before the sequence and for j >= K - 1). For a kernel that runs the
+    decode ShortConv in its epilogue (`kiln.kernels.gemv`): loaded before its main loop, the
+    table and buffer round trips overlap it."""
+    jj = tl.arange(0, KP)
+    slot = tl.load(slots_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+    pos = tl.load(lens_ptr + rm, mask=m_ok, other=1)[:, None] - K + jj[None, :]  # [BLOCK_M, KP]
+    ok = m_ok[:, None] & (jj < K - 1)[None, :] & (pos >= 0)
+    loc = tl.load(table_ptr + slot[:, None] * stride_tab + tl.where(ok, pos, 0), mask=ok, other=0).to(tl.int64)
+    return tl.load(buf_ptr + loc[:, :, None] * stride_buf + c[None, None, :],
+                   mask=ok[:, :, None] & c_ok[None, None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decode_conv_epilogue(x_cur, hist, rm, m_ok, c, c_ok, w_ptr, stride_w, buf_ptr, stride_buf, locs_ptr,
+                         K: tl.constexpr, KP: tl.constexpr):
+    """ShortConv of decode rows whose current inputs x_cur [BLOCK_M, BLOCK_C] (in the buffer's
+    dtype) and history (`decode_conv_history`) are given: fp32 y in the reference's order (acc = 0;
+    acc += w_j * x_j for j = 0..K-1; y = acc + x), and x_cur stored at buf[out_locs[m]]. Each tap
+    is taken out of `hist` by a masked sum over one non-zero lane (exact)."""
+    jj = tl.arange(0, KP)
+    xf = x_cur.to(tl.float32)
+    acc = tl.zeros(x_cur.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        w_j = tl.load(w_ptr + c * stride_w + j, mask=c_ok, other=0.0).to(tl.float32)
+        if j == K - 1:
+            v = xf
+        else:
+            v = tl.sum(tl.where((jj == j)[None, :, None], hist, 0.0), axis=1)
+        acc = acc + w_j[None, :] * v
+    out = tl.load(locs_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+    tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur, mask=m_ok[:, None] & c_ok[None, :])
+    return acc + xf
+
+
 def _block_c(c: int) -> int:
     return min(256, triton.next_power_of_2(c))
 

@@ -4,7 +4,8 @@ At a few rows per forward a projection is a pure weight stream. On the engine's 
 the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1 by default on Hopper),
 `decode_linear` runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts
 before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer;
-`decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV.
+`decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV, and `decode_linear_conv`
+a decode ShortConv on the projection's output (Inkling's o_proj + o_conv) into its epilogue.
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
@@ -71,3 +72,17 @@ def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     if isinstance(linear, RowParallelLinear) and linear.reduce_output:
         y = linear.pc.all_reduce(y)
     return y
+
+
+def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
+    """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. On the
+    GEMV path of a decode step (at most FMA_MAX_ROWS rows, no all-reduce between the two, a backend
+    that offers `decode_conv_args`) the conv runs in the GEMV's epilogue: one launch fewer."""
+    args = None
+    if (gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS
+            and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)
+            and hasattr(batch.backend, "decode_conv_args")):
+        args = batch.backend.decode_conv_args(conv, batch)
+    if args is None:
+        return conv(decode_linear(linear, x, batch), batch)
+    return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args)

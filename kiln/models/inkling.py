@@ -19,7 +19,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear
+from kiln.layers.decode_gemv import decode_linear, decode_linear_conv
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -134,8 +134,9 @@ class InklingAttention(nn.Module):
             if lam is not None:
                 q = (q.float() * lam[:, None, None]).to(q.dtype)
             o = self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel)
-        o = decode_linear(self.o_proj, o, batch)
-        return self.o_conv(o, batch) if self.use_conv else o
+        if self.use_conv:  # at decode through the GEMV, o_conv runs in o_proj's epilogue
+            return decode_linear_conv(self.o_proj, self.o_conv, o, batch)
+        return decode_linear(self.o_proj, o, batch)
 
 
 class InklingDecoderLayer(nn.Module):

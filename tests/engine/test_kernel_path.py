@@ -99,9 +99,10 @@ def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
     return calls
 
 
-def _count_gemv(monkeypatch, glu_calls: dict | None = None) -> dict:
+def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None) -> dict:
     """Count `kiln.kernels.gemv.gemv` calls per weight (by data pointer) from now on; those with
-    the SiLU-and-mul folded in (glu=True) also into `glu_calls`."""
+    the SiLU-and-mul folded in (glu=True) also into `glu_calls`, those with a ShortConv epilogue
+    into `conv_calls`."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
@@ -111,6 +112,8 @@ def _count_gemv(monkeypatch, glu_calls: dict | None = None) -> dict:
         calls[weight.data_ptr()] = calls.get(weight.data_ptr(), 0) + 1
         if kw.get("glu") and glu_calls is not None:
             glu_calls[weight.data_ptr()] = glu_calls.get(weight.data_ptr(), 0) + 1
+        if kw.get("conv") is not None and conv_calls is not None:
+            conv_calls[weight.data_ptr()] = conv_calls.get(weight.data_ptr(), 0) + 1
         return real(x, weight, **kw)
 
     monkeypatch.setattr(gemv_module, "gemv", counted)
@@ -149,7 +152,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     weight, so a projection that silently falls back (e.g. loses its `batch`) fails."""
     arch = _arch(interp_dir)
     glu_calls: dict[int, int] = {}
-    calls = _count_gemv(monkeypatch, glu_calls)
+    conv_calls: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls, conv_calls)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
@@ -159,6 +163,7 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     for rows in ((4, 0) if llama else (4,)):
         calls.clear()
         glu_calls.clear()
+        conv_calls.clear()
         core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
         got_out, got_rows = greedy(core, reqs, max_tokens=4)
         assert got_out == want_out
@@ -169,6 +174,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
             assert sum(calls.values()) == 3 * 2 * 4, calls
         # Every dense MLP's SiLU-and-mul rides in its gate_up GEMV (at most 4 rows: the FMA loop).
         assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m and rows}
+        # Inkling's o_conv runs in its o_proj GEMV's epilogue.
+        assert _gemv_modules(core, conv_calls) == ({"model.layers.self_attn.o_proj"} if arch == "inkling" else set())
 
 
 @pytest.mark.gpu

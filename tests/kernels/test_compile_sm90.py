@@ -140,23 +140,25 @@ def gemv_router() -> None:
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
-                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, **tile))
+                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, **tile))
 
 
-def gemv(fma: bool, glu: bool = False, prefetch: bool = False) -> None:
+def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
     (`kiln.kernels.prefetch`), and without it no prefetch at all."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile
 
-    types = {n: "*bf16" for n in ("X", "W", "Y")}
+    types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF")},
+             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
     div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     # the tiles the engine launches at the 8B shape (num_warps only changes the layout, not the order)
     tile = {k: v for k, v in (fma_tile(1, 4096) if fma else dot_tile()).items() if k.startswith("BLOCK")}
     if fma:
-        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, **tile)
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, CONV=conv,
+                                                CK=4 if conv else 1, CKP=4 if conv else 1, **tile)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -187,7 +189,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode": lambda: decode_attention(False), "decode_mtp": lambda: decode_attention(True),
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
-         "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
+         "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),

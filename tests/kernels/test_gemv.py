@@ -215,3 +215,49 @@ def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
     if m <= FMA_MAX_ROWS and not glu:
         w32 = w.float()
         torch.testing.assert_close(gemv(x, w32, prefetch_bytes=1 << 30), gemv(x, w32), rtol=0, atol=0)
+
+
+def _conv_case(m, n, k, kc, dtype, device, seed):
+    """x [m, k], W [n, k], a ShortConv [n, kc] over paged decode state (histories shorter and longer
+    than kc - 1): (x, W, conv args for `gemv(conv=...)`, the Paged state)."""
+    from tests.kernels.test_shortconv_kernels import Paged
+
+    x, w = _case(m, n, k, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    prefix = [0, 1, 5, 2][:m]
+    paged = Paged(prefix, [1] * m, n, dtype, device, gen)
+    cw = (0.5 * torch.randn(n, kc, generator=gen)).to(dtype).to(device)
+    buf, table, rows, out_locs = paged.to_device()
+    seq_lens = torch.tensor([p + 1 for p in prefix], device=device)
+    return x, w, (cw, buf, table, rows, seq_lens, out_locs), paged
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,kc", [(96, 64, 4), (37, 200, 3), (8, 1000, 2)])
+def test_gemv_conv_epilogue_is_gemv_then_short_conv(device, dtype, m, n, k, kc):
+    """The decode ShortConv in the GEMV's epilogue (Inkling's o_proj + o_conv) against the GEMV
+    followed by `short_conv_decode` on the same state: equal outputs (fp32, the interpreter: bit
+    for bit; compiled: within an ulp, the conv's adds may become FMAs) and the same state writes."""
+    from kiln.kernels.shortconv import short_conv_decode
+
+    x, w, conv, paged = _conv_case(m, n, k, kc, dtype, device, seed=m * 100 + n + kc)
+    cw, buf, table, rows, seq_lens, out_locs = conv
+    buf_ref = buf.clone()
+    want = short_conv_decode(gemv(x, w), cw, buf_ref, table, rows, seq_lens, out_locs)
+    got = gemv(x, w, conv=conv)
+    exact = device == "cpu"
+    tol = dict(rtol=0, atol=0) if exact else (FP32 if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2))
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(buf, buf_ref)  # the state: the rounded projection at out_locs, nothing else
+    ref_y, ref_buf = paged.reference(F.linear(x.float(), w.float()).to(dtype), cw)
+    torch.testing.assert_close(got, ref_y, **(FP32 if dtype == torch.float32 else BF16))
+
+
+def test_gemv_conv_epilogue_rejects_what_it_cannot_fuse():
+    x, w, conv, _ = _conv_case(2, 96, 64, 4, torch.float32, "cpu", seed=1)
+    with pytest.raises(AssertionError, match="conv epilogue"):
+        gemv(x, torch.cat([w, w]), glu=True, conv=conv)
+    x5 = torch.randn(5, 64)
+    with pytest.raises(AssertionError, match="conv epilogue"):
+        gemv(x5, w, conv=conv)
