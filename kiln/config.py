@@ -105,7 +105,7 @@ class EngineConfig:
         "decode) with Triton kernels on one NVIDIA sm_90+ GPU with PDL, else 0. Up to 16; at 2-16 "
         "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass).")
     gemv_l2_prefetch_mb: int = opt(
-        0, "A decode GEMV whose weight is at most this many MB also asks the whole matrix into L2 "
+        0, "A decode GEMV whose weight is at most this many MiB also asks the whole matrix into L2 "
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
         "runs (kiln/kernels/prefetch.py; NVIDIA sm_90+). 0 (default): off. Measured slower on an H200 "
         "at 40 (8B batch 1: 4.49 against 4.40 ms; docs/benchmarks.md, fourteenth pass).")

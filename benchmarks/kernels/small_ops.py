@@ -7,7 +7,7 @@
   into a 64K-slot pool at random slots;
 - `silu_and_mul` (`kiln.kernels.activation`) vs `kiln.layers.activation.silu_and_mul_ref`:
   Llama-3.1-8B's gate_up output [T, 2 x 14336], bf16;
-- `conv_qk_norm_decode` (`kiln.kernels.conv_qk_norm`, decode only) vs what it replaces on the
+- `conv_qk_norm` (`kiln.kernels.conv_qk_norm`, at decode) vs what it replaces on the
   kernel path: two `short_conv_decode`, two per-head `rms_norm` kernels and q's lam scale, at
   Inkling's bench preset (Hq=16, Hkv=4, D=128, K=4, bf16; fragmented conv buffers).
 
@@ -71,7 +71,7 @@ def cases(tokens):
 
 def _prologue_case(bsz, gen):
     """Inkling's decode prologue: fused vs the unfused kernels, on a full layer (with lam)."""
-    from kiln.kernels.conv_qk_norm import conv_qk_norm_decode
+    from kiln.kernels.conv_qk_norm import conv_qk_norm
     from kiln.kernels.norm import rms_norm
     from kiln.kernels.shortconv import short_conv_decode
 
@@ -90,6 +90,7 @@ def _prologue_case(bsz, gen):
     qw, kw = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dt), torch.ones(d, device=dev, dtype=dt)
     kcw, vcw = ((0.5 * torch.randn(c, kk, device=dev, generator=gen)).to(dt) for _ in range(2))
     lam = 1 + torch.rand(bsz, device=dev, generator=gen)
+    positions = seq_lens - 1
 
     def unfused():
         kc = short_conv_decode(k, kcw, k_buf, table, rows, seq_lens, out_locs)
@@ -98,8 +99,8 @@ def _prologue_case(bsz, gen):
         return qn, rms_norm(kc.reshape(bsz, hkv, d), kw, eps), vc
 
     def fused():
-        return conv_qk_norm_decode(q, k, v, qw, kw, eps, eps, kcw, vcw, k_buf, v_buf, table, rows, seq_lens,
-                                   out_locs, d, q_scale=lam)
+        return conv_qk_norm(q, k, v, qw, kw, eps, eps, kcw, vcw, k_buf, v_buf, table, rows, positions,
+                            out_locs, d, q_scale=lam)
 
     for g, w in zip(fused(), unfused()):
         torch.testing.assert_close(g, w, rtol=1.6e-2, atol=1e-2)

@@ -120,7 +120,7 @@ def _conv_qk_norm_kernel(
             yk = _conv_tile(k_ptr, b, stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row,
                             slots_ptr, pos_ptr, slot, pos, out_loc, c, m, K)
             # The conv's result in the model's dtype is what k's norm reads.
-            yk = yk.to(k_out_ptr.dtype.element_ty).to(tl.float32)
+            yk = yk.to(k_ptr.dtype.element_ty).to(tl.float32)
             yk = _rms_norm_tile(yk, kn_w_ptr, d, d_ok, D, k_eps)
             # rounded to k's dtype first, as the unfused path's k_out (then the cache's, as store_kv)
             yk = yk.to(k_ptr.dtype.element_ty).to(k_out_ptr.dtype.element_ty)

@@ -6,7 +6,8 @@ any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic depende
 (`kiln.kernels.launch`) this kernel starts as its predecessor's programs (a norm, attention, the
 SwiGLU product) exit, before that grid has completed and its writes are visible, and it loads its
 first weight tile *before* `griddepcontrol.wait`: weights are never written by the kernel before
-it, so the stream is under way by the time x is readable. Only x is read after the wait. A
+it, so the stream is under way by the time x is readable. Only x (and, with a ShortConv epilogue,
+its state) is read after the wait. A
 weight of at most `prefetch_bytes` is also asked into L2 whole before the wait
 (`kiln.kernels.prefetch`): with PDL's early trigger the first wave of programs is resident during
 the kernel before (attention, a norm) and HBM, idle there, streams the matrix.
@@ -202,12 +203,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     before the PDL wait (`kiln.kernels.prefetch`; NVIDIA sm_90+, not interpreted). The result does
     not change by a bit.
 
-    conv (M <= FMA_MAX_ROWS, not glu) = (weight [N, K], conv_buf, conv_table, req_slots, seq_lens,
+    conv (M <= FMA_MAX_ROWS, not glu) = (weight [N, conv width], conv_buf, conv_table, req_slots, seq_lens,
     out_locs), the arguments of `kiln.kernels.shortconv.short_conv_decode` after x: the result is
     that decode ShortConv of the GEMV's output (row m is sequence m), and the output rows go into
     conv_buf[out_locs], in one launch. Same rounding points as the two launches; the conv's adds
-    may be contracted into FMAs here (the ShortConv kernel forbids that), so within an ulp of
-    them rather than bit for bit."""
+    may be contracted into FMAs here (the ShortConv kernel forbids that), so within a few fp32
+    ulps of them before the final rounding rather than bit for bit (the interpreter: bit for bit)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"

@@ -28,7 +28,9 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 
-CHUNKS_PER_PROGRAM = tl.constexpr(128)  # one chunk per thread of a 4-warp program
+# One chunk per thread of a 4-warp program; an 8-warp program (the GEMV's tile past K = 4096) holds
+# each lane twice and issues each prefetch twice (a hint: harmless, a few instructions more).
+CHUNKS_PER_PROGRAM = tl.constexpr(128)
 ALIGN = 16  # cp.async.bulk: the address and the size are multiples of 16 bytes
 
 

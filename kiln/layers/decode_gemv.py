@@ -26,6 +26,7 @@ from torch import nn
 from kiln.kernels import kernel_path
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
+from kiln.layers.shortconv import ShortConv
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,8 +82,11 @@ def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batc
     args = None
     if (gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS
             and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)
-            and hasattr(batch.backend, "decode_conv_args")):
+            and type(conv).forward is ShortConv.forward and not conv._forward_hooks
+            and not conv._forward_pre_hooks and hasattr(batch.backend, "decode_conv_args")):
         args = batch.backend.decode_conv_args(conv, batch)
+        if args is not None and args[1].dtype != x.dtype:  # the epilogue keeps the state in x's dtype
+            args = None
     if args is None:
         return conv(decode_linear(linear, x, batch), batch)
     return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args)

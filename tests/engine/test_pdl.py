@@ -16,6 +16,7 @@ from kiln.kernels import launch  # noqa: E402
 
 @pytest.fixture
 def restore_pdl():
+    launch.set_pdl(True)  # an engine built earlier on this worker may have left the trigger on
     yield
     launch.set_pdl(True)
 

@@ -111,18 +111,22 @@ def test_short_chunks_read_their_own_rows(device, dtype, prefix_lens, extend_len
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("extend_lens,lam", [(None, False), ([4, 4, 4, 4], True), ([3, 1, 2, 2], False)])
-def test_store_variant_is_prologue_then_cache_write(device, dtype, extend_lens, lam):
+@pytest.mark.parametrize("extend_lens,lam,other_cache_dtype", [(None, False, False), ([4, 4, 4, 4], True, False),
+                                                            ([3, 1, 2, 2], False, False), (None, True, True)])
+def test_store_variant_is_prologue_then_cache_write(device, dtype, extend_lens, lam, other_cache_dtype):
     """`conv_qk_norm_store` = `conv_qk_norm` then `kiln.kernels.kv_store.store_kv` of its k and v
     into the layer's caches (at slots other than the conv buffers'), bit for bit: q, both conv
-    buffers, and every cache row, written or not."""
+    buffers, and every cache row, written or not; also with caches of another dtype than the
+    model's (k's norm reads the conv result rounded to the model's dtype, the cache gets the
+    result cast once more)."""
     from kiln.kernels.conv_qk_norm import conv_qk_norm_store
     from kiln.kernels.kv_store import store_kv
 
     case = Case([0, 5, 1, 9], 4, 2, 16, 4, dtype, device, seed=11, lam=lam, extend_lens=extend_lens)
     b = case.q.shape[0]
     gen = torch.Generator().manual_seed(3)
-    caches = [torch.randn(40, case.hkv, case.d, generator=gen).to(dtype).to(device) for _ in range(2)]
+    cache_dtype = (torch.bfloat16 if dtype == torch.float32 else torch.float32) if other_cache_dtype else dtype
+    caches = [torch.randn(40, case.hkv, case.d, generator=gen).to(cache_dtype).to(device) for _ in range(2)]
     cache_locs = torch.randperm(40, generator=gen)[:b].to(device)
     q, k, v, k_buf, v_buf = case.run()
     want_k, want_v = (c.clone() for c in caches)

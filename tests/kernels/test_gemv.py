@@ -201,13 +201,17 @@ def test_prefetch_is_off_where_it_cannot_run():
 @pytest.mark.parametrize("m,n,k,glu", [(1, 2048, 2048, False), (1, 3584, 2048, False), (1, 12288, 2048, True),
                                        (2, 4096, 4096, False), (8, 2048, 2048, False), (1, 37, 200, False)])
 def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
-    """The L2 prefetch before the PDL wait is a cache hint: with it on (a budget above the
-    weight), the GEMV's output equals the plain GEMV's bit for bit, in both loops, the GLU
-    epilogue, a ragged span, a weight view with a row stride and an fp32 router weight."""
+    """The L2 prefetch compiles in and launches (both loops, the GLU epilogue, a ragged span, a
+    weight view with a row stride, an fp32 router weight) and leaves the output bit for bit the
+    plain GEMV's. A prefetch is a hint, so this cannot see a wrong range: the span it asks for is
+    checked here against the weight's storage, and its chunking by `test_prefetch_plan_...`."""
     from kiln.kernels.prefetch import prefetch_args
 
     x, w = _case(m, n, k, torch.bfloat16, "cuda", seed=n + k + m)
-    assert prefetch_args(w, 1 << 30, 64)["PREFETCH"] == (torch.cuda.get_device_capability() >= (9, 0))
+    plan = prefetch_args(w, 1 << 30, 64)
+    assert plan["PREFETCH"] == (torch.cuda.get_device_capability() >= (9, 0))
+    if plan["PREFETCH"]:
+        assert plan["PF_SPAN"] == (n * k * 2) // 16 * 16 <= w.untyped_storage().nbytes()
     assert not prefetch_args(w, 16, 64)["PREFETCH"]
     torch.testing.assert_close(gemv(x, w, glu=glu, prefetch_bytes=1 << 30), gemv(x, w, glu=glu), rtol=0, atol=0)
     wide = torch.randn(n, k + 64, device="cuda").to(torch.bfloat16)[:, 32:32 + k]  # row stride k + 64
@@ -261,3 +265,49 @@ def test_gemv_conv_epilogue_rejects_what_it_cannot_fuse():
     x5 = torch.randn(5, 64)
     with pytest.raises(AssertionError, match="conv epilogue"):
         gemv(x5, w, conv=conv)
+
+
+def test_decode_linear_conv_fuses_only_a_plain_conv():
+    """`decode_linear_conv` runs the conv in the GEMV's epilogue for a plain ShortConv whose state
+    has x's dtype; a hooked conv, or state of another dtype, takes the two separate calls (the
+    hook runs), with the same result."""
+    from types import SimpleNamespace
+
+    from kiln.layers.decode_gemv import decode_linear_conv
+    from kiln.layers.linear import RowParallelLinear
+    from kiln.layers.shortconv import ShortConv
+
+    x, w, conv_args, _ = _conv_case(2, 96, 64, 4, torch.float32, "cpu", seed=3)
+    linear = RowParallelLinear(64, 96)
+    linear.weight.data.copy_(w)
+    conv = ShortConv(0, 96, 4)
+    conv.weight.data.copy_(conv_args[0])
+    fused, separate = [], []
+
+    class Backend:
+        use_kernels, gemv_max_rows, gemv_prefetch_bytes = True, 4, 0
+
+        def decode_conv_args(self, c, batch):
+            fused.append(c)
+            return (c.weight, *state)
+
+        def short_conv(self, c, y, batch):
+            from kiln.kernels.shortconv import short_conv_decode
+            separate.append(c)
+            return short_conv_decode(y, c.weight, *state)
+
+    batch = SimpleNamespace(backend=Backend())
+    state = [t.clone() for t in conv_args[1:]]
+    want = decode_linear_conv(linear, conv, x, batch)
+    assert len(fused) == 1 and not separate
+    hooked = []
+    conv.register_forward_hook(lambda *a: hooked.append(1))
+    state = [t.clone() for t in conv_args[1:]]
+    torch.testing.assert_close(decode_linear_conv(linear, conv, x, batch), want, rtol=0, atol=0)
+    assert hooked and len(separate) == 1 and len(fused) == 1  # the hook ran: not fused
+    conv._forward_hooks.clear()
+    state = [t.clone() for t in conv_args[1:]]
+    state[0] = state[0].double()  # state kept in another dtype than x
+    with torch.no_grad():
+        decode_linear_conv(linear, conv, x, batch)
+    assert len(fused) == 2 and len(separate) == 2  # asked, then declined
