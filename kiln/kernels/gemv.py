@@ -7,10 +7,10 @@ any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic depende
 SwiGLU product) exit, before that grid has completed and its writes are visible, and it loads its
 first weight tile *before* `griddepcontrol.wait`: weights are never written by the kernel before
 it, so the stream is under way by the time x is readable. Only x (and, with a ShortConv epilogue,
-its state) is read after the wait. A
-weight of at most `prefetch_bytes` is also asked into L2 whole before the wait
-(`kiln.kernels.prefetch`): with PDL's early trigger the first wave of programs is resident during
-the kernel before (attention, a norm) and HBM, idle there, streams the matrix.
+its state) is read after the wait. A weight of at most `prefetch_bytes` can also be asked into L2
+whole before the wait (`kiln.kernels.prefetch`), so that HBM streams it while the kernel before
+runs; measured slower on an H200 (docs/benchmarks.md, fourteenth pass), so the engine's default
+is 0.
 
 Two inner loops, picked by the number of rows:
 - 1 to 4 rows (BLOCK_M = M rounded up to 1, 2 or 4): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
