@@ -14,7 +14,9 @@ split out of the fused qkvr projection:
 and, like the ShortConv kernels, k and v are written into their conv buffers at out_locs[t] after
 their history was read. `conv_qk_norm_store` writes k_out and v_out straight into the layer's
 K/V cache at cache_locs[t] instead of into new tensors (the cache write of
-`kiln.kernels.kv_store`, one launch fewer per layer). A tap is inside the chunk when the row d before has the same request row
+`kiln.kernels.kv_store`, one launch fewer per layer).
+
+A tap is inside the chunk when the row d before has the same request row
 and position p - d (the rows of a chunk are consecutive; a request has one chunk per forward), so
 decode rows, whose neighbours are other requests, read every tap from the buffer. Unfused that is five to seven launches per layer (two convs, two norms,
 the lam scale's mul and casts); at batch 1 the launches, not the bytes, are the cost.

@@ -22,9 +22,9 @@ With the early trigger every kernel triggers right after its wait, so the succes
 become resident while it runs: the decode GEMV then streams weights for the whole of the kernel
 before it. It gains 1.5-4% at batch 1 (docs/benchmarks.md, eleventh pass) but cost Inkling 6-20%
 at batch 64 (twelfth pass; the hypothesis, not verified: the successor's early programs hold SM
-slots the grouped MoE GEMMs' later waves need). So the engine turns it on per CUDA graph: decode graphs of at most
-`--pdl-early-trigger-max-tokens` rows are captured inside `early_trigger(True)` (not with
-speculative decoding, where it gained nothing: fourteenth pass); everywhere with
+slots the grouped MoE GEMMs' later waves need). So the engine turns it on per CUDA graph: decode
+graphs of at most `--pdl-early-trigger-max-tokens` rows are captured inside `early_trigger(True)`
+(not with speculative decoding, where it gained nothing: fourteenth pass); everywhere with
 `--pdl-early-trigger` (`set_pdl(True, early_trigger=True)`). Correctness does not depend on it:
 every kernel still waits for its predecessor's completion before touching memory.
 
