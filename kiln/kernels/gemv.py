@@ -175,14 +175,14 @@ def _conv_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
                     CONV=False, CK=1, CKP=1)
     w, buf, table, slots, lens, locs = conv
     m, n = y.shape
-    assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 2, (w.shape, buf.shape, n)
+    assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 1, (w.shape, buf.shape, n)
     assert buf.dtype == y.dtype, "the conv state is kept in the model's dtype"
     assert slots.shape[0] >= m and lens.shape[0] >= m and locs.shape[0] >= m
     for t in (w, buf, table, slots, lens, locs):
         assert t.stride(-1) == 1, "channel / position dims must be contiguous"
     return dict(CW=w, CBUF=buf, CTAB=table, CSLOTS=slots, CLENS=lens, CLOCS=locs, stride_cw=w.stride(0),
                 stride_cbuf=buf.stride(0), stride_ctab=table.stride(0), CONV=True, CK=w.shape[1],
-                CKP=triton.next_power_of_2(w.shape[1] - 1))
+                CKP=triton.next_power_of_2(max(1, w.shape[1] - 1)))  # K = 1: no history (one masked lane)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,

@@ -238,7 +238,7 @@ def _conv_case(m, n, k, kc, dtype, device, seed):
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k,kc", [(96, 64, 4), (37, 200, 3), (8, 1000, 2)])
+@pytest.mark.parametrize("n,k,kc", [(96, 64, 4), (37, 200, 3), (8, 1000, 2), (40, 64, 1)])
 def test_gemv_conv_epilogue_is_gemv_then_short_conv(device, dtype, m, n, k, kc):
     """The decode ShortConv in the GEMV's epilogue (Inkling's o_proj + o_conv) against the GEMV
     followed by `short_conv_decode` on the same state: equal outputs (fp32, the interpreter: bit
