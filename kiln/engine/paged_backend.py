@@ -187,23 +187,25 @@ class PagedBackend:
 
     # ---- ShortConv -----------------------------------------------------------------------
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        decode = self.decode_conv_args(conv, batch)
+        if decode is not None:
+            return self.k_conv.short_conv_decode(x, *decode)
         buf = self.conv.layer(conv.conv_id)  # [slots, C]
         self.gate.wait(buf)
         k = conv.weight.shape[1]
         if self.use_kernels:
-            table, locs = self.tables["conv"], batch.win_out_locs["conv"]
-            if batch.mode == ForwardMode.DECODE:
-                return self.k_conv.short_conv_decode(x, conv.weight, buf, table, batch.req_slots, batch.seq_lens_t, locs)
-            return self.k_conv.short_conv_extend(x, conv.weight, buf, table, batch.req_slots, batch.prefix_lens_t,
-                                                 batch.extend_lens_t, batch.extend_starts_t, locs)
+            return self.k_conv.short_conv_extend(x, conv.weight, buf, self.tables["conv"], batch.req_slots,
+                                                 batch.prefix_lens_t, batch.extend_lens_t, batch.extend_starts_t,
+                                                 batch.win_out_locs["conv"])
         prev = self._conv_history(buf, batch, k, x.device)
         buf[batch.win_out_locs["conv"]] = x.to(buf.dtype)
         return conv_ops.short_conv(x, conv.weight, batch.extend_lens, prev)
 
     def decode_conv_args(self, conv, batch: ForwardBatch) -> Optional[tuple]:
         """The arguments of `kiln.kernels.shortconv.short_conv_decode` after x for `conv` in this
-        decode step, for a kernel that runs it in its epilogue (`kiln.kernels.gemv`'s `conv`); None
-        where only `short_conv` serves (no kernels, or not a decode step)."""
+        decode step (once HiCache copies on its buffer are done), for that kernel or one that runs
+        it in its epilogue (`kiln.kernels.gemv`'s `conv`); None where it does not serve (no
+        kernels, or not a decode step)."""
         if not (self.use_kernels and batch.mode == ForwardMode.DECODE):
             return None
         buf = self.conv.layer(conv.conv_id)

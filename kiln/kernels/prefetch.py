@@ -27,11 +27,13 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import interpreting
+from kiln.kernels.launch import _sm90_or_later
 
 # One chunk per thread of a 4-warp program; an 8-warp program (the GEMV's tile past K = 4096) holds
 # each lane twice and issues each prefetch twice (a hint: harmless, a few instructions more).
 CHUNKS_PER_PROGRAM = tl.constexpr(128)
 ALIGN = 16  # cp.async.bulk: the address and the size are multiples of 16 bytes
+_OFF = dict(PREFETCH=False, PF_SPAN=0, PF_CHUNK=0, PF_PROGRAMS=0)  # one dict: launches allocate none when off
 
 
 @triton.jit
@@ -58,18 +60,13 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_or_later(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def prefetch_plan(span: int, max_bytes: int, grid: int, num_sms: int) -> dict:
     """The launch arguments for a byte span: off (PREFETCH False) when it is empty or over
     `max_bytes`, else the span cut to whole 16-byte units, a chunk size that lets
     min(grid, num_sms) programs of CHUNKS_PER_PROGRAM chunks each cover it, and that program count."""
     span = span // ALIGN * ALIGN
     if max_bytes <= 0 or span == 0 or span > max_bytes:
-        return dict(PREFETCH=False, PF_SPAN=0, PF_CHUNK=0, PF_PROGRAMS=0)
+        return _OFF
     programs = max(1, min(grid, num_sms))
     chunk = triton.cdiv(triton.cdiv(span, programs * CHUNKS_PER_PROGRAM.value), ALIGN) * ALIGN
     return dict(PREFETCH=True, PF_SPAN=span, PF_CHUNK=chunk, PF_PROGRAMS=programs)
@@ -82,9 +79,9 @@ def prefetch_args(weight: torch.Tensor, max_bytes: int, grid: int) -> dict:
     otherwise (the kernel then compiles the call out)."""
     dev = weight.device
     if max_bytes <= 0 or dev.type != "cuda" or interpreting() or weight.data_ptr() % ALIGN:
-        return prefetch_plan(0, 0, grid, 1)
+        return _OFF
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if not _sm90_or_later(index):
-        return prefetch_plan(0, 0, grid, 1)
+        return _OFF
     span = ((weight.shape[0] - 1) * weight.stride(0) + weight.shape[-1]) * weight.element_size()
     return prefetch_plan(span, max_bytes, grid, _num_sms(index))
