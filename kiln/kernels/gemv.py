@@ -38,7 +38,7 @@ import triton.language as tl
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
-from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history
+from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
@@ -168,23 +168,6 @@ def candidate_tiles(m: int) -> list[dict]:
             if block_m * bn * bk <= 64 * 32 * wp]
 
 
-def _conv_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
-    """The FMA kernel's conv-epilogue arguments (y stands in for every pointer without one)."""
-    if conv is None:
-        return dict(CW=y, CBUF=y, CTAB=y, CSLOTS=y, CLENS=y, CLOCS=y, stride_cw=0, stride_cbuf=0, stride_ctab=0,
-                    CONV=False, CK=1, CKP=1)
-    w, buf, table, slots, lens, locs = conv
-    m, n = y.shape
-    assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 1, (w.shape, buf.shape, n)
-    assert buf.dtype == y.dtype, "the conv state is kept in the model's dtype"
-    assert slots.shape[0] >= m and lens.shape[0] >= m and locs.shape[0] >= m
-    for t in (w, buf, table, slots, lens, locs):
-        assert t.stride(-1) == 1, "channel / position dims must be contiguous"
-    return dict(CW=w, CBUF=buf, CTAB=table, CSLOTS=slots, CLENS=lens, CLOCS=locs, stride_cw=w.stride(0),
-                stride_cbuf=buf.stride(0), stride_ctab=table.stride(0), CONV=True, CK=w.shape[1],
-                CKP=triton.next_power_of_2(max(1, w.shape[1] - 1)))  # K = 1: no history (one masked lane)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
          prefetch_bytes: int = 0, conv: Optional[tuple] = None) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
@@ -230,7 +213,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(n_out, tile["BLOCK_N"])
-        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), **_conv_args(conv, y),
+        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), **decode_conv_kernel_args(conv, y),
                                   BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

@@ -23,6 +23,8 @@ No `.item()`/`.tolist()`, and grids depend only on shapes: both are CUDA-graph c
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -145,6 +147,25 @@ def decode_conv_epilogue(x_cur, hist, rm, m_ok, c, c_ok, w_ptr, stride_w, buf_pt
     out = tl.load(locs_ptr + rm, mask=m_ok, other=0).to(tl.int64)
     tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur, mask=m_ok[:, None] & c_ok[None, :])
     return acc + xf
+
+
+def decode_conv_kernel_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
+    """Launch arguments of a kernel that runs the decode ShortConv in its epilogue
+    (`decode_conv_history` / `decode_conv_epilogue`) on its output y [M, C]: conv = the arguments
+    of `short_conv_decode` after x, or None for none (then y stands in for every pointer)."""
+    if conv is None:
+        return dict(CW=y, CBUF=y, CTAB=y, CSLOTS=y, CLENS=y, CLOCS=y, stride_cw=0, stride_cbuf=0, stride_ctab=0,
+                    CONV=False, CK=1, CKP=1)
+    w, buf, table, slots, lens, locs = conv
+    m, n = y.shape
+    assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 1, (w.shape, buf.shape, n)
+    assert buf.dtype == y.dtype, "the conv state is kept in the model's dtype"
+    assert slots.shape[0] >= m and lens.shape[0] >= m and locs.shape[0] >= m
+    for t in (w, buf, table, slots, lens, locs):
+        assert t.stride(-1) == 1, "channel / position dims must be contiguous"
+    return dict(CW=w, CBUF=buf, CTAB=table, CSLOTS=slots, CLENS=lens, CLOCS=locs, stride_cw=w.stride(0),
+                stride_cbuf=buf.stride(0), stride_ctab=table.stride(0), CONV=True, CK=w.shape[1],
+                CKP=triton.next_power_of_2(max(1, w.shape[1] - 1)))  # K = 1: no history (one masked lane)
 
 
 def _block_c(c: int) -> int:

@@ -19,6 +19,7 @@ forwards, and every forward starts with the embedding.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -75,18 +76,29 @@ def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     return y
 
 
+def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch) -> Optional[tuple]:
+    """The decode state of `conv` (a `kiln.kernels.shortconv.short_conv_decode` argument tuple
+    after x) when a kernel whose output it convolves may run it in its epilogue: a plain
+    ShortConv (no subclass forward, no hooks: those must run), a backend that offers
+    `decode_conv_args` and has it for this batch (a decode step on the kernel path), and state kept
+    in x's dtype. None otherwise: the caller then runs `conv` itself."""
+    if (type(conv).forward is not ShortConv.forward or conv._forward_hooks or conv._forward_pre_hooks
+            or not hasattr(getattr(batch, "backend", None), "decode_conv_args")):
+        return None
+    args = batch.backend.decode_conv_args(conv, batch)
+    if args is None or args[1].dtype != x.dtype:  # the epilogue keeps the state in x's dtype
+        return None
+    return args
+
+
 def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. On the
-    GEMV path of a decode step (at most FMA_MAX_ROWS rows, no all-reduce between the two, a backend
-    that offers `decode_conv_args`) the conv runs in the GEMV's epilogue: one launch fewer."""
+    GEMV path of a decode step (at most FMA_MAX_ROWS rows, no all-reduce between the two,
+    `epilogue_conv_args`) the conv runs in the GEMV's epilogue: one launch fewer."""
     args = None
     if (gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS
-            and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)
-            and type(conv).forward is ShortConv.forward and not conv._forward_hooks
-            and not conv._forward_pre_hooks and hasattr(batch.backend, "decode_conv_args")):
-        args = batch.backend.decode_conv_args(conv, batch)
-        if args is not None and args[1].dtype != x.dtype:  # the epilogue keeps the state in x's dtype
-            args = None
+            and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)):
+        args = epilogue_conv_args(conv, x, batch)
     if args is None:
         return conv(decode_linear(linear, x, batch), batch)
     return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args)

@@ -231,19 +231,33 @@ class SharedExperts(nn.Module):
 
 def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor, ids: torch.Tensor,
                         routed_w: torch.Tensor, shared_w: Optional[torch.Tensor],
-                        pc: ParallelContext) -> torch.Tensor:
+                        pc: ParallelContext, out_conv: Optional[nn.Module] = None, batch=None) -> torch.Tensor:
     """This rank's routed + shared expert sum [T, H], summed in fp32. On the kernel path the shared
     experts are always-selected extra slots of the routed grouped GEMMs, and on one rank the single
-    cast to x's dtype happens there too (under TP the fp32 partial sums wait for the all-reduce)."""
+    cast to x's dtype happens there too (under TP the fp32 partial sums wait for the all-reduce).
+
+    `out_conv`: a ShortConv on the layer's output (Inkling's out_conv), applied here, after the
+    all-reduce: in the one-token down GEMV's epilogue where it can run there (one rank, a decode
+    step, `epilogue_conv_args`), else as its own call."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
+    out = None
     if plain and _use_kernels(x, experts.w13, experts.w2, shared.w13, shared.w2, routed_w, shared_w):
         ops = _kernel_ops()
         if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
-            return ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
-                                     shared=(shared.w13, shared.w2, shared_w))
-    return (experts(x, ids, routed_w, torch.float32) + shared(x, shared_w)).to(out_dtype)
+            conv = None
+            if out_conv is not None and pc.tp_size == 1 and ops.takes_conv(x.shape[0]):
+                from kiln.layers.decode_gemv import epilogue_conv_args
+                conv = epilogue_conv_args(out_conv, x, batch)
+            out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
+                                    shared=(shared.w13, shared.w2, shared_w), conv=conv)
+            if conv is not None:
+                return out
+    if out is None:
+        out = (experts(x, ids, routed_w, torch.float32) + shared(x, shared_w)).to(out_dtype)
+    out = pc.all_reduce(out).to(x.dtype)
+    return out if out_conv is None else out_conv(out, batch)
 
 
 class SinkMoE(nn.Module):
@@ -259,10 +273,12 @@ class SinkMoE(nn.Module):
         self.shared_experts = SharedExperts(cfg.num_shared_experts, cfg.hidden_size,
                                             cfg.moe_intermediate_size, pc)
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None, out_conv: Optional[nn.Module] = None) -> torch.Tensor:
+        """The MoE output, through `out_conv` (a ShortConv on it) when given: at one decode token
+        that conv runs in the expert kernels' epilogue (`_routed_plus_shared`)."""
         ids, routed_w, shared_w = self.router(x, batch)
-        out = _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc)
-        return self.pc.all_reduce(out).to(x.dtype)
+        return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,
+                                   out_conv, batch)
 
 
 class MiniMaxMoE(nn.Module):
@@ -282,8 +298,7 @@ class MiniMaxMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         ids, routed_w = self.gate(x, batch)
-        out = _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc)
-        return self.pc.all_reduce(out).to(x.dtype)
+        return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc)
 
 
 _EXPERT_NAME = re.compile(r"^(.*\.)?experts\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -164,9 +164,8 @@ class InklingDecoderLayer(nn.Module):
         x, residual = (self.input_layernorm(h, batch), h) if residual is None \
             else self.input_layernorm(h, batch, residual)
         m, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch, residual)
-        f = self.mlp(m, batch)
-        if self.use_conv:
-            f = self.mlp.out_conv(f, batch)
+        # out_conv goes in with the MLP: at decode it runs in the down projection's epilogue
+        f = self.mlp(m, batch, out_conv=self.mlp.out_conv if self.use_conv else None)
         return f, residual
 
 

@@ -20,7 +20,7 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear, decode_swiglu
+from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_swiglu
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -35,10 +35,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], pc=pc)
         self.down_proj = RowParallelLinear(intermediate, hidden, pc=pc)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)); `batch` only picks the kernels' paths (see
-        `kiln.layers.activation`, `kiln.layers.decode_gemv`)."""
-        return decode_linear(self.down_proj, decode_swiglu(self.gate_up_proj, x, batch), batch)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None,
+                out_conv: nn.Module | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), then `out_conv` (a ShortConv on the output: Inkling's dense
+        layers) when given; `batch` only picks the kernels' paths (see `kiln.layers.activation`,
+        `kiln.layers.decode_gemv`: at decode the conv can run in down's GEMV epilogue)."""
+        act = decode_swiglu(self.gate_up_proj, x, batch)
+        if out_conv is not None:
+            return decode_linear_conv(self.down_proj, out_conv, act, batch)
+        return decode_linear(self.down_proj, act, batch)
 
 
 class LlamaAttention(nn.Module):

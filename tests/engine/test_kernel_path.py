@@ -174,8 +174,11 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
             assert sum(calls.values()) == 3 * 2 * 4, calls
         # Every dense MLP's SiLU-and-mul rides in its gate_up GEMV (at most 4 rows: the FMA loop).
         assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m and rows}
-        # Inkling's o_conv runs in its o_proj GEMV's epilogue.
-        assert _gemv_modules(core, conv_calls) == ({"model.layers.self_attn.o_proj"} if arch == "inkling" else set())
+        # Inkling's o_conv runs in its o_proj GEMV's epilogue, the dense layer's out_conv in its
+        # down_proj's (the MoE layers' in the expert down GEMV's, on CUDA only: the CPU engine keeps
+        # the MoE reference).
+        assert _gemv_modules(core, conv_calls) == (
+            {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"} if arch == "inkling" else set())
 
 
 @pytest.mark.gpu

@@ -120,18 +120,31 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
-def moe_gemv(shared: bool) -> None:
+def moe_gemv(shared: bool, conv: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
-    expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel."""
+    expert (routed) or a shared chunk per slot, KS slots at once in the down kernel, whose ids and
+    first weight tiles load before its PDL wait (ids from L2: `.cg`), as do a shared chunk's in
+    the gate/up kernel; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
-    w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr")}
-    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32"}
+    w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "CW", "CBUF")}
+    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
+             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
+    div = ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "H", "I", "stride_xt",
+           "stride_we", "stride_wn", "stride_sn", "stride_wh", "stride_sh")
     ks = 8 if shared else 6
-    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up))
-    compile_sm90(_expert_down_gemv_kernel, types, dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True,
-                                                       **down))
+    names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
+    ptx = compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up),
+                       divisible=names(_expert_up_gemv_kernel))["ptx"]
+    if shared:
+        assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")], "a shared chunk's stream must start before the wait"
+    ptx = compile_sm90(_expert_down_gemv_kernel, types,
+                       dict(K=6, KS=ks, KSP=8, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True, CONV=conv,
+                            CK=4 if conv else 1, CKP=4 if conv else 1, **down),
+                       divisible=names(_expert_down_gemv_kernel))["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert "ld.global.cg" in before and "ld.global.v4" in before, "the ids and weight stream must start before the wait"
 
 
 def gemv_router() -> None:
@@ -191,6 +204,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "rope": rope, "msa_scores": msa_scores}

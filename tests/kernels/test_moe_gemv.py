@@ -131,3 +131,55 @@ def test_gemv_path_takes_several_tokens(device, monkeypatch):
         monkeypatch.setattr(_km(), name, _Refused(name))
     _check_experts(device, 3, 8, 2, 2, seed=12)
     _check_experts(device, 4, 8, 3, 1, shared_mult=2, shared_weighted=False, seed=13)
+
+
+def _conv_state(h, kc, prefix, dtype, device, seed):
+    """A ShortConv [h, kc] over paged decode state of one sequence with `prefix` earlier tokens:
+    (conv args for `fused_experts(conv=...)`, the Paged state)."""
+    from tests.kernels.test_shortconv_kernels import Paged
+
+    gen = torch.Generator().manual_seed(seed)
+    paged = Paged([prefix], [1], h, dtype, device, gen)
+    cw = (0.5 * torch.randn(h, kc, generator=gen)).to(dtype).to(device)
+    buf, table, rows, out_locs = paged.to_device()
+    return (cw, buf, table, rows, torch.tensor([prefix + 1], device=device), out_locs), paged
+
+
+@pytest.mark.parametrize("device,dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("E,k,S,shared_mult,shared_weighted,ragged",
+                         [c for c in GEMV_CASES if c.id in ("k1", "inkling-shared", "minimax-shared", "ragged-shared")])
+@pytest.mark.parametrize("kc,prefix", [(4, 5), (2, 0), (1, 3)])  # history longer / none / width 1
+def test_one_token_conv_epilogue_is_experts_then_short_conv(device, dtype, E, k, S, shared_mult, shared_weighted,
+                                                            ragged, kc, prefix):
+    """Inkling's out_conv in the down GEMV's epilogue against `fused_experts` followed by
+    `short_conv_decode` on the same state: equal outputs (the interpreter: bit for bit; compiled:
+    within an ulp, the conv's adds may become FMAs) and the same state write (the rounded sum)."""
+    from kiln.kernels.shortconv import short_conv_decode
+
+    args, want_sum = _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, seed=E + kc + prefix)
+    x, w13, w2, ids, w, shared = args
+    conv, paged = _conv_state(x.shape[1], kc, prefix, dtype, device, seed=kc * 10 + prefix)
+    cw, buf, table, rows, seq_lens, out_locs = conv
+    buf_ref = buf.clone()
+    want = short_conv_decode(_km().fused_experts(x, w13, w2, ids, w, shared=shared), cw, buf_ref, table, rows,
+                             seq_lens, out_locs)
+    got = _km().fused_experts(x, w13, w2, ids, w, shared=shared, conv=conv)
+    exact = device == "cpu"
+    tol = dict(rtol=0, atol=0) if exact else (dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32
+                                               else dict(rtol=1e-2, atol=1e-2))
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(buf, buf_ref)  # the state: the rounded sum at out_locs, nothing else
+    ref_y, _ = paged.reference(want_sum.to(dtype), cw)
+    torch.testing.assert_close(got.float(), ref_y.float(), **_tol(dtype))
+
+
+def test_conv_epilogue_is_refused_off_the_one_token_path():
+    args, _ = _one_token("cpu", torch.float32, 8, 2, 2, 1, True, False, seed=3)
+    x, w13, w2, ids, w, shared = args
+    conv, _ = _conv_state(x.shape[1], 4, 2, torch.float32, "cpu", seed=4)
+    two = (x.expand(2, -1), w13, w2, ids.expand(2, -1), w.expand(2, -1))
+    with pytest.raises(AssertionError, match="conv epilogue"):
+        _km().fused_experts(*two, shared=(shared[0], shared[1], shared[2].expand(2, -1)), conv=conv)
+    cfg = _km().pick_config(1, ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2])
+    with pytest.raises(AssertionError, match="conv epilogue"):
+        _km().fused_experts(x, w13, w2, ids, w, shared=shared, config=cfg, conv=conv)

@@ -229,3 +229,59 @@ def test_router_weight_stays_fp32_and_recording_can_be_off(which):
     b2 = _batch()
     torch.testing.assert_close(moe(x, b2), y, atol=0, rtol=0)  # recording changes nothing else
     assert b2.extras["routed_experts"][3].shape == (5, K)
+
+
+def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
+    """SinkMoE(x, batch, out_conv): at one decode token on the kernel path (the interpreter here)
+    the conv runs in the down GEMV's epilogue (`fused_experts(conv=...)`), with the result of the
+    MoE followed by the conv; a hooked conv, or two tokens, take the separate call (the hook runs)."""
+    pytest.importorskip("triton")
+    from kiln import kernels
+    from kiln.kernels import moe as km
+    from kiln.kernels.shortconv import short_conv_decode
+    from kiln.layers import moe as moe_layer
+    from kiln.layers.shortconv import ShortConv
+    from tests.kernels.test_moe_gemv import _conv_state
+
+    if not kernels.interpreting():
+        pytest.skip("the CPU run uses Triton's interpreter")
+    monkeypatch.setattr(moe_layer, "_use_kernels", lambda *a: True)
+    moe = SinkMoE(_cfg(), 0)
+    _randomize(moe, seed=5)
+    conv = ShortConv(3, H, 4)
+    _randomize(conv, seed=6)
+    x = torch.randn(1, H)
+    args, _ = _conv_state(H, 4, 5, torch.float32, "cpu", seed=8)
+    state = list(args[1:])
+    fused, separate, conv_args = [], [], []
+
+    class Backend:
+        def decode_conv_args(self, c, batch):
+            return (c.weight, *state)
+
+        def short_conv(self, c, y, batch):
+            separate.append(c)
+            return short_conv_decode(y, c.weight, *state) if y.shape[0] == 1 else y  # state of one sequence
+
+    real = km.fused_experts
+
+    def counted(*a, conv=None, **kw):
+        conv_args.append(conv)
+        return real(*a, conv=conv, **kw)
+
+    monkeypatch.setattr(km, "fused_experts", counted)
+    batch = SimpleNamespace(extras={}, backend=Backend())
+    with torch.no_grad():
+        want = short_conv_decode(moe(x, batch), conv.weight, *[t.clone() for t in args[1:]])
+        got = moe(x, batch, out_conv=conv)
+        assert conv_args[-1] is not None and not separate  # fused
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        hooked = []
+        conv.register_forward_hook(lambda *a: hooked.append(1))
+        state = [t.clone() for t in args[1:]]
+        torch.testing.assert_close(moe(x, batch, out_conv=conv), want, rtol=0, atol=0)
+        assert hooked and conv_args[-1] is None and len(separate) == 1
+        conv._forward_hooks.clear()
+        state = [t.clone() for t in args[1:]]
+        moe(x.expand(2, -1).contiguous(), batch, out_conv=conv)  # two tokens: the grouped path, separate conv
+        assert conv_args[-1] is None and len(separate) == 2

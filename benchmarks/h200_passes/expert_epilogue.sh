@@ -1,0 +1,21 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# tenth session (2026-12-02): the one-token expert GEMVs start their streams before the PDL wait, and
+# Inkling's out_conv runs in the down GEMV's epilogue: ep (call 1), ep2 (call 2).
+# shellcheck shell=bash
+
+lane0_ep() {  # the GPU tests of the touched paths; the expert GEMVs alone (e81e8d4 in scratch/base against
+  # new) and the down-tile sweep; Inkling and MiniMax-M3 batch 1, e81e8d4 against new
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
+    tests/kernels/test_moe_kernels.py tests/kernels/test_gemv.py tests/kernels/test_shortconv_kernels.py tests/layers \
+    tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py tests/engine/test_pdl.py tests/engine/test_hybrid_engine.py
+  step moe_gemv_base 60 bash -c "cd scratch/base && python -m benchmarks.kernels.moe --gemv 1"
+  step moe_gemv_new 60 python -m benchmarks.kernels.moe --gemv 1
+  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for m in inkling:$INK minimax:$MM; do
+    step ${m%%:*}_b1_base 40 python scratch/base/benchmarks/decode_batch.py $C --model-path ${m#*:} $HB \
+      --out "$R/json/${m%%:*}_b1_base.json"
+    step ${m%%:*}_b1_new 40 $DECODE --model-path ${m#*:} $HB --out "$R/json/${m%%:*}_b1_new.json"
+  done
+}
