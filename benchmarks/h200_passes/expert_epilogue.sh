@@ -19,3 +19,21 @@ lane0_ep() {  # the GPU tests of the touched paths; the expert GEMVs alone (e81e
     step ${m%%:*}_b1_new 40 $DECODE --model-path ${m#*:} $HB --out "$R/json/${m%%:*}_b1_new.json"
   done
 }
+
+lane0_ep2() {  # call 1's down kernel (all slots at once) was slower; back to slot by slot, the first tile before
+  # the wait. The expert GEMVs alone and batch 1: e81e8d4 (scratch/base), new, new with the gate/up kernel
+  # of e81e8d4 (scratch/v_noup), alternated
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for v in base new noup; do
+    local dir="scratch/$v"; [ $v = new ] && dir=.; [ $v = noup ] && dir=scratch/v_noup
+    step moe_gemv_$v 60 bash -c "cd $dir && python -m benchmarks.kernels.moe --gemv 1"
+  done
+  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  for m in inkling:$INK minimax:$MM; do
+    for v in base new noup base2 new2; do
+      local dir="scratch/base/"; [ "${v%2}" = new ] && dir=""; [ $v = noup ] && dir=scratch/v_noup/
+      step ${m%%:*}_b1_$v 40 python ${dir}benchmarks/decode_batch.py $C --model-path ${m#*:} $HB \
+        --out "$R/json/${m%%:*}_b1_$v.json"
+    done
+  done
+}

@@ -193,9 +193,8 @@ def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
 # Candidate one-token tiles (BLOCK_N, BLOCK_K, warps) that `--gemv-sweep` times
 UP_TILES = ((2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (4, 2048, 8),
             (8, 1024, 8))
-# The down kernel holds all KS slots' tiles at once (KS x BLOCK_N x BLOCK_K weights): narrow tiles.
-DOWN_TILES = ((1, 512, 4), (2, 512, 4), (2, 512, 8), (4, 512, 8), (1, 256, 2), (2, 256, 4), (4, 256, 4),
-              (4, 256, 8))
+DOWN_TILES = ((2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (8, 256, 4), (16, 256, 4), (4, 256, 4),
+              (2, 256, 4))
 
 
 def gemv_sweep(dtype, dev, gen) -> None:

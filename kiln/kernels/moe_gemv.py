@@ -10,10 +10,10 @@ tl.dot: one row), grids fixed by shapes:
    from topk_ids (or its shared chunk, addressed as `_gate_up_kernel` does), dots BLOCK_N gate and
    up rows with x over all of H, and stores SwiGLU(gate, up) (fp32, as `_gate_up_kernel`) into
    act [T*KS, I]. A shared chunk's program starts its weight stream before the PDL wait.
-2. `_expert_down_gemv_kernel`, grid (H / BLOCK_N, T): program n loads BLOCK_N rows of all KS slots'
-   down weights at once, the first tiles before its PDL wait (the ids are complete by then: its
-   docstring), dots them with act, weights each slot as `_down_kernel` does and sums the slots in
-   `_sum_slots_kernel`'s order in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
+2. `_expert_down_gemv_kernel`, grid (H / BLOCK_N, T): program n walks the KS slots in
+   `_sum_slots_kernel`'s order, dots act with BLOCK_N rows of each slot's down weight, weights it as
+   `_down_kernel` does and sums in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
+   Its first weight tile loads before the PDL wait (the ids are complete by then: its docstring).
    Optionally a decode ShortConv on the sum in its epilogue (Inkling's out_conv: `conv`).
 The kernels take any T (one program row per token), but past one token the grouped path stays:
 tokens that share an expert read it once there, once per slot here (the crossover is not
@@ -116,62 +116,79 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
 
 
 @triton.jit
+def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
+                    J: tl.constexpr, K: tl.constexpr):
+    """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
+    `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I].
+    ".cg": the ids come from L2, never from a stale L1 line (they may be read before the wait)."""
+    if J < K:
+        e = tl.load(ids_ptr + t * K + J, cache_modifier=".cg").to(tl.int64)
+        ptrs = w2_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wh + rk
+    else:
+        ptrs = sw2_ptr + (J - K) * I + rows[:, None].to(tl.int64) * stride_sh + rk
+    return ptrs
+
+
+@triton.jit
 def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shared_w_ptr, out_ptr,
                              H, I, stride_we, stride_wh, stride_sh,
                              CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
-                             K: tl.constexpr, KS: tl.constexpr, KSP: tl.constexpr, NUM_SW: tl.constexpr,
+                             K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
                              CKP: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
-    BLOCK_N of H (program (n, t)), summed in fp32 in registers in `_sum_slots_kernel`'s order
-    (routed in selection order, then shared chunks) and cast once.
+    BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
+    then shared chunks), summed in fp32 in registers and cast once.
 
-    All KS slots' weight tiles are loaded at once ([KSP, BLOCK_N, BLOCK_K]), and the first ones
-    before the PDL wait: the routing (ids) was written before the gate/up kernel was launched, and
-    that kernel, this one's predecessor, lets this one launch only after its own wait (`kiln.kernels.launch`:
-    triggers and exits come after the wait), so every kernel before it has completed. Only act,
-    the gate/up kernel's output, is read after the wait (and the ShortConv state, with CONV).
+    The first slot's first weight tile is loaded before the PDL wait: the routing (ids) was
+    written before the gate/up kernel was launched, and that kernel, this one's predecessor, lets
+    this one launch only after its own wait (`kiln.kernels.launch`: triggers and exits come after
+    the wait), so every kernel before it has completed. Only act, the gate/up kernel's output, and
+    the ShortConv state (CONV) are read after the wait.
 
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
     `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait."""
     t = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    jj = tl.arange(0, KSP)  # slot
-    rk = tl.arange(0, BLOCK_K)[None, None, :]
-    routed = jj < K
-    slot_ok = (jj < KS)[:, None, None]
-    # Addressed as `_down_kernel` does: routed slot j reads w2[ids[t, j]] [H, I]; shared chunk
-    # c = j - K reads columns c*I.. of sw2 [H, C*I]. ".cg": the ids come from L2, never a stale L1 line.
-    e = tl.load(ids_ptr + t * K + jj, mask=routed, other=0, cache_modifier=".cg").to(tl.int64)
-    base = tl.where(routed, w2_ptr + e * stride_we, sw2_ptr + tl.maximum(jj - K, 0).to(tl.int64) * I)
-    row_stride = tl.where(routed, stride_wh, stride_sh).to(tl.int64)
-    w_ptrs = base[:, None, None] + rows[None, :, None].to(tl.int64) * row_stride[:, None, None] + rk
-    w_ok = slot_ok & (rows < H)[None, :, None]
-    w = tl.load(w_ptrs, mask=w_ok & (rk < I), other=0.0)
+    row_ok = (rows < H)[:, None]
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    last = (tl.cdiv(I, BLOCK_K) - 1) * BLOCK_K  # where each slot's last K tile starts
+
+    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
+                             0, K)
+    w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
     wait_for_previous(PDL)
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,
                                    CLENS, CK, CKP)
-    a_ptrs = act_ptr + (t * KS + jj)[:, None, None] * I + rk
-    acc = tl.zeros((KSP, BLOCK_N), dtype=tl.float32)
-    for k0 in range(BLOCK_K, I + BLOCK_K, BLOCK_K):
-        # load tile k0 (masked off past I) while tile k0 - BLOCK_K is multiplied
-        w_next = tl.load(w_ptrs + k0, mask=w_ok & (rk < I - k0), other=0.0)
-        a = tl.load(a_ptrs + (k0 - BLOCK_K), mask=slot_ok & (rk < I - k0 + BLOCK_K), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2)
-        w = w_next
-    # Each slot's weight multiplies its fp32 output, as in _down_kernel; the slots are added in
-    # order, each taken out of acc by a masked sum over one non-zero lane (exact).
-    slot_w = tl.load(topk_w_ptr + t * K + jj, mask=routed, other=1.0)
-    if HAS_SW:
-        shared_ok = (jj >= K) & (jj < KS)
-        sw = tl.load(shared_w_ptr + t * NUM_SW + tl.maximum(jj - K, 0) // SW_REP, mask=shared_ok, other=1.0)
-        slot_w = tl.where(routed, slot_w, sw)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(KS):
-        out += tl.sum(tl.where((jj == j)[:, None], acc, 0.0), axis=0) * tl.sum(tl.where(jj == j, slot_w, 0.0))
+        a_ptrs = act_ptr + (t * KS + j) * I + rk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(BLOCK_K, I, BLOCK_K):  # all but the last tile, the next one loading
+            w_next = tl.load(w_ptrs + k0, mask=row_ok & (rk < I - k0), other=0.0)
+            acc += w.to(tl.float32) * tl.load(a_ptrs + (k0 - BLOCK_K)).to(tl.float32)
+            w = w_next
+        if j + 1 < KS:
+            # The next slot's stream starts before this slot's last tile is multiplied, so the
+            # loads stay in flight across slots too.
+            next_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh,
+                                        stride_sh, j + 1, K)
+            w_next = tl.load(next_ptrs, mask=row_ok & (rk < I), other=0.0)
+        a = tl.load(a_ptrs + last, mask=rk < I - last, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * a
+        # The slot's weight multiplies its fp32 output, as in _down_kernel.
+        if j < K:
+            out += tl.sum(acc, axis=1) * tl.load(topk_w_ptr + t * K + j)
+        elif HAS_SW:
+            out += tl.sum(acc, axis=1) * tl.load(shared_w_ptr + t * NUM_SW + (j - K) // SW_REP)
+        else:
+            out += tl.sum(acc, axis=1)
+        if j + 1 < KS:
+            w_ptrs = next_ptrs
+            w = w_next
     if CONV:  # the conv reads the MoE output as the unfused path stores it
         y = decode_conv_epilogue(out.to(CBUF.dtype.element_ty)[None, :], hist, rm, rm >= 0, rows, rows < H, CW,
                                  stride_cw, CBUF, stride_cbuf, CLOCS, CK, CKP)
@@ -197,6 +214,6 @@ def experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots,
     # Launched right after the gate/up kernel: the down kernel reads ids before its wait (its docstring).
     _expert_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]), T)](
         act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
-        **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots, KSP=triton.next_power_of_2(ks_slots),
+        **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots,
         NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
     return out

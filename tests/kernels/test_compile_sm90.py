@@ -122,9 +122,9 @@ def rms_norm_trigger() -> None:
 
 def moe_gemv(shared: bool, conv: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
-    expert (routed) or a shared chunk per slot, KS slots at once in the down kernel, whose ids and
-    first weight tiles load before its PDL wait (ids from L2: `.cg`), as do a shared chunk's in
-    the gate/up kernel; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
+    expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel, whose first
+    slot's id and weight tile load before its PDL wait (the id from L2: `.cg`), as do a shared
+    chunk's in the gate/up kernel; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
@@ -140,7 +140,7 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
     if shared:
         assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")], "a shared chunk's stream must start before the wait"
     ptx = compile_sm90(_expert_down_gemv_kernel, types,
-                       dict(K=6, KS=ks, KSP=8, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True, CONV=conv,
+                       dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True, CONV=conv,
                             CK=4 if conv else 1, CKP=4 if conv else 1, **down),
                        divisible=names(_expert_down_gemv_kernel))["ptx"]
     before = ptx[:ptx.index("griddepcontrol.wait")]
