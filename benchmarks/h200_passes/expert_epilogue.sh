@@ -37,3 +37,21 @@ lane0_ep2() {  # call 1's down kernel (all slots at once) was slower; back to sl
     done
   done
 }
+
+lane0_ep3() {  # every GPU test; the expert GEMVs alone with the early trigger (as the engine's batch-1 graphs),
+  # e81e8d4 (scratch/base) / new / new with the down kernel's first tile after the wait (scratch/v_late);
+  # Inkling batch 1 alternated, three each
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-250} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  local MICRO="from kiln.kernels.launch import early_trigger; from benchmarks.kernels import moe
+with early_trigger(True): moe.main(['--gemv', '1'])"
+  for v in base new late base2 new2 late2; do
+    local dir="scratch/${v%2}"; [ "${v%2}" = new ] && dir=.; [ "${v%2}" = late ] && dir=scratch/v_late
+    step moe_gemv_trig_$v 60 bash -c "cd $dir && python -c \"$MICRO\""
+  done
+  for v in base new late base2 new2 late2 base3 new3 late3; do
+    local dir="scratch/base/"; [ "${v%[23]}" = new ] && dir=""; [ "${v%[23]}" = late ] && dir=scratch/v_late/
+    step inkling_b1_$v 60 python ${dir}benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_$v.json"
+  done
+}

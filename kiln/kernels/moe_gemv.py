@@ -9,7 +9,7 @@ tl.dot: one row), grids fixed by shapes:
 1. `_expert_up_gemv_kernel`, grid (T*KS, I / BLOCK_N): program (slot, n) reads its expert straight
    from topk_ids (or its shared chunk, addressed as `_gate_up_kernel` does), dots BLOCK_N gate and
    up rows with x over all of H, and stores SwiGLU(gate, up) (fp32, as `_gate_up_kernel`) into
-   act [T*KS, I]. A shared chunk's program starts its weight stream before the PDL wait.
+   act [T*KS, I].
 2. `_expert_down_gemv_kernel`, grid (H / BLOCK_N, T): program n walks the KS slots in
    `_sum_slots_kernel`'s order, dots act with BLOCK_N rows of each slot's down weight, weights it as
    `_down_kernel` does and sums in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
@@ -68,6 +68,7 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
     of I: two weight row blocks over all of K = H, CUDA-core FMAs into [BLOCK_N, BLOCK_K] fp32
     accumulators reduced once at the end, the next tiles loaded while the current ones are
     multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`)."""
+    wait_for_previous(PDL)
     s = tl.program_id(0)
     t = s // KS
     j = s % KS
@@ -75,27 +76,21 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
     col_ok = cols < I
     n_ok = col_ok[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
-    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + rk  # [1, BLOCK_K]
 
     # Addressed as `_gate_up_kernel` does. Routed slot j: expert topk_ids[t, j], gate rows n and
     # up rows I + n of w13[e]. Shared chunk c = j - K: rows c*I + n and C*I + c*I + n of sw13.
-    if j >= K:
-        # A shared chunk does not depend on the routing: its stream starts before the wait, as
-        # the dense GEMV's does (`kiln.kernels.gemv`).
-        row_stride = stride_sn.to(tl.int64)
-        up_off = (KS - K) * I * row_stride
-        g_ptrs = sw13_ptr + (j - K).to(tl.int64) * I * row_stride + cols[:, None].to(tl.int64) * row_stride + rk
-        g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
-        u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
-        wait_for_previous(PDL)
-    else:
-        wait_for_previous(PDL)  # the ids are the previous kernel's output
-        e = tl.load(ids_ptr + t * K + j).to(tl.int64)
-        row_stride = stride_wn.to(tl.int64)
-        up_off = I * row_stride
-        g_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * row_stride + rk
-        g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
-        u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
+    # (Starting a shared chunk's stream before the wait measured no gain: docs/benchmarks.md.)
+    is_shared = j >= K
+    e = tl.load(ids_ptr + t * K + tl.minimum(j, K - 1)).to(tl.int64)
+    chunk = tl.maximum(j - K, 0).to(tl.int64)
+    w_base = tl.where(is_shared, sw13_ptr + chunk * I * stride_sn, w13_ptr + e * stride_we)
+    row_stride = tl.where(is_shared, stride_sn, stride_wn).to(tl.int64)
+    up_off = tl.where(is_shared, (KS - K) * I, I).to(tl.int64) * row_stride
+    g_ptrs = w_base + cols[:, None].to(tl.int64) * row_stride + rk  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + rk  # [1, BLOCK_K]
+
+    g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
+    u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, H + BLOCK_K, BLOCK_K):
@@ -120,9 +115,12 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
                     J: tl.constexpr, K: tl.constexpr):
     """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
     `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I].
-    ".cg": the ids come from L2, never from a stale L1 line (they may be read before the wait)."""
+    Slot 0's id is read before the PDL wait, from L2 (".cg": never a stale L1 line)."""
     if J < K:
-        e = tl.load(ids_ptr + t * K + J, cache_modifier=".cg").to(tl.int64)
+        if J == 0:
+            e = tl.load(ids_ptr + t * K, cache_modifier=".cg").to(tl.int64)
+        else:
+            e = tl.load(ids_ptr + t * K + J).to(tl.int64)
         ptrs = w2_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wh + rk
     else:
         ptrs = sw2_ptr + (J - K) * I + rows[:, None].to(tl.int64) * stride_sh + rk
