@@ -55,3 +55,17 @@ with early_trigger(True): moe.main(['--gemv', '1'])"
     step inkling_b1_$v 60 python ${dir}benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_$v.json"
   done
 }
+
+lane0_ep4() {  # MiniMax-M3 batch 1 alternated x3 (the early down tile alone: no ShortConv there); Inkling K = 3
+  # MTP rounds at batch 1 (the verify's 4 tokens take the grouped path: expected unchanged), e81e8d4 vs new x2
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for v in base new base2 new2 base3 new3; do
+    local dir="scratch/base/"; [ "${v%[23]}" = new ] && dir=""
+    step minimax_b1_$v 60 python ${dir}benchmarks/decode_batch.py $C --model-path $MM $HB --out "$R/json/minimax_b1_$v.json"
+  done
+  for v in base new base2 new2; do
+    local dir="scratch/base/"; [ "${v%2}" = new ] && dir=""
+    step inkling_mtp3_$v 60 python ${dir}benchmarks/decode_batch.py $C --model-path $INK --batch-sizes 1 --input-len 1024 \
+      --output-len 128 --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/inkling_mtp3_$v.json"
+  done
+}

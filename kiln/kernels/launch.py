@@ -9,12 +9,15 @@ wrote or writes anything the predecessor reads. CUDA graphs keep the attribute (
 edge), so the captured decode step benefits too.
 
 Every Kiln kernel therefore takes a `PDL` constexpr and calls `wait_for_previous(PDL)` as its
-first statement, before any load or store (the one exception: the decode GEMV,
-`kiln.kernels.gemv`, first starts loading its weights, which no kernel writes), and its wrapper
-launches it with `**pdl_launch(device)`. Waiting first makes the rule hold for every kernel
-without reasoning about which buffers its predecessor touches. Safety is transitive: a kernel
-runs past its wait only once its predecessor has completed, and the predecessor completed only
-after passing its own wait.
+first statement, before any load or store, and its wrapper launches it with
+`**pdl_launch(device)`. Waiting first makes the rule hold for every kernel without reasoning
+about which buffers its predecessor touches. Safety is transitive: a kernel runs past its wait
+only once its predecessor has completed, and the predecessor completed only after passing its
+own wait. Two exceptions read before their wait what no kernel since their predecessor's launch
+writes: the decode GEMV (`kiln.kernels.gemv`) its weights, and the one-token down expert GEMV
+(`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also read. A successor launches
+only once every program of its predecessor has triggered (after its wait) or exited, so when
+the down kernel starts, everything before the gate/up kernel has completed.
 
 By default a kernel does not trigger its successor's launch early
 (`griddepcontrol.launch_dependents`): the successor launches when this kernel's programs exit.

@@ -112,14 +112,14 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     spec = core.scheduler.spec
     device_round = spec._device_round
     spec._device_round = lambda plan, *a: (on_device.append(len(plan)), device_round(plan, *a))[1]
-    res, drafts, _ = run_spec(core, reqs, max_tokens=13)
+    res, drafts, _ = run_spec(core, reqs, max_tokens=9)
     assert 4 in shapes, "no verify forward replayed"
     assert chain.replays > 0, "no MTP pass replayed"
     assert any(gathered), "no verify read its drafts on the device"
     assert on_device, "no round ran verify -> draft on the device"
     # every round drafts K, up to the last one (max_tokens stops the commit, not the draft)
     assert set(in_flight) == {3}, in_flight
-    want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=13)
+    want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=9)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
     if alpha:
