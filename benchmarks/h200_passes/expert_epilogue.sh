@@ -1,6 +1,7 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
-# tenth session (2026-12-02): the one-token expert GEMVs start their streams before the PDL wait, and
-# Inkling's out_conv runs in the down GEMV's epilogue: ep (call 1), ep2 (call 2).
+# tenth session (2026-12-02): the one-token down expert GEMV's first tile before the PDL wait, and
+# Inkling's out_conv in its epilogue: ep (call 1: a first design holding all slots at once, later
+# dropped), ep2 (call 2), ep3 (call 3), ep4 (call 4); docs/benchmarks.md, fifteenth pass.
 # shellcheck shell=bash
 
 lane0_ep() {  # the GPU tests of the touched paths; the expert GEMVs alone (e81e8d4 in scratch/base against

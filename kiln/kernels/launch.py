@@ -13,9 +13,9 @@ first statement, before any load or store, and its wrapper launches it with
 `**pdl_launch(device)`. Waiting first makes the rule hold for every kernel without reasoning
 about which buffers its predecessor touches. Safety is transitive: a kernel runs past its wait
 only once its predecessor has completed, and the predecessor completed only after passing its
-own wait. Two exceptions read before their wait what no kernel since their predecessor's launch
-writes: the decode GEMV (`kiln.kernels.gemv`) its weights, and the one-token down expert GEMV
-(`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also read. A successor launches
+own wait. Two exceptions read something before their wait: the decode GEMV (`kiln.kernels.gemv`)
+its weights, which no kernel writes, and, with the early trigger, the one-token down expert GEMV
+(`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also reads. A successor launches
 only once every program of its predecessor has triggered (after its wait) or exited, so when
 the down kernel starts, everything before the gate/up kernel has completed.
 
@@ -99,9 +99,9 @@ def pdl_launch(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """First statement of every kernel (after `kiln.kernels.gemv`'s weight prefetch, which reads
-    nothing any kernel writes): with PDL, wait until the previous kernel has completed and its
-    writes are visible; with PDL == 2, then let the successor launch. A no-op without PDL."""
+    """First statement of every kernel (but for the two exceptions of the module docstring): with
+    PDL, wait until the previous kernel has completed and its writes are visible; with PDL == 2,
+    then let the successor launch. A no-op without PDL."""
     if PDL:
         gdc_wait()
         if PDL == 2:

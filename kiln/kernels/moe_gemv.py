@@ -13,7 +13,8 @@ tl.dot: one row), grids fixed by shapes:
 2. `_expert_down_gemv_kernel`, grid (H / BLOCK_N, T): program n walks the KS slots in
    `_sum_slots_kernel`'s order, dots act with BLOCK_N rows of each slot's down weight, weights it as
    `_down_kernel` does and sums in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
-   Its first weight tile loads before the PDL wait (the ids are complete by then: its docstring).
+   With the early trigger its first weight tile loads before the PDL wait (the ids are complete
+   by then: its docstring).
    Optionally a decode ShortConv on the sum in its epilogue (Inkling's out_conv: `conv`).
 The kernels take any T (one program row per token), but past one token the grouped path stays:
 tokens that share an expert read it once there, once per slot here (the crossover is not
@@ -115,7 +116,7 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
                     J: tl.constexpr, K: tl.constexpr):
     """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
     `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I].
-    Slot 0's id is read before the PDL wait, from L2 (".cg": never a stale L1 line)."""
+    Slot 0's id may be read before the PDL wait, so from L2 (".cg": never a stale L1 line)."""
     if J < K:
         if J == 0:
             e = tl.load(ids_ptr + t * K, cache_modifier=".cg").to(tl.int64)
@@ -139,11 +140,14 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
 
-    The first slot's first weight tile is loaded before the PDL wait: the routing (ids) was
-    written before the gate/up kernel was launched, and that kernel, this one's predecessor, lets
-    this one launch only after its own wait (`kiln.kernels.launch`: triggers and exits come after
-    the wait), so every kernel before it has completed. Only act, the gate/up kernel's output, and
-    the ShortConv state (CONV) are read after the wait.
+    With the early trigger (PDL == 2: the engine's batch-1 graphs) the first slot's id and first
+    weight tile are loaded before the PDL wait. The routing (ids) is complete once the gate/up
+    kernel, this one's predecessor, has passed its own wait, and that kernel lets this one launch
+    only after that (`kiln.kernels.launch`: triggers and exits come after the wait), so every
+    kernel before it has completed. What does need the wait: act (the gate/up kernel's output) and
+    the ShortConv state (CONV); the rest is read after it only because it comes later. Without the
+    trigger the kernel waits first: it then launches only as the last gate/up program exits, and
+    loading early measured slower there (docs/benchmarks.md, fifteenth pass).
 
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
     `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait."""
@@ -153,10 +157,16 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     rk = tl.arange(0, BLOCK_K)[None, :]
     last = (tl.cdiv(I, BLOCK_K) - 1) * BLOCK_K  # where each slot's last K tile starts
 
-    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                             0, K)
-    w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
-    wait_for_previous(PDL)
+    if PDL == 2:
+        w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
+                                 0, K)
+        w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
+        wait_for_previous(PDL)
+    else:
+        wait_for_previous(PDL)
+        w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
+                                 0, K)
+        w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,

@@ -232,13 +232,14 @@ class SharedExperts(nn.Module):
 def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor, ids: torch.Tensor,
                         routed_w: torch.Tensor, shared_w: Optional[torch.Tensor],
                         pc: ParallelContext, out_conv: Optional[nn.Module] = None, batch=None) -> torch.Tensor:
-    """This rank's routed + shared expert sum [T, H], summed in fp32. On the kernel path the shared
-    experts are always-selected extra slots of the routed grouped GEMMs, and on one rank the single
-    cast to x's dtype happens there too (under TP the fp32 partial sums wait for the all-reduce).
+    """The MoE layer's output [T, H] in x's dtype: routed + shared experts summed in fp32, the sum
+    all-reduced over the TP ranks, cast once, then `out_conv` if given. On the kernel path the
+    shared experts are always-selected extra slots of the routed grouped GEMMs, and on one rank
+    the single cast happens there too (under TP the fp32 partial sums wait for the all-reduce).
 
-    `out_conv`: a ShortConv on the layer's output (Inkling's out_conv), applied here, after the
-    all-reduce: in the one-token down GEMV's epilogue where it can run there (one rank, a decode
-    step, `epilogue_conv_args`), else as its own call."""
+    `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the one-token down
+    GEMV's epilogue where it can run there (one rank, a decode step, `epilogue_conv_args`), else
+    as its own call after the all-reduce."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
@@ -275,7 +276,8 @@ class SinkMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None, out_conv: Optional[nn.Module] = None) -> torch.Tensor:
         """The MoE output, through `out_conv` (a ShortConv on it) when given: at one decode token
-        that conv runs in the expert kernels' epilogue (`_routed_plus_shared`)."""
+        that conv runs in the expert kernels' epilogue (`_routed_plus_shared`), so a forward hook
+        on this module sees the output after the conv."""
         ids, routed_w, shared_w = self.router(x, batch)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,
                                    out_conv, batch)

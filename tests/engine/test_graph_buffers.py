@@ -81,8 +81,8 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     # MTP rounds (k = 3) on graphs: the verify forward (4 tokens per request) replays from the
     # uniform-extend graphs (3 requests padded to 4), decode steps from the decode graphs, and
     # steady-decode MTP passes from the chain graphs (`MTPChainGraph`). alpha 0.01: partial
-    # acceptance, so every catch-up length occurs and rejected drafts are rolled back; alpha 0:
-    # every draft accepted (the longest catch-up, K + 1 rows). The drafts the chain graph makes
+    # acceptance (asserted), so rejected drafts are rolled back; alpha 0: every draft accepted
+    # (the longest catch-up, K + 1 rows). The drafts the chain graph makes
     # must equal the teacher-forced MTP reference, and the output plain greedy decoding.
     from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain,
                                                run_spec, spec_core)

@@ -205,3 +205,28 @@ def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-3, rtol=1e-3)
     assert _gemv_modules(core, calls) == GEMV_MODULES[arch] | ROUTERS[arch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["inkling"], indirect=True)
+def test_out_conv_epilogue_on_cuda_equals_separate_conv(arch_dir, monkeypatch):
+    """On the GPU (compiled, CUDA graphs, fp32, batch 1): Inkling's out_conv runs in the one-token
+    down expert GEMV's epilogue (counted), and the engine generates what it generates with every
+    conv as its own launch (`epilogue_conv_args` declining)."""
+    from kiln.kernels import moe as km
+    from kiln.layers import decode_gemv
+
+    reqs = prompts(1, seed=5, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
+    with monkeypatch.context() as m:
+        m.setattr(decode_gemv, "epilogue_conv_args", lambda *a: None)
+        want_out, want_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
+    fused = []
+    real = km.fused_experts
+    monkeypatch.setattr(km, "fused_experts", lambda *a, conv=None, **k: (fused.append(conv is not None),
+                                                                          real(*a, conv=conv, **k))[1])
+    got_out, got_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
+    assert any(fused), "no MoE layer ran out_conv in its down GEMV"
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)

@@ -123,8 +123,8 @@ def rms_norm_trigger() -> None:
 def moe_gemv(shared: bool, conv: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
     expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel, whose first
-    slot's id and weight tile load before its PDL wait (the id from L2: `.cg`); with `conv`,
-    Inkling's out_conv in the down kernel's epilogue."""
+    slot's id and weight tile load before its PDL wait with the early trigger (the id from L2:
+    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
@@ -136,12 +136,16 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
     ks = 8 if shared else 6
     names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
     compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up), divisible=names(_expert_up_gemv_kernel))
-    ptx = compile_sm90(_expert_down_gemv_kernel, types,
-                       dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=True, CONV=conv,
-                            CK=4 if conv else 1, CKP=4 if conv else 1, **down),
-                       divisible=names(_expert_down_gemv_kernel))["ptx"]
-    before = ptx[:ptx.index("griddepcontrol.wait")]
-    assert "ld.global.cg" in before and "ld.global.v4" in before, "the ids and weight stream must start before the wait"
+    for pdl in (1, 2):
+        ptx = compile_sm90(_expert_down_gemv_kernel, types,
+                           dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
+                                CK=4 if conv else 1, CKP=4 if conv else 1, **down),
+                           divisible=names(_expert_down_gemv_kernel))["ptx"]
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        if pdl == 2:  # the early trigger: the id and weight stream start before the wait
+            assert "ld.global.cg" in before and "ld.global.v4" in before, "the first tile must load before the wait"
+        else:  # without it the kernel waits first
+            assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
 
 
 def gemv_router() -> None:
