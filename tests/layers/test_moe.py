@@ -253,7 +253,7 @@ def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
     x = torch.randn(1, H)
     args, _ = _conv_state(H, 4, 5, torch.float32, "cpu", seed=8)
     state = [t.clone() for t in args[1:]]  # each call below gets its own copy of the state
-    fused, separate, conv_args = [], [], []
+    separate, conv_args = [], []
 
     class Backend:
         def decode_conv_args(self, c, batch):
