@@ -82,6 +82,13 @@ def _router_gemv(batch) -> bool:
     return getattr(backend, "use_kernels", False) and getattr(backend, "gemv_max_rows", 0) > 0
 
 
+def _selection_counter(gate: nn.Module) -> None:
+    """The fused router kernel's program count (`kiln.kernels.moe_gate._router_gate_kernel`):
+    int32 [1], zero between calls (the kernel's last program resets it), one per gate so that no
+    two layers share it; not part of the checkpoint."""
+    gate.register_buffer("selection_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+
 def _routing(gate: nn.Module, batch, compute):
     """Run `compute(forced_ids)` with replayed ids if the batch has some for this gate, and record
     the ids used."""
@@ -108,12 +115,14 @@ class SinkGate(nn.Module):
         # Load-balancing bias: steers selection only, adjusted outside autograd.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+        _selection_counter(self)
 
     def forward(self, x: torch.Tensor, batch=None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight, self.global_scale):
                 return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
-                                               self.top_k, self.route_scale, _router_gemv(batch))
+                                               self.top_k, self.route_scale, _router_gemv(batch),
+                                               self.selection_counter)
             return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
                                          self.top_k, self.route_scale, forced)
         return _routing(self, batch, compute)
@@ -130,12 +139,14 @@ class MiniMaxGate(nn.Module):
         self.moe_index = moe_index
         self.weight = _router_weight(num_experts, hidden)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        _selection_counter(self)
 
     def forward(self, x: torch.Tensor, batch=None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight):
                 return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
-                                                  self.top_k, self.routed_scaling_factor, _router_gemv(batch))
+                                                  self.top_k, self.routed_scaling_factor, _router_gemv(batch),
+                                                  self.selection_counter)
             return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.routed_scaling_factor, forced)
         return _routing(self, batch, compute)

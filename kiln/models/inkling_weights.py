@@ -78,9 +78,11 @@ def _disk_items(model, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor
             yield _shift_mtp(name.replace(".gate_up_proj.", ".up_proj."), +1), up
         else:
             yield _shift_mtp(name, +1), p
-    if buffers:
+    if buffers:  # the persistent ones: not the gates' selection counters
+        persistent = model.state_dict(keep_vars=True).keys()
         for name, b in model.named_buffers():
-            yield _shift_mtp(name, +1), b
+            if name in persistent:
+                yield _shift_mtp(name, +1), b
 
 
 def inkling_checkpoint_state_dict(model) -> dict[str, torch.Tensor]:

@@ -148,6 +148,23 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
             assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
 
 
+def router_gate(sink: bool) -> None:
+    """The router's logits and the gate in one launch (`kiln.kernels.moe_gate._router_gate_kernel`):
+    the fp32 weight stream starts before the wait; the last program's selection after an acq_rel
+    count, reading the logits from L2."""
+    from kiln.kernels.moe_gate import ROUTER_TILE, _router_gate_kernel
+
+    bn, bk, _ = ROUTER_TILE
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "z_ptr": "*fp32", "counter_ptr": "*i32", "bias_ptr": "*fp32",
+             "gscale_ptr": "*fp32", "ids_ptr": "*i64", "rw_ptr": "*fp32", "sw_ptr": "*fp32", "scale": "fp32"}
+    ptx = compile_sm90(_router_gate_kernel, types, dict(E=64, S=2 if sink else 0, K=6, N_PAD=128, BLOCK_T=1,
+                                                        BLOCK_N=bn, BLOCK_K=bk, SINK=sink, PRECISE=True, PDL=2),
+                       divisible=("x_ptr", "w_ptr", "z_ptr", "H", "stride_xt"))["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait], "the router weight stream must start before the wait"
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx[wait:], "the count and the L2 reads"
+
+
 def gemv_router() -> None:
     """The routers' GEMV: bf16 rows, an fp32 weight and fp32 logits, up to 4 rows."""
     from kiln.kernels.gemv import _gemv_fma_kernel, fma_tile
@@ -205,7 +222,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
-         "moe_gemv_conv": lambda: moe_gemv(True, conv=True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
+         "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "rope": rope, "msa_scores": msa_scores}

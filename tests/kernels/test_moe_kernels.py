@@ -193,7 +193,7 @@ def test_minimax_gate_matches_reference(device, T, E, k, ties):
 @pytest.mark.parametrize("ties", [False, True])
 def test_gates_with_router_logits_from_the_gemv(device, T, ties):
     """The routers' fp32 logits of a few rows through the GEMV (`use_gemv`, the engine's decode
-    and verify rows): the real layout (fp32 router weight, half-precision rows widened in the
+    and verify rows), alone and fused with the gate (a selection counter): the real layout (fp32 router weight, half-precision rows widened in the
     kernel), the reference's ids, and weights to fp32 summation-order error. Exact ties
     (small integers) stay ties, so the lowest ids still win them."""
     from kiln.kernels.moe_gate import router_logits
@@ -208,14 +208,25 @@ def test_gates_with_router_logits_from_the_gemv(device, T, ties):
     torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
     gscale = torch.tensor(0.7, device=device)
     ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
-    r_ids, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
-    assert torch.equal(ids, r_ids)
+    r_ids_sink, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
+    assert torch.equal(ids, r_ids_sink)
     torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
     ids, w = _km().minimax_gate(x, weight[:E], bias, k, 2.5, use_gemv=True)
     r_ids, r_w = ref.minimax_gate_ref(x, weight[:E], bias, k, 2.5)
     assert torch.equal(ids, r_ids)
     torch.testing.assert_close(w, r_w, atol=1e-5, rtol=1e-5)
+    # With a selection counter the logits and the gate are one launch (`_router_gate_kernel`): the
+    # same results, and the counter is zero again after each call (twice: the reset is real).
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    for _ in range(2):
+        ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True, counter=counter)
+        assert torch.equal(ids, r_ids_sink) and int(counter) == 0
+        torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+        ids, w = _km().minimax_gate(x, weight[:E], bias, k, 2.5, use_gemv=True, counter=counter)
+        assert torch.equal(ids, r_ids) and int(counter) == 0
+        torch.testing.assert_close(w, r_w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

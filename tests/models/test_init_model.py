@@ -66,6 +66,7 @@ def test_engine_loads_the_weights_and_generates(tiny_dir):
     saved = _read_weights(tiny_dir)
     loaded = model.checkpoint_state_dict()
     assert set(loaded) == set(saved)
+    assert not any("selection_counter" in n for n in saved)  # runtime state, not a weight
     for name, t in saved.items():
         assert torch.equal(loaded[name], t), name
 
