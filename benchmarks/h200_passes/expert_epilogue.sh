@@ -70,3 +70,15 @@ lane0_ep4() {  # MiniMax-M3 batch 1 alternated x3 (the early down tile alone: no
       --output-len 128 --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/inkling_mtp3_$v.json"
   done
 }
+
+lane0_ep5() {  # the router's logits and gate in one launch: the GPU tests of the MoE kernels and the engine's
+  # batch-1 kernel path; then Inkling batch 1, before it (scratch/prev) and with it, as far as the budget goes
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_kernels.py \
+    tests/engine/test_kernel_path.py
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for v in prev new prev2 new2; do
+    local dir="scratch/prev/"; [ "${v%2}" = new ] && dir=""
+    step inkling_b1_$v 40 python ${dir}benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_$v.json"
+  done
+}
