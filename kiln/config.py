@@ -109,6 +109,11 @@ class EngineConfig:
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
         "runs (kiln/kernels/prefetch.py; NVIDIA sm_90+). 0 (default): off. Measured slower on an H200 "
         "at 40 (8B batch 1: 4.49 against 4.40 ms; docs/benchmarks.md, fourteenth pass).")
+    fused_router_gate: bool = opt(
+        False, "On the decode GEMV path (--gemv-max-rows), compute a MoE router's logits and run its "
+        "gate (top-k, weights) in one launch, the last of its programs selecting "
+        "(kiln/kernels/moe_gate.py). Off by default: tested on the CPU (Triton's interpreter) and "
+        "compiled for sm_90, not yet run or timed on a GPU (docs/benchmarks.md, fifteenth pass).")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

@@ -82,6 +82,13 @@ def _router_gemv(batch) -> bool:
     return getattr(backend, "use_kernels", False) and getattr(backend, "gemv_max_rows", 0) > 0
 
 
+def _fused_gate_counter(gate: nn.Module, batch) -> Optional[torch.Tensor]:
+    """The gate's selection counter when its logits and gate run as one launch: on the router
+    GEMV's path (`_router_gemv`) with `--fused-router-gate`; None otherwise (two launches)."""
+    backend = getattr(batch, "backend", None)
+    return gate.selection_counter if _router_gemv(batch) and getattr(backend, "fused_router_gate", False) else None
+
+
 def _selection_counter(gate: nn.Module) -> None:
     """The fused router kernel's program count (`kiln.kernels.moe_gate._router_gate_kernel`):
     int32 [1], zero between calls (the kernel's last program resets it), one per gate so that no
@@ -122,7 +129,7 @@ class SinkGate(nn.Module):
             if forced is None and _use_kernels(x, self.weight, self.global_scale):
                 return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
                                                self.top_k, self.route_scale, _router_gemv(batch),
-                                               self.selection_counter)
+                                               _fused_gate_counter(self, batch))
             return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
                                          self.top_k, self.route_scale, forced)
         return _routing(self, batch, compute)
@@ -146,7 +153,7 @@ class MiniMaxGate(nn.Module):
             if forced is None and _use_kernels(x, self.weight):
                 return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
                                                   self.top_k, self.routed_scaling_factor, _router_gemv(batch),
-                                                  self.selection_counter)
+                                                  _fused_gate_counter(self, batch))
             return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.routed_scaling_factor, forced)
         return _routing(self, batch, compute)

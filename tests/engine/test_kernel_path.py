@@ -230,3 +230,23 @@ def test_out_conv_epilogue_on_cuda_equals_separate_conv(arch_dir, monkeypatch):
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["inkling", "minimax_m3"], indirect=True)
+def test_fused_router_gate_on_cuda_equals_two_launches(arch_dir, monkeypatch):
+    """On the GPU (compiled, CUDA graphs, fp32, batch 1): `--fused-router-gate` runs each router's
+    logits and gate as one launch (counted) and generates what the two launches generate."""
+    from kiln.kernels import moe_gate
+
+    reqs = prompts(1, seed=6, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
+    want_out, want_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
+    fused = []
+    real = moe_gate._fused_router_gate
+    monkeypatch.setattr(moe_gate, "_fused_router_gate", lambda *a, **k: (fused.append(1), real(*a, **k))[1])
+    got_out, got_rows = greedy(make_core(arch_dir, fused_router_gate=True, **kw), reqs, max_tokens=8)
+    assert fused, "no router ran its gate in the same launch"
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)

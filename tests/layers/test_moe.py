@@ -285,3 +285,37 @@ def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
         state = [t.clone() for t in args[1:]]
         moe(x.expand(2, -1).contiguous(), batch, out_conv=conv)  # two tokens: the grouped path, separate conv
         assert conv_args[-1] is None and len(separate) == 2
+
+
+@pytest.mark.parametrize("which", ["sink", "minimax"])
+def test_fused_router_gate_only_with_its_flag(which, monkeypatch):
+    """On the router GEMV's path, `--fused-router-gate` (the backend's `fused_router_gate`) runs the
+    logits and the gate as one launch (the interpreter here) with the unfused result, and leaves
+    the gate's selection counter at zero; without the flag the gate takes two launches."""
+    pytest.importorskip("triton")
+    from kiln import kernels
+    from kiln.kernels import moe_gate
+    from kiln.layers import moe as moe_layer
+
+    if not kernels.interpreting():
+        pytest.skip("the CPU run uses Triton's interpreter")
+    monkeypatch.setattr(moe_layer, "_use_kernels", lambda *a: True)
+    gate = SinkGate(H, E, S, K, route_scale=1.5) if which == "sink" else MiniMaxGate(H, E, K, 2.5)
+    _randomize(gate, seed=9)
+    x = torch.randn(2, H).half()  # the interpreter has no bf16
+    fused = []
+    real = moe_gate._fused_router_gate
+    monkeypatch.setattr(moe_gate, "_fused_router_gate", lambda *a, **k: (fused.append(1), real(*a, **k))[1])
+
+    def run(flag):
+        backend = SimpleNamespace(use_kernels=True, gemv_max_rows=1, fused_router_gate=flag)
+        with torch.no_grad():
+            return gate(x, SimpleNamespace(extras={}, backend=backend))
+
+    want = run(False)
+    assert not fused
+    got = run(True)
+    assert fused and int(gate.selection_counter) == 0
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
