@@ -82,3 +82,16 @@ lane0_ep5() {  # the router's logits and gate in one launch: the GPU tests of th
     step inkling_b1_$v 40 python ${dir}benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_$v.json"
   done
 }
+
+lane0_ep6() {  # for the next device session: every GPU test (the two written after call 4 among them), then
+  # --fused-router-gate off / on at batch 1 for both hybrids, alternated x3
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-250} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for m in inkling:$INK minimax:$MM; do
+    for v in off on off2 on2 off3 on3; do
+      local flag=""; [ "${v%[23]}" = on ] && flag=--fused-router-gate
+      step ${m%%:*}_b1_gate_$v 60 $DECODE --model-path ${m#*:} $HB $flag --out "$R/json/${m%%:*}_b1_gate_$v.json"
+    done
+  done
+}

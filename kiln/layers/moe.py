@@ -30,6 +30,7 @@ from torch import nn
 
 from kiln import kernels
 from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.layers.decode_gemv import epilogue_conv_args
 from kiln.ops import moe as ref_ops
 
 
@@ -267,7 +268,6 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
         if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
             conv = None
             if out_conv is not None and pc.tp_size == 1 and ops.takes_conv(x.shape[0]):
-                from kiln.layers.decode_gemv import epilogue_conv_args
                 conv = epilogue_conv_args(out_conv, x, batch)
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
                                     shared=(shared.w13, shared.w2, shared_w), conv=conv)
