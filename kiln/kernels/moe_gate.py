@@ -136,7 +136,8 @@ def _router_gate_kernel(x_ptr, w_ptr, z_ptr, counter_ptr, bias_ptr, gscale_ptr, 
     stream started before the PDL wait, the rows widened as loaded), stores them and counts
     itself done (an acq_rel atomic, as decode attention's splits); the last program to finish
     reads all logits back from L2, runs the sink gate (SINK) or MiniMax-M3's, and resets the
-    count to 0 for the next call."""
+    count to 0 for the next call. A gate's counter serves one launch at a time: a gate must never
+    run on two streams at once."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)[None, None, :]
@@ -155,6 +156,9 @@ def _router_gate_kernel(x_ptr, w_ptr, z_ptr, counter_ptr, bias_ptr, gscale_ptr, 
         w = w_next
     tl.store(z_ptr + rt[:, None] * (E + S) + n[None, :], tl.sum(acc, axis=2),
              mask=(rt < T)[:, None] & (n < E + S)[None, :])
+    # Every warp's logits are written before the release (one thread issues the atomic); the
+    # last arrival acquires them all.
+    tl.debug_barrier()
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
         if SINK:
@@ -164,27 +168,25 @@ def _router_gate_kernel(x_ptr, w_ptr, z_ptr, counter_ptr, bias_ptr, gscale_ptr, 
             _minimax_select(z_ptr, rt, rt < T, bias_ptr, ids_ptr, rw_ptr, scale, E, K, N_PAD, PRECISE)
 
 
-# The fused router's tile (BLOCK_N, BLOCK_K, warps): `kiln.kernels.gemv.fma_tile`'s one-row tile
-# for the fp32 weight, [66, 2048] at the bench presets (33 programs).
-ROUTER_TILE = (2, 1024, 4)
-
-
 def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor,
                        gscale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, sw: torch.Tensor, top_k: int,
                        scale: float, sink: bool) -> None:
-    """One launch of `_router_gate_kernel` for the rows of x (at most FMA_MAX_ROWS)."""
+    """One launch of `_router_gate_kernel` for the rows of x (at most FMA_MAX_ROWS), on the tile
+    the router GEMV takes for them (`kiln.kernels.gemv.fma_tile`), so that both sum the logits in
+    the same order."""
+    from kiln.kernels.gemv import INTERPRETER_TILE, fma_tile
+
     t, h = x.shape
     n = weight.shape[0]
-    bn, bk, warps = (4, 32, 1) if interpreting() else ROUTER_TILE
-    bk = min(bk, triton.next_power_of_2(h))
+    tile = dict(INTERPRETER_TILE if interpreting() else fma_tile(t, h))
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight.contiguous()
     z = torch.empty(t, n, dtype=torch.float32, device=x.device)
     e = bias.shape[0]
-    _router_gate_kernel[(triton.cdiv(n, bn),)](
+    _router_gate_kernel[(triton.cdiv(n, tile["BLOCK_N"]),)](
         x, weight, z, counter, bias, gscale, ids, rw, sw, t, h, x.stride(0), float(scale),
         E=e, S=n - e, K=top_k, N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_T=triton.next_power_of_2(t),
-        BLOCK_N=bn, BLOCK_K=bk, SINK=sink, PRECISE=not interpreting(), num_warps=warps, **pdl_launch(x.device))
+        SINK=sink, PRECISE=not interpreting(), **tile, **pdl_launch(x.device))
 
 
 def _fuses(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, counter) -> bool:

@@ -35,7 +35,8 @@ def param_for(name: str) -> tuple[str, Optional[object]]:
 
 def load_inkling_weights(model, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
     params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
+    persistent = model.state_dict(keep_vars=True).keys()  # router biases; not the selection counters
+    buffers = {n: b for n, b in model.named_buffers() if n in persistent}
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     seen: set[str] = set()

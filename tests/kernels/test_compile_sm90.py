@@ -149,20 +149,24 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
 
 
 def router_gate(sink: bool) -> None:
-    """The router's logits and the gate in one launch (`kiln.kernels.moe_gate._router_gate_kernel`):
-    the fp32 weight stream starts before the wait; the last program's selection after an acq_rel
-    count, reading the logits from L2."""
-    from kiln.kernels.moe_gate import ROUTER_TILE, _router_gate_kernel
+    """The router's logits and the gate in one launch (`kiln.kernels.moe_gate._router_gate_kernel`)
+    on the router GEMV's one-row tile: the fp32 weight stream starts before the wait; every warp's
+    logits are stored before a barrier, then the acq_rel count; the last program reads the
+    logits from L2."""
+    from kiln.kernels.gemv import fma_tile
+    from kiln.kernels.moe_gate import _router_gate_kernel
 
-    bn, bk, _ = ROUTER_TILE
+    tile = {k: v for k, v in fma_tile(1, 2048).items() if k.startswith("BLOCK")}
     types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "z_ptr": "*fp32", "counter_ptr": "*i32", "bias_ptr": "*fp32",
              "gscale_ptr": "*fp32", "ids_ptr": "*i64", "rw_ptr": "*fp32", "sw_ptr": "*fp32", "scale": "fp32"}
-    ptx = compile_sm90(_router_gate_kernel, types, dict(E=64, S=2 if sink else 0, K=6, N_PAD=128, BLOCK_T=1,
-                                                        BLOCK_N=bn, BLOCK_K=bk, SINK=sink, PRECISE=True, PDL=2),
+    ptx = compile_sm90(_router_gate_kernel, types, dict(E=64, S=2 if sink else 0, K=6, N_PAD=128 if sink else 64,
+                                                        BLOCK_T=1, SINK=sink, PRECISE=True, PDL=2, **tile),
                        divisible=("x_ptr", "w_ptr", "z_ptr", "H", "stride_xt"))["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait], "the router weight stream must start before the wait"
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx[wait:], "the count and the L2 reads"
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atom):atom], "a barrier must order every warp's stores before the count"
+    assert "ld.global.cg" in ptx[atom:], "the last program reads the logits from L2"
 
 
 def gemv_router() -> None:

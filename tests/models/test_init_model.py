@@ -240,3 +240,17 @@ def test_cli_init_model_then_serve(tmp_path):
         routed = resp.json()["meta_info"]["routed_experts"]
         moe_layers = 6 - 1  # tiny Inkling: 6 layers, the first dense
         assert len(routed) == 20 + 3 - 1 and all(len(t) == moe_layers and len(t[0]) == 2 for t in routed)
+
+
+def test_inkling_loader_ignores_runtime_buffers(tmp_path):
+    """A checkpoint tensor named like a gate's selection counter (runtime state, not a weight) is
+    refused like any unknown tensor, never copied into the counter."""
+    from kiln.models.inkling import InklingForCausalLM
+    from kiln.models.inkling_config import InklingConfig
+    from kiln.models.presets import get_preset
+
+    model = InklingForCausalLM(InklingConfig.from_dict(get_preset("inkling", "tiny")))
+    name = next(n for n, _ in model.named_buffers() if n.endswith("selection_counter"))
+    with pytest.raises(KeyError, match="selection_counter"):
+        model.load_weights([(name, torch.ones(1, dtype=torch.int32))], strict=False)
+    assert int(dict(model.named_buffers())[name]) == 0
