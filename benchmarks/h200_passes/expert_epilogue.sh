@@ -1,7 +1,8 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # tenth session (2026-12-02): the one-token down expert GEMV's first tile before the PDL wait, and
 # Inkling's out_conv in its epilogue: ep (call 1: a first design holding all slots at once, later
-# dropped), ep2 (call 2), ep3 (call 3), ep4 (call 4); docs/benchmarks.md, fifteenth pass.
+# dropped), ep2 (call 2), ep3 (call 3), ep4 (call 4); docs/benchmarks.md, fifteenth pass. ep6 is for the
+# next device session (the fused router gate, built after the last call).
 # shellcheck shell=bash
 
 lane0_ep() {  # the GPU tests of the touched paths; the expert GEMVs alone (e81e8d4 in scratch/base against
@@ -68,18 +69,6 @@ lane0_ep4() {  # MiniMax-M3 batch 1 alternated x3 (the early down tile alone: no
     local dir="scratch/base/"; [ "${v%2}" = new ] && dir=""
     step inkling_mtp3_$v 60 python ${dir}benchmarks/decode_batch.py $C --model-path $INK --batch-sizes 1 --input-len 1024 \
       --output-len 128 --cuda-graph-max-bs 8 --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/inkling_mtp3_$v.json"
-  done
-}
-
-lane0_ep5() {  # the router's logits and gate in one launch: the GPU tests of the MoE kernels and the engine's
-  # batch-1 kernel path; then Inkling batch 1, before it (scratch/prev) and with it, as far as the budget goes
-  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
-  step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_kernels.py \
-    tests/engine/test_kernel_path.py
-  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
-  for v in prev new prev2 new2; do
-    local dir="scratch/prev/"; [ "${v%2}" = new ] && dir=""
-    step inkling_b1_$v 40 python ${dir}benchmarks/decode_batch.py $C --model-path $INK $HB --out "$R/json/inkling_b1_$v.json"
   done
 }
 
