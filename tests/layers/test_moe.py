@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.layers.moe import Experts, MiniMaxGate, MiniMaxMoE, SinkGate, SinkMoE, moe_param_for
+from tests.kernels.devices import INTERPRETER_ONLY
 
 H, E, K, S, I = 32, 8, 2, 2, 16
 
@@ -231,20 +232,18 @@ def test_router_weight_stays_fp32_and_recording_can_be_off(which):
     assert b2.extras["routed_experts"][3].shape == (5, K)
 
 
+@INTERPRETER_ONLY  # CPU tensors through the kernels: Triton's interpreter
 def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
     """SinkMoE(x, batch, out_conv): at one decode token on the kernel path (the interpreter here)
     the conv runs in the down GEMV's epilogue (`fused_experts(conv=...)`), with the result of the
     MoE followed by the conv; a hooked conv, or two tokens, take the separate call (the hook runs)."""
     pytest.importorskip("triton")
-    from kiln import kernels
     from kiln.kernels import moe as km
     from kiln.kernels.shortconv import short_conv_decode
     from kiln.layers import moe as moe_layer
     from kiln.layers.shortconv import ShortConv
     from tests.kernels.test_moe_gemv import _conv_state
 
-    if not kernels.interpreting():
-        pytest.skip("the CPU run uses Triton's interpreter")
     monkeypatch.setattr(moe_layer, "_use_kernels", lambda *a: True)
     moe = SinkMoE(_cfg(), 0)
     _randomize(moe, seed=5)
@@ -287,18 +286,16 @@ def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
         assert conv_args[-1] is None and len(separate) == 2
 
 
+@INTERPRETER_ONLY  # CPU tensors through the kernels: Triton's interpreter
 @pytest.mark.parametrize("which", ["sink", "minimax"])
 def test_fused_router_gate_only_with_its_flag(which, monkeypatch):
     """On the router GEMV's path, `--fused-router-gate` (the backend's `fused_router_gate`) runs the
     logits and the gate as one launch (the interpreter here) with the unfused result, and leaves
     the gate's selection counter at zero; without the flag the gate takes two launches."""
     pytest.importorskip("triton")
-    from kiln import kernels
     from kiln.kernels import moe_gate
     from kiln.layers import moe as moe_layer
 
-    if not kernels.interpreting():
-        pytest.skip("the CPU run uses Triton's interpreter")
     monkeypatch.setattr(moe_layer, "_use_kernels", lambda *a: True)
     gate = SinkGate(H, E, S, K, route_scale=1.5) if which == "sink" else MiniMaxGate(H, E, K, 2.5)
     _randomize(gate, seed=9)
