@@ -157,16 +157,12 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     rk = tl.arange(0, BLOCK_K)[None, :]
     last = (tl.cdiv(I, BLOCK_K) - 1) * BLOCK_K  # where each slot's last K tile starts
 
-    if PDL == 2:
-        w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                                 0, K)
-        w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
+    if PDL != 2:  # no early trigger: wait first (docstring)
         wait_for_previous(PDL)
-    else:
+    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K)
+    w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
+    if PDL == 2:  # the early trigger: the first tile is under way before the wait
         wait_for_previous(PDL)
-        w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                                 0, K)
-        w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,

@@ -193,9 +193,10 @@ def test_minimax_gate_matches_reference(device, T, E, k, ties):
 @pytest.mark.parametrize("ties", [False, True])
 def test_gates_with_router_logits_from_the_gemv(device, T, ties):
     """The routers' fp32 logits of a few rows through the GEMV (`use_gemv`, the engine's decode
-    and verify rows), alone and fused with the gate (a selection counter): the real layout (fp32 router weight, half-precision rows widened in the
-    kernel), the reference's ids, and weights to fp32 summation-order error. Exact ties
-    (small integers) stay ties, so the lowest ids still win them."""
+    and verify rows), alone and fused with the gate (a selection counter): the real layout (fp32
+    router weight, half-precision rows widened in the kernel), the reference's ids, and weights to
+    fp32 summation-order error. Exact ties (small integers) stay ties, so the lowest ids still
+    win them."""
     from kiln.kernels.moe_gate import router_logits
 
     E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
