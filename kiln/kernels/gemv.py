@@ -213,8 +213,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(n_out, tile["BLOCK_N"])
-        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), **decode_conv_kernel_args(conv, y),
-                                  BLOCK_M=triton.next_power_of_2(m), GLU=glu, **tile, **pdl)
+        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
+                                  **decode_conv_kernel_args(conv, y), BLOCK_M=triton.next_power_of_2(m), GLU=glu,
+                                  **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())

@@ -135,7 +135,8 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
            "stride_we", "stride_wn", "stride_sn", "stride_wh", "stride_sh")
     ks = 8 if shared else 6
     names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
-    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up), divisible=names(_expert_up_gemv_kernel))
+    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up),
+                 divisible=names(_expert_up_gemv_kernel))
     for pdl in (1, 2):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
@@ -165,7 +166,8 @@ def router_gate(sink: bool) -> None:
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait], "the router weight stream must start before the wait"
     atom = ptx.index("atom.global.gpu.acq_rel.add")
-    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atom):atom], "a barrier must order every warp's stores before the count"
+    stores_done = ptx.rindex("st.global", 0, atom)
+    assert "bar.sync" in ptx[stores_done:atom], "a barrier must order every warp's stores before the count"
     assert "ld.global.cg" in ptx[atom:], "the last program reads the logits from L2"
 
 
