@@ -112,8 +112,16 @@ class EngineConfig:
     fused_router_gate: bool = opt(
         False, "On the decode GEMV path (--gemv-max-rows), compute a MoE router's logits and run its "
         "gate (top-k, weights) in one launch, the last of its programs selecting "
-        "(kiln/kernels/moe_gate.py). Off by default: tested on the CPU (Triton's interpreter) and "
-        "compiled for sm_90, not yet run or timed on a GPU (docs/benchmarks.md, fifteenth pass).")
+        "(kiln/kernels/moe_gate.py). Off by default: correct on an H200 but no faster there "
+        "(Inkling batch 1 1.40 against 1.41 ms; docs/benchmarks.md, sixteenth pass). Not with "
+        "--fold-norms-max-hidden on MoE layers, whose router GEMV then computes the logits.")
+    fold_norms_max_hidden: int = opt(
+        2048, "On the decode GEMV path (--gemv-max-rows), models whose hidden size is at most this run "
+        "each pre-norm (RMSNorm with its residual add) in the prologue of the GEMV that reads it first "
+        "(qkv / qkvr, a MoE router, a dense MLP's gate_up): one launch fewer per norm "
+        "(kiln/kernels/gemv.py, gemv_prenorm). On an H200 that made the hybrids' bench presets "
+        "(hidden 2048) 2-3%% faster at batch 1 and the Llama-3.1-8B shape (hidden 4096) 10%% slower "
+        "(docs/benchmarks.md, sixteenth pass); 0: never.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

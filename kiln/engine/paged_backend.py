@@ -46,11 +46,13 @@ SPLIT_COUNTERS = 65536
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
-                 gemv_max_rows: int = 0, gemv_prefetch_bytes: int = 0, fused_router_gate: bool = False):
+                 gemv_max_rows: int = 0, gemv_prefetch_bytes: int = 0, fused_router_gate: bool = False,
+                 fold_norms_max_hidden: int = 0):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
+        self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels

@@ -181,7 +181,8 @@ class ModelRunner:
                                     use_kernels=self.use_kernels, gate=self.load_gate,
                                     gemv_max_rows=self.gemv_max_rows(),
                                     gemv_prefetch_bytes=self.config.gemv_l2_prefetch_mb << 20,
-                                    fused_router_gate=self.config.fused_router_gate)
+                                    fused_router_gate=self.config.fused_router_gate,
+                                    fold_norms_max_hidden=self.config.fold_norms_max_hidden)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

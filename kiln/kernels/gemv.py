@@ -37,11 +37,13 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.kernels.norm import normed_tile, prenorm_inv_rms
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
+PRENORM_MAX_BLOCK = 4096  # values per program in one step of the norm prologue's statistics (tests lower it)
 
 
 # Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernels/gemv.py` sweeps.
@@ -67,6 +69,18 @@ def fma_tile(m: int, k: int) -> dict:
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
 
 
+def prenorm_tile(m: int, n: int, k: int) -> dict:
+    """The FMA tile of a GEMV with the norm in its prologue (`gemv_prenorm`), weight [n, k]. Every
+    program recomputes the normed rows of its K tiles (h + residual, the scale, the norm weight),
+    work that `fma_tile`'s narrow one-row tiles would repeat for every 2 output columns: at one row
+    and n >= 2048, 4 columns per program (2 gate + 2 up rows with glu) share it, the best tile of
+    a sweep of a decoder layer's chain at the Inkling `bench` and 8B shapes; a smaller weight (a
+    router) keeps `fma_tile`'s programs (docs/benchmarks.md, sixteenth pass)."""
+    if m == 1 and n >= 2048:
+        return dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
+    return fma_tile(m, k)
+
+
 def dot_tile() -> dict:
     """The MMA tile for 5..16 rows (fixed, for the same reason as `fma_tile`)."""
     bn, bk, warps, stages = DOT_TILES[0]
@@ -76,9 +90,11 @@ def dot_tile() -> dict:
 @triton.jit
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
+                     NR, NW, NS, NX, stride_nr, eps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                     CKP: tl.constexpr):
+                     CKP: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr, NORM_KEEP: tl.constexpr,
+                     NORM_BLOCK: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -87,7 +103,11 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     the GEMV followed by `silu_and_mul`, one launch fewer.
     CONV: row m is decode sequence m and y goes through its ShortConv (`kiln.kernels.shortconv`:
     weight CW [N, CK], buffer CBUF, table CTAB, rows CSLOTS, lengths CLENS, state slots CLOCS),
-    the history loaded after the wait, before the main loop."""
+    the history loaded after the wait, before the main loop.
+    NORM: x holds a pre-norm sublayer's input h and the product is taken with RMSNorm(h + NR)
+    (weight NW, eps; `kiln.kernels.norm.normed_tile`), its statistics computed by every program
+    after the wait; program 0 also writes h + NR to NS (NORM_RES) and the normed rows to NX
+    (NORM_KEEP)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -105,6 +125,10 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if PREFETCH:
         l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
+    if NORM:
+        inv = prenorm_inv_rms(X, NR, rm, rm < M, stride_xm, stride_nr, K, eps, NORM_RES, BLOCK_M,
+                              NORM_BLOCK)[:, None, None]
+        first = tl.program_id(0) == 0
     if CONV:
         hist = decode_conv_history(rm, rm < M, rn, rn < N, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS,
                                    CK, CKP)
@@ -114,7 +138,11 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         w_next = tl.load(w_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
         if GLU:
             u_next = tl.load(u_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
-        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=m_ok & (kk < K - k0 + BLOCK_K), other=0.0).to(tl.float32)
+        x_ok = m_ok & (kk < K - k0 + BLOCK_K)
+        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=x_ok, other=0.0).to(tl.float32)
+        if NORM:
+            x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, stride_nr,
+                             K, first, NORM_RES, NORM_KEEP)
         acc += w.to(tl.float32) * x
         w = w_next
         if GLU:
@@ -192,6 +220,53 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     conv_buf[out_locs], in one launch. Same rounding points as the two launches; the conv's adds
     may be contracted into FMAs here (the ShortConv kernel forbids that), so within a few fp32
     ulps of them before the final rounding rather than bit for bit (the interpreter: bit for bit)."""
+    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None)
+
+
+def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, glu: bool = False, keep_normed: bool = False, prefetch_bytes: int = 0,
+                 tile: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The GEMV of a pre-norm sublayer's first projection with the norm in its prologue:
+    x = rms_norm(h + residual) (`kiln.kernels.norm.fused_add_rms_norm`; rms_norm(h) when residual
+    is None), then `gemv(x, weight, glu=glu)`, in one launch. Each program computes the row
+    statistics itself after the PDL wait (a few KB from L2), so no program waits for another.
+
+    h, residual [M, K], M <= FMA_MAX_ROWS, of one dtype; norm_weight [K]; weight as `gemv` takes it
+    (an fp32 router weight included); the tile `prenorm_tile` unless given. Returns (y,
+    h + residual (h itself when residual is None), the normed rows if `keep_normed` else None).
+    The normed values are the norm kernel's up to its statistics: summed in another order, they
+    may differ from it by an ulp of x's dtype."""
+    m, k = h.shape
+    assert m <= FMA_MAX_ROWS, f"the norm prologue takes 1..{FMA_MAX_ROWS} rows, got {m}"
+    assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1, (norm_weight.shape, k)
+    assert residual is None or (residual.shape == h.shape and residual.dtype == h.dtype), "residual must match h"
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    summed = torch.empty_like(h) if residual is not None else h
+    normed = torch.empty_like(h) if keep_normed else None
+    norm = (residual, norm_weight, float(eps), summed, normed)
+    tile = tile or (None if interpreting() else prenorm_tile(m, weight.shape[0], k))
+    y = _launch(h, weight, tile, glu, prefetch_bytes, None, norm)
+    return y, summed, normed
+
+
+def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> dict:
+    """Launch arguments of the GEMV's norm prologue: norm = (residual or None, weight, eps,
+    summed out, normed out or None), or None for none (x then stands in for every pointer)."""
+    if norm is None:
+        return dict(NR=x, NW=x, NS=x, NX=x, stride_nr=0, eps=0.0, NORM=False, NORM_RES=False, NORM_KEEP=False,
+                    NORM_BLOCK=1)
+    residual, weight, eps, summed, normed = norm
+    # the statistics' tile: the whole row at once up to 4K values per program (one round trip to L2)
+    block = max(16, min(triton.next_power_of_2(x.shape[1]), PRENORM_MAX_BLOCK // block_m))
+    return dict(NR=x if residual is None else residual, NW=weight, NS=summed,
+                NX=x if normed is None else normed, stride_nr=0 if residual is None else residual.stride(0),
+                eps=eps, NORM=True, NORM_RES=residual is not None, NORM_KEEP=normed is not None,
+                NORM_BLOCK=block)
+
+
+def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -208,14 +283,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     args = (x, weight, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
+    assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
     if m <= FMA_MAX_ROWS:
         tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(n_out, tile["BLOCK_N"])
+        block_m = triton.next_power_of_2(m)
         _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
-                                  **decode_conv_kernel_args(conv, y), BLOCK_M=triton.next_power_of_2(m), GLU=glu,
-                                  **tile, **pdl)
+                                  **decode_conv_kernel_args(conv, y), **_norm_kernel_args(norm, x, block_m),
+                                  BLOCK_M=block_m, GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())

@@ -218,13 +218,16 @@ def _block_t(num_tokens: int) -> int:
 
 def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
               global_scale: torch.Tensor, top_k: int, route_scale: float, use_gemv: bool = False,
-              counter: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inkling's router (MODELS.md 2.3) = `sink_gate_ref(..., forced_ids=None)`.
 
     x [T, H]; weight [E+S, H]; expert_bias [E]; global_scale [] (read on the device, no sync).
     `use_gemv`: the logits of a few rows through the GEMV (`router_logits`); with a `counter`
     (int32 [1], zero, the caller's: `SinkGate`'s buffer) the logits and the gate run as one launch
-    (`_router_gate_kernel`), the counter zero again after it.
+    (`_router_gate_kernel`), the counter zero again after it. `logits`: F.linear(x.float(), weight)
+    computed by the caller (the router GEMV with the norm before it in its prologue,
+    `kiln.layers.decode_gemv.decode_prenorm`); x is then not read.
     Returns (topk_ids [T, k] int64, routed_w [T, k] fp32, shared_w [T, S] fp32)."""
     e = expert_bias.shape[0]
     s = weight.shape[0] - e
@@ -234,11 +237,11 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     shared_w = torch.empty(t, s, dtype=torch.float32, device=x.device)
     if t == 0:
         return ids, routed_w, shared_w
-    if _fuses(x, weight, use_gemv, counter):
+    if logits is None and _fuses(x, weight, use_gemv, counter):
         _fused_router_gate(x, weight, counter, expert_bias, global_scale, ids, routed_w,
                            shared_w if s > 0 else routed_w, top_k, route_scale, sink=True)
         return ids, routed_w, shared_w
-    z = router_logits(x, weight, use_gemv)  # [T, E+S]
+    z = router_logits(x, weight, use_gemv) if logits is None else logits  # [T, E+S]
     bt = _block_t(t)
     _sink_gate_kernel[(triton.cdiv(t, bt),)](
         z, expert_bias, global_scale, ids, routed_w, shared_w if s > 0 else routed_w, t,
@@ -249,10 +252,11 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
 
 def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                  routed_scaling_factor: float, use_gemv: bool = False,
-                 counter: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MiniMax-M3's router (MODELS.md 3.2) = `minimax_gate_ref(..., forced_ids=None)`.
 
-    x [T, H]; weight [E, H]; bias [E]; `use_gemv` and `counter` as in `sink_gate`. Returns
+    x [T, H]; weight [E, H]; bias [E]; `use_gemv`, `counter` and `logits` as in `sink_gate`. Returns
     (topk_ids [T, k] int64, routed_w [T, k] fp32)."""
     e = weight.shape[0]
     t = x.shape[0]
@@ -260,10 +264,10 @@ def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     w = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     if t == 0:
         return ids, w
-    if _fuses(x, weight, use_gemv, counter):
+    if logits is None and _fuses(x, weight, use_gemv, counter):
         _fused_router_gate(x, weight, counter, bias, bias, ids, w, w, top_k, routed_scaling_factor, sink=False)
         return ids, w
-    z = router_logits(x, weight, use_gemv)
+    z = router_logits(x, weight, use_gemv) if logits is None else logits
     bt = _block_t(t)
     _minimax_gate_kernel[(triton.cdiv(t, bt),)](
         z, bias, ids, w, t, float(routed_scaling_factor), E=e, K=top_k,

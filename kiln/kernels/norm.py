@@ -94,6 +94,45 @@ def _rms_norm_kernel(
             tl.store(out_ptr + o_off[:, None] + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def prenorm_inv_rms(X, R, rm, m_ok, stride_xm, stride_rm, K, eps, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M] fp32 1 / sqrt(mean(s^2) + eps) of rows s = x, or x + r rounded to r's dtype: the
+    statistics of a norm that a kernel reading its output computes itself (the decode GEMV's
+    prologue, `kiln.kernels.gemv`). Sums BLOCK_K columns at a time, so the order differs from
+    `_rms_norm_kernel`'s by a few fp32 ulps of the result."""
+    rk = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = m_ok[:, None] & (k0 + rk < K)[None, :]
+        v = tl.load(X + rm[:, None] * stride_xm + k0 + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rm[:, None] * stride_rm + k0 + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = (v + r).to(R.dtype.element_ty).to(tl.float32)
+        ss += tl.sum(v * v, axis=1)
+    return tl.math.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def normed_tile(x, R, W, S_OUT, N_OUT, rows, cols, mask, inv, stride_rm, K, store,
+                 HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr):
+    """The norm's output at `cols` of `rows` (any tile shape, broadcast as `x`), from x's fp32 tile
+    and `inv` (`prenorm_inv_rms`, broadcast likewise): s = x, or x + r rounded to the residual's
+    dtype, then ((s * inv) * w) rounded to x's dtype (S_OUT's), as `_rms_norm_kernel` computes it;
+    returned in fp32. Where `store`, s (the residual stream's new value) goes to S_OUT and, with
+    KEEP_NORMED, the normed tile to N_OUT (both contiguous [M, K])."""
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S_OUT.dtype.element_ty)
+        tl.store(S_OUT + rows * K + cols, s, mask=mask & store)
+        x = s.to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    n = ((x * inv) * w).to(S_OUT.dtype.element_ty)
+    if KEEP_NORMED:
+        tl.store(N_OUT + rows * K + cols, n, mask=mask & store)
+    return n.to(tl.float32)
+
+
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [A, B, H] with a contiguous last dim, a view whenever the layout allows it."""
     if x.stride(-1) != 1:

@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kiln.kernels import kernel_path
+from kiln.kernels import kernel_path, kernels_supported
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
+from kiln.layers.norm import RMSNorm
 from kiln.layers.shortconv import ShortConv
 
 
@@ -74,6 +75,49 @@ def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     if isinstance(linear, RowParallelLinear) and linear.reduce_output:
         y = linear.pc.all_reduce(y)
     return y
+
+
+def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
+                residual: Optional[torch.Tensor], batch, router: bool) -> bool:
+    """Whether norm's work can move into the prologue of linear's GEMV: h at most
+    `--fold-norms-max-hidden` wide (`batch.backend.fold_norms_max_hidden`), the GEMV's FMA loop
+    (`gemv_path`, at most FMA_MAX_ROWS rows; a router's fp32 weight on the router GEMV's path,
+    `kiln.kernels.moe_gate.router_logits`), a residual like h, and nothing that must see the
+    separate calls: a plain RMSNorm without hooks, and no hooks on the sublayer (whose call the
+    fold may replace by its parts)."""
+    if h.dim() != 2 or not 0 < h.shape[0] <= _kernels().FMA_MAX_ROWS:
+        return False
+    if h.shape[1] > getattr(getattr(batch, "backend", None), "fold_norms_max_hidden", 0):
+        return False
+    if type(norm).forward is not RMSNorm.forward or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (norm, sublayer)):
+        return False
+    if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype):
+        return False
+    if router:  # fp32 logits whatever h's dtype (`router_logits`), where the MoE kernels use them (CUDA)
+        on_gemv = (getattr(batch.backend, "gemv_max_rows", 0) > 0 and linear.weight.dtype == torch.float32
+                   and kernels_supported(h.device) and kernel_path(batch, h, linear.weight))
+    else:
+        on_gemv = gemv_path(batch, h, linear)
+    return on_gemv and kernel_path(batch, h, residual, norm.weight)
+
+
+def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
+                   residual: Optional[torch.Tensor], batch, glu: bool = False, keep_normed: bool = False,
+                   router: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """The pre-norm of `sublayer`, whose first projection is `linear`: x = norm(h + residual)
+    (norm(h) when residual is None). Returns (y, h + residual, x):
+    - at decode on the GEMV path (`_folds_norm`), the norm runs in the prologue of linear's GEMV
+      (`kiln.kernels.gemv.gemv_prenorm`; one launch fewer) and y = linear(x) (silu(gate) * up with
+      glu; with `router`, linear is a MoE router and y its fp32 logits); x is returned with
+      `keep_normed` only (for other readers of it), else None. The caller then runs the rest of
+      the sublayer from y;
+    - otherwise the norm runs as before and y is None: the caller calls the sublayer on x."""
+    if _folds_norm(norm, sublayer, linear, h, residual, batch, router):
+        return _kernels().gemv_prenorm(h, residual, norm.weight, norm.eps, linear.weight, glu=glu,
+                                       keep_normed=keep_normed, prefetch_bytes=_prefetch_bytes(batch))
+    x, residual = (norm(h, batch), h) if residual is None else norm(h, batch, residual)
+    return None, residual, x
 
 
 def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch) -> Optional[tuple]:

@@ -110,8 +110,10 @@ def _routing(gate: nn.Module, batch, compute):
 
 
 class SinkGate(nn.Module):
-    """Inkling's router: forward(x, batch) -> (topk_ids [T,k] int64, routed_w [T,k] fp32,
-    shared_w [T,S] fp32)."""
+    """Inkling's router: forward(x, batch, logits=None) -> (topk_ids [T,k] int64, routed_w [T,k] fp32,
+    shared_w [T,S] fp32). `logits` = F.linear(x.float(), weight) when the caller has them (the
+    router GEMV with the layer's norm in its prologue, `kiln.layers.decode_gemv.decode_prenorm`):
+    the kernel path then selects from them; the reference path (replayed ids, autograd) ignores them."""
 
     def __init__(self, hidden: int, num_experts: int, num_shared: int, top_k: int,
                  route_scale: float = 1.0, moe_index: int = 0):
@@ -125,19 +127,20 @@ class SinkGate(nn.Module):
         self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
         _selection_counter(self)
 
-    def forward(self, x: torch.Tensor, batch=None):
+    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight, self.global_scale):
                 return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
                                                self.top_k, self.route_scale, _router_gemv(batch),
-                                               _fused_gate_counter(self, batch))
+                                               _fused_gate_counter(self, batch), logits)
             return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
                                          self.top_k, self.route_scale, forced)
         return _routing(self, batch, compute)
 
 
 class MiniMaxGate(nn.Module):
-    """MiniMax-M3's router: forward(x, batch) -> (topk_ids [T,k] int64, routed_w [T,k] fp32)."""
+    """MiniMax-M3's router: forward(x, batch, logits=None) -> (topk_ids [T,k] int64, routed_w [T,k]
+    fp32); `logits` as in `SinkGate`."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
                  moe_index: int = 0):
@@ -149,12 +152,12 @@ class MiniMaxGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         _selection_counter(self)
 
-    def forward(self, x: torch.Tensor, batch=None):
+    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight):
                 return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
                                                   self.top_k, self.routed_scaling_factor, _router_gemv(batch),
-                                                  _fused_gate_counter(self, batch))
+                                                  _fused_gate_counter(self, batch), logits)
             return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.routed_scaling_factor, forced)
         return _routing(self, batch, compute)
@@ -292,11 +295,13 @@ class SinkMoE(nn.Module):
         self.shared_experts = SharedExperts(cfg.num_shared_experts, cfg.hidden_size,
                                             cfg.moe_intermediate_size, pc)
 
-    def forward(self, x: torch.Tensor, batch=None, out_conv: Optional[nn.Module] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None, out_conv: Optional[nn.Module] = None,
+                router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The MoE output, through `out_conv` (a ShortConv on it) when given: at one decode token
         that conv runs in the expert kernels' epilogue (`_routed_plus_shared`), so a forward hook
-        on this module sees the output after the conv."""
-        ids, routed_w, shared_w = self.router(x, batch)
+        on this module sees the output after the conv. `router_logits`: the router's logits of x
+        when the caller has them (`SinkGate`)."""
+        ids, routed_w, shared_w = self.router(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,
                                    out_conv, batch)
 
@@ -316,8 +321,9 @@ class MiniMaxMoE(nn.Module):
         shared_inter = cfg.moe_intermediate_size * int(getattr(cfg, "num_shared_experts", 1) or 1)
         self.shared_experts = SharedExperts(1, cfg.hidden_size, shared_inter, pc, indexed=False)
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        ids, routed_w = self.gate(x, batch)
+    def forward(self, x: torch.Tensor, batch=None, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The MoE output; `router_logits`: the gate's logits of x when the caller has them (`SinkGate`)."""
+        ids, routed_w = self.gate(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc)
 
 

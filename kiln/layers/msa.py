@@ -79,8 +79,13 @@ class MSAAttention(nn.Module):
         self.topk_blocks = cfg.index_topk_blocks
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend(positions, decode_linear(self.qkv_proj, x, batch), x, batch)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The attention from its qkv projection of x on (x still feeds the indexer): what
+        `forward` does after its first GEMV."""
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj.split(decode_linear(self.qkv_proj, x, batch))
+        q, k, v = self.qkv_proj.split(qkv)
         q = self.q_norm(q.reshape(t, self.num_heads, d), batch)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d), batch)
         q, k = self.rotary(positions, q, k, batch)

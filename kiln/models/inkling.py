@@ -19,7 +19,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear, decode_linear_conv
+from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_prenorm
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -106,17 +106,21 @@ class InklingAttention(nn.Module):
         self.attn = Attention(layer_id, nh, nkv, d, sliding_window=cfg.sliding_window if sliding else None,
                               rel_extent=cfg.rel_extent)
 
-    def _fused_prologue(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
+    def _fused_prologue(self, qkvr: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step or a short extend (a speculative verify) on the engine's kernel path runs
         the k/v convs, the q/k norms, q's lam scale and the K/V cache write as one launch
         (`PagedBackend.conv_qk_norm_attention`)."""
-        return (self.use_conv and kernel_path(batch, x) and hasattr(batch.backend, "fuses_conv_qk_norm")
+        return (self.use_conv and kernel_path(batch, qkvr) and hasattr(batch.backend, "fuses_conv_qk_norm")
                 and batch.backend.fuses_conv_qk_norm(batch))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t, d = x.shape[0], self.attn.head_dim
+        return self.attend(decode_linear(self.qkvr_proj, x, batch), batch)
+
+    def attend(self, qkvr: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The attention from its qkvr projection on (what `forward` does after its first GEMV)."""
+        t, d = qkvr.shape[0], self.attn.head_dim
         nh, nkv = self.attn.num_heads, self.attn.num_kv_heads
-        q, k, v, r = self.qkvr_proj.split(decode_linear(self.qkvr_proj, x, batch))
+        q, k, v, r = self.qkvr_proj.split(qkvr)
         lam = None
         if self.full:  # [T] fp32, computed once per forward by InklingModel (MTP layers: here)
             lam = batch.extras.get(ATTN_SCALE)
@@ -124,7 +128,7 @@ class InklingAttention(nn.Module):
                 lam = attn_scale(batch.positions, self.beta, self.floor_scale)
         # [T, Hq, R] = rel_proj(r) (* lam), computed where the attention backend finds it cheapest
         rel = RelProjection(r.reshape(t, nh, self.qkvr_proj.rel_dim), self.rel_proj.weight, lam)
-        if self._fused_prologue(x, batch):
+        if self._fused_prologue(qkvr, batch):
             o = batch.backend.conv_qk_norm_attention(self, q, k, v, batch, lam, rel)
         else:
             if self.use_conv:  # on the raw projections, before the per-head norm
@@ -160,13 +164,22 @@ class InklingDecoderLayer(nn.Module):
         """Input h + residual (h alone when residual is None), output f + residual as returned:
         the residual stream is carried apart and added inside the next norm (see
         `LlamaDecoderLayer.forward`); the reference path is exactly `h = h + attn(norm(h));
-        h = h + out_conv(mlp(norm(h)))`."""
-        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
-            else self.input_layernorm(h, batch, residual)
-        m, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch, residual)
+        h = h + out_conv(mlp(norm(h)))`. With --fold-norms-max-hidden at decode each norm runs in the prologue
+        of the GEMV that reads it first (`decode_prenorm`: qkvr; the router, or a dense MLP's
+        gate_up), and the layer runs the rest of the sublayer (`attend`, the MoE from its logits,
+        `down`)."""
+        qkvr, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkvr_proj, h,
+                                           residual, batch)
+        a = self.self_attn(x, batch) if qkvr is None else self.self_attn.attend(qkvr, batch)
         # out_conv goes in with the MLP: at decode it runs in the down projection's epilogue
-        f = self.mlp(m, batch, out_conv=self.mlp.out_conv if self.use_conv else None)
-        return f, residual
+        out_conv = self.mlp.out_conv if self.use_conv else None
+        if self.is_moe:  # folded: the router GEMV normalises, and keeps the rows for the experts
+            z, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.router, a, residual,
+                                            batch, keep_normed=True, router=True)
+            return self.mlp(m, batch, out_conv=out_conv, router_logits=z), residual
+        act, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate_up_proj, a, residual,
+                                          batch, glu=True)
+        return (self.mlp(m, batch, out_conv=out_conv) if act is None else self.mlp.down(act, batch, out_conv)), residual
 
 
 def inkling_mtp_layer(cfg: InklingConfig, k: int, pc: ParallelContext) -> MTPLayer:

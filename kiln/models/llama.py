@@ -20,7 +20,7 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_swiglu
+from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_prenorm, decode_swiglu
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -40,7 +40,11 @@ class LlamaMLP(nn.Module):
         """down(silu(gate(x)) * up(x)), then `out_conv` (a ShortConv on the output: Inkling's dense
         layers) when given; `batch` only picks the kernels' paths (see `kiln.layers.activation`,
         `kiln.layers.decode_gemv`: at decode the conv can run in down's GEMV epilogue)."""
-        act = decode_swiglu(self.gate_up_proj, x, batch)
+        return self.down(decode_swiglu(self.gate_up_proj, x, batch), batch, out_conv)
+
+    def down(self, act: torch.Tensor, batch: ForwardBatch | None = None,
+             out_conv: nn.Module | None = None) -> torch.Tensor:
+        """The MLP from silu(gate) * up on: down_proj, then `out_conv` as in `forward`."""
         if out_conv is not None:
             return decode_linear_conv(self.down_proj, out_conv, act, batch)
         return decode_linear(self.down_proj, act, batch)
@@ -62,8 +66,12 @@ class LlamaAttention(nn.Module):
                               sliding_window=cfg.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(decode_linear(self.qkv_proj, x, batch))
-        t, d = x.shape[0], self.attn.head_dim
+        return self.attend(positions, decode_linear(self.qkv_proj, x, batch), batch)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The attention from its qkv projection on (what `forward` does after its first GEMV)."""
+        q, k, v = self.qkv_proj.split(qkv)
+        t, d = qkv.shape[0], self.attn.head_dim
         q = q.reshape(t, -1, d)
         k = k.reshape(t, -1, d)
         if self.qk_norm:
@@ -85,11 +93,15 @@ class LlamaDecoderLayer(nn.Module):
         """Pre-norm block with the residual stream carried apart (vLLM's layout): the layer's input
         is h + residual (h alone for the first layer), its output f + residual as returned. The
         adds happen inside the norms, fused with them on the kernel path; the reference path
-        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`."""
-        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
-            else self.input_layernorm(h, batch, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
-        return self.mlp(x, batch), residual
+        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`. With --fold-norms-max-hidden at decode
+        each norm runs in the prologue of the GEMV that reads it (`decode_prenorm`), and the layer
+        runs the rest of the sublayer (`attend`, `down`)."""
+        qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
+                                          batch)
+        a = self.self_attn(positions, x, batch) if qkv is None else self.self_attn.attend(positions, qkv, batch)
+        act, residual, x = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate_up_proj, a, residual,
+                                          batch, glu=True)
+        return (self.mlp(x, batch) if act is None else self.mlp.down(act, batch)), residual
 
 
 class LlamaMTPBlock(LlamaDecoderLayer):

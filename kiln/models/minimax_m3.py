@@ -23,6 +23,7 @@ from torch import nn
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
+from kiln.layers.decode_gemv import decode_prenorm
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.moe import Experts, MiniMaxMoE, SharedExperts, moe_param_for
 from kiln.layers.msa import MSAAttention
@@ -61,11 +62,20 @@ class MiniMaxM3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Input h + residual (h alone when residual is None), output f + residual as returned
-        (the residual stream carried apart, see `LlamaDecoderLayer.forward`)."""
-        x, residual = (self.input_layernorm(h, batch), h) if residual is None \
-            else self.input_layernorm(h, batch, residual)
-        m, residual = self.post_attention_layernorm(self.self_attn(positions, x, batch), batch, residual)
-        return self.mlp(m, batch), residual
+        (the residual stream carried apart, see `LlamaDecoderLayer.forward`). With --fold-norms-max-hidden at
+        decode the input norm runs in the qkv GEMV's prologue (which also writes the normed rows for
+        the indexer) and the post-attention norm in the router's or a dense MLP's gate_up's
+        (`decode_prenorm`)."""
+        qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
+                                          batch, keep_normed=True)
+        a = self.self_attn(positions, x, batch) if qkv is None else self.self_attn.attend(positions, qkv, x, batch)
+        if self.is_moe:  # folded: the gate's GEMV normalises, and keeps the rows for the experts
+            z, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate, a, residual,
+                                            batch, keep_normed=True, router=True)
+            return self.mlp(m, batch, router_logits=z), residual
+        act, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate_up_proj, a, residual,
+                                          batch, glu=True)
+        return (self.mlp(m, batch) if act is None else self.mlp.down(act, batch)), residual
 
 
 class MiniMaxM3Model(nn.Module):

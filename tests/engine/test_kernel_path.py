@@ -99,24 +99,35 @@ def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
     return calls
 
 
-def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None) -> dict:
-    """Count `kiln.kernels.gemv.gemv` calls per weight (by data pointer) from now on; those with
-    the SiLU-and-mul folded in (glu=True) also into `glu_calls`, those with a ShortConv epilogue
-    into `conv_calls`."""
+def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None,
+                norm_calls: dict | None = None) -> dict:
+    """Count `kiln.kernels.gemv.gemv` and `gemv_prenorm` calls per weight (by data pointer) from now
+    on; those with the SiLU-and-mul folded in (glu=True) also into `glu_calls`, those with a
+    ShortConv epilogue into `conv_calls`, those with a norm prologue into `norm_calls`."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
-    real = gemv_module.gemv
+
+    def count(into, weight):
+        if into is not None:
+            into[weight.data_ptr()] = into.get(weight.data_ptr(), 0) + 1
+
+    real, real_prenorm = gemv_module.gemv, gemv_module.gemv_prenorm
 
     def counted(x, weight, **kw):
-        calls[weight.data_ptr()] = calls.get(weight.data_ptr(), 0) + 1
-        if kw.get("glu") and glu_calls is not None:
-            glu_calls[weight.data_ptr()] = glu_calls.get(weight.data_ptr(), 0) + 1
-        if kw.get("conv") is not None and conv_calls is not None:
-            conv_calls[weight.data_ptr()] = conv_calls.get(weight.data_ptr(), 0) + 1
+        count(calls, weight)
+        count(glu_calls if kw.get("glu") else None, weight)
+        count(conv_calls if kw.get("conv") is not None else None, weight)
         return real(x, weight, **kw)
 
+    def counted_prenorm(h, residual, norm_weight, eps, weight, **kw):
+        count(calls, weight)
+        count(glu_calls if kw.get("glu") else None, weight)
+        count(norm_calls, weight)
+        return real_prenorm(h, residual, norm_weight, eps, weight, **kw)
+
     monkeypatch.setattr(gemv_module, "gemv", counted)
+    monkeypatch.setattr(gemv_module, "gemv_prenorm", counted_prenorm)
     return calls
 
 
@@ -149,22 +160,26 @@ def _arch(arch_dir: str) -> str:
 def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     """Decode steps of at most --gemv-max-rows rows project through Kiln's GEMV and generate what
     the reference path generates; 0 keeps every projection on F.linear. The GEMV is counted per
-    weight, so a projection that silently falls back (e.g. loses its `batch`) fails."""
+    weight, so a projection that silently falls back (e.g. loses its `batch`) fails. Under
+    --fold-norms-max-hidden (by default) the pre-norms run in the prologues of the first
+    projections that read them (the hybrids run only that variant here: the interpreter's time)."""
     arch = _arch(interp_dir)
     glu_calls: dict[int, int] = {}
     conv_calls: dict[int, int] = {}
-    calls = _count_gemv(monkeypatch, glu_calls, conv_calls)
+    norm_calls: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT)
     want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     assert make_core(interp_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
-    for rows in ((4, 0) if llama else (4,)):
-        calls.clear()
-        glu_calls.clear()
-        conv_calls.clear()
-        core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows, **kw)
+    for rows, fold in (((4, False), (0, False), (4, True)) if llama else ((4, True),)):
+        for c in (calls, glu_calls, conv_calls, norm_calls):
+            c.clear()
+        # the fold by default (hidden 64 <= --fold-norms-max-hidden's 2048); 0 turns it off
+        core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows,
+                         **({} if fold else dict(fold_norms_max_hidden=0)), **kw)
         got_out, got_rows = greedy(core, reqs, max_tokens=4)
         assert got_out == want_out
         for rid in want_rows:
@@ -179,6 +194,11 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         # the MoE reference).
         assert _gemv_modules(core, conv_calls) == (
             {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"} if arch == "inkling" else set())
+        # Folded norms: the input norm into qkv(r) (MiniMax-M3's indexer reads the rows it keeps),
+        # a dense MLP's post-attention norm into gate_up; MoE layers keep theirs on the CPU (the
+        # MoE reference computes its own logits; on CUDA the router GEMV takes it).
+        assert _gemv_modules(core, norm_calls) == ({m for m in GEMV_MODULES[arch] if "qkv" in m or "gate_up" in m}
+                                                   if fold else set())
 
 
 @pytest.mark.gpu
@@ -242,13 +262,37 @@ def test_fused_router_gate_on_cuda_equals_two_launches(arch_dir, monkeypatch):
     from kiln.kernels import moe_gate
 
     reqs = prompts(1, seed=6, lo=34, hi=40)
-    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
+    # without the norms folded: a router GEMV with the norm in its prologue computes the logits itself
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1,
+              fold_norms_max_hidden=0)
     want_out, want_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
     fused = []
     real = moe_gate._fused_router_gate
     monkeypatch.setattr(moe_gate, "_fused_router_gate", lambda *a, **k: (fused.append(1), real(*a, **k))[1])
     got_out, got_rows = greedy(make_core(arch_dir, fused_router_gate=True, **kw), reqs, max_tokens=8)
     assert fused, "no router ran its gate in the same launch"
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
+def test_fold_norms_on_cuda_equals_separate_norms(arch_dir, monkeypatch):
+    """On the GPU (compiled, CUDA graphs, fp32, batch 1): --fold-norms-max-hidden runs the pre-norms
+    in the GEMVs' prologues (counted; the routers' too, where the MoE kernels take their logits) and
+    generates what the separate norm launches generate."""
+    reqs = prompts(1, seed=7, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
+    want_out, want_rows = greedy(make_core(arch_dir, fold_norms_max_hidden=0, **kw), reqs, max_tokens=8)
+    norm_calls: dict[int, int] = {}
+    _count_gemv(monkeypatch, norm_calls=norm_calls)
+    core = make_core(arch_dir, fold_norms_max_hidden=2048, **kw)
+    got_out, got_rows = greedy(core, reqs, max_tokens=8)
+    # the input norms into qkv(r), the post-attention norms into the routers and dense gate_ups
+    arch = _arch(arch_dir)
+    folded = {m for m in GEMV_MODULES[arch] if "qkv" in m or "gate_up" in m} | ROUTERS[arch]
+    assert _gemv_modules(core, norm_calls) == folded
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)

@@ -311,3 +311,132 @@ def test_decode_linear_conv_fuses_only_a_plain_conv():
     with torch.no_grad():
         decode_linear_conv(linear, conv, x, batch)
     assert len(fused) == 2 and len(separate) == 2  # asked, then declined
+
+
+PRENORM_CASES = [(96, 64, False, False), (74, 200, True, True), (37, 200, False, True)]  # n, k, glu, residual
+PRENORM_REAL = [(3328, 2048, False, True), (2048, 2048, True, False), (6144, 4096, False, True)]  # bench, 8B
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("n,k,glu,with_residual", PRENORM_CASES)
+@pytest.mark.parametrize("stats_block", [4096, 64])
+def test_gemv_prenorm_is_norm_then_gemv(device, dtype, m, n, k, glu, with_residual, stats_block, monkeypatch):
+    """The norm in the GEMV's prologue (`gemv_prenorm`) against the norm kernel then the GEMV: the
+    residual sum bit for bit, the normed rows and the product within an ulp of the norm's output
+    (its statistics are summed in another order; the interpreter: bit for bit), for ragged K,
+    with and without a residual (the first layer), plain and with the SiLU-and-mul; the row
+    statistics in one step and (stats_block 64) in several."""
+    from kiln.kernels import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "PRENORM_MAX_BLOCK", stats_block)
+    # the interpreter sums a one-step row as the norm kernel does (numpy); several steps differ
+    _check_prenorm(device, dtype, m, n, k, glu, with_residual, exact=device == "cpu" and stats_block == 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k,glu,with_residual", PRENORM_REAL)
+def test_gemv_prenorm_real_shapes(m, n, k, glu, with_residual):
+    """Inkling bench's qkvr and dense gate_up, the 8B's qkv, in bf16."""
+    _check_prenorm("cuda", torch.bfloat16, m, n, k, glu, with_residual, exact=False)
+
+
+def _check_prenorm(device, dtype, m, n, k, glu, with_residual, exact):
+    from kiln.kernels.gemv import gemv_prenorm
+    from kiln.kernels.norm import fused_add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(m * 100 + n + k)
+    h, w = _case(m, n, k, dtype, device, seed=m * 100 + n + k + 1)
+    res = torch.randn(m, k, generator=gen).to(dtype).to(device) if with_residual else None
+    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(device)
+    y, summed, normed = gemv_prenorm(h, res, nw, 1e-6, w, glu=glu, keep_normed=True)
+    want_x, want_sum = fused_add_rms_norm(h, res, nw, 1e-6) if with_residual else (rms_norm(h, nw, 1e-6), h)
+    assert torch.equal(summed, want_sum)
+    assert with_residual or summed is h
+    tol = dict(rtol=0, atol=0) if exact else (FP32 if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2))
+    torch.testing.assert_close(normed, want_x, **tol)
+    torch.testing.assert_close(y, gemv(want_x, w, glu=glu), **tol)
+    if not exact and dtype == torch.bfloat16:  # at most one bf16 ulp apart, and rarely
+        ulp = (want_x.float().abs() * 2 ** -7).clamp_min(2 ** -126)
+        assert ((normed.float() - want_x.float()).abs() <= ulp).all()
+        assert (normed != want_x).float().mean() < 0.01
+    y2, _, none = gemv_prenorm(h, res, nw, 1e-6, w, glu=glu)  # without keep_normed: the same y
+    assert none is None and torch.equal(y2, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_prenorm_widens_for_an_fp32_router(m):
+    """bf16 rows against an fp32 weight (a MoE router): the fp32 logits of the bf16 normed rows."""
+    from kiln.kernels.gemv import gemv_prenorm
+    from kiln.kernels.norm import fused_add_rms_norm
+
+    gen = torch.Generator().manual_seed(m)
+    h, res = (torch.randn(m, 2048, generator=gen).bfloat16().cuda() for _ in range(2))
+    nw = (torch.rand(2048, generator=gen) + 0.5).bfloat16().cuda()
+    w = (torch.randn(66, 2048, generator=gen) / 2048 ** 0.5).cuda()
+    y, _, normed = gemv_prenorm(h, res, nw, 1e-6, w, keep_normed=True)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(normed.float(), w), **FP32)
+    torch.testing.assert_close(normed, fused_add_rms_norm(h, res, nw, 1e-6)[0], rtol=1e-2, atol=1e-2)
+
+
+def test_gemv_prenorm_rejects_what_it_cannot_fuse():
+    from kiln.kernels.gemv import gemv_prenorm
+
+    h, w = _case(5, 8, 64, torch.float32, "cpu", seed=0)
+    nw = torch.ones(64)
+    with pytest.raises(AssertionError, match="norm prologue"):
+        gemv_prenorm(h, None, nw, 1e-6, w)
+    with pytest.raises(AssertionError, match="residual must match"):
+        gemv_prenorm(h[:2], h[:3], nw, 1e-6, w)
+    with pytest.raises(AssertionError):
+        gemv_prenorm(h[:2], None, torch.ones(32), 1e-6, w)
+
+
+def test_decode_prenorm_folds_only_without_hooks_and_with_its_flag():
+    """`decode_prenorm` runs the norm in the GEMV's prologue for h at most the backend's
+    `fold_norms_max_hidden` wide and a plain RMSNorm; for a narrower limit, or with a hook on the
+    norm or on the sublayer (the hooks must
+    see the calls), it runs the norm and leaves the projection to the sublayer's call (y None),
+    with the same values (the interpreter: bit for bit)."""
+    from types import SimpleNamespace
+
+    from kiln.kernels import gemv as gemv_module
+    from kiln.layers.decode_gemv import decode_prenorm
+    from kiln.layers.linear import ColumnParallelLinear
+    from kiln.layers.norm import RMSNorm
+
+    h, w = _case(1, 48, 64, torch.float32, "cpu", seed=4)
+    res = torch.randn(1, 64)
+    sublayer = torch.nn.Module()
+    sublayer.proj = ColumnParallelLinear(64, 48)
+    sublayer.proj.weight.data.copy_(w)
+    norm = RMSNorm(64)
+    norm.weight.data.uniform_(0.5, 1.5)
+    folded = []
+    real = gemv_module.gemv_prenorm
+
+    def run(flag, residual):
+        backend = SimpleNamespace(use_kernels=True, gemv_max_rows=4, gemv_prefetch_bytes=0,
+                                  fold_norms_max_hidden=64 if flag else 63)  # h is 64 wide
+        return decode_prenorm(norm, sublayer, sublayer.proj, h, residual, SimpleNamespace(backend=backend))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gemv_module, "gemv_prenorm", lambda *a, **kw: (folded.append(1), real(*a, **kw))[1])
+        none, want_sum, want_x = run(False, res)
+        assert none is None and not folded
+        y, summed, x = run(True, res)
+        assert folded and x is None
+        assert torch.equal(y, gemv(want_x, w)) and torch.equal(summed, want_sum)
+        y, summed, _ = run(True, None)  # the first layer: no residual, the sum is h itself
+        assert summed is h and torch.equal(y, gemv(norm(h), w))
+        for module in (norm, sublayer):
+            hooked = []
+            handle = module.register_forward_pre_hook(lambda *a: hooked.append(1))
+            folded.clear()
+            none, summed, x = run(True, res)
+            assert none is None and not folded and torch.equal(summed, want_sum) and torch.equal(x, want_x)
+            assert hooked == ([1] if module is norm else [])  # the sublayer's hook runs when the caller calls it
+            handle.remove()

@@ -228,6 +228,17 @@ def test_gates_with_router_logits_from_the_gemv(device, T, ties):
         ids, w = _km().minimax_gate(x, weight[:E], bias, k, 2.5, use_gemv=True, counter=counter)
         assert torch.equal(ids, r_ids) and int(counter) == 0
         torch.testing.assert_close(w, r_w, atol=1e-5, rtol=1e-5)
+    # Logits from the caller (the router GEMV with the layer's norm in its prologue): the gates
+    # select from them (x is not read; a counter does not make them recompute).
+    ids, rw, sw = _km().sink_gate(torch.zeros_like(x), weight, bias, gscale, k, 1.5, use_gemv=True, counter=counter,
+                                  logits=z)
+    assert torch.equal(ids, r_ids_sink)
+    torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+    ids, w = _km().minimax_gate(torch.zeros_like(x), weight[:E], bias, k, 2.5, use_gemv=True, counter=counter,
+                                logits=z[:, :E].contiguous())
+    assert torch.equal(ids, r_ids)
+    torch.testing.assert_close(w, r_w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
