@@ -1,6 +1,7 @@
 """Decode GEMV (`kiln.kernels.gemv`) against cuBLAS, alone and in a decoder layer's chain; CUDA only.
 
     python -m benchmarks.kernels.gemv [--layers 32] [--rows 1,4] [--sweep] [--shapes llama-8b] [--no-chain]
+                                      [--chain-only] [--fold-sweep]
 
 A decode step at batch 1 is a chain of weight streams separated by small kernels. This replays,
 from a CUDA graph, the dense part of `--layers` decoder layers of the Llama-3.1-8B shape (and of
@@ -9,7 +10,11 @@ the Inkling `bench` shape), with every layer's weights distinct so nothing stays
 - `cublas`:     add+RMSNorm -> F.linear qkv -> F.linear o -> add+RMSNorm -> F.linear gate_up ->
                 SiLU-and-mul -> F.linear down (Kiln's kernel path with --gemv-max-rows 0);
 - `gemv`:       the same with Kiln's GEMV for every F.linear (the engine with --gemv-max-rows 1);
-- `gemv-nopdl`: `gemv` launched without PDL, so no weight stream starts early.
+- `gemv-nopdl`: `gemv` launched without PDL, so no weight stream starts early;
+- `gemv-glu`:   `gemv` with the SiLU-and-mul in the gate_up GEMV (what the engine runs);
+- `fold`:       `gemv-glu` with both norms in the prologues of the GEMVs after them (qkv, gate_up:
+                `gemv_prenorm`, the engine's --fold-norms-max-hidden); `fold-qkv` folds the first norm only.
+                `--fold-sweep` times `fold` with every candidate tile for the folded GEMVs.
 
 (No attention: the chain isolates the projections and what sits between them.) It prints the
 median time per layer, the bytes it must read, and the fraction of the measured copy bandwidth.
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv
+from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv, gemv_prenorm
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
 
@@ -60,10 +65,26 @@ def make_layers(n_layers, hidden, qkv, attn, inter, dev, dt):
                  down=w(hidden, inter)) for _ in range(n_layers)]
 
 
-def chain(mode, layers, h, attn):
+def chain(mode, layers, h, attn, tile=None):
     """One pass over the layers from the stream h (residual starts at h); returns the last
-    (f, residual). `attn` columns of qkv stand in for the attention output."""
+    (f, residual). `attn` columns of qkv stand in for the attention output. `tile`: the folded
+    GEMVs' tile (`fold` modes)."""
     f, res = h, torch.zeros_like(h)
+    if mode.startswith("fold") or mode == "gemv-glu":
+        for L in layers:
+            if mode.startswith("fold"):
+                q, res, _ = gemv_prenorm(f, res, L["ln1"], 1e-5, L["qkv"], tile=tile)
+            else:
+                x, res = fused_add_rms_norm(f, res, L["ln1"], 1e-5)
+                q = gemv(x, L["qkv"])
+            o = gemv(q[:, :attn], L["o"])
+            if mode == "fold":
+                act, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["gate_up"], glu=True, tile=tile)
+            else:
+                x, res = fused_add_rms_norm(o, res, L["ln2"], 1e-5)
+                act = gemv(x, L["gate_up"], glu=True)
+            f = gemv(act, L["down"])
+        return f, res
     lin = F.linear if mode == "cublas" else gemv
     for L in layers:
         x, res = fused_add_rms_norm(f, res, L["ln1"], 1e-5)
@@ -81,14 +102,17 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile too (* = the rule's)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, from: " + ", ".join(SHAPES))
     ap.add_argument("--no-chain", action="store_true", help="the isolated table only")
+    ap.add_argument("--chain-only", action="store_true", help="the chain table only")
+    ap.add_argument("--fold-sweep", action="store_true", help="the chain's fold mode with every candidate tile")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}", flush=True)
 
-    print(f"\n{'shape':<26}{'rows':>5}{'cuBLAS us':>11}{'GEMV us':>10}{'bound us':>10}{'speedup':>9}")
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
-    for name, (hid, qkv, attn, inter) in shapes.items():
+    if not args.chain_only:
+        print(f"\n{'shape':<26}{'rows':>5}{'cuBLAS us':>11}{'GEMV us':>10}{'bound us':>10}{'speedup':>9}")
+    for name, (hid, qkv, attn, inter) in ({} if args.chain_only else shapes).items():
         mats = {"qkv": (qkv, hid), "o": (hid, attn), "gate_up": (2 * inter, hid), "down": (hid, inter)}
         for proj, (n, k) in mats.items():
             ws = [torch.randn(n, k, device=dev, dtype=dt) for _ in range(max(2, (400 << 20) // (n * k * 2)))]
@@ -119,7 +143,7 @@ def main() -> None:
 
     if args.no_chain:
         return
-    print(f"\n{'chain':<14}{'mode':<13}{'rows':>5}{'us/layer':>10}{'bound':>8}{'of bw':>8}{'max err':>9}")
+    print(f"\n{'chain':<14}{'mode':<22}{'rows':>5}{'us/layer':>10}{'bound':>8}{'of bw':>8}{'max err':>9}")
     for name, (hid, qkv, attn, inter) in shapes.items():
         layers = make_layers(args.layers, hid, qkv, attn, inter, dev, dt)
         layer_bytes = 2 * (qkv * hid + hid * attn + 2 * inter * hid + hid * inter)
@@ -127,14 +151,18 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             h = torch.randn(m, hid, device=dev, dtype=dt)
             ref = None
-            for mode in ("cublas", "gemv", "gemv-nopdl"):
+            modes = [(mode, None) for mode in ("cublas", "gemv", "gemv-nopdl", "gemv-glu", "fold-qkv", "fold")]
+            if args.fold_sweep and m <= FMA_MAX_ROWS:
+                modes += [("fold", tile) for tile in candidate_tiles(m)]
+            for mode, tile in modes:
                 set_pdl(mode != "gemv-nopdl")
-                out = chain(mode, layers, h, attn)[1].float()  # eager: compiles, then checks
+                out = chain(mode, layers, h, attn, tile)[1].float()  # eager: compiles, then checks
                 ref = out if ref is None else ref
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
-                us = triton.testing.do_bench_cudagraph(lambda: chain(mode, layers, h, attn), rep=200,
+                us = triton.testing.do_bench_cudagraph(lambda: chain(mode, layers, h, attn, tile), rep=200,
                                                        return_mode="median") * 1e3 / args.layers
-                print(f"{name:<14}{mode:<13}{m:>5}{us:>10.2f}{bound:>8.2f}{bound / us:>8.1%}{err:>9.1e}", flush=True)
+                label = mode + (" " + tile_name(tile) if tile else "")  # fold without one: `prenorm_tile`
+                print(f"{name:<14}{label:<22}{m:>5}{us:>10.2f}{bound:>8.2f}{bound / us:>8.1%}{err:>9.1e}", flush=True)
             set_pdl(True)
 
 
