@@ -120,8 +120,8 @@ class EngineConfig:
         "each pre-norm (RMSNorm with its residual add) in the prologue of the GEMV that reads it first "
         "(qkv / qkvr, a MoE router, a dense MLP's gate_up): one launch fewer per norm "
         "(kiln/kernels/gemv.py, gemv_prenorm). On an H200 that made the hybrids' bench presets "
-        "(hidden 2048) 2-3%% faster at batch 1 and the Llama-3.1-8B shape (hidden 4096) 10%% slower "
-        "(docs/benchmarks.md, sixteenth pass); 0: never.")
+        "(hidden 2048) about 2%% faster at batch 1 and the Llama-3.1-8B shape (hidden 4096) 11-15%% "
+        "slower (docs/benchmarks.md, sixteenth pass); 0: never.")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch replayed from a CUDA graph; larger ones run eagerly.")
     # Speculative decoding (docs/speculative.md)
     speculative_algorithm: Optional[str] = opt(

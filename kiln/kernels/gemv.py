@@ -235,7 +235,8 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     (an fp32 router weight included); the tile `prenorm_tile` unless given. Returns (y,
     h + residual (h itself when residual is None), the normed rows if `keep_normed` else None).
     The normed values are the norm kernel's up to its statistics: summed in another order, they
-    may differ from it by an ulp of x's dtype."""
+    may differ from it by an ulp of x's dtype. The product may also sum in another order than
+    `gemv`'s, `prenorm_tile` picking another tile than `fma_tile`."""
     m, k = h.shape
     assert m <= FMA_MAX_ROWS, f"the norm prologue takes 1..{FMA_MAX_ROWS} rows, got {m}"
     assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1, (norm_weight.shape, k)
@@ -243,7 +244,7 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     h = h if h.stride(-1) == 1 else h.contiguous()
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    summed = torch.empty_like(h) if residual is not None else h
+    summed = torch.empty_like(h) if residual is not None else h  # without a residual nothing is stored
     normed = torch.empty_like(h) if keep_normed else None
     norm = (residual, norm_weight, float(eps), summed, normed)
     tile = tile or (None if interpreting() else prenorm_tile(m, weight.shape[0], k))

@@ -4,8 +4,9 @@ At a few rows per forward a projection is a pure weight stream. On the engine's 
 the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1 by default on Hopper),
 `decode_linear` runs a Kiln linear layer's matmul as one GEMV launch whose weight stream starts
 before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer;
-`decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV, and `decode_linear_conv`
-a decode ShortConv on the projection's output (Inkling's o_proj + o_conv) into its epilogue.
+`decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV, `decode_linear_conv`
+a decode ShortConv on the projection's output (Inkling's o_proj + o_conv) into its epilogue, and
+`decode_prenorm` a sublayer's pre-norm into the prologue of its first projection (or router).
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
@@ -84,13 +85,14 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
     (`gemv_path`, at most FMA_MAX_ROWS rows; a router's fp32 weight on the router GEMV's path,
     `kiln.kernels.moe_gate.router_logits`), a residual like h, and nothing that must see the
     separate calls: a plain RMSNorm without hooks, and no hooks on the sublayer (whose call the
-    fold may replace by its parts)."""
+    fold may replace by its parts) or on linear (a router's would see its input only after the
+    logits were computed)."""
     if h.dim() != 2 or not 0 < h.shape[0] <= _kernels().FMA_MAX_ROWS:
         return False
     if h.shape[1] > getattr(getattr(batch, "backend", None), "fold_norms_max_hidden", 0):
         return False
     if type(norm).forward is not RMSNorm.forward or any(
-            m._forward_hooks or m._forward_pre_hooks for m in (norm, sublayer)):
+            m._forward_hooks or m._forward_pre_hooks for m in (norm, sublayer, linear)):
         return False
     if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype):
         return False
@@ -114,8 +116,9 @@ def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: t
       the sublayer from y;
     - otherwise the norm runs as before and y is None: the caller calls the sublayer on x."""
     if _folds_norm(norm, sublayer, linear, h, residual, batch, router):
+        # no L2 prefetch for a router, as `router_logits` has none
         return _kernels().gemv_prenorm(h, residual, norm.weight, norm.eps, linear.weight, glu=glu,
-                                       keep_normed=keep_normed, prefetch_bytes=_prefetch_bytes(batch))
+                                       keep_normed=keep_normed, prefetch_bytes=0 if router else _prefetch_bytes(batch))
     x, residual = (norm(h, batch), h) if residual is None else norm(h, batch, residual)
     return None, residual, x
 

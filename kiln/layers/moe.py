@@ -322,7 +322,7 @@ class MiniMaxMoE(nn.Module):
         self.shared_experts = SharedExperts(1, cfg.hidden_size, shared_inter, pc, indexed=False)
 
     def forward(self, x: torch.Tensor, batch=None, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The MoE output; `router_logits`: the gate's logits of x when the caller has them (`SinkGate`)."""
+        """The MoE output; `router_logits`: the gate's logits of x when the caller has them (`MiniMaxGate`)."""
         ids, routed_w = self.gate(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc)
 

@@ -186,19 +186,24 @@ NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1)
 def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
-    (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (the 8B's
-    qkv: residual, normed rows kept), nothing of the norm is read before the wait."""
-    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile
+    (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (Inkling
+    bench's qkvr with `prenorm_tile`: residual, normed rows kept), nothing of the norm is read
+    before the wait."""
+    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
     types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX")}, "eps": "fp32",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
     div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
-    # the tiles the engine launches at the 8B shape (num_warps only changes the layout, not the order)
-    tile = {k: v for k, v in (fma_tile(1, 4096) if fma else dot_tile()).items() if k.startswith("BLOCK")}
+    # the tiles the engine launches at the 8B shape, and with a norm at Inkling bench's qkvr (num_warps
+    # only changes the layout, not the order)
+    tile = prenorm_tile(1, 3328, 2048) if norm else fma_tile(1, 4096) if fma else dot_tile()
+    tile = {k: v for k, v in tile.items() if k.startswith("BLOCK")}
+    if glu:
+        tile["BLOCK_N"] //= 2
     if fma:
-        norm_consts = dict(NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=4096) if norm else NO_NORM
+        norm_consts = dict(NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=2048) if norm else NO_NORM
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, CONV=conv,
                                                 CK=4 if conv else 1, CKP=4 if conv else 1, **norm_consts, **tile)
     else:
@@ -235,7 +240,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
-         "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True), "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
+         "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
+         "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),

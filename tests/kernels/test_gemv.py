@@ -398,9 +398,9 @@ def test_gemv_prenorm_rejects_what_it_cannot_fuse():
 def test_decode_prenorm_folds_only_without_hooks_and_with_its_flag():
     """`decode_prenorm` runs the norm in the GEMV's prologue for h at most the backend's
     `fold_norms_max_hidden` wide and a plain RMSNorm; for a narrower limit, or with a hook on the
-    norm or on the sublayer (the hooks must
-    see the calls), it runs the norm and leaves the projection to the sublayer's call (y None),
-    with the same values (the interpreter: bit for bit)."""
+    norm, the sublayer or its projection (the hooks must see the calls), it runs the norm and
+    leaves the projection to the sublayer's call (y None), with the same values (the
+    interpreter: bit for bit)."""
     from types import SimpleNamespace
 
     from kiln.kernels import gemv as gemv_module
@@ -418,10 +418,12 @@ def test_decode_prenorm_folds_only_without_hooks_and_with_its_flag():
     folded = []
     real = gemv_module.gemv_prenorm
 
+    def batch(flag):
+        return SimpleNamespace(backend=SimpleNamespace(use_kernels=True, gemv_max_rows=4, gemv_prefetch_bytes=0,
+                                                       fold_norms_max_hidden=64 if flag else 63))  # h is 64 wide
+
     def run(flag, residual):
-        backend = SimpleNamespace(use_kernels=True, gemv_max_rows=4, gemv_prefetch_bytes=0,
-                                  fold_norms_max_hidden=64 if flag else 63)  # h is 64 wide
-        return decode_prenorm(norm, sublayer, sublayer.proj, h, residual, SimpleNamespace(backend=backend))
+        return decode_prenorm(norm, sublayer, sublayer.proj, h, residual, batch(flag))
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(gemv_module, "gemv_prenorm", lambda *a, **kw: (folded.append(1), real(*a, **kw))[1])
@@ -431,8 +433,8 @@ def test_decode_prenorm_folds_only_without_hooks_and_with_its_flag():
         assert folded and x is None
         assert torch.equal(y, gemv(want_x, w)) and torch.equal(summed, want_sum)
         y, summed, _ = run(True, None)  # the first layer: no residual, the sum is h itself
-        assert summed is h and torch.equal(y, gemv(norm(h), w))
-        for module in (norm, sublayer):
+        assert summed is h and torch.equal(y, gemv(norm(h, batch(False)), w))  # the norm kernel's
+        for module in (norm, sublayer, sublayer.proj):
             hooked = []
             handle = module.register_forward_pre_hook(lambda *a: hooked.append(1))
             folded.clear()
