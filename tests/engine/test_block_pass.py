@@ -47,28 +47,31 @@ def test_kernel_path_drafts_over_the_paged_context(name, tmp_path_factory):
     core = spec_core(target, 3, kernel_backend="triton", **kw)
     assert core.runner.use_kernels
     calls = count_paged_passes(core)
-    res, drafts, _ = run_spec(core, ps, max_tokens=8)
-    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=8)
+    res, drafts, _ = run_spec(core, ps, max_tokens=4)
+    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=4)
     assert assert_block_reference(core, res, drafts) > 0
+    # the blocks' anchors (run_spec records anchor - 1) sit at every offset of a page
+    offsets = {rid: [(n + 1) % kw["page_size"] for n, _, _ in d] for rid, d in drafts.items()}
+    assert set().union(*offsets.values()) == set(range(kw["page_size"])), offsets
     selector = core.runner.draft_model.candidate_selector is not None
     assert (not calls) if selector else calls, calls
 
 
-def test_kernel_path_splits_the_pass_by_request(tmp_path_factory):
-    # Under exact verification a sampled request draws its drafts from q on the padded pass,
-    # while the greedy request of the same step keeps the paged pass (one request per paged
-    # pass here, where one sampled request used to send the whole step to the padded pass).
-    # Both passes in one step write disjoint rows of the drafter's cache: the greedy output is
-    # plain greedy, every emitted token's logit row is the reference's, q rows are processed.
+def test_kernel_path_drafts_sampled_requests_on_the_paged_pass(tmp_path_factory):
+    # Under exact verification a sampled request drafts on the paged pass with the greedy request
+    # of the same step (until the tenth session it went to the padded pass), its drafts drawn
+    # from q over the pass's logits: the greedy output is plain greedy, every emitted token's
+    # logit row is the reference's, the q rows are the processing of the pass's draft logits.
     pytest.importorskip("triton")
     from tests.engine.test_spec_sampled import FLAGS, assert_q_rows_are_processed_draft_logits, mixed_params, watch
 
     target = make_target("llama", tmp_path_factory)
-    kw = dict(page_size=4, kernel_backend="triton")
+    kw = dict(page_size=4)  # the kernel path for the spec core; plain greedy from the default (reference) path
     # a penalised sampled request (every kind of processing) and a greedy one
     ps = prompts(2, seed=21, lo=12, hi=20)
-    params = [dataclasses.replace(p, max_tokens=9) for p in (mixed_params()[1], mixed_params()[2])]
-    core = spec_core(target, 3, **kw, **FLAGS["tokenwise"])
+    # the sampled r0 (7 tokens, some of its drafts accepted) is in every round of the greedy r1 (5 tokens)
+    params = [dataclasses.replace(p, max_tokens=m) for p, m in ((mixed_params()[1], 7), (mixed_params()[2], 5))]
+    core = spec_core(target, 3, kernel_backend="triton", **kw, **FLAGS["tokenwise"])
     drafter = core.scheduler.spec.drafter
     steps = []  # per drafter step: (rids of its paged pass, rids of its padded passes)
     run, paged_run, padded = drafter.run, drafter.paged.run, drafter._draft
@@ -82,10 +85,10 @@ def test_kernel_path_splits_the_pass_by_request(tmp_path_factory):
     drafter._draft = lambda reqs, ks: (steps[-1][1].extend(r.rid for r in reqs), padded(reqs, ks))[1]
     passes, _ = watch(core)
     res, _, _ = run_spec(core, ps, params=params)
-    both = [s for s in steps if s == (["r1"], ["r0"])]
-    assert len(both) >= 3, steps  # steps that drafted the greedy r1 paged and the sampled r0 padded
-    assert all("r0" not in paged for paged, _ in steps), steps
-    assert res["r1"][1] == run_plain(plain_core(target, **kw), [ps[1]], max_tokens=9)["r0"]
+    both = [s for s in steps if s == (["r0", "r1"], [])]
+    assert len(both) >= 3, steps  # steps that drafted the sampled r0 and the greedy r1 in one paged pass
+    assert not any(padded for _, padded in steps), steps
+    assert res["r1"][1] == run_plain(plain_core(target, **kw), [ps[1]], max_tokens=5)["r0"]
     assert_reference(core, res)
     assert_q_rows_are_processed_draft_logits(passes, min_rows=4)
 
@@ -96,9 +99,9 @@ def test_requests_short_of_pages_for_their_block_draft_on_the_padded_pass(tmp_pa
     # the padded pass, which stores nothing past them, instead of drafting nothing that round.
     pytest.importorskip("triton")
     target = make_target("llama", tmp_path_factory)
-    kw = dict(page_size=4, kernel_backend="triton")
+    kw = dict(page_size=4)  # the kernel path for the spec core; plain greedy from the default (reference) path
     ps = prompts(2, seed=32, lo=12, hi=20)
-    core = spec_core(target, 3, **kw)
+    core = spec_core(target, 3, kernel_backend="triton", **kw)
     spec, cache = core.scheduler.spec, core.scheduler.cache
     grow, make_room, short = cache.grow, spec._make_room, [False]
     cache.grow = lambda r, n: not (short[0] and n > r.seq_len) and grow(r, n)
@@ -118,8 +121,8 @@ def test_requests_short_of_pages_for_their_block_draft_on_the_padded_pass(tmp_pa
     spec._make_room = short_of_pages
     padded, draft = [], spec.drafter._draft
     spec.drafter._draft = lambda reqs, k: (padded.append(len(reqs)), draft(reqs, k))[1]
-    res, drafts, _ = run_spec(core, ps, max_tokens=8)
-    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=8)
+    res, drafts, _ = run_spec(core, ps, max_tokens=6)
+    assert outputs(res) == run_plain(plain_core(target, **kw), ps, max_tokens=6)
     assert len(ks) >= 8 and all(k == 3 for k in ks), ks
     assert padded
     assert assert_block_reference(core, res, drafts) > 0
@@ -147,16 +150,20 @@ def test_oracle_acceptance_on_the_paged_pass(tmp_path_factory):
     # K/V. Drafts (their logits: the real paged pass ran) equal the reference, the output plain greedy.
     pytest.importorskip("triton")
     target = make_target("llama", tmp_path_factory)
-    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=40, kernel_backend="triton")
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=40)
     ps = prompts(3, seed=24, lo=10, hi=40)
-    plain = run_plain(plain_core(target, **kw), ps, max_tokens=14)
-    core = spec_core(target, 3, **kw)
+    plain = run_plain(plain_core(target, **kw), ps, max_tokens=6)  # the default (reference) path
+    core = spec_core(target, 3, kernel_backend="triton", **kw)
     calls = count_paged_passes(core)
     oracle(core, truth(ps, plain), corrupt=0.5, method="_draft_paged")
-    res, drafts, _ = run_spec(core, ps, max_tokens=14)
+    res, drafts, _ = run_spec(core, ps, max_tokens=6)
     assert outputs(res) == plain and calls
     counts = core.stats().spec
     assert 0 < counts.accepted_tokens < sum(counts.proposed), "want both acceptances and rejections"
+    # a block anchored more than one position past the request's previous one: drafts were accepted
+    # and the next block's anchor is inside the previous block's rows
+    anchors = {rid: [n + 1 for n, _, _ in d] for rid, d in drafts.items()}
+    assert any(b - a > 1 for a_s in anchors.values() for a, b in zip(a_s, a_s[1:])), anchors
     assert_reference(core, res)
     assert assert_block_reference(core, res, drafts) > 0
 
@@ -177,9 +184,9 @@ def test_paged_block_pass_replays_from_graphs(name, tmp_path_factory):
     target = make_target(name, tmp_path_factory)
     kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
     if name == "llama":  # a short prompt starts (and finishes) first: the graph of 4 runs 4, then 3 + padding
-        ps, n, max_bs = [prompts(1, seed=30, lo=8, hi=9)[0]] + prompts(3, seed=31, lo=30, hi=40), 6, 4
+        ps, n, max_bs = [prompts(1, seed=30, lo=8, hi=9)[0]] + prompts(3, seed=31, lo=17, hi=25), 3, 4
     else:  # a short context keeps the graphs' whole-context score grid small under the interpreter
-        ps, n, max_bs, kw["context_length"] = prompts(2, seed=31, lo=33, hi=38), 4, 2, 56
+        ps, n, max_bs, kw["context_length"] = prompts(2, seed=31, lo=33, hi=38), 3, 2, 56
     core = spec_core(target, 3, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw)
     runner = core.runner
     runner.graphs = runner._new_graphs()

@@ -28,10 +28,11 @@ the candidate selector's walk over them, `kiln.models.dflash2`), or, for
 sampled requests under exact verification (`sample_drafts`), d_i drawn from
 q_i = the sampler's processing of position i's logits with d_1..d_{i-1} counted as output, q kept
 in `DraftState.q` for the verify. Every ready request's block runs in one batch:
-- on the kernel path (`PagedBlockPass`, `kiln.engine.spec.block_pass`), greedy drafts without
-  DFlash2's selector: the block rows' own K/V are written into the pool past the committed prefix
-  and the blocks attend over the paged context, from one CUDA graph per batch size; the drafts
-  stay on the device (`DraftsInFlight`) for the next verify to gather;
+- on the kernel path (`PagedBlockPass`, `kiln.engine.spec.block_pass`), without DFlash2's
+  selector: the block rows' own K/V are written into the pool past the committed prefix and the
+  blocks attend over the paged context, from one CUDA graph per batch size; greedy drafts stay on
+  the device (`DraftsInFlight`) for the next verify to gather, sampled ones are drawn from the
+  pass's logits on the host;
 - otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
   padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """
@@ -199,23 +200,36 @@ class BlockDraftRunner:
 
     def _split_paged(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
         """(the requests the paged pass drafts, the rest for the padded pass). The paged pass
-        drafts greedy argmax tokens only: not DFlash2's selector walk (no paged pass at all), not
-        drafts drawn from q (they need the host between positions); and each of its requests
-        needs its whole block's pages inside the context (`PagedBlockPass.can_run`). The two
-        passes write disjoint rows of the drafter's cache, so one step can run both."""
+        needs each request's whole block's pages inside the context (`PagedBlockPass.can_run`),
+        and there is none with DFlash2's selector walk. Sampled requests take it too: their drafts
+        are drawn from its logits afterwards (`_draft_paged`). The two passes write disjoint rows
+        of the drafter's cache, so one step can run both."""
         if self.paged is None:
             return [], reqs
         paged, padded = [], []
         for r in reqs:
-            sampled = self.sample_drafts and not r.params.greedy
-            (padded if sampled or not self.paged.can_run([r]) else paged).append(r)
+            (paged if self.paged.can_run([r]) else padded).append(r)
         return paged, padded
 
     def _draft_paged(self, reqs: list[Req], ks: list[int]) -> None:
-        """Draft on the paged pass; the drafts stay on the device (`DraftsInFlight`)."""
+        """Draft on the paged pass. Greedy drafts (its argmax tokens) stay on the device
+        (`DraftsInFlight`); a sampled request's, under exact verification, are drawn from the
+        pass's logits position by position (`_sample`, as after the padded pass), so they and
+        their q are on the host."""
         tokens, logits = self.paged.run(reqs)
         self.flight = DraftsInFlight.start(tokens.clone())
+        sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
+        drawn = {}
+        if sampled:  # over the whole vocabulary (-inf off a token map: q is 0 there)
+            full = self.vocab.full(logits[sampled])
+            row_of = {i: n for n, i in enumerate(sampled)}
+            drawn = self._sample(lambda j, at, prev: full[[row_of[i] for i in at], j], reqs, ks, sampled, None)
         for i, (r, k) in enumerate(zip(reqs, ks)):
+            if i in drawn:
+                r.spec.drafts, r.spec.q, rows = drawn[i]
+                if self.keep_logits:
+                    r.spec.draft_logits = list(rows.clone())
+                continue
             r.spec.set_in_flight(self.flight, i, k)
             if self.keep_logits:  # copies: the graph's logits are overwritten by the next pass
                 r.spec.draft_logits = [self.vocab.full(logits[i, j].clone()) for j in range(k)]
