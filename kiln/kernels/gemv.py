@@ -7,7 +7,8 @@ any byte arrives (docs/benchmarks.md, "seventh pass"). With programmatic depende
 SwiGLU product) exit, before that grid has completed and its writes are visible, and it loads its
 first weight tile *before* `griddepcontrol.wait`: weights are never written by the kernel before
 it, so the stream is under way by the time x is readable. Only x (and, with a ShortConv epilogue,
-its state) is read after the wait. A weight of at most `prefetch_bytes` can also be asked into L2
+its state; with a norm prologue, `gemv_prenorm`, the residual and the norm's weight) is read after
+the wait. A weight of at most `prefetch_bytes` can also be asked into L2
 whole before the wait (`kiln.kernels.prefetch`), so that HBM streams it while the kernel before
 runs; measured slower on an H200 (docs/benchmarks.md, fourteenth pass), so the engine's default
 is 0.
