@@ -74,8 +74,10 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT)
     want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     core = make_core(interp_dir, kernel_backend="triton", **kw)
-    assert core.runner.use_kernels
+    assert core.runner.use_kernels and core.runner.backend.gemv_max_rows == 0  # the GEMV's default off the GPU
+    gemv_calls = _count_gemv(monkeypatch)
     got_out, got_rows = greedy(core, reqs, max_tokens=4)
+    assert not gemv_calls  # --gemv-max-rows 0: every projection on F.linear, no norm folded
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
@@ -159,7 +161,8 @@ def _arch(arch_dir: str) -> str:
 @pytest.mark.parametrize("interp_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
 def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     """Decode steps of at most --gemv-max-rows rows project through Kiln's GEMV and generate what
-    the reference path generates; 0 keeps every projection on F.linear. The GEMV is counted per
+    the reference path generates (0, the CPU's default, keeps every projection on F.linear:
+    `test_kernel_path_equals_reference` checks that). The GEMV is counted per
     weight, so a projection that silently falls back (e.g. loses its `batch`) fails. Under
     --fold-norms-max-hidden (by default) the pre-norms run in the prologues of the first
     projections that read them (the hybrids run only that variant here: the interpreter's time)."""
@@ -173,8 +176,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT)
     want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
-    assert make_core(interp_dir, kernel_backend="triton", **kw).runner.backend.gemv_max_rows == 0  # default off the GPU
-    for rows, fold in (((4, False), (0, False), (4, True)) if llama else ((4, True),)):
+    # (--gemv-max-rows 0, the default on the CPU: test_kernel_path_equals_reference)
+    for rows, fold in (((4, False), (4, True)) if llama else ((4, True),)):
         for c in (calls, glu_calls, conv_calls, norm_calls):
             c.clear()
         # the fold by default (hidden 64 <= --fold-norms-max-hidden's 2048); 0 turns it off
@@ -184,11 +187,11 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         assert got_out == want_out
         for rid in want_rows:
             torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
-        assert _gemv_modules(core, calls) == (GEMV_MODULES[arch] if rows else set())
-        if llama and rows:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer)
+        assert _gemv_modules(core, calls) == GEMV_MODULES[arch]
+        if llama:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer)
             assert sum(calls.values()) == 3 * 2 * 4, calls
         # Every dense MLP's SiLU-and-mul rides in its gate_up GEMV (at most 4 rows: the FMA loop).
-        assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m and rows}
+        assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m}
         # Inkling's o_conv runs in its o_proj GEMV's epilogue, the dense layer's out_conv in its
         # down_proj's (the MoE layers' in the expert down GEMV's, on CUDA only: the CPU engine keeps
         # the MoE reference).
