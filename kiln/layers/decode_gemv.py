@@ -87,9 +87,7 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
     separate calls: a plain RMSNorm without hooks, and no hooks on the sublayer (whose call the
     fold may replace by its parts) or on linear (a router's would see its input only after the
     logits were computed)."""
-    if h.dim() != 2 or not 0 < h.shape[0] <= _kernels().FMA_MAX_ROWS:
-        return False
-    if h.shape[1] > getattr(getattr(batch, "backend", None), "fold_norms_max_hidden", 0):
+    if h.dim() != 2 or h.shape[1] > getattr(getattr(batch, "backend", None), "fold_norms_max_hidden", 0):
         return False
     if type(norm).forward is not RMSNorm.forward or any(
             m._forward_hooks or m._forward_pre_hooks for m in (norm, sublayer, linear)):
@@ -101,7 +99,8 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
                    and kernels_supported(h.device) and kernel_path(batch, h, linear.weight))
     else:
         on_gemv = gemv_path(batch, h, linear)
-    return on_gemv and kernel_path(batch, h, residual, norm.weight)
+    # the row limit last: it imports the kernels, which need Triton (off the kernel path: absent)
+    return on_gemv and kernel_path(batch, h, residual, norm.weight) and 0 < h.shape[0] <= _kernels().FMA_MAX_ROWS
 
 
 def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,

@@ -442,3 +442,23 @@ def test_decode_prenorm_folds_only_without_hooks_and_with_its_flag():
             assert none is None and not folded and torch.equal(summed, want_sum) and torch.equal(x, want_x)
             assert hooked == ([1] if module is norm else [])  # the sublayer's hook runs when the caller calls it
             handle.remove()
+
+
+def test_decode_prenorm_off_the_kernel_path_needs_no_triton():
+    """On a CPU install without Triton (the package does not require it), `decode_prenorm` runs
+    the norm without importing the kernels."""
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import sys; sys.modules['triton'] = None",
+        "import torch; from types import SimpleNamespace",
+        "from kiln.layers.decode_gemv import decode_prenorm",
+        "from kiln.layers.linear import ColumnParallelLinear; from kiln.layers.norm import RMSNorm",
+        "backend = SimpleNamespace(use_kernels=False, gemv_max_rows=0, fold_norms_max_hidden=2048)",
+        "y, s, x = decode_prenorm(RMSNorm(8), torch.nn.Module(), ColumnParallelLinear(8, 4), torch.randn(1, 8),",
+        "                         torch.randn(1, 8), SimpleNamespace(backend=backend))",
+        "assert y is None and x.shape == (1, 8)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
