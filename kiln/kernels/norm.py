@@ -105,10 +105,7 @@ def prenorm_inv_rms(X, R, rm, m_ok, stride_xm, stride_rm, K, eps, HAS_RESIDUAL: 
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask = m_ok[:, None] & (k0 + rk < K)[None, :]
-        v = tl.load(X + rm[:, None] * stride_xm + k0 + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(R + rm[:, None] * stride_rm + k0 + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = (v + r).to(R.dtype.element_ty).to(tl.float32)
+        v = _row_values(X, R, R, rm * stride_xm, rm * stride_rm, rm, k0 + rk, mask, HAS_RESIDUAL, False)
         ss += tl.sum(v * v, axis=1)
     return tl.math.rsqrt(ss / K + eps)
 
