@@ -69,29 +69,24 @@ def chain(mode, layers, h, attn, tile=None):
     """One pass over the layers from the stream h (residual starts at h); returns the last
     (f, residual). `attn` columns of qkv stand in for the attention output. `tile`: the folded
     GEMVs' tile (`fold` modes)."""
-    f, res = h, torch.zeros_like(h)
-    if mode.startswith("fold") or mode == "gemv-glu":
-        for L in layers:
-            if mode.startswith("fold"):
-                q, res, _ = gemv_prenorm(f, res, L["ln1"], 1e-5, L["qkv"], tile=tile)
-            else:
-                x, res = fused_add_rms_norm(f, res, L["ln1"], 1e-5)
-                q = gemv(x, L["qkv"])
-            o = gemv(q[:, :attn], L["o"])
-            if mode == "fold":
-                act, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["gate_up"], glu=True, tile=tile)
-            else:
-                x, res = fused_add_rms_norm(o, res, L["ln2"], 1e-5)
-                act = gemv(x, L["gate_up"], glu=True)
-            f = gemv(act, L["down"])
-        return f, res
     lin = F.linear if mode == "cublas" else gemv
+
+    def project(x, res, ln, w, fold, glu=False):
+        """(the projection by w of norm(x + res), silu(gate) * up of it with glu; x + res)."""
+        if fold:
+            y, res, _ = gemv_prenorm(x, res, ln, 1e-5, w, glu=glu, tile=tile)
+            return y, res
+        x, res = fused_add_rms_norm(x, res, ln, 1e-5)
+        if not glu:
+            return lin(x, w), res
+        return (gemv(x, w, glu=True) if mode == "gemv-glu" or mode.startswith("fold") else silu_and_mul(lin(x, w))), res
+
+    f, res = h, torch.zeros_like(h)
     for L in layers:
-        x, res = fused_add_rms_norm(f, res, L["ln1"], 1e-5)
-        a = lin(x, L["qkv"])[:, :attn]
-        o = lin(a, L["o"])
-        x, res = fused_add_rms_norm(o, res, L["ln2"], 1e-5)
-        f = lin(silu_and_mul(lin(x, L["gate_up"])), L["down"])
+        q, res = project(f, res, L["ln1"], L["qkv"], fold=mode.startswith("fold"))
+        o = lin(q[:, :attn], L["o"])
+        act, res = project(o, res, L["ln2"], L["gate_up"], fold=mode == "fold", glu=True)
+        f = lin(act, L["down"])
     return f, res
 
 
