@@ -89,6 +89,10 @@ class EngineConfig:
     disable_pdl: bool = opt(
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
+    disable_attention_early_kv: bool = opt(
+        False, "With PDL, a decode step's attention kernel reads its first block of older keys before "
+        "waiting for the kernel that writes the new token's K/V (kiln/kernels/decode_attention.py, "
+        "early_kv); this flag reads them after the wait. Bit for bit the same output; for A/B timing.")
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "

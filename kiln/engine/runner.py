@@ -182,7 +182,8 @@ class ModelRunner:
                                     gemv_max_rows=self.gemv_max_rows(),
                                     gemv_prefetch_bytes=self.config.gemv_l2_prefetch_mb << 20,
                                     fused_router_gate=self.config.fused_router_gate,
-                                    fold_norms_max_hidden=self.config.fold_norms_max_hidden)
+                                    fold_norms_max_hidden=self.config.fold_norms_max_hidden,
+                                    early_kv=not self.config.disable_attention_early_kv)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

@@ -124,15 +124,12 @@ def _projected_bias(rel_r, RelW, stride_rw, lam, query_pos, pos, n_mask, offs_r,
 
 
 @triton.jit
-def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
-                 scale_log2, rel_row, g_mask, d_mask, query_pos, key_gap, rel_r, RelW, stride_rw, lam,
-                 offs_r, r_mask, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, APPLY_REL: tl.constexpr, HAS_GAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, REL_PROJ: tl.constexpr):
-    """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one). rel_row
-    points at each head's bias for distance 0 shifted by the query position: rel_row - pos; with
-    REL_PROJ the bias is computed from rel_r and P instead (`_projected_bias`).
-    HAS_GAP (MTP layers): keys at distances 1 .. key_gap - 1 are hidden."""
+def _load_keys(n0, end, token_row, k_base, v_base, stride_ks, stride_vs, d_mask, query_pos, key_gap,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GAP: tl.constexpr, SKIP_QUERY: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of keys n0 .. min(n0 + BLOCK_N, end) - 1, their slots, positions
+    and mask. HAS_GAP (MTP layers): keys at distances 1 .. key_gap - 1 are hidden. SKIP_QUERY: the
+    query's own row (position query_pos) is not read and stays zero (`_decode_kernel`'s EARLY_KV
+    reads it after the wait)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     pos = n0 + offs_n
@@ -142,10 +139,36 @@ def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks
         dist = query_pos - pos
         n_mask = n_mask & ((dist == 0) | (dist >= key_gap))
     kv_mask = n_mask[:, None] & d_mask[None, :]
+    if SKIP_QUERY:
+        kv_mask = kv_mask & (pos != query_pos)[:, None]
     k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
     # V's load is issued with K's, not after the scores. The pipelined loop (num_stages > 1) turns
     # both into asynchronous copies anyway; unpipelined, this saves a memory round trip per block.
     v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v, slots, pos, n_mask
+
+
+@triton.jit
+def _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base, stride_ks, stride_vs,
+                 scale_log2, rel_row, g_mask, d_mask, query_pos, key_gap, rel_r, RelW, stride_rw, lam,
+                 offs_r, r_mask, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, APPLY_REL: tl.constexpr, HAS_GAP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, REL_PROJ: tl.constexpr):
+    """Online-softmax update with keys n0 .. min(n0 + BLOCK_N, end) - 1 (at least one): loaded
+    (`_load_keys`), then `_attend_block`."""
+    k, v, slots, pos, n_mask = _load_keys(n0, end, token_row, k_base, v_base, stride_ks, stride_vs, d_mask,
+                                          query_pos, key_gap, BLOCK_N, BLOCK_D, HAS_GAP, False)
+    return _attend_block(q, k, v, pos, n_mask, m_i, l_i, acc, scale_log2, rel_row, g_mask, query_pos, rel_r,
+                         RelW, stride_rw, lam, offs_r, r_mask, APPLY_REL, HAS_GAP, DOT_PRECISION, REL_PROJ)
+
+
+@triton.jit
+def _attend_block(q, k, v, pos, n_mask, m_i, l_i, acc, scale_log2, rel_row, g_mask, query_pos, rel_r, RelW,
+                  stride_rw, lam, offs_r, r_mask, APPLY_REL: tl.constexpr, HAS_GAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, REL_PROJ: tl.constexpr):
+    """Online-softmax update with one loaded block of keys (`_load_keys`). rel_row points at each
+    head's bias for distance 0 shifted by the query position: rel_row - pos; with REL_PROJ the
+    bias is computed from rel_r and P instead (`_projected_bias`)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if APPLY_REL:
         if REL_PROJ:
@@ -215,9 +238,14 @@ def _decode_kernel(
     HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     MERGE_HERE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr,
     REL_PROJ: tl.constexpr = False,
-    HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+    HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, EARLY_KV: tl.constexpr = False,
 ):
-    wait_for_previous(PDL)
+    """EARLY_KV: the lengths, the page table and every key but the query's own were written before
+    the previous kernel started (a plain decode step: by the host, and by earlier steps), so the
+    first block of keys is read before the PDL wait, while that kernel (the one writing the query
+    and its K/V) still runs; the query's own row is read after it."""
+    if not EARLY_KV:
+        wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -233,28 +261,37 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     if SPLIT:
         if start >= end:  # past this sequence's keys (the merge skips this split)
+            if EARLY_KV:  # every program waits (kiln.kernels.launch), and nothing is written before
+                wait_for_previous(PDL)
             if MERGE_HERE and split == 0:  # no keys at all (graph padding): zeros, as the merge kernel
                 tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                          tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
                          mask=g_mask[:, None] & d_mask[None, :])
             return
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(K.dtype.element_ty)
     # key_offset: where entries are stored (position + offset, the MTP layers' convention)
     token_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt + key_offset
     k_base = K + kvh * stride_kh
     v_base = V + kvh * stride_vh
     query_pos = seq_len - 1
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Keys at distance >= R get no bias: only the last R keys (a tail of the range) pay for
     # loading it, in a second loop.
     rel_start = end
     if HAS_REL:
         rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), end)
+    if EARLY_KV:  # the first block: in the first loop's range, or the second's when that starts here
+        peel_rel = start >= rel_start
+        peel_end = tl.minimum(start + BLOCK_N, tl.where(peel_rel, end, rel_start))
+        k0, v0, slots0, pos0, n_mask0 = _load_keys(start, peel_end, token_row, k_base, v_base, stride_ks,
+                                                   stride_vs, d_mask, query_pos, key_gap, BLOCK_N, BLOCK_D,
+                                                   HAS_GAP, True)
+        wait_for_previous(PDL)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(K.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     rel_row = Rel + b * stride_relb + heads[:, None] * stride_relh + query_pos
     # REL_PROJ: Rel holds r [B, Hq, d_r] (its strides in stride_relb / stride_relh), RelW P [R, d_r]
     offs_r = tl.arange(0, BLOCK_R)
@@ -266,13 +303,31 @@ def _decode_kernel(
                         mask=g_mask[:, None] & r_mask[None, :], other=0.0).to(RelW.dtype.element_ty)
         if HAS_LAM:
             lam = tl.load(Lam + b)
-    for n0 in range(start, rel_start, BLOCK_N):
+    first, first_rel = start, rel_start  # where the two loops start
+    if EARLY_KV:
+        cur = (pos0 == query_pos)[:, None] & d_mask[None, :]  # the query's K/V, written by the previous kernel
+        k0 = tl.where(cur, tl.load(k_base + slots0[:, None] * stride_ks + offs_d[None, :], mask=cur, other=0.0), k0)
+        v0 = tl.where(cur, tl.load(v_base + slots0[:, None] * stride_vs + offs_d[None, :], mask=cur, other=0.0), v0)
+        apply_rel = False
+        if HAS_REL:
+            apply_rel = peel_rel
+        if apply_rel:
+            m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
+                                          query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, HAS_REL, HAS_GAP,
+                                          DOT_PRECISION, REL_PROJ)
+        else:
+            m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
+                                          query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, False, HAS_GAP,
+                                          DOT_PRECISION, REL_PROJ)
+        first = start + BLOCK_N
+        first_rel = tl.where(peel_rel, start + BLOCK_N, rel_start)
+    for n0 in range(first, rel_start, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, n0, rel_start, m_i, l_i, acc, token_row, k_base, v_base,
                                      stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
                                      key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
                                      BLOCK_N, BLOCK_D, False, HAS_GAP, DOT_PRECISION, REL_PROJ)
     if HAS_REL:
-        for n0 in range(rel_start, end, BLOCK_N):
+        for n0 in range(first_rel, end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
                                          stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
                                          key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
@@ -339,7 +394,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
                      num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0,
                      split_counters: Optional[torch.Tensor] = None,
-                     min_split_keys: Optional[int] = None) -> torch.Tensor:
+                     min_split_keys: Optional[int] = None, early_kv: bool = False) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -360,9 +415,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_counters: an int32 buffer of zeros with at least B * Hkv entries, owned by the caller
     and left zeroed by every call: the splits are then merged inside the attention kernel (one
     launch, see the module docstring). Too small or None: a second kernel merges.
+    early_kv: the caller promises that seq_lens, req_slots, req_to_token and every key but each
+    query's own (position seq_len - 1) were written before the kernel before this one started (a
+    plain decode step: its metadata from the host, the older keys from earlier steps). Each
+    program then reads its first block of keys before its PDL wait, overlapping that kernel (the
+    one writing q and the new K/V); the result does not change by a bit. Not with key_gap.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
+    assert not (early_kv and key_gap > 1), "early_kv reads keys before the wait: not for MTP layers (key_gap)"
     assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"
     assert v_cache.shape == k_cache.shape and k_cache.shape[2] == d
     block_d = head_dim_block(d)
@@ -414,7 +475,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1), rel_w.stride(0),
         REL_PROJ=proj is not None, HAS_LAM=proj is not None and proj.lam is not None,
-        BLOCK_R=max(16, triton.next_power_of_2(rel_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(rel_dim)), EARLY_KV=early_kv,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=sliding_window is not None,
         HAS_REL=rel is not None, HAS_GAP=key_gap > 1, DOT_PRECISION=dot_precision(k_cache.dtype),

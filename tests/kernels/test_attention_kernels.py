@@ -213,6 +213,64 @@ def test_decode_cpu_merge_in_kernel_window():
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("window,rel_len,rel_dim,num_splits,merge_here", [
+    (None, None, None, 1, False),  # one split: the query's block is the first
+    (None, None, None, 3, True),   # several blocks per split, merged in the kernel
+    (7, 5, None, 4, False),        # a window (splits start past 0) and a bias tail
+    (None, 100, None, 8, True),    # the bias over every key: the first block is the biased loop's
+    (9, 17, 8, 3, True),           # Inkling's projected bias on a sliding layer
+])
+def test_decode_cpu_early_kv_is_the_same_attention(window, rel_len, rel_dim, num_splits, merge_here):
+    """early_kv (the first block of keys read before the PDL wait, the query's own row after it)
+    equals the reference, and the plain kernel bit for bit, for contexts of 1 key (the query
+    alone), shorter and longer than a block and the window."""
+    lens = [1, 23, 40, 6, 70]
+    _check_decode("cpu", lens, 8, 2, 32, torch.float32, window, rel_len, rel_dim=rel_dim, num_splits=num_splits,
+                  merge_here=merge_here, early_kv=True, seed=3)
+    _assert_early_kv_bitwise("cpu", lens, 8, 2, 32, torch.float32, window, rel_len, rel_dim, num_splits=num_splits)
+
+
+def _assert_early_kv_bitwise(device, lens, hq, hkv, d, dtype, window, rel_len, rel_dim, page_size=1, **kw):
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, r2t, rows = _paged_cache(lens, hkv, d, dtype, device, gen, page_size=page_size)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(device)
+    if rel_dim is not None:
+        rel = _rel_projection(len(lens), hq, rel_len, rel_dim, dtype, device, gen, True)
+    else:
+        rel = None if rel_len is None else torch.randn(len(lens), hq, rel_len, generator=gen).to(device)
+    seq = torch.tensor(lens, device=device)
+    plain = decode_attention(q, k_cache, v_cache, r2t, rows, seq, d ** -0.5, window, rel, **kw)
+    early = decode_attention(q, k_cache, v_cache, r2t, rows, seq, d ** -0.5, window, rel, early_kv=True, **kw)
+    assert torch.equal(early, plain)
+
+
+def test_decode_early_kv_refuses_mtp_layers():
+    q = torch.zeros(1, 2, 16)
+    cache = torch.zeros(4, 1, 16)
+    with pytest.raises(AssertionError, match="not for MTP layers"):
+        decode_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                         torch.ones(1, dtype=torch.int64), 0.25, key_gap=2, early_kv=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,window,rel_len,rel_dim,lens", [
+    (32, 8, 128, None, None, None, [1, 1000, 4097, 300, 8192]),  # Llama-3.1-8B
+    (16, 4, 128, 4096, 1024, 32, [5000, 100, 4096, 1023, 1]),  # Inkling bench, projected bias
+    (16, 4, 128, None, 1024, 32, [1024, 64, 65, 2]),  # Inkling bench, full layer
+])
+def test_decode_cuda_early_kv_is_bit_identical(hq, hkv, d, window, rel_len, rel_dim, lens):
+    """On the GPU the early reads change nothing: bit for bit the plain kernel, with the merge in
+    the kernel as the engine runs it and with one split."""
+    counters = torch.zeros(len(lens) * hkv, dtype=torch.int32, device="cuda")
+    _assert_early_kv_bitwise("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, rel_dim, page_size=16,
+                             split_counters=counters)
+    _assert_early_kv_bitwise("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, rel_dim, page_size=16,
+                             num_splits=1)
+    _check_decode("cuda", lens, hq, hkv, d, torch.bfloat16, window, rel_len, rel_dim=rel_dim, page_size=16,
+                  merge_here=True, early_kv=True)
+
+
+@INTERPRETER_ONLY
 def test_decode_cpu_int64_table_odd_head_dim_fp16_pages():
     _check_decode("cpu", [12, 30], 6, 3, 48, torch.float16, window=20, index_dtype=torch.int64,
                   page_size=4, max_len=30)

@@ -61,10 +61,11 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32", PDL=mtp))
 
 
-def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False) -> None:
+def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False, early_kv: bool = False) -> None:
     """merge_here: the splits merged in the kernel (an acq_rel atomic count, then the last program
     of a head group reads the others' partials through L2). rel_proj: Inkling's bias computed per
-    key from r and P (`RelProjection`), with a full layer's lam."""
+    key from r and P (`RelProjection`), with a full layer's lam. early_kv: the first block's keys
+    are loaded before the PDL wait."""
     from kiln.kernels.decode_attention import _decode_kernel
 
     types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out", "RelW")}, "MidO": "*fp32", "MidLse": "*fp32",
@@ -78,8 +79,12 @@ def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False
                                                    SPLIT=True, HAS_WINDOW=mtp, HAS_REL=mtp or rel_proj, HAS_GAP=mtp,
                                                    DOT_PRECISION="tf32", PDL=True, MERGE_HERE=merge_here,
                                                    MIN_SPLIT=64, BLOCK_H=4, SPLIT_TILE=16, REL_PROJ=rel_proj,
-                                                   HAS_LAM=rel_proj, BLOCK_R=32), divisible=aligned)
+                                                   HAS_LAM=rel_proj, BLOCK_R=32, EARLY_KV=early_kv),
+                       divisible=aligned)
     ptx = asm["ptx"]
+    if early_kv:  # K/V tile loads (plain or asynchronous) are issued before the wait
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        assert "ld.global" in before or "cp.async" in before, "early_kv loads nothing before the PDL wait"
     # The key loop is software-pipelined: the slot indices and the K/V tiles of the next blocks are
     # in flight (asynchronous copies) while a block is scored. A long split is latency-bound without it.
     copies = [line for line in asm["ttgir"].splitlines() if "async_copy_global_to_local" in line]
@@ -247,6 +252,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
+         "decode_early_kv": lambda: decode_attention(False, merge_here=True, early_kv=True),
+         "decode_early_kv_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True),
          "rope": rope, "msa_scores": msa_scores}
 
 

@@ -1,0 +1,23 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twelfth session (2026-12-02): decode attention reads its first block of older keys before the PDL
+# wait (`early_kv`, --disable-attention-early-kv turns it off); docs/benchmarks.md, seventeenth pass.
+# Call 1 of that pass was resid1 (the residual-epilogue experiment, on branch
+# experiment/residual-epilogue).
+# shellcheck shell=bash
+
+lane0_early1() {  # the attention, kernel-path and graph GPU tests; batch 1 with early_kv on (default) / off,
+  # alternated: the 8B and Inkling x2, MiniMax-M3 x1
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} \
+    tests/kernels/test_attention_kernels.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for r in 1 2; do
+    for m in llama8b:$LLAMA inkling:$INK; do
+      step ${m%%:*}_b1_early_$r 60 $DECODE --model-path ${m#*:} $HB --out "$R/json/${m%%:*}_b1_early_$r.json"
+      step ${m%%:*}_b1_late_$r 60 $DECODE --model-path ${m#*:} $HB --disable-attention-early-kv \
+        --out "$R/json/${m%%:*}_b1_late_$r.json"
+    done
+  done
+  step minimax_b1_early 60 $DECODE --model-path $MM $HB --out "$R/json/minimax_b1_early.json"
+  step minimax_b1_late 60 $DECODE --model-path $MM $HB --disable-attention-early-kv --out "$R/json/minimax_b1_late.json"
+}
