@@ -93,6 +93,10 @@ class EngineConfig:
         False, "With PDL, a decode step's attention kernel reads its first block of older keys before "
         "waiting for the kernel that writes the new token's K/V (kiln/kernels/decode_attention.py, "
         "early_kv); this flag reads them after the wait. Bit for bit the same output; for A/B timing.")
+    disable_fused_qkv_rope: bool = opt(
+        False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
+        "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "
+        "one launch fewer per layer; this flag keeps RoPE and the cache write as their own launch.")
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "

@@ -21,3 +21,20 @@ lane0_early1() {  # the attention, kernel-path and graph GPU tests; batch 1 with
   step minimax_b1_early 60 $DECODE --model-path $MM $HB --out "$R/json/minimax_b1_early.json"
   step minimax_b1_late 60 $DECODE --model-path $MM $HB --disable-attention-early-kv --out "$R/json/minimax_b1_late.json"
 }
+
+lane0_rope1() {  # the GEMV, attention, kernel-path, graph and host-sync GPU tests; batch 1 with the qkv GEMV's
+  # RoPE epilogue on (default) / off (--disable-fused-qkv-rope), alternated x3 on the 8B; Llama-3.2-1B-like
+  # Qwen3-0.6B shape is not Llama (qk-norm), so the 8B only
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
+    tests/kernels/test_attention_kernels.py tests/kernels/test_rotary.py tests/engine/test_kernel_path.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_host_sync.py
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for r in 1 2 3; do
+    step llama8b_b1_rope_$r 60 $DECODE --model-path $LLAMA $HB --out "$R/json/llama8b_b1_rope_$r.json"
+    step llama8b_b1_norope_$r 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope \
+      --out "$R/json/llama8b_b1_norope_$r.json"
+  done
+  step llama8b_b1_neither 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope --disable-attention-early-kv \
+    --out "$R/json/llama8b_b1_neither.json"
+}

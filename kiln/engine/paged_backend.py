@@ -47,13 +47,14 @@ class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
                  gemv_max_rows: int = 0, gemv_prefetch_bytes: int = 0, fused_router_gate: bool = False,
-                 fold_norms_max_hidden: int = 0, early_kv: bool = False):
+                 fold_norms_max_hidden: int = 0, early_kv: bool = False, qkv_rope: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.early_kv = early_kv  # decode steps' attention reads older keys before its PDL wait
+        self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
@@ -132,6 +133,23 @@ class PagedBackend:
         assert self.use_kernels
         k_cache, v_cache, space = self._kv(layer)
         q = self.k_rope_store(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, self._loc(batch, space))
+        return self._attend(layer, q, k_cache, v_cache, space, batch, None)
+
+    def decode_rope_args(self, layer, rotary, positions: torch.Tensor, batch: ForwardBatch) -> Optional[tuple]:
+        """The RoPE and cache-write arguments (`kiln.kernels.rotary.rope_store`'s after q, k, v:
+        cos, sin, positions, cache rows, k_cache, v_cache) for a kernel that computes this decode
+        step's q, k, v and can rotate and store them itself (the qkv GEMV's epilogue,
+        `kiln.layers.decode_gemv.decode_qkv_rope`); then `attend_stored` attends. None where the
+        step must take `rope_attention` (not a decode step on the kernel path, or --disable-fused-qkv-rope)."""
+        if not (self.qkv_rope and self.use_kernels and batch.mode == ForwardMode.DECODE):
+            return None
+        k_cache, v_cache, space = self._kv(layer)  # HiCache copies into them are done before the write
+        return rotary.cos, rotary.sin, positions, self._loc(batch, space), k_cache, v_cache
+
+    def attend_stored(self, layer, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q [T, Hq, D] (rotated) over the caches, this step's K/V already written
+        there (`decode_rope_args`)."""
+        k_cache, v_cache, space = self._kv(layer)
         return self._attend(layer, q, k_cache, v_cache, space, batch, None)
 
     def _attend(self, layer, q, k_cache, v_cache, space: str, batch: ForwardBatch,

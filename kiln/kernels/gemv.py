@@ -40,6 +40,7 @@ from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.norm import normed_tile, prenorm_inv_rms
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
+from kiln.kernels.rotary import rope_epilogue, rope_epilogue_args, rope_pair_rows
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
@@ -92,10 +93,11 @@ def dot_tile() -> dict:
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                      NR, NW, NS, NX, stride_nr, eps,
+                     COS, SIN, POS, LOC, KC, VC, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, HQ, HK,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
                      CKP: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr, NORM_KEEP: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr):
+                     NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -108,8 +110,14 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     NORM: x holds a pre-norm sublayer's input h and the product is taken with RMSNorm(h + NR)
     (weight NW, eps; `kiln.kernels.norm.normed_tile`), its statistics computed by every program
     after the wait; program 0 also writes h + NR to NS (NORM_RES) and the normed rows to NX
-    (NORM_KEEP)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    (NORM_KEEP).
+    ROPE: W is a fused qkv projection, each program's rows a head's rotation pairs
+    (`kiln.kernels.rotary.rope_pair_rows`), and the epilogue rotates q into Y and writes k and v into
+    the cache (`rope_epilogue`) instead of storing y."""
+    if ROPE:
+        rn = rope_pair_rows(tl.program_id(0), BLOCK_N, HALF)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_ok = (rn < N)[None, :, None]
@@ -156,8 +164,12 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if CONV:  # the conv reads the projection as the unfused path stores it
         y = decode_conv_epilogue(y.to(CBUF.dtype.element_ty), hist, rm, rm < M, rn, rn < N, CW, stride_cw, CBUF,
                                  stride_cbuf, CLOCS, CK, CKP)
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    if ROPE:
+        rope_epilogue(y, tl.program_id(0), rm, rm < M, Y, stride_ym, COS, SIN, stride_cs, POS, LOC, KC, VC, stride_kcs,
+                      stride_kch, stride_vcs, stride_vch, HQ, HK, BLOCK_M, BLOCK_N, HALF)
+    else:
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -198,7 +210,7 @@ def candidate_tiles(m: int) -> list[dict]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
-         prefetch_bytes: int = 0, conv: Optional[tuple] = None) -> torch.Tensor:
+         prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
@@ -220,13 +232,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     that decode ShortConv of the GEMV's output (row m is sequence m), and the output rows go into
     conv_buf[out_locs], in one launch. Same rounding points as the two launches; the conv's adds
     may be contracted into FMAs here (the ShortConv kernel forbids that), so within a few fp32
-    ulps of them before the final rounding rather than bit for bit (the interpreter: bit for bit)."""
-    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None)
+    ulps of them before the final rounding rather than bit for bit (the interpreter: bit for bit).
+
+    rope (M <= FMA_MAX_ROWS, not glu or conv) = (cos, sin, positions, loc, k_cache, v_cache), the
+    arguments of `kiln.kernels.rotary.rope_store` after q, k, v with cos / sin first: weight is a
+    fused qkv projection [(Hq + 2 Hk) D, K] (k_cache [slots, Hk, D]) and the result is q [M, Hq D]
+    rotated, with k rotated and v written into the caches at rows loc: `rope_store` of the
+    projection, in one launch. Each program's rows are rotation pairs of one head. Same rounding
+    points; the rotation's products may be contracted into FMAs (`rope_store` forbids that), so
+    within a few fp32 ulps of it before the final rounding (the interpreter: bit for bit)."""
+    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope)
 
 
 def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, glu: bool = False, keep_normed: bool = False, prefetch_bytes: int = 0,
-                 tile: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                 tile: Optional[dict] = None, rope: Optional[tuple] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The GEMV of a pre-norm sublayer's first projection with the norm in its prologue:
     x = rms_norm(h + residual) (`kiln.kernels.norm.fused_add_rms_norm`; rms_norm(h) when residual
     is None), then `gemv(x, weight, glu=glu)`, in one launch. Each program computes the row
@@ -237,7 +258,7 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     h + residual (h itself when residual is None), the normed rows if `keep_normed` else None).
     The normed values are the norm kernel's up to its statistics: summed in another order, they
     may differ from it by an ulp of x's dtype. The product may also sum in another order than
-    `gemv`'s, `prenorm_tile` picking another tile than `fma_tile`."""
+    `gemv`'s, `prenorm_tile` picking another tile than `fma_tile`. rope: as `gemv`'s (y is then q)."""
     m, k = h.shape
     assert m <= FMA_MAX_ROWS, f"the norm prologue takes 1..{FMA_MAX_ROWS} rows, got {m}"
     assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1, (norm_weight.shape, k)
@@ -249,7 +270,7 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     normed = torch.empty_like(h) if keep_normed else None
     norm = (residual, norm_weight, float(eps), summed, normed)
     tile = tile or (None if interpreting() else prenorm_tile(m, weight.shape[0], k))
-    y = _launch(h, weight, tile, glu, prefetch_bytes, None, norm)
+    y = _launch(h, weight, tile, glu, prefetch_bytes, None, norm, rope)
     return y, summed, normed
 
 
@@ -268,7 +289,7 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> d
                 NORM_BLOCK=block)
 
 
-def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm) -> torch.Tensor:
+def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -281,8 +302,13 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n_out = n // 2 if glu else n
+    if rope is not None:  # y is q: the k and v rows go into the caches
+        assert m <= FMA_MAX_ROWS and not glu and conv is None and not widen, \
+            "the RoPE epilogue takes 1..4 rows of a qkv projection, without glu or conv"
+        n_out = n - 2 * rope[4].shape[1] * rope[4].shape[2]
     y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
-    args = (x, weight, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0))
+    # N: the weight rows the programs cover (the q, k and v rows with rope)
+    args = (x, weight, y, m, n if rope is not None else n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
@@ -290,11 +316,11 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm) -> torch.Tensor:
         tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
-        grid = triton.cdiv(n_out, tile["BLOCK_N"])
+        grid = triton.cdiv(args[4], tile["BLOCK_N"])
         block_m = triton.next_power_of_2(m)
         _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
                                   **decode_conv_kernel_args(conv, y), **_norm_kernel_args(norm, x, block_m),
-                                  BLOCK_M=block_m, GLU=glu, **tile, **pdl)
+                                  **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu, **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())

@@ -21,6 +21,8 @@ few microseconds each per layer, both bound by latency, not bytes (docs/benchmar
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -154,3 +156,77 @@ def rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device),
     )
     return q_out
+
+
+# ---- RoPE + cache write in the epilogue of the qkv projection (`kiln.kernels.gemv`) -------------
+
+@triton.jit
+def rope_pair_rows(pid, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The BLOCK_N weight rows of a qkv GEMV program that ends in `rope_epilogue`: BLOCK_N / 2
+    rotation pairs of one head, each row d beside its partner d + HALF (head dim 2 * HALF), so
+    that the product's columns split into the two halves. Pairs are numbered over the q, k and v
+    heads in the fused projection's order; BLOCK_N / 2 divides HALF, so a program stays in one head."""
+    i = tl.arange(0, BLOCK_N)
+    pair = pid * (BLOCK_N // 2) + i // 2
+    return (pair // HALF) * (2 * HALF) + pair % HALF + (i % 2) * HALF
+
+
+@triton.jit
+def rope_epilogue(y, pid, rm, m_ok, Q_OUT, stride_qm, COS, SIN, stride_cs, POS, LOC, KC, VC, stride_kcs, stride_kch,
+                  stride_vcs, stride_vch, HQ, HK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HALF: tl.constexpr):
+    """Finish a qkv GEMV program whose rows are `rope_pair_rows`: y [BLOCK_M, BLOCK_N] fp32 sums,
+    row m the token at POS[m] with cache row LOC[m]. The sums are rounded to the projection's
+    dtype (Q_OUT's), then a q head is rotated into Q_OUT [M, HQ * 2 * HALF], a k head rotated into
+    KC [slots, HK, 2 * HALF] and a v head copied into VC, as `rope_store` computes them (its
+    products and sums may be contracted into FMAs here)."""
+    P: tl.constexpr = BLOCK_N // 2
+    x1, x2 = tl.split(tl.reshape(y.to(Q_OUT.dtype.element_ty).to(tl.float32), (BLOCK_M, P, 2)))
+    pair0 = pid * P
+    head = pair0 // HALF
+    j = pair0 % HALF + tl.arange(0, P)
+    ok = m_ok[:, None] & (j < HALF)[None, :]
+    if head < HQ + HK:  # q or k: rotated
+        pos = tl.load(POS + rm, mask=m_ok, other=0).to(tl.int64)
+        c = tl.load(COS + pos[:, None] * stride_cs + j[None, :], mask=ok, other=0.0)
+        s = tl.load(SIN + pos[:, None] * stride_cs + j[None, :], mask=ok, other=0.0)
+        o1 = x1 * c - x2 * s
+        o2 = x2 * c + x1 * s
+    else:
+        o1 = x1
+        o2 = x2
+    if head < HQ:
+        dst = Q_OUT + rm[:, None] * stride_qm + head * (2 * HALF) + j[None, :]
+        tl.store(dst, o1.to(Q_OUT.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, o2.to(Q_OUT.dtype.element_ty), mask=ok)
+    else:
+        loc = tl.load(LOC + rm, mask=m_ok, other=0).to(tl.int64)
+        if head < HQ + HK:
+            dst = KC + loc[:, None] * stride_kcs + (head - HQ) * stride_kch + j[None, :]
+        else:
+            dst = VC + loc[:, None] * stride_vcs + (head - HQ - HK) * stride_vch + j[None, :]
+        # rounded to the projection's dtype first (above), then to the cache's, as `_rotate_heads`
+        tl.store(dst, o1.to(Q_OUT.dtype.element_ty).to(KC.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, o2.to(Q_OUT.dtype.element_ty).to(KC.dtype.element_ty), mask=ok)
+
+
+def rope_epilogue_args(rope: Optional[tuple], y: torch.Tensor, n_rows: int, block_n: int) -> dict:
+    """Launch arguments of a GEMV ending in `rope_epilogue` for weight rows [n_rows, K] into q out
+    y [M, Hq * D]: rope = (cos, sin [positions, D / 2] fp32, positions [M], loc [M], k_cache,
+    v_cache [slots, Hk, D]), or None for none (then y stands in for every pointer)."""
+    if rope is None:
+        return dict(COS=y, SIN=y, POS=y, LOC=y, KC=y, VC=y, stride_cs=0, stride_kcs=0, stride_kch=0, stride_vcs=0,
+                    stride_vch=0, HQ=0, HK=0, ROPE=False, HALF=1)
+    cos, sin, positions, loc, k_cache, v_cache = rope
+    m = y.shape[0]
+    hk, d = k_cache.shape[1:]
+    half = d // 2
+    hq = y.shape[1] // d
+    assert d % 2 == 0 and cos.shape[-1] == half and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert v_cache.shape[1:] == k_cache.shape[1:] and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert n_rows == (hq + 2 * hk) * d, f"qkv rows {n_rows} != (q heads {hq} + 2 x kv heads {hk}) x head dim {d}"
+    assert half % (block_n // 2) == 0 and block_n % 2 == 0, f"tile of {block_n} rows does not pair within a head"
+    assert positions.shape[0] >= m and loc.shape[0] >= m and not loc.is_floating_point()
+    return dict(COS=cos, SIN=sin, POS=positions, LOC=loc, KC=k_cache, VC=v_cache, stride_cs=cos.stride(0),
+                stride_kcs=k_cache.stride(0), stride_kch=k_cache.stride(1), stride_vcs=v_cache.stride(0),
+                stride_vch=v_cache.stride(1), HQ=hq, HK=hk, ROPE=True, HALF=half)

@@ -78,6 +78,14 @@ class Attention(nn.Module):
         return o.reshape(t, self.num_heads * self.head_dim)
 
 
+    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q [T, Hq*D] (already rotated) whose step's K/V a kernel before has written
+        into the cache itself (the qkv GEMV's RoPE epilogue: `PagedBackend.decode_rope_args`)."""
+        t = q.shape[0]
+        o = batch.backend.attend_stored(self, q.view(t, self.num_heads, self.head_dim), batch)
+        return o.reshape(t, self.num_heads * self.head_dim)
+
+
 class PackedAttentionBackend:
     """Trainer / reference backend: whole sequences packed along the token dim, no cache."""
 

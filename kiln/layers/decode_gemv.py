@@ -6,7 +6,8 @@ the forward has at most `batch.backend.gemv_max_rows` rows (`--gemv-max-rows`, 1
 before its predecessor has completed (PDL), then the all-reduce of a row-parallel layer;
 `decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV, `decode_linear_conv`
 a decode ShortConv on the projection's output (Inkling's o_proj + o_conv) into its epilogue, and
-`decode_prenorm` a sublayer's pre-norm into the prologue of its first projection (or router).
+`decode_prenorm` a sublayer's pre-norm into the prologue of its first projection (or router), and
+`decode_qkv_rope` RoPE and the cache write into the epilogue of a qkv projection (`qkv_rope_args`).
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
@@ -27,8 +28,10 @@ from torch import nn
 
 from kiln.kernels import kernel_path, kernels_supported
 from kiln.layers.activation import silu_and_mul
+from kiln.layers.attention import Attention
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding
 from kiln.layers.shortconv import ShortConv
 
 
@@ -78,6 +81,32 @@ def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     return y
 
 
+def qkv_rope_args(attn: nn.Module, rotary: nn.Module, positions: torch.Tensor, x: torch.Tensor,
+                  qkv_proj: nn.Module, batch) -> Optional[tuple]:
+    """The `rope=` arguments of `kiln.kernels.gemv.gemv` when this decode step's qkv projection of x
+    may rotate q and k and write k and v into the cache in its epilogue (then `Attention.attend_stored`
+    attends): the GEMV takes qkv_proj (`gemv_path`, at most FMA_MAX_ROWS rows), `attn` and
+    `rotary` are plain modules without hooks (their calls are replaced), and the backend has them
+    for this step (`PagedBackend.decode_rope_args`: a decode step on the kernel path). None
+    otherwise: the caller then projects and calls the attention with `rope=`."""
+    backend = getattr(batch, "backend", None)
+    if not hasattr(backend, "decode_rope_args") or not gemv_path(batch, x, qkv_proj):
+        return None
+    if type(attn).forward is not Attention.forward or type(rotary).forward is not RotaryEmbedding.forward or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (attn, rotary)):
+        return None
+    if x.shape[0] > _kernels().FMA_MAX_ROWS:
+        return None
+    return backend.decode_rope_args(attn, rotary, positions, batch)
+
+
+def decode_qkv_rope(qkv_proj: nn.Module, x: torch.Tensor, rope: tuple, batch) -> torch.Tensor:
+    """q of qkv_proj(x), rotated, with k rotated and v written into the cache: one GEMV launch
+    (`kiln.kernels.gemv.gemv(rope=)`) for what a qkv projection and `rope_store` do. rope:
+    `qkv_rope_args`'s."""
+    return _kernels().gemv(x, qkv_proj.weight, prefetch_bytes=_prefetch_bytes(batch), rope=rope)
+
+
 def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
                 residual: Optional[torch.Tensor], batch, router: bool) -> bool:
     """Whether norm's work can move into the prologue of linear's GEMV: h at most
@@ -105,19 +134,21 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
 
 def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
                    residual: Optional[torch.Tensor], batch, glu: bool = False, keep_normed: bool = False,
-                   router: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+                   router: bool = False, rope: Optional[tuple] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """The pre-norm of `sublayer`, whose first projection is `linear`: x = norm(h + residual)
     (norm(h) when residual is None). Returns (y, h + residual, x):
     - at decode on the GEMV path (`_folds_norm`), the norm runs in the prologue of linear's GEMV
       (`kiln.kernels.gemv.gemv_prenorm`; one launch fewer) and y = linear(x) (silu(gate) * up with
       glu; with `router`, linear is a MoE router and y its fp32 logits); x is returned with
       `keep_normed` only (for other readers of it), else None. The caller then runs the rest of
-      the sublayer from y;
+      the sublayer from y. With `rope` (`qkv_rope_args`) y is the rotated q of a qkv projection
+      whose k and v are in the cache;
     - otherwise the norm runs as before and y is None: the caller calls the sublayer on x."""
     if _folds_norm(norm, sublayer, linear, h, residual, batch, router):
         # no L2 prefetch for a router, as `router_logits` has none
         return _kernels().gemv_prenorm(h, residual, norm.weight, norm.eps, linear.weight, glu=glu,
-                                       keep_normed=keep_normed, prefetch_bytes=0 if router else _prefetch_bytes(batch))
+                                       keep_normed=keep_normed, prefetch_bytes=0 if router else _prefetch_bytes(batch),
+                                       rope=rope)
     x, residual = (norm(h, batch), h) if residual is None else norm(h, batch, residual)
     return None, residual, x
 

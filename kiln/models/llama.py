@@ -9,7 +9,7 @@ forward never runs them, so the model's logits do not change.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import dataclasses
 
@@ -20,7 +20,8 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_prenorm, decode_swiglu
+from kiln.layers.decode_gemv import (decode_linear, decode_linear_conv, decode_prenorm, decode_qkv_rope, decode_swiglu,
+                                     qkv_rope_args)
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -66,7 +67,19 @@ class LlamaAttention(nn.Module):
                               sliding_window=cfg.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        rope = self.decode_rope(positions, x, batch)
+        if rope is not None:
+            return self.attend_rotated(decode_qkv_rope(self.qkv_proj, x, rope, batch), batch)
         return self.attend(positions, decode_linear(self.qkv_proj, x, batch), batch)
+
+    def decode_rope(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> Optional[tuple]:
+        """The `rope=` arguments when this decode step's qkv GEMV rotates q and k and writes the
+        cache itself (`qkv_rope_args`; not with Qwen3's qk-norm, which comes before RoPE), else None."""
+        return None if self.qk_norm else qkv_rope_args(self.attn, self.rotary, positions, x, self.qkv_proj, batch)
+
+    def attend_rotated(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The attention from a rotated q whose step's K/V the qkv GEMV wrote (`decode_rope`)."""
+        return decode_linear(self.o_proj, self.attn.attend_stored(q, batch), batch)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The attention from its qkv projection on (what `forward` does after its first GEMV)."""
@@ -95,10 +108,17 @@ class LlamaDecoderLayer(nn.Module):
         adds happen inside the norms, fused with them on the kernel path; the reference path
         computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`. With --fold-norms-max-hidden at decode
         each norm runs in the prologue of the GEMV that reads it (`decode_prenorm`), and the layer
-        runs the rest of the sublayer (`attend`, `down`)."""
+        runs the rest of the sublayer (`attend`, `down`; `attend_rotated` where that GEMV also ran
+        RoPE and the cache write, `LlamaAttention.decode_rope`)."""
+        rope = self.self_attn.decode_rope(positions, h, batch)
         qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
-                                          batch)
-        a = self.self_attn(positions, x, batch) if qkv is None else self.self_attn.attend(positions, qkv, batch)
+                                          batch, rope=rope)
+        if qkv is None:
+            a = self.self_attn(positions, x, batch)
+        elif rope is not None:  # qkv is the rotated q
+            a = self.self_attn.attend_rotated(qkv, batch)
+        else:
+            a = self.self_attn.attend(positions, qkv, batch)
         act, residual, x = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate_up_proj, a, residual,
                                           batch, glu=True)
         return (self.mlp(x, batch) if act is None else self.mlp.down(act, batch)), residual

@@ -102,10 +102,11 @@ def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
 
 
 def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None,
-                norm_calls: dict | None = None) -> dict:
+                norm_calls: dict | None = None, rope_calls: dict | None = None) -> dict:
     """Count `kiln.kernels.gemv.gemv` and `gemv_prenorm` calls per weight (by data pointer) from now
     on; those with the SiLU-and-mul folded in (glu=True) also into `glu_calls`, those with a
-    ShortConv epilogue into `conv_calls`, those with a norm prologue into `norm_calls`."""
+    ShortConv epilogue into `conv_calls`, those with a norm prologue into `norm_calls`, those with
+    RoPE and the cache write in their epilogue into `rope_calls`."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
@@ -120,12 +121,14 @@ def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | N
         count(calls, weight)
         count(glu_calls if kw.get("glu") else None, weight)
         count(conv_calls if kw.get("conv") is not None else None, weight)
+        count(rope_calls if kw.get("rope") is not None else None, weight)
         return real(x, weight, **kw)
 
     def counted_prenorm(h, residual, norm_weight, eps, weight, **kw):
         count(calls, weight)
         count(glu_calls if kw.get("glu") else None, weight)
         count(norm_calls, weight)
+        count(rope_calls if kw.get("rope") is not None else None, weight)
         return real_prenorm(h, residual, norm_weight, eps, weight, **kw)
 
     monkeypatch.setattr(gemv_module, "gemv", counted)
@@ -170,7 +173,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     glu_calls: dict[int, int] = {}
     conv_calls: dict[int, int] = {}
     norm_calls: dict[int, int] = {}
-    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls)
+    rope_calls: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls, rope_calls)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
@@ -178,7 +182,7 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     # (--gemv-max-rows 0, the default on the CPU: test_kernel_path_equals_reference)
     for rows, fold in (((4, False), (4, True)) if llama else ((4, True),)):
-        for c in (calls, glu_calls, conv_calls, norm_calls):
+        for c in (calls, glu_calls, conv_calls, norm_calls, rope_calls):
             c.clear()
         # the fold by default (hidden 64 <= --fold-norms-max-hidden's 2048); 0 turns it off
         core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows,
@@ -202,6 +206,9 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         # MoE reference computes its own logits; on CUDA the router GEMV takes it).
         assert _gemv_modules(core, norm_calls) == ({m for m in GEMV_MODULES[arch] if "qkv" in m or "gate_up" in m}
                                                    if fold else set())
+        # Llama's qkv GEMV rotates q and k and writes the cache in its epilogue, folded norm or not
+        # (`qkv_rope_args`); the hybrids have no RoPE.
+        assert _gemv_modules(core, rope_calls) == ({"model.layers.self_attn.qkv_proj"} if llama else set())
 
 
 @pytest.mark.gpu
@@ -228,6 +235,27 @@ def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-3, rtol=1e-3)
     assert _gemv_modules(core, calls) == GEMV_MODULES[arch] | ROUTERS[arch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["llama"], indirect=True)
+@pytest.mark.parametrize("fold", [0, 2048])
+def test_fused_qkv_rope_on_cuda_equals_rope_store(arch_dir, fold, monkeypatch):
+    """On the GPU (compiled, CUDA graphs, fp32, batch 1): the qkv GEMV with RoPE and the cache
+    write in its epilogue (counted), with and without the norm in its prologue, generates what
+    --disable-fused-qkv-rope (the GEMV, then `rope_store`) generates."""
+    reqs = prompts(1, seed=9, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1,
+              fold_norms_max_hidden=fold)
+    want_out, want_rows = greedy(make_core(arch_dir, disable_fused_qkv_rope=True, **kw), reqs, max_tokens=8)
+    rope_calls: dict[int, int] = {}
+    _count_gemv(monkeypatch, rope_calls=rope_calls)
+    core = make_core(arch_dir, **kw)
+    got_out, got_rows = greedy(core, reqs, max_tokens=8)
+    assert _gemv_modules(core, rope_calls) == {"model.layers.self_attn.qkv_proj"}
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -182,22 +182,26 @@ def gemv_router() -> None:
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
-                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, **NO_NORM, **tile))
+                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, **NO_NORM, **tile,
+                      ROPE=False, HALF=1))
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1)
 
 
-def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False) -> None:
+def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False,
+         rope: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
     (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (Inkling
     bench's qkvr with `prenorm_tile`: residual, normed rows kept), nothing of the norm is read
-    before the wait."""
+    before the wait. With the RoPE epilogue (the 8B's qkv, a row pair per program) the weight rows
+    are still streamed before the wait."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
-    types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX")}, "eps": "fp32",
-             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
+    types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX", "KC", "VC")}, "eps": "fp32",
+             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS", "POS", "LOC")},
+             **{n: "*fp32" for n in ("COS", "SIN")}}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
     div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
@@ -210,7 +214,8 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     if fma:
         norm_consts = dict(NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=2048) if norm else NO_NORM
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, CONV=conv,
-                                                CK=4 if conv else 1, CKP=4 if conv else 1, **norm_consts, **tile)
+                                                CK=4 if conv else 1, CKP=4 if conv else 1, **norm_consts, **tile,
+                                                ROPE=rope, HALF=64 if rope else 1)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -246,7 +251,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
-         "gemv_dot_prefetch": lambda: gemv(False, prefetch=True),
+         "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
+         "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
