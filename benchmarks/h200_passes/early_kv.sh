@@ -23,8 +23,8 @@ lane0_early1() {  # the attention, kernel-path and graph GPU tests; batch 1 with
 }
 
 lane0_rope1() {  # the GEMV, attention, kernel-path, graph and host-sync GPU tests; batch 1 with the qkv GEMV's
-  # RoPE epilogue on (default) / off (--disable-fused-qkv-rope), alternated x3 on the 8B; Llama-3.2-1B-like
-  # Qwen3-0.6B shape is not Llama (qk-norm), so the 8B only
+  # RoPE epilogue on (default) / off (--disable-fused-qkv-rope), alternated x3, on the 8B (the only Llama
+  # config here: Qwen3's qk-norm keeps rope_store); then neither early_kv nor the epilogue, once
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
     tests/kernels/test_attention_kernels.py tests/kernels/test_rotary.py tests/engine/test_kernel_path.py \
@@ -37,4 +37,22 @@ lane0_rope1() {  # the GEMV, attention, kernel-path, graph and host-sync GPU tes
   done
   step llama8b_b1_neither 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope --disable-attention-early-kv \
     --out "$R/json/llama8b_b1_neither.json"
+}
+
+lane0_final12() {  # every GPU test with both on by default; batch 1 of the three models; batch 64 with early_kv
+  # on / off (8B, Inkling); the 8B at batch 1 against transformers (static cache + torch.compile)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-220} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+  local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  for m in llama8b:$LLAMA inkling:$INK minimax:$MM; do
+    step ${m%%:*}_b1_default 60 $DECODE --model-path ${m#*:} $HB --out "$R/json/${m%%:*}_b1_default.json"
+  done
+  local H64="--batch-sizes 64 --input-len 1024 --output-len 128 --cuda-graph-max-bs 64"
+  for m in llama8b:$LLAMA inkling:$INK; do
+    step ${m%%:*}_b64_early 70 $DECODE --model-path ${m#*:} $H64 --out "$R/json/${m%%:*}_b64_early.json"
+    step ${m%%:*}_b64_late 70 $DECODE --model-path ${m#*:} $H64 --disable-attention-early-kv \
+      --out "$R/json/${m%%:*}_b64_late.json"
+  done
+  step latency_llama8b ${T_LAT:-110} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
+    --input-len 1024 --output-len 128 --out "$R/json/latency_llama8b.json"
 }
