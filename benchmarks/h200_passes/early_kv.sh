@@ -1,6 +1,8 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # twelfth session (2026-12-02): decode attention reads its first block of older keys before the PDL
-# wait (`early_kv`, --disable-attention-early-kv turns it off); docs/benchmarks.md, seventeenth pass.
+# wait (`early_kv`, --attention-early-kv-max-bs 0 turns it off; calls 2-4 ran the first form of that flag,
+# a boolean --disable-attention-early-kv, with early_kv at every batch size); docs/benchmarks.md,
+# seventeenth pass.
 # Call 1 of that pass was resid1 (the residual-epilogue experiment, on branch
 # experiment/residual-epilogue).
 # shellcheck shell=bash
@@ -14,12 +16,12 @@ lane0_early1() {  # the attention, kernel-path and graph GPU tests; batch 1 with
   for r in 1 2; do
     for m in llama8b:$LLAMA inkling:$INK; do
       step ${m%%:*}_b1_early_$r 60 $DECODE --model-path ${m#*:} $HB --out "$R/json/${m%%:*}_b1_early_$r.json"
-      step ${m%%:*}_b1_late_$r 60 $DECODE --model-path ${m#*:} $HB --disable-attention-early-kv \
+      step ${m%%:*}_b1_late_$r 60 $DECODE --model-path ${m#*:} $HB --attention-early-kv-max-bs 0 \
         --out "$R/json/${m%%:*}_b1_late_$r.json"
     done
   done
   step minimax_b1_early 60 $DECODE --model-path $MM $HB --out "$R/json/minimax_b1_early.json"
-  step minimax_b1_late 60 $DECODE --model-path $MM $HB --disable-attention-early-kv --out "$R/json/minimax_b1_late.json"
+  step minimax_b1_late 60 $DECODE --model-path $MM $HB --attention-early-kv-max-bs 0 --out "$R/json/minimax_b1_late.json"
 }
 
 lane0_rope1() {  # the GEMV, attention, kernel-path, graph and host-sync GPU tests; batch 1 with the qkv GEMV's
@@ -35,7 +37,7 @@ lane0_rope1() {  # the GEMV, attention, kernel-path, graph and host-sync GPU tes
     step llama8b_b1_norope_$r 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope \
       --out "$R/json/llama8b_b1_norope_$r.json"
   done
-  step llama8b_b1_neither 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope --disable-attention-early-kv \
+  step llama8b_b1_neither 60 $DECODE --model-path $LLAMA $HB --disable-fused-qkv-rope --attention-early-kv-max-bs 0 \
     --out "$R/json/llama8b_b1_neither.json"
 }
 
@@ -50,9 +52,22 @@ lane0_final12() {  # every GPU test with both on by default; batch 1 of the thre
   local H64="--batch-sizes 64 --input-len 1024 --output-len 128 --cuda-graph-max-bs 64"
   for m in llama8b:$LLAMA inkling:$INK; do
     step ${m%%:*}_b64_early 70 $DECODE --model-path ${m#*:} $H64 --out "$R/json/${m%%:*}_b64_early.json"
-    step ${m%%:*}_b64_late 70 $DECODE --model-path ${m#*:} $H64 --disable-attention-early-kv \
+    step ${m%%:*}_b64_late 70 $DECODE --model-path ${m#*:} $H64 --attention-early-kv-max-bs 0 \
       --out "$R/json/${m%%:*}_b64_late.json"
   done
   step latency_llama8b ${T_LAT:-110} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 \
     --input-len 1024 --output-len 128 --out "$R/json/latency_llama8b.json"
+}
+
+lane0_early2() {  # early_kv by batch size: the 8B at batch 64 with the default (8: off at 64) against
+  # --attention-early-kv-max-bs 64, alternated x2; at batch 8 the default (on) against 0
+  local H64="--batch-sizes 64 --input-len 1024 --output-len 128 --cuda-graph-max-bs 64"
+  for r in 1 2; do
+    step llama8b_b64_default_$r 70 $DECODE --model-path $LLAMA $H64 --out "$R/json/llama8b_b64_default_$r.json"
+    step llama8b_b64_early_$r 70 $DECODE --model-path $LLAMA $H64 --attention-early-kv-max-bs 64 \
+      --out "$R/json/llama8b_b64_early_$r.json"
+  done
+  local H8="--batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step llama8b_b8_default 60 $DECODE --model-path $LLAMA $H8 --out "$R/json/llama8b_b8_default.json"
+  step llama8b_b8_late 60 $DECODE --model-path $LLAMA $H8 --attention-early-kv-max-bs 0 --out "$R/json/llama8b_b8_late.json"
 }

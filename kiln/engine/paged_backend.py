@@ -47,13 +47,13 @@ class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
                  gemv_max_rows: int = 0, gemv_prefetch_bytes: int = 0, fused_router_gate: bool = False,
-                 fold_norms_max_hidden: int = 0, early_kv: bool = False, qkv_rope: bool = False):
+                 fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, qkv_rope: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
-        self.early_kv = early_kv  # decode steps' attention reads older keys before its PDL wait
+        self.early_kv_max_bs = early_kv_max_bs  # decode steps this small read older keys before the PDL wait
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
@@ -183,10 +183,10 @@ class PagedBackend:
             if batch.mode == ForwardMode.DECODE:
                 # A decode step's lengths and page table come from the host (the scheduler, a
                 # graph's input copies) and its older keys from earlier steps: `early_kv` may
-                # read them before the wait.
+                # read them before the wait (measured faster at batch 1, slower at 64).
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
                                                     layer.scale, win, rel, split_counters=self.split_counters,
-                                                    early_kv=self.early_kv)
+                                                    early_kv=q.shape[0] <= self.early_kv_max_bs)
             if batch.max_extend_len <= SHORT_EXTEND:
                 # A few new tokens per sequence over a long cache (speculative verify): the
                 # extend kernel would run one program per (sequence, head) along the whole

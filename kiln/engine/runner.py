@@ -183,7 +183,7 @@ class ModelRunner:
                                     gemv_prefetch_bytes=self.config.gemv_l2_prefetch_mb << 20,
                                     fused_router_gate=self.config.fused_router_gate,
                                     fold_norms_max_hidden=self.config.fold_norms_max_hidden,
-                                    early_kv=not self.config.disable_attention_early_kv,
+                                    early_kv_max_bs=self.config.attention_early_kv_max_bs,
                                     qkv_rope=not self.config.disable_fused_qkv_rope)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)

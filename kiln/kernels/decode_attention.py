@@ -17,6 +17,10 @@ counter to zero for the next call. At batch-1 decode the merge kernel was a laun
 layer, bound by latency (docs/benchmarks.md). Calls sharing one counter buffer must not run
 concurrently (one stream: each call's programs wait for the previous kernel to complete).
 
+With `early_kv` (a plain decode step) each program loads its lengths, page-table entries and
+first block of keys before its PDL wait, overlapping the kernel that writes q and the new K/V;
+the new token's row is read after the wait (`kiln.kernels.launch`).
+
 Graph capture: the grid depends only on shapes and host ints (B, Hkv, `max_len`), never on
 tensor values; each program derives its key range from `seq_lens` on the device, and splits
 past a sequence's end exit at once. Warm the kernel up once before capturing (Triton compiles

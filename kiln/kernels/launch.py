@@ -13,11 +13,14 @@ first statement, before any load or store, and its wrapper launches it with
 `**pdl_launch(device)`. Waiting first makes the rule hold for every kernel without reasoning
 about which buffers its predecessor touches. Safety is transitive: a kernel runs past its wait
 only once its predecessor has completed, and the predecessor completed only after passing its
-own wait. Two exceptions read something before their wait: the decode GEMV (`kiln.kernels.gemv`)
-its weights, which no kernel writes, and, with the early trigger, the one-token down expert GEMV
-(`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also reads. A successor launches
-only once every program of its predecessor has triggered (after its wait) or exited, so when
-the down kernel starts, everything before the gate/up kernel has completed.
+own wait. Three exceptions read something before their wait: the decode GEMV (`kiln.kernels.gemv`)
+its weights, which no kernel writes; with the early trigger, the one-token down expert GEMV
+(`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also reads; and, in a plain decode
+step (`early_kv`), the decode attention (`kiln.kernels.decode_attention`) its lengths, page-table
+entries and first block of older keys, which the host and earlier steps wrote (the new token's
+K/V row, which its predecessor writes, it reads after the wait). A successor launches only once
+every program of its predecessor has triggered (after its wait) or exited, so when such a kernel
+starts, everything before its predecessor has completed.
 
 By default a kernel does not trigger its successor's launch early
 (`griddepcontrol.launch_dependents`): the successor launches when this kernel's programs exit.
