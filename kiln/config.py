@@ -90,11 +90,11 @@ class EngineConfig:
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")
     attention_early_kv_max_bs: int = opt(
-        8, "With PDL, the attention kernel of a decode step of at most this many sequences reads its "
+        1, "With PDL, the attention kernel of a decode step of at most this many sequences reads its "
         "first block of older keys before waiting for the kernel that writes the new token's K/V "
         "(kiln/kernels/decode_attention.py, early_kv); larger steps read them after the wait; 0: "
         "never. Bit for bit the same output. On an H200 it made batch 1 1-2%% faster and the 8B "
-        "shape's batch 64 3%% slower (docs/benchmarks.md, seventeenth pass).")
+        "shape 5%% slower at batch 8 and 4%% at 64 (docs/benchmarks.md, seventeenth pass).")
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "

@@ -59,7 +59,7 @@ lane0_final12() {  # every GPU test with both on by default; batch 1 of the thre
     --input-len 1024 --output-len 128 --out "$R/json/latency_llama8b.json"
 }
 
-lane0_early2() {  # early_kv by batch size: the 8B at batch 64 with the default (8: off at 64) against
+lane0_early2() {  # early_kv by batch size (call 5 ran the default of then, 8; it is 1 since): the 8B at batch 64 with the default (off at 64) against
   # --attention-early-kv-max-bs 64, alternated x2; at batch 8 the default (on) against 0
   local H64="--batch-sizes 64 --input-len 1024 --output-len 128 --cuda-graph-max-bs 64"
   for r in 1 2; do

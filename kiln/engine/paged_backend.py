@@ -183,7 +183,7 @@ class PagedBackend:
             if batch.mode == ForwardMode.DECODE:
                 # A decode step's lengths and page table come from the host (the scheduler, a
                 # graph's input copies) and its older keys from earlier steps: `early_kv` may
-                # read them before the wait (measured faster at batch 1, slower at 64).
+                # read them before the wait (measured faster at batch 1, slower at 8 and 64).
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
                                                     layer.scale, win, rel, split_counters=self.split_counters,
                                                     early_kv=q.shape[0] <= self.early_kv_max_bs)
