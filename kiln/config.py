@@ -98,7 +98,9 @@ class EngineConfig:
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "
-        "one launch fewer per layer; this flag keeps RoPE and the cache write as their own launch.")
+        "one launch fewer per layer; this flag keeps RoPE and the cache write as their own launch "
+        "(rope_store). The epilogue's rotation may contract into FMAs, so the two can differ by an "
+        "ulp of the model's dtype on a GPU (docs/benchmarks.md, seventeenth pass: 1%% faster).")
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "
@@ -172,6 +174,9 @@ class EngineConfig:
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if self.gemv_l2_prefetch_mb < 0:
             raise ValueError(f"--gemv-l2-prefetch-mb takes 0 (off) or more, got {self.gemv_l2_prefetch_mb}")
+        if self.attention_early_kv_max_bs < 0:
+            raise ValueError(f"--attention-early-kv-max-bs takes 0 (never) or more sequences, got "
+                             f"{self.attention_early_kv_max_bs}")
         if self.pdl_early_trigger_max_tokens < 0:
             raise ValueError(f"--pdl-early-trigger-max-tokens takes 0 (no graph) or more rows, got "
                              f"{self.pdl_early_trigger_max_tokens}")

@@ -309,13 +309,15 @@ def _decode_kernel(
             lam = tl.load(Lam + b)
     first, first_rel = start, rel_start  # where the two loops start
     if EARLY_KV:
-        cur = (pos0 == query_pos)[:, None] & d_mask[None, :]  # the query's K/V, written by the previous kernel
+        cur = ((pos0 == query_pos) & n_mask0)[:, None] & d_mask[None, :]  # the query's K/V: the previous kernel's
         k0 = tl.where(cur, tl.load(k_base + slots0[:, None] * stride_ks + offs_d[None, :], mask=cur, other=0.0), k0)
         v0 = tl.where(cur, tl.load(v_base + slots0[:, None] * stride_vs + offs_d[None, :], mask=cur, other=0.0), v0)
         apply_rel = False
         if HAS_REL:
             apply_rel = peel_rel
-        if apply_rel:
+        if start >= end:  # no keys (a sequence of length 0): nothing to attend, as the loops would do
+            pass
+        elif apply_rel:
             m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
                                           query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, HAS_REL, HAS_GAP,
                                           DOT_PRECISION, REL_PROJ)
@@ -339,7 +341,7 @@ def _decode_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
-        # l_i is 0 only for an empty sequence (seq_len 0, e.g. graph padding): write zeros.
+        # l_i is 0 only for an empty sequence (seq_len 0): write zeros.
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(Out.dtype.element_ty), mask=out_mask)
@@ -428,6 +430,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert not (early_kv and key_gap > 1), "early_kv reads keys before the wait: not for MTP layers (key_gap)"
+    # a copy made here would be the kernel before this one, whose output early_kv reads before the wait
+    assert not early_kv or all(t.stride(-1) == 1 for t in (k_cache, v_cache, req_to_token)), \
+        "early_kv needs the caches and the table with a contiguous last dim (no copy before the kernel)"
     assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"
     assert v_cache.shape == k_cache.shape and k_cache.shape[2] == d
     block_d = head_dim_block(d)

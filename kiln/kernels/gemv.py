@@ -320,7 +320,8 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None) -> torc
         block_m = triton.next_power_of_2(m)
         _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
                                   **decode_conv_kernel_args(conv, y), **_norm_kernel_args(norm, x, block_m),
-                                  **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu, **tile, **pdl)
+                                  **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
+                                  **tile, **pdl)
         return y
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())

@@ -102,7 +102,7 @@ def pdl_launch(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """First statement of every kernel (but for the two exceptions of the module docstring): with
+    """First statement of every kernel (but for the exceptions of the module docstring): with
     PDL, wait until the previous kernel has completed and its writes are visible; with PDL == 2,
     then let the successor launch. A no-op without PDL."""
     if PDL:

@@ -206,6 +206,7 @@ def rope_epilogue(y, pid, rm, m_ok, Q_OUT, stride_qm, COS, SIN, stride_cs, POS, 
         else:
             dst = VC + loc[:, None] * stride_vcs + (head - HQ - HK) * stride_vch + j[None, :]
         # rounded to the projection's dtype first (above), then to the cache's, as `_rotate_heads`
+        # (the K and V caches share one dtype: `rope_epilogue_args`)
         tl.store(dst, o1.to(Q_OUT.dtype.element_ty).to(KC.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, o2.to(Q_OUT.dtype.element_ty).to(KC.dtype.element_ty), mask=ok)
 
@@ -227,6 +228,7 @@ def rope_epilogue_args(rope: Optional[tuple], y: torch.Tensor, n_rows: int, bloc
     assert n_rows == (hq + 2 * hk) * d, f"qkv rows {n_rows} != (q heads {hq} + 2 x kv heads {hk}) x head dim {d}"
     assert half % (block_n // 2) == 0 and block_n % 2 == 0, f"tile of {block_n} rows does not pair within a head"
     assert positions.shape[0] >= m and loc.shape[0] >= m and not loc.is_floating_point()
+    assert positions.stride(0) == 1 and loc.stride(0) == 1 and k_cache.dtype == v_cache.dtype
     return dict(COS=cos, SIN=sin, POS=positions, LOC=loc, KC=k_cache, VC=v_cache, stride_cs=cos.stride(0),
                 stride_kcs=k_cache.stride(0), stride_kch=k_cache.stride(1), stride_vcs=v_cache.stride(0),
                 stride_vch=v_cache.stride(1), HQ=hq, HK=hk, ROPE=True, HALF=half)

@@ -134,7 +134,8 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
 
 def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
                    residual: Optional[torch.Tensor], batch, glu: bool = False, keep_normed: bool = False,
-                   router: bool = False, rope: Optional[tuple] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+                   router: bool = False, rope: Optional[tuple] = None
+                   ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """The pre-norm of `sublayer`, whose first projection is `linear`: x = norm(h + residual)
     (norm(h) when residual is None). Returns (y, h + residual, x):
     - at decode on the GEMV path (`_folds_norm`), the norm runs in the prologue of linear's GEMV

@@ -88,6 +88,26 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
     assert not core.runner.backend.split_counters.any()  # every call leaves them zeroed
 
 
+@pytest.mark.parametrize("interp_dir", ["llama", "inkling"], indirect=True)
+def test_kernel_path_early_kv_at_batch_1_is_bit_identical(interp_dir, monkeypatch):
+    """Decode steps of at most --attention-early-kv-max-bs sequences (1 by default) run the
+    attention with `early_kv` (counted), and the engine's logits equal those of 0 (never) bit for
+    bit; a verify or a larger step never takes it."""
+    from kiln.kernels import attention as attn_kernels
+
+    early = _count_calls(monkeypatch, attn_kernels, "decode_attention", when=lambda *a, **kw: kw.get("early_kv"))
+    reqs = prompts(1, seed=10, lo=20, hi=30)
+    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT,
+              kernel_backend="triton")
+    want_out, want_rows = greedy(make_core(interp_dir, attention_early_kv_max_bs=0, **kw), reqs, max_tokens=4)
+    assert early[0] == 0
+    got_out, got_rows = greedy(make_core(interp_dir, **kw), reqs, max_tokens=4)
+    assert early[0] > 0
+    assert got_out == want_out
+    for rid in want_rows:
+        assert torch.equal(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]))
+
+
 def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
     """[calls] of module.name from now on (a list, so that the caller sees the count grow); with
     `when`, only the calls whose arguments it accepts."""

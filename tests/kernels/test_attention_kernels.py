@@ -277,7 +277,8 @@ def test_decode_cpu_int64_table_odd_head_dim_fp16_pages():
 
 
 @INTERPRETER_ONLY
-def test_decode_cpu_empty_sequence_gives_zeros(monkeypatch):
+@pytest.mark.parametrize("early_kv", [False, True])
+def test_decode_cpu_empty_sequence_gives_zeros(early_kv, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, r2t, rows = _paged_cache([5, 9], 2, 16, torch.float32, "cpu", gen)
     q = torch.randn(2, 4, 16)
@@ -287,7 +288,7 @@ def test_decode_cpu_empty_sequence_gives_zeros(monkeypatch):
     for splits, counters in ((1, None), (4, None), (4, torch.zeros(4, dtype=torch.int32))):
         with _no_merge_kernel(counters is not None):
             out = decode_attention(q, k_cache, v_cache, r2t, rows, torch.tensor([0, 9]), 0.25,
-                                   num_splits=splits, split_counters=counters)
+                                   num_splits=splits, split_counters=counters, early_kv=early_kv)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         want = paged_decode_attention(q[1:], k_cache, v_cache, r2t, rows[1:], torch.tensor([9]), 0.25)
         torch.testing.assert_close(out[1:], want, atol=1e-4, rtol=1e-4)

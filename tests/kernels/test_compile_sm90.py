@@ -82,9 +82,9 @@ def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False
                                                    HAS_LAM=rel_proj, BLOCK_R=32, EARLY_KV=early_kv),
                        divisible=aligned)
     ptx = asm["ptx"]
-    if early_kv:  # K/V tile loads (plain or asynchronous) are issued before the wait
+    if early_kv:  # vector loads of the K/V tile (not only the scalar lengths) are issued before the wait
         before = ptx[:ptx.index("griddepcontrol.wait")]
-        assert "ld.global" in before or "cp.async" in before, "early_kv loads nothing before the PDL wait"
+        assert "ld.global.v4" in before or "cp.async" in before, "early_kv loads no K/V tile before the PDL wait"
     # The key loop is software-pipelined: the slot indices and the K/V tiles of the next blocks are
     # in flight (asynchronous copies) while a block is scored. A long split is latency-bound without it.
     copies = [line for line in asm["ttgir"].splitlines() if "async_copy_global_to_local" in line]
@@ -221,8 +221,8 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.v4" in ptx[:wait], "the weight stream must start before the PDL wait"
-    if norm:  # the weight tile only, as without the norm: the norm's inputs come after the wait
-        plain = compile_sm90(kernel, types, {**consts, **NO_NORM}, divisible=div)["ptx"]
+    if norm or rope:  # the weight tile only, as without them: the norm's and RoPE's inputs come after the wait
+        plain = compile_sm90(kernel, types, {**consts, **NO_NORM, "ROPE": False, "HALF": 1}, divisible=div)["ptx"]
         assert ptx[:wait].count("ld.global") == plain[:plain.index("griddepcontrol.wait")].count("ld.global")
     if prefetch:
         assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait], "the L2 prefetch must be issued before the wait"
