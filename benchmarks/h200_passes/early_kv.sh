@@ -71,10 +71,3 @@ lane0_early2() {  # early_kv by batch size (call 5 ran the default of then, 8; i
   step llama8b_b8_default 60 $DECODE --model-path $LLAMA $H8 --out "$R/json/llama8b_b8_default.json"
   step llama8b_b8_late 60 $DECODE --model-path $LLAMA $H8 --attention-early-kv-max-bs 0 --out "$R/json/llama8b_b8_late.json"
 }
-
-lane0_review12() {  # after the review fixes (an empty sequence with one split under early_kv, the query row's
-  # mask): the attention, GEMV and kernel-path GPU tests
-  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
-  step gpu_tests ${T_TESTS:-120} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} \
-    tests/kernels/test_attention_kernels.py tests/kernels/test_gemv.py tests/engine/test_kernel_path.py
-}
