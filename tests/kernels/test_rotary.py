@@ -1,7 +1,8 @@
 """Triton RoPE vs the reference `RotaryEmbedding.forward`: bit-identical (the kernel rounds every
 product and sum like the reference's separate ops).
 
-"cpu" cases run under Triton's interpreter (fp32); "cuda" cases compile in fp32 and bf16.
+"cpu" cases run under Triton's interpreter (fp32); "cuda" cases compile in fp32 and bf16. The
+last tests cover RoPE and the cache write in the qkv GEMV's epilogue (`rope_epilogue`).
 """
 
 from __future__ import annotations
@@ -96,3 +97,56 @@ def test_rope_store_casts_like_the_reference_and_handles_no_tokens(device):
 @pytest.mark.gpu
 def test_rope_bf16_prefill_shape():
     _check("cuda", torch.bfloat16, 4096, 32, 8, 128, scaling=LLAMA3, seed=1)
+
+
+# ---- RoPE and the cache write in the qkv GEMV's epilogue (`gemv(rope=)`, `rope_epilogue`) ------
+
+def _check_rope_epilogue(device, dtype, m, hq, hk, d, k, prenorm, exact):
+    """`gemv(rope=)` (or `gemv_prenorm(rope=)`) against the GEMV then `rope_store`: q, the k cache
+    rows and the v cache rows, and no other cache row touched."""
+    from kiln.kernels.gemv import gemv, gemv_prenorm
+
+    n = (hq + 2 * hk) * d
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    rot = RotaryEmbedding(d, 4096, 10000.0).to(device)
+    gen = torch.Generator().manual_seed(m + d)
+    positions = torch.randint(0, 4096, (m,), generator=gen).to(device)
+    loc = torch.randperm(64, generator=gen)[:m].to(device)
+    kc, vc = (torch.randn(64, hk, d, generator=gen).to(dtype).to(device) for _ in range(2))
+    caches = [kc, vc, kc.clone(), vc.clone()]  # the reference's, then the epilogue's
+    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(device)
+    if prenorm:
+        qkv, _, _ = gemv_prenorm(x, None, nw, 1e-6, w)
+        got_q, _, _ = gemv_prenorm(x, None, nw, 1e-6, w, rope=(rot.cos, rot.sin, positions, loc, *caches[2:]))
+    else:
+        qkv = gemv(x, w)
+        got_q = gemv(x, w, rope=(rot.cos, rot.sin, positions, loc, *caches[2:]))
+    q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=1)
+    want_q = rope_store(positions, q.view(m, hq, d), kk.view(m, hk, d), v.view(m, hk, d), rot.cos, rot.sin,
+                        caches[0], caches[1], loc)
+    close = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    tol = dict(rtol=0, atol=0) if exact else close
+    assert got_q.shape == (m, hq * d)
+    torch.testing.assert_close(got_q, want_q.view(m, -1), **tol)
+    torch.testing.assert_close(caches[2], caches[0], **tol)  # k rows rotated, the rest untouched
+    assert torch.equal(caches[3], caches[1])  # v rows copied
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("hq,hk,d,k,prenorm", [(4, 2, 16, 64, False), (6, 2, 8, 200, True), (2, 2, 32, 40, False)])
+def test_gemv_rope_epilogue_is_gemv_then_rope_store(device, dtype, m, hq, hk, d, k, prenorm):
+    """The qkv GEMV with RoPE and the cache write in its epilogue: what the GEMV then `rope_store`
+    give, bit for bit under the interpreter (GQA, ragged K, with the norm in the prologue too)."""
+    _check_rope_epilogue(device, dtype, m, hq, hk, d, k, prenorm, exact=device == "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("hq,hk,d,k,prenorm", [(32, 8, 128, 4096, False), (32, 8, 64, 2048, True),
+                                               (9, 3, 64, 576, True)])
+def test_gemv_rope_epilogue_real_shapes(m, hq, hk, d, k, prenorm):
+    """Llama-3.1-8B, Llama-3.2-1B (norm folded), SmolLM2-135M (norm folded), bf16."""
+    _check_rope_epilogue("cuda", torch.bfloat16, m, hq, hk, d, k, prenorm, exact=False)
