@@ -244,10 +244,7 @@ def _decode_kernel(
     REL_PROJ: tl.constexpr = False,
     HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, EARLY_KV: tl.constexpr = False,
 ):
-    """EARLY_KV: the lengths, the page table and every key but the query's own were written before
-    the previous kernel started (a plain decode step: by the host, and by earlier steps), so the
-    first block of keys is read before the PDL wait, while that kernel (the one writing the query
-    and its K/V) still runs; the query's own row is read after it."""
+    """EARLY_KV: `decode_attention`'s early_kv (the first block of keys read before the PDL wait)."""
     if not EARLY_KV:
         wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -315,16 +312,15 @@ def _decode_kernel(
         apply_rel = False
         if HAS_REL:
             apply_rel = peel_rel
-        if start >= end:  # no keys (a sequence of length 0): nothing to attend, as the loops would do
-            pass
-        elif apply_rel:
-            m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
-                                          query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, HAS_REL, HAS_GAP,
-                                          DOT_PRECISION, REL_PROJ)
-        else:
-            m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
-                                          query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, False, HAS_GAP,
-                                          DOT_PRECISION, REL_PROJ)
+        if start < end:  # (a sequence of length 0 has no keys: the loops would not run either)
+            if apply_rel:
+                m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
+                                              query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, HAS_REL,
+                                              HAS_GAP, DOT_PRECISION, REL_PROJ)
+            else:
+                m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
+                                              query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, False,
+                                              HAS_GAP, DOT_PRECISION, REL_PROJ)
         first = start + BLOCK_N
         first_rel = tl.where(peel_rel, start + BLOCK_N, rel_start)
     for n0 in range(first, rel_start, BLOCK_N):
