@@ -32,6 +32,12 @@ from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
 @triton.jit
+def _rotate(x1, x2, c, s):
+    """The rotate-half rotation of fp32 halves x1, x2 by cos c and sin s (broadcast like them)."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
                   stride_oh, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rotate heads 0..n_heads-1 of one token: x at x_ptr (head stride stride_h), out at out_ptr
@@ -44,9 +50,7 @@ def _rotate_heads(x_ptr, out_ptr, stride_h, n_heads, c, s, d, d_ok,
         x1 = tl.load(src, mask=m, other=0.0)
         x2 = tl.load(src + HALF, mask=m, other=0.0)
         dtype = x1.dtype
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = x1 * c[None, :] - x2 * s[None, :]
-        o2 = x2 * c[None, :] + x1 * s[None, :]
+        o1, o2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c[None, :], s[None, :])
         dst = out_ptr + h[:, None] * stride_oh + d[None, :]
         tl.store(dst, o1.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
         tl.store(dst + HALF, o2.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
@@ -190,8 +194,7 @@ def rope_epilogue(y, pid, rm, m_ok, Q_OUT, stride_qm, COS, SIN, stride_cs, POS, 
         pos = tl.load(POS + rm, mask=m_ok, other=0).to(tl.int64)
         c = tl.load(COS + pos[:, None] * stride_cs + j[None, :], mask=ok, other=0.0)
         s = tl.load(SIN + pos[:, None] * stride_cs + j[None, :], mask=ok, other=0.0)
-        o1 = x1 * c - x2 * s
-        o2 = x2 * c + x1 * s
+        o1, o2 = _rotate(x1, x2, c, s)
     else:
         o1 = x1
         o2 = x2
