@@ -66,8 +66,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
                               sliding_window=cfg.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        rope = self.decode_rope(positions, x, batch)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                rope: Optional[tuple] = None) -> torch.Tensor:
+        """o_proj(attention(qkv_proj(x))); `rope`: `decode_rope`'s arguments when the caller has them
+        (else looked up here)."""
+        rope = rope if rope is not None else self.decode_rope(positions, x, batch)
         if rope is not None:
             return self.attend_rotated(decode_qkv_rope(self.qkv_proj, x, rope, batch), batch)
         return self.attend(positions, decode_linear(self.qkv_proj, x, batch), batch)
@@ -114,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
                                           batch, rope=rope)
         if qkv is None:
-            a = self.self_attn(positions, x, batch)
+            a = self.self_attn(positions, x, batch, rope=rope)
         elif rope is not None:  # qkv is the rotated q
             a = self.self_attn.attend_rotated(qkv, batch)
         else:
