@@ -1,0 +1,25 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# thirteenth session (2026-12-03): the speculative rounds against today's plain step, where a
+# round's time goes, and the batch-64 idle fraction; docs/benchmarks.md, eighteenth pass.
+# shellcheck shell=bash
+
+lane0_rounds1() {  # the GPU tests of what the twelfth session changed on the CPU only (decode attention's
+  # empty-sequence guard and early_kv masks, the shared rotation, the Llama layer's rope hand-over) and of the
+  # speculative graphs; Inkling plain decode against K = 3 MTP rounds at batch 1/8/32; a K = 3 round's host
+  # phases and GPU timeline at batch 1; the 8B's GPU idle fraction at batch 64
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-170} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
+    tests/kernels/test_attention_kernels.py tests/kernels/test_rotary.py tests/engine/test_kernel_path.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_speculative.py tests/engine/test_host_sync.py
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32"
+  step inkling_plain 70 $DECODE $SP --batch-sizes 1,8,32 --out "$R/json/inkling_plain.json"
+  step inkling_mtp3 80 $DECODE $SP --batch-sizes 1,8,32 --speculative-algorithm mtp --speculative-num-steps 3 \
+    --out "$R/json/inkling_mtp3.json"
+  step inkling_mtp3_phases 50 $DECODE $SP --batch-sizes 1 --speculative-algorithm mtp --speculative-num-steps 3 \
+    --host-phases --profile-steps 20 --out "$R/json/inkling_mtp3_phases.json"
+  step inkling_mtp3_profile 60 $DECODE $SP --batch-sizes 1 --speculative-algorithm mtp --speculative-num-steps 3 \
+    --profile --profile-steps 10 --kernel-rows 70 --trace "$R/json/inkling_mtp3_trace.json.gz" \
+    --out "$R/json/inkling_mtp3_profile.json"
+  step llama8b_b64_idle 70 $DECODE --model-path $LLAMA --batch-sizes 64 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 64 --profile --out "$R/json/llama8b_b64_idle.json"
+}
