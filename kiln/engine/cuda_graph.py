@@ -144,21 +144,23 @@ class CudaGraphRunner:
         n = batch.batch_size
         bs = next(s for s in self.sizes_of[q] if s >= n)
         t, tp = n * q, bs * q
-        self.input_ids[:t].copy_(batch.input_ids)
-        self.positions[:t].copy_(batch.positions)
-        self.out_loc[:t].copy_(batch.out_cache_loc)
+        # The inputs in one multi-tensor copy (one launch on CUDA where every pair is dense with
+        # equal strides; torch falls back to a copy per pair otherwise): at batch 1 the host's
+        # time to queue a step is on a speculative round's critical path.
+        dst = [self.input_ids[:t], self.positions[:t], self.out_loc[:t], self.req_slots[:n], self.seq_lens[:n],
+               self.prefix_lens[:n]]
+        src = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens_t,
+               batch.prefix_lens_t]
         for c, w in self.win_locs.items():
-            w[:t].copy_(batch.win_out_locs[c])
-        self.req_slots[:n].copy_(batch.req_slots)
-        self.seq_lens[:n].copy_(batch.seq_lens_t)
-        self.prefix_lens[:n].copy_(batch.prefix_lens_t)
+            dst.append(w[:t])
+            src.append(batch.win_out_locs[c])
+        torch._foreach_copy_(dst, src)
         if q > 1:  # the verify attention reads each token's request row (PagedBackend._token_slots)
             self.token_slots[:t].view(n, q).copy_(batch.req_slots[:, None].expand(n, q))  # (no repeat_interleave: no size sync)
         if bs > n:  # padding sequences: request row 0, no prefix, writing to the scratch slot 0
-            for buf in (self.input_ids, self.positions, self.out_loc, self.token_slots, *self.win_locs.values()):
-                buf[t:tp].zero_()
-            self.req_slots[n:bs].zero_()
-            self.prefix_lens[n:bs].zero_()
+            torch._foreach_zero_([buf[t:tp] for buf in (self.input_ids, self.positions, self.out_loc, self.token_slots,
+                                                        *self.win_locs.values())]
+                                 + [self.req_slots[n:bs], self.prefix_lens[n:bs]])
             self.seq_lens[n:bs].fill_(q)
         replay, logits, captured = self.graphs[(q, bs)]
         replay()

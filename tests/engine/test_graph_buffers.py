@@ -111,8 +111,22 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     on_device = []  # rounds whose MTP pass was fed from the verify's samples on the device
     spec = core.scheduler.spec
     device_round = spec._device_round
-    spec._device_round = lambda plan, *a: (on_device.append(len(plan)), device_round(plan, *a))[1]
+    in_round, shrunk_in_round = [False], []
+
+    def counted_round(plan, *a):
+        on_device.append(len(plan))
+        in_round[0] = True
+        try:
+            return device_round(plan, *a)
+        finally:
+            in_round[0] = False
+
+    spec._device_round = counted_round
+    # a steady round holds the pages the next one grows to (`hold`): it frees none to retake it
+    shrink = core.scheduler.cache.shrink
+    core.scheduler.cache.shrink = lambda r, n: (shrunk_in_round.append(in_round[0]), shrink(r, n))[1]
     res, drafts, _ = run_spec(core, reqs, max_tokens=9)
+    assert not any(shrunk_in_round), "a round on the device freed pages the next round takes again"
     assert 4 in shapes, "no verify forward replayed"
     assert chain.replays > 0, "no MTP pass replayed"
     assert any(gathered), "no verify read its drafts on the device"

@@ -185,15 +185,13 @@ class MTPChainGraph:
         K = self.K
         bs = next(s for s in self.sizes if s >= n)
         t = int64_to_device(host, self.drafter.runner.device)
-        self.first[:n].copy_(t["first"])
-        self.conv_slots[:n].copy_(t["conv"].view(n, K + 2))
-        self.swa_slots[:n].copy_(t["swa"].view(n, self.swa_width))
-        self.req_slots[:n].copy_(t["slots"])
-        self.count[:n].copy_(t["count"] if count is None else count)
+        # one multi-tensor copy (see CudaGraphRunner.replay); the tokens' rows are strided
+        torch._foreach_copy_([self.first[:n], self.conv_slots[:n], self.swa_slots[:n], self.req_slots[:n], self.count[:n]],
+                             [t["first"], t["conv"].view(n, K + 2), t["swa"].view(n, self.swa_width), t["slots"],
+                              t["count"] if count is None else count])
         self.tokens[:n, :K + 1].copy_(t["tokens"].view(n, K + 1) if tokens is None else tokens)
         if bs > n:
-            for buf in (self.count, self.req_slots):
-                buf[n:bs].zero_()
+            torch._foreach_zero_([self.count[n:bs], self.req_slots[n:bs]])
         replay, logits = self.graphs[bs]
         replay()
         return logits[:, :n]

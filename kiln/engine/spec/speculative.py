@@ -137,13 +137,15 @@ class SpecDecoder:
                 self.cache.cache(r)
             self.cache.trim(r)
 
-    def _make_room(self, r: Req, keep: int = 0) -> int:
+    def _make_room(self, r: Req, keep: int = 0, hold: int = 0) -> int:
         """Pages for the pass, and how many tokens the request drafts. A request ready to decode
         needs what the drafter writes (`pages_needed`; MTP: its committed positions for the
         catch-up and the draft rows' stored positions up to T - 2 + k; a block drafter's paged
         pass: its block's positions up to T - 2 + B, or only the committed ones on its padded pass
         when the pool is short); pages beyond that (rejected positions of this round) are freed,
-        except below `keep` positions (a pass already queued writes there)."""
+        except below `keep` positions (a pass already queued writes there) and below `hold`
+        positions (pages it holds already and is expected to need again next round: not freed,
+        not grown for)."""
         T = r.seq_len
         if r.num_computed != T - 1:  # still in prefill: catch up on what its pages hold
             return 0
@@ -152,7 +154,8 @@ class SpecDecoder:
         k = max(min(self.num_steps, self.sched.context_length - T), 0)
         need = max(self.drafter.pages_needed(T, k), keep)
         if len(r.pages) > cdiv(need, self.page_size):
-            self.cache.shrink(r, need)
+            if len(r.pages) > cdiv(max(need, hold), self.page_size):
+                self.cache.shrink(r, max(need, hold))
         elif not self.cache.grow(r, need):
             # Short of pages: the drafter's pass that needs fewest may still draft (a block
             # drafter's padded pass), else no drafts this round.
@@ -243,8 +246,11 @@ class SpecDecoder:
             if r.finished:
                 continue
             # the pass wrote draft rows up to T - 2 + K: keep those pages until it has run (a page
-            # freed now could be refilled by a HiCache load on its own stream before then)
-            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len - 1 + K))
+            # freed now could be refilled by a HiCache load on its own stream before then). Hold
+            # what the next round on the device grows to (`_round_on_device`: T + 2K), so that a
+            # steady round does not free a page to take it again (and rewrite the page tables)
+            # one round later.
+            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len - 1 + K, hold=r.seq_len + 2 * K))
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
 

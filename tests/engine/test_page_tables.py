@@ -1,0 +1,40 @@
+"""`write_pages`: the page-table rows the scheduler writes as requests grow, against the obvious
+per-position loop (runs split by skipped window pages, pages clipped at the table's width)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kiln.engine.cache.pools import write_pages
+
+
+def reference(table: torch.Tensor, slot: int, first: int, pages: list, ps: int) -> None:
+    for i, p in enumerate(pages):
+        for j in range(ps):
+            pos = (first + i) * ps + j
+            if p is not None and pos < table.shape[1]:
+                table[slot, pos] = p * ps + j
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_write_pages_equals_the_position_loop(seed):
+    rng = random.Random(seed)
+    ps = rng.choice([1, 4, 16])
+    width = rng.randint(ps, 12 * ps)  # not always a whole number of pages
+    got = torch.full((3, width), -1, dtype=torch.int64)
+    want = got.clone()
+    for _ in range(8):
+        slot, first = rng.randint(0, 2), rng.randint(0, width // ps + 1)
+        pages = [None if rng.random() < 0.3 else rng.randint(0, 50) for _ in range(rng.randint(0, 5))]
+        write_pages(got, slot, first, pages, ps)
+        reference(want, slot, first, pages, ps)
+        assert torch.equal(got, want), (ps, width, slot, first, pages)
+
+
+def test_write_pages_leaves_skipped_pages_alone():
+    t = torch.full((1, 16), -1, dtype=torch.int64)
+    write_pages(t, 0, 0, [None, 3, None, 1], 4)
+    assert t[0].tolist() == [-1] * 4 + [12, 13, 14, 15] + [-1] * 4 + [4, 5, 6, 7]
