@@ -23,3 +23,26 @@ lane0_rounds1() {  # the GPU tests of what the twelfth session changed on the CP
   step llama8b_b64_idle 70 $DECODE --model-path $LLAMA --batch-sizes 64 --input-len 1024 --output-len 128 \
     --cuda-graph-max-bs 64 --profile --out "$R/json/llama8b_b64_idle.json"
 }
+
+lane0_host1() {  # fewer host ops on a round's critical path (50f3cd0) against e3550a8 (scratch/base): the GPU
+  # tests of the graph, speculative and sampler paths; K = 3 MTP rounds at batch 1/8/32 alternated x2; host
+  # phases of a batch-1 round, both; plain decode at batch 1, both
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-170} python -m pytest -m gpu -p no:cacheprovider -rfE ${XDIST:-} tests/engine/test_cuda_graph.py \
+    tests/engine/test_speculative.py tests/engine/test_host_sync.py tests/engine/test_kernel_path.py \
+    tests/engine/test_spec_sampled.py tests/engine/test_block_drafter.py tests/engine/test_draft_vocab.py \
+    tests/engine/test_overlap.py tests/engine/test_page_tables.py
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
+    --speculative-num-steps 3"
+  for r in 1 2; do
+    step mtp3_new_$r 60 $DECODE $SP --batch-sizes 1,8,32 --out "$R/json/mtp3_new_$r.json"
+    step mtp3_base_$r 60 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1,8,32 \
+      --out "$R/json/mtp3_base_$r.json"
+  done
+  step phases_new 40 $DECODE $SP --batch-sizes 1 --host-phases --profile-steps 20 --out "$R/json/phases_new.json"
+  step phases_base 40 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1 --host-phases \
+    --profile-steps 20 --out "$R/json/phases_base.json"
+  local HB="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
+  step plain_new 40 $DECODE $HB --out "$R/json/plain_new.json"
+  step plain_base 40 python scratch/base/benchmarks/decode_batch.py $C $HB --out "$R/json/plain_base.json"
+}

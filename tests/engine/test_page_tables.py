@@ -38,3 +38,17 @@ def test_write_pages_leaves_skipped_pages_alone():
     t = torch.full((1, 16), -1, dtype=torch.int64)
     write_pages(t, 0, 0, [None, 3, None, 1], 4)
     assert t[0].tolist() == [-1] * 4 + [12, 13, 14, 15] + [-1] * 4 + [4, 5, 6, 7]
+
+
+@pytest.mark.gpu
+def test_write_pages_on_cuda_equals_the_position_loop():
+    # the pinned, non-blocking copies land before anything later on the stream reads the table
+    rng = random.Random(7)
+    got = torch.full((4, 300), -1, dtype=torch.int64, device="cuda")
+    want = torch.full((4, 300), -1, dtype=torch.int64)
+    for _ in range(50):
+        slot, first = rng.randint(0, 3), rng.randint(0, 20)
+        pages = [None if rng.random() < 0.2 else rng.randint(0, 500) for _ in range(rng.randint(1, 6))]
+        write_pages(got, slot, first, pages, 16)
+        reference(want, slot, first, pages, 16)
+    assert torch.equal(got.cpu(), want)
