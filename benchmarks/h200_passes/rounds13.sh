@@ -47,18 +47,16 @@ lane0_host1() {  # fewer host ops on a round's critical path (50f3cd0) against e
   step plain_base 40 python scratch/base/benchmarks/decode_batch.py $C $HB --out "$R/json/plain_base.json"
 }
 
-lane0_gemv13() {  # K = 3 MTP rounds at batch 1 with the verify's (4 rows) and the chain's (5 rows per layer)
-  # dense projections on Kiln's GEMV (--gemv-max-rows 4 / 5; default 1: cuBLAS) alternated x2, after the
-  # speculative GPU tests with the GEMV at 5 rows; then plain decode and K = 3 rounds at batch 1/8/32 in the
-  # same call (the speedup table)
+lane0_gemv13() {  # every GPU test (the host-ops change touches every graph replay); K = 3 MTP rounds at batch 1
+  # with the verify's (4 rows) and the chain's (5 rows per layer) dense projections on Kiln's GEMV
+  # (--gemv-max-rows 5; default 1: cuBLAS) alternated x2; then plain decode and K = 3 rounds at batch 1/8/32
+  # in the same call (the speedup table)
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
-  step gpu_tests_gemv5 ${T_TESTS:-100} env KILN_TEST_GEMV_MAX_ROWS=5 python -m pytest -m gpu -p no:cacheprovider -rfE \
-    ${XDIST:-} tests/engine/test_speculative.py tests/engine/test_cuda_graph.py tests/engine/test_kernel_path.py
+  step gpu_tests ${T_TESTS:-230} python -m pytest -m gpu tests -p no:cacheprovider -rfE ${XDIST:-} --ignore tests/server
   local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
     --speculative-num-steps 3"
   for r in 1 2; do
     step mtp3_b1_default_$r 45 $DECODE $SP --batch-sizes 1 --out "$R/json/mtp3_b1_default_$r.json"
-    step mtp3_b1_g4_$r 45 $DECODE $SP --batch-sizes 1 --gemv-max-rows 4 --out "$R/json/mtp3_b1_g4_$r.json"
     step mtp3_b1_g5_$r 45 $DECODE $SP --batch-sizes 1 --gemv-max-rows 5 --out "$R/json/mtp3_b1_g5_$r.json"
   done
   step plain_table 60 $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
