@@ -56,7 +56,7 @@ lane0_gemv13() {  # every GPU test (the host-ops change touches every graph repl
   local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
     --speculative-num-steps 3"
   for r in 1 2; do
-    step mtp3_b1_default_$r 45 $DECODE $SP --batch-sizes 1 --out "$R/json/mtp3_b1_default_$r.json"
+    step mtp3_b1_default_$r 60 $DECODE $SP --batch-sizes 1 --out "$R/json/mtp3_b1_default_$r.json"
     step mtp3_b1_g5_$r 45 $DECODE $SP --batch-sizes 1 --gemv-max-rows 5 --out "$R/json/mtp3_b1_g5_$r.json"
   done
   step plain_table 60 $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
