@@ -153,9 +153,10 @@ class PagedBlockPass:
         if bs is None and n > self.max_bs:  # eager, wider than the static buffers: its own inputs
             return self._block(n, (t["ids"], t["pos"], t["slots"], t["live"]))
         width = bs or n
-        for buf, name in zip(self._buffers(), ("ids", "pos", "slots", "live")):
-            buf[:n].copy_(t[name])
-            buf[n:width].zero_()
+        bufs = self._buffers()  # one multi-tensor copy (see CudaGraphRunner.replay)
+        torch._foreach_copy_([b[:n] for b in bufs], [t[name] for name in ("ids", "pos", "slots", "live")])
+        if width > n:
+            torch._foreach_zero_([b[n:width] for b in bufs])
         if bs is None:
             return self._block(n)
         replay, (tokens, logits) = self.graphs[bs]
