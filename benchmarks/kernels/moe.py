@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+from typing import Optional
 
 import torch
 
@@ -82,10 +84,15 @@ def _candidates(t):
            (64, 64, 8, 4)]
     downs = [(64, 128, 4, 4), (128, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4),
              (256, 64, 8, 3)]
+    if m <= 1:  # a few tokens (a speculative verify at batch 1): narrow N tiles, long K steps, as the GEMV's
+        ups += [(16, 128, 4, 4), (16, 256, 4, 3), (16, 512, 4, 2), (32, 512, 4, 2)]
+        downs += [(16, 256, 4, 3), (32, 128, 4, 4), (32, 512, 4, 2), (64, 256, 4, 3)]
     return MoEConfig, bms, ups, downs
 
 
-def sweep(tokens, dtype, dev, gen) -> None:
+def sweep(tokens, dtype, dev, gen, best_out: Optional[dict] = None) -> None:
+    """Time the candidate tiles per token count; `best_out` (if given) gets each count's fastest
+    config and its time beside the default's."""
     from kiln.kernels.moe import fused_experts, pick_config
 
     layers = _weights(COPIES, dtype, dev, gen)
@@ -119,6 +126,10 @@ def sweep(tokens, dtype, dev, gen) -> None:
         if default not in results:
             results[default] = run(default)
         ranked = sorted(results.items(), key=lambda kv: kv[1])
+        if best_out is not None:
+            top = ranked[0][0]
+            best_out[t] = dict(block_m=top.block_m, up=list(top.up), down=list(top.down), us=ranked[0][1],
+                               default_us=results[default])
         print(f"T={t}: default {default} {results[default]:.1f} us")
         for cfg, us in ranked[:3]:
             print(f"   {us:8.1f} us  BLOCK_M={cfg.block_m} up={cfg.up} down={cfg.down}")
@@ -239,6 +250,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv", type=int, nargs="*", metavar="T",
                     help="only time the grouped path against the GEMV path, at T tokens (default 1)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only time the one-token path's candidate tiles")
+    ap.add_argument("--sweep-json", help="with --sweep: write each token count's fastest config here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels.moe needs CUDA")
@@ -302,7 +314,11 @@ def main(argv=None) -> None:
             print(f"{t:>5} {name:<14} {ref_us:>10.1f} {kern_us:>10.1f} {graph_us:>10.1f} "
                   f"{ref_us / kern_us:>7.1f}x {gbs}")
     if args.sweep:
-        sweep(args.tokens, dtype, dev, gen)
+        best = {}
+        sweep(args.tokens, dtype, dev, gen, best)
+        if args.sweep_json:
+            with open(args.sweep_json, "w") as f:
+                json.dump(best, f, indent=1)
 
 
 if __name__ == "__main__":
