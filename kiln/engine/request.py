@@ -175,6 +175,11 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_output(self) -> int:
+        """Output tokens so far (what min_tokens counts; `SamplingBatch.from_reqs` reads it)."""
+        return len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status == ReqStatus.FINISHED
 

@@ -127,7 +127,9 @@ class SamplingBatch:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
-        """Gather the sampling state of `reqs` (in row order) into tensors on `device`.
+        """Gather the sampling state of `reqs` (in row order) into tensors on `device`. Each is a
+        `Req` or a view with the same fields the sampler reads (`params`, `generator`,
+        `prompt_ids`, `output_ids`, `num_output`, `eos_token_ids`; `spec.sampled_verify.RowView`).
 
         Token-id lists are left empty for rows whose penalties are neutral (they would be an
         identity anyway), so long prompts are not copied every step for nothing. A request with a
@@ -151,7 +153,7 @@ class SamplingBatch:
             has_out = has_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             prompts.append(req.prompt_ids if has_rep else [])
             outputs.append(req.output_ids if has_out else [])
-            if len(req.output_ids) < p.min_tokens:
+            if req.num_output < p.min_tokens:
                 suppress.append(list(req.eos_token_ids) + list(p.stop_token_ids))
             else:
                 suppress.append([])

@@ -26,6 +26,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
+from kiln.engine.cache.pools import position_slots
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
@@ -325,11 +326,9 @@ class Scheduler:
                 pending_at.append(row + end - 1 - start)
                 pending_src.append(self.pending.rows[r.rid])
             pos.extend(range(start, end))
-            locs.extend(r.pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(start, end))
+            locs.extend(position_slots(r.pages, start, end, self.page_size))
             for c in self.cache.windows:
-                view = r.win_pages[c]
-                win_locs[c].extend(view[p // self.page_size] * self.page_size + p % self.page_size
-                                   for p in range(start, end))
+                win_locs[c].extend(position_slots(r.win_pages[c], start, end, self.page_size))
             want_prompt_lp = r.prompt_logprobs is not None and r.prompt_logprobs_done < len(r.prompt_ids) - 1
             if want_prompt_lp:
                 lo = max(start, r.prompt_logprobs_done)
@@ -337,10 +336,10 @@ class Scheduler:
                 if hi > lo:
                     prompt_lp.append((r, lo, len(logit_rows)))
                     logit_rows.extend(range(row + lo - start, row + hi - start))
-            if end >= r.seq_len:  # samples: the last token's row (and every draft's row)
+            if end >= seq_len:  # samples: the last token's row (and every draft's row)
                 sample_reqs.append(r)
                 sample_rows.append(len(logit_rows))
-                logit_rows.extend(range(row + r.seq_len - 1 - start, row + end - start))
+                logit_rows.extend(range(row + seq_len - 1 - start, row + end - start))
             row += end - start
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
         slots = [r.slot for r, _, _ in plan]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kiln.engine.cache.pools import write_pages
+from kiln.engine.cache.pools import position_slots, write_pages
 
 
 def reference(table: torch.Tensor, slot: int, first: int, pages: list, ps: int) -> None:
@@ -52,3 +52,31 @@ def test_write_pages_on_cuda_equals_the_position_loop():
         write_pages(got, slot, first, pages, 16)
         reference(want, slot, first, pages, 16)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_position_slots_equals_the_position_loop(seed):
+    rng = random.Random(seed)
+    ps = rng.choice([1, 4, 16])
+    pages = [rng.randint(0, 99) for _ in range(8)]
+    for _ in range(20):
+        start = rng.randint(0, 8 * ps - 1)
+        end = rng.randint(start, 8 * ps)
+        want = [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        assert position_slots(pages, start, end, ps) == want
+
+
+def test_chain_slots_map_missing_pages_to_the_scratch_slot():
+    # the MTP chain graph's per-request tables: positions before 0, past the pages or on a
+    # trimmed (None) page read and write the scratch slot 0
+    from kiln.engine.spec.mtp_graph import _slots_or_scratch
+
+    rng = random.Random(0)
+    for _ in range(500):
+        ps = rng.choice([1, 4, 16])
+        view = [None if rng.random() < 0.3 else rng.randint(1, 50) for _ in range(rng.randint(0, 6))]
+        start = rng.randint(-3, 7 * ps)
+        end = rng.randint(start, 8 * ps)
+        want = [0 if p < 0 or p // ps >= len(view) or view[p // ps] is None else view[p // ps] * ps + p % ps
+                for p in range(start, end)]
+        assert _slots_or_scratch(view, start, end, ps) == want

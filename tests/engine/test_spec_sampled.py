@@ -353,3 +353,13 @@ def test_flag_errors_and_cli(model_dir):
     assert cfg.speculative_use_block_verification and not cfg.speculative_use_rejection_sampling
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
         EngineConfig.from_cli_args(parser.parse_args(["--speculative-use-rejection-sampling"]))
+
+
+def test_row_view_counts_the_drafts_before_it_as_output():
+    # the view's output (penalties) and its count (min_tokens) include the drafts before the row;
+    # the request's own list is not changed
+    req = _req()
+    views = verify_views(req, [11, 12], "cpu")
+    assert [v.output_ids for v in views] == [BASE_OUT, BASE_OUT + [11], BASE_OUT + [11, 12]]
+    assert [v.num_output for v in views] == [len(BASE_OUT) + i for i in range(3)]
+    assert req.output_ids == BASE_OUT

@@ -62,6 +62,21 @@ def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: li
         table[slot, start:start + len(vals)].copy_(host_int64(vals, table.device), non_blocking=True)
 
 
+def position_slots(pages: list, start: int, end: int, page_size: int) -> list[int]:
+    """The token slots of positions [start, end) of a request whose page i is `pages[i]` (the host
+    copy of its page-table row): one range per page instead of a division per position (the
+    scheduler builds these for every row of every step)."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        i, off = divmod(pos, page_size)
+        n = min(page_size - off, end - pos)
+        base = pages[i] * page_size + off
+        out.extend(range(base, base + n))
+        pos += n
+    return out
+
+
 def host_int64(values: list[int], device) -> torch.Tensor:
     """`values` as an int64 host tensor to copy to `device`: pinned when `device` is CUDA, so that
     a non-blocking copy from it does not wait for the queued work (a pageable copy can wait for

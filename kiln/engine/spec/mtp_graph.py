@@ -28,7 +28,7 @@ Applies when every request in the pass is ready to decode, its frontiers are at 
 1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
 anything else runs the eager pass (`MTPDrafter.run`). A request that wants fewer than K drafts
 (at the end of the context) still gets K and uses the first ones: the draft rows past its pages
-map to the scratch slot (`_slot_or_scratch`), and a draft row only ever feeds later draft rows.
+map to the scratch slot (`_slots_or_scratch`), and a draft row only ever feeds later draft rows.
 The equality of the two is tested on the CPU with a capturer that re-runs the captured function
 (tests/engine/test_graph_buffers.py) and on the GPU.
 """
@@ -41,7 +41,6 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
-from kiln.engine.spec.mtp_drafter import page_slot
 
 
 class MTPChainGraph:
@@ -170,8 +169,8 @@ class MTPChainGraph:
         K, ps = self.K, self.drafter.page_size
         conv, swa, slots = [], [], []
         for r, F in zip(reqs, first):
-            conv += [_slot_or_scratch(r.win_pages["conv"], p, ps) for p in range(F - 1, F + K + 1)]
-            swa += [_slot_or_scratch(r.win_pages["swa"], p, ps) for p in range(F, F + self.swa_width)]
+            conv += _slots_or_scratch(r.win_pages["conv"], F - 1, F + K + 1, ps)
+            swa += _slots_or_scratch(r.win_pages["swa"], F, F + self.swa_width, ps)
             slots.append(r.slot)
         return {"first": first, "conv": conv, "swa": swa, "slots": slots}
 
@@ -222,9 +221,23 @@ class MTPChainGraph:
         return self._pass(len(reqs), self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
 
 
-def _slot_or_scratch(view: list, pos: int, page_size: int) -> int:
-    """`page_slot`, or the scratch slot 0 past the request's pages or on a trimmed page."""
-    i = pos // page_size
-    if pos < 0 or i >= len(view) or view[i] is None:
-        return 0
-    return page_slot(view, pos, page_size)
+def _slots_or_scratch(view: list, start: int, end: int, page_size: int) -> list[int]:
+    """The token slots of positions [start, end) in a page view (`page_slot`), and the scratch
+    slot 0 for a position before 0, past the request's pages or on a trimmed page: one range per
+    page (the host builds these for every request of every round)."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        if pos < 0:
+            out.append(0)
+            pos += 1
+            continue
+        i, off = divmod(pos, page_size)
+        n = min(page_size - off, end - pos)
+        if i >= len(view) or view[i] is None:
+            out.extend([0] * n)
+        else:
+            base = view[i] * page_size + off
+            out.extend(range(base, base + n))
+        pos += n
+    return out

@@ -17,7 +17,6 @@ and the emitted tokens d_1..d_n, y laid out per verify row. See docs/speculative
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,16 +36,29 @@ def verify_method(config) -> Optional[str]:
     return None
 
 
-@dataclass
 class RowView:
     """What the sampler reads of a request for one row (a draft's or a verify row's): the drafts
-    before that row count as output (penalties, min_tokens)."""
+    before that row count as output (penalties, min_tokens).
 
-    params: object
-    prompt_ids: list[int]
-    output_ids: list[int]
-    eos_token_ids: tuple
-    generator: object
+    The output with those drafts is built only when read (`output_ids`: repetition, frequency and
+    presence penalties); a round makes K + 1 views per request, and copying a long output for
+    each would cost the host O(K x output length) per request per round for nothing when the
+    penalties are off. `num_output` (min_tokens) needs no copy."""
+
+    __slots__ = ("params", "prompt_ids", "eos_token_ids", "generator", "_output", "_drafts")
+
+    def __init__(self, params, prompt_ids: list[int], output_ids: list[int], eos_token_ids: tuple, generator,
+                 drafts_before: list[int] = ()):
+        self.params, self.prompt_ids, self.eos_token_ids, self.generator = params, prompt_ids, eos_token_ids, generator
+        self._output, self._drafts = output_ids, list(drafts_before)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._output + self._drafts if self._drafts else self._output
+
+    @property
+    def num_output(self) -> int:
+        return len(self._output) + len(self._drafts)
 
 
 def row_view(req, drafts_before: list[int], device) -> RowView:
@@ -54,7 +66,7 @@ def row_view(req, drafts_before: list[int], device) -> RowView:
     request's generator first when it has a seed (on the Req, not on the view)."""
     if req.generator is None and req.params.seed is not None:
         req.generator = make_generator(req.params.seed, device)
-    return RowView(req.params, req.prompt_ids, req.output_ids + drafts_before, req.eos_token_ids, req.generator)
+    return RowView(req.params, req.prompt_ids, req.output_ids, req.eos_token_ids, req.generator, drafts_before)
 
 
 def verify_views(req, drafts: list[int], device) -> list[RowView]:
