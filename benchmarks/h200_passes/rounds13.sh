@@ -82,3 +82,21 @@ lane0_tile13() {  # the block drafters' GPU tests (their paged pass copies input
       --out "$R/json/mtp3_b1_tile_$r.json"
   done
 }
+
+lane0_perreq13() {  # less host work per request (da64eb9) against 50f3cd0 (scratch/base; the code of calls 3-4):
+  # the speculative GPU tests; K = 3 MTP rounds at batch 1/8/32 alternated x2; host phases of a batch-32 round, both
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -p no:cacheprovider -rfE ${XDIST:-} tests/engine/test_speculative.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_spec_sampled.py tests/engine/test_block_pass.py \
+    tests/engine/test_page_tables.py tests/engine/test_host_sync.py tests/engine/test_draft_vocab.py
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
+    --speculative-num-steps 3"
+  for r in 1 2; do
+    step mtp3_new_$r 60 $DECODE $SP --batch-sizes 1,8,32 --out "$R/json/mtp3_new_$r.json"
+    step mtp3_base_$r 60 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1,8,32 \
+      --out "$R/json/mtp3_base_$r.json"
+  done
+  step phases32_new 40 $DECODE $SP --batch-sizes 32 --host-phases --profile-steps 20 --out "$R/json/phases32_new.json"
+  step phases32_base 40 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 32 --host-phases \
+    --profile-steps 20 --out "$R/json/phases32_base.json"
+}
