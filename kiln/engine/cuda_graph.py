@@ -144,9 +144,10 @@ class CudaGraphRunner:
         n = batch.batch_size
         bs = next(s for s in self.sizes_of[q] if s >= n)
         t, tp = n * q, bs * q
-        # The inputs in one multi-tensor copy (one launch on CUDA where every pair is dense with
-        # equal strides; torch falls back to a copy per pair otherwise): at batch 1 the host's
-        # time to queue a step is on a speculative round's critical path.
+        # The inputs in one multi-tensor copy (one launch on CUDA when every tensor has one dtype
+        # and device and every pair is dense with equal strides; otherwise torch copies pair by
+        # pair, as before): at batch 1 the host's time to queue a step is on a speculative
+        # round's critical path.
         dst = [self.input_ids[:t], self.positions[:t], self.out_loc[:t], self.req_slots[:n], self.seq_lens[:n],
                self.prefix_lens[:n]]
         src = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens_t,

@@ -161,7 +161,7 @@ class SamplingBatch:
             greedy.append(p.greedy)
 
         # One copy for the six float columns, one for top-k and the drawing rows, both from pinned
-        # memory (see to_device).
+        # memory (see list_to_device).
         floats = list_to_device([temps, top_ps, min_ps, reps, freqs, press], torch.float32, device).reshape(6, -1)
         temps_t, top_ps_t, min_ps_t, reps_t, freqs_t, press_t = floats.unbind(0)
         draw = [i for i, g in enumerate(greedy) if not g]

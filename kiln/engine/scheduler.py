@@ -239,7 +239,9 @@ class Scheduler:
             if self.spec is not None:
                 # Beyond its committed tokens a request holds, at some point of a round, the
                 # positions its verify writes before rolling back (K), or those its drafter's pass
-                # writes (a block drafter's paged pass: its block, B - 1).
+                # writes (a block drafter's paged pass: its block, B - 1). Between steady rounds on
+                # the device it keeps up to 2K (`SpecDecoder._make_room`'s hold); those pages are
+                # already out of the pool's available count, so this reserve stays on the safe side.
                 T = r.seq_len
                 tokens += max(self.spec.num_steps, self.spec.drafter.pages_needed(T, self.spec.num_steps) - T)
         return cdiv(int(tokens), self.page_size) + len(self.running)
