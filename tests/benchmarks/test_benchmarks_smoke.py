@@ -208,3 +208,14 @@ def test_count_experts_reports_the_union_a_verify_reads(one_thread, capsys):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="no MoE routers"):
         ExpertSpread(model)
+
+
+def test_round_host_cost_runs_steady_rounds_on_the_device_path(one_thread, capsys):
+    # the CPU harness of the eighteenth pass: its rounds must be the device path's (it asserts
+    # 20 of them before timing) and it reports the host phases and the op counts
+    pytest.importorskip("triton")
+    import round_host_cost
+
+    round_host_cost.main(["--steps", "5", "--ops"])
+    out = capsys.readouterr().out
+    assert "steady K = 3 rounds" in out and "spec._device_round" in out and "aten ops per round" in out

@@ -1,0 +1,142 @@
+"""The host's cost of steady speculative rounds, on the CPU: no GPU needed.
+
+    python benchmarks/round_host_cost.py [--bs 1] [--steps 300] [--ops] [--cprofile]
+
+Builds the tiny Inkling test preset with K = 3 MTP drafts (tests/engine/test_speculative.py's
+`spec_core`, fewer layers), captures the verify and MTP chain "graphs" with a capturer whose
+replay runs the forward during a warm-up and then does nothing, and times steady rounds on the
+device path (`SpecDecoder._device_round`) with `HostPhases` (the same table as `decode_batch.py
+--host-phases` on a GPU). What is left is the host's Python and small torch ops: the work that
+sits between reading a verify's samples back and queuing the next verify. On a GPU host each
+small CUDA call costs 10-20 us against 2-3 us for a CPU op here, so `--ops` counts the aten ops
+per round (views apart) by the Kiln line that issued them: those are what a GPU host pays for.
+docs/benchmarks.md, eighteenth pass, has what it found."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel path's eager parts (prefill) on the CPU
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from benchmarks.host_phases import HostPhases  # noqa: E402
+from kiln.engine.io import GenerateReq  # noqa: E402
+from kiln.engine.request import SamplingParams  # noqa: E402
+
+VIEWS = ("slice", "view", "select", "alias", "unsqueeze", "expand", ".t.", "detach", "lift_fresh", "reshape",
+         "split", "unbind", "resolve_", "flatten", "squeeze", "_unsafe_view", "as_strided", "permute")
+
+
+class SwitchCapturer:
+    """Replay = re-run the captured forward while `compute` is on, nothing after."""
+
+    def __init__(self):
+        self.compute = True
+
+    def capture(self, fn):
+        out = fn()
+
+        def replay():
+            if self.compute:
+                new = fn()
+                for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
+                    o.copy_(n)
+
+        return replay, out
+
+    def done(self, sizes):
+        pass
+
+
+class OpCounter(TorchDispatchMode):
+    """Count aten ops by (the innermost kiln/ line that issued them, op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        site = next((f"{f.filename.split('/kiln/')[-1]}:{f.lineno} {f.name}"
+                     for f in reversed(traceback.extract_stack(limit=12)) if "/kiln/" in f.filename), "?")
+        self.counts[(site, str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bs", type=int, default=1, help="requests decoding together")
+    ap.add_argument("--steps", type=int, default=300, help="steady rounds timed")
+    ap.add_argument("--ops", action="store_true", help="count aten ops per round by issuing line")
+    ap.add_argument("--cprofile", action="store_true", help="print cProfile's top functions")
+    a = ap.parse_args(argv)
+    from tests.engine.test_hybrid_engine import prompts
+    from tests.engine.test_kernel_path import FEWER_LAYERS
+    from tests.engine.test_speculative import SPEC_ARCHS, spec_core
+
+    torch.set_num_threads(1)
+    d = tempfile.mkdtemp()
+    with open(f"{d}/config.json", "w") as f:
+        json.dump({**SPEC_ARCHS["inkling"], **FEWER_LAYERS["inkling"]}, f)
+    bs = max(4, a.bs)
+    core = spec_core(d, 3, alpha=0.01, page_size=16, kernel_backend="triton", cuda_graph_max_bs=bs,
+                     context_length=8192, max_total_tokens=400000)
+    core.scheduler.check_after_step = False
+    runner, spec = core.runner, core.scheduler.spec
+    forward, chain = SwitchCapturer(), SwitchCapturer()
+    runner.graphs = runner._new_graphs()
+    runner.graphs.capture(forward)
+    spec.drafter.use_graphs(bs, chain)
+    for i, p in enumerate(prompts(a.bs, seed=4, lo=10, hi=30)):
+        core.add_request(GenerateReq(rid=f"r{i}", input_ids=p,
+                                     params=SamplingParams(max_tokens=6000, temperature=0.0, ignore_eos=True)))
+    for _ in range(6):  # prefill and the first rounds, computed
+        core.step()
+    forward.compute = chain.compute = False
+    rounds = []
+    device_round = spec._device_round
+    spec._device_round = lambda plan, *x: (rounds.append(1), device_round(plan, *x))[1]
+    for _ in range(20):
+        core.step()
+    assert len(rounds) == 20, f"only {len(rounds)} of 20 steps were steady rounds on the device path"
+    with HostPhases(core) as hp:
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            core.step()
+        dt = time.perf_counter() - t
+    print(f"batch {a.bs}: {a.steps} steady K = 3 rounds, {dt / a.steps * 1e3:.3f} ms of host per round")
+    print(hp.report(a.steps))
+    if a.ops:
+        n = 20
+        with OpCounter() as oc:
+            for _ in range(n):
+                core.step()
+        real = {k: v for k, v in oc.counts.items() if not any(x in k[1] for x in VIEWS)}
+        print(f"aten ops per round: {sum(oc.counts.values()) / n:.1f}, of which not views: {sum(real.values()) / n:.1f}")
+        for (site, op), v in sorted(real.items(), key=lambda kv: -kv[1])[:40]:
+            print(f"{v / n:6.1f}  {op:40s} {site}")
+    if a.cprofile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.steps):
+            core.step()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
+        print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main()
