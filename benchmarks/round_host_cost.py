@@ -40,25 +40,19 @@ VIEWS = ("slice", "view", "select", "alias", "unsqueeze", "expand", ".t.", "deta
          "split", "unbind", "resolve_", "flatten", "squeeze", "_unsafe_view", "as_strided", "permute")
 
 
-class SwitchCapturer:
-    """Replay = re-run the captured forward while `compute` is on, nothing after."""
+def switch_capturer():
+    """tests/engine/test_graph_buffers.py's `RecomputeCapturer` (replay = re-run the captured
+    forward) whose replays do nothing once `compute` is turned off."""
+    from tests.engine.test_graph_buffers import RecomputeCapturer
 
-    def __init__(self):
-        self.compute = True
+    class SwitchCapturer(RecomputeCapturer):
+        compute = True
 
-    def capture(self, fn):
-        out = fn()
+        def capture(self, fn):
+            replay, out = super().capture(fn)
+            return (lambda: replay() if self.compute else None), out
 
-        def replay():
-            if self.compute:
-                new = fn()
-                for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
-                    o.copy_(n)
-
-        return replay, out
-
-    def done(self, sizes):
-        pass
+    return SwitchCapturer()
 
 
 class OpCounter(TorchDispatchMode):
@@ -95,7 +89,7 @@ def main(argv=None) -> None:
                      context_length=8192, max_total_tokens=400000)
     core.scheduler.check_after_step = False
     runner, spec = core.runner, core.scheduler.spec
-    forward, chain = SwitchCapturer(), SwitchCapturer()
+    forward, chain = switch_capturer(), switch_capturer()
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(forward)
     spec.drafter.use_graphs(bs, chain)
