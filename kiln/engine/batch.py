@@ -113,7 +113,13 @@ def int64_to_device(lists: dict[str, list[int]], device) -> dict[str, torch.Tens
     names, sizes, flat = list(lists), [len(v) for v in lists.values()], []
     for v in lists.values():
         flat.extend(v)
-    # made in pinned memory at once: no separate pin_memory copy on the host's critical path
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
-    dev = host.to(device, non_blocking=True)
+    dev = host_tensor(flat, torch.int64, device).to(device, non_blocking=True)
     return dict(zip(names, dev.split(sizes)))
+
+
+def host_tensor(data: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (nested) Python list as a host tensor to copy to `device`: made in pinned memory at once
+    when `device` is CUDA, so that a non-blocking copy from it does not wait for the work queued
+    on the stream (a pageable copy can wait for the forward the scheduler has just queued,
+    serialising the scheduler with the GPU) and no separate `pin_memory` copy is needed."""
+    return torch.tensor(data, dtype=dtype, pin_memory=torch.device(device).type == "cuda")

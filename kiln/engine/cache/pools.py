@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine.batch import host_tensor
 from kiln.engine.cache.components import ComponentKind, StateSpec
 
 
@@ -59,7 +60,7 @@ def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: li
     if values:
         runs.append((run_start, values))
     for start, vals in runs:
-        table[slot, start:start + len(vals)].copy_(host_int64(vals, table.device), non_blocking=True)
+        table[slot, start:start + len(vals)].copy_(host_tensor(vals, torch.int64, table.device), non_blocking=True)
 
 
 def position_slots(pages: list, start: int, end: int, page_size: int) -> list[int]:
@@ -75,13 +76,6 @@ def position_slots(pages: list, start: int, end: int, page_size: int) -> list[in
         out.extend(range(base, base + n))
         pos += n
     return out
-
-
-def host_int64(values: list[int], device) -> torch.Tensor:
-    """`values` as an int64 host tensor to copy to `device`: pinned when `device` is CUDA, so that
-    a non-blocking copy from it does not wait for the queued work (a pageable copy can wait for
-    the forward the scheduler has just queued, serialising the scheduler with the GPU)."""
-    return torch.tensor(values, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
 
 
 class KVPool:

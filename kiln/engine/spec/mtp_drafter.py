@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
+from kiln.engine.cache.pools import position_slots
 from kiln.engine.request import Req
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
@@ -139,7 +140,7 @@ class MTPDrafter:
         if n:
             self._h0_hidden = batch.extras["hidden"]
             self._h0_rows += range(rows.start, rows.stop)
-            self._h0_locs += [page_slot(r.win_pages["conv"], p, self.page_size) for p in range(first_pos, first_pos + n)]
+            self._h0_locs += position_slots(r.win_pages["conv"], first_pos, first_pos + n, self.page_size)
 
     def _store_queued_h0(self, dev) -> None:
         if self._h0_rows:
