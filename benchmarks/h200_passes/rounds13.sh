@@ -3,6 +3,18 @@
 # round's time goes, and the batch-64 idle fraction; docs/benchmarks.md, eighteenth pass.
 # shellcheck shell=bash
 
+# K = 3 MTP rounds on the Inkling bench preset (the eighteenth pass's rounds command)
+ROUNDS13="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
+  --speculative-num-steps 3"
+
+rounds_vs_base13() {  # the tree against scratch/base at batch 1/8/32, alternated x2 (steps mtp3_{new,base}_{1,2})
+  for r in 1 2; do
+    step mtp3_new_$r 60 $DECODE $ROUNDS13 --batch-sizes 1,8,32 --out "$R/json/mtp3_new_$r.json"
+    step mtp3_base_$r 60 python scratch/base/benchmarks/decode_batch.py $C $ROUNDS13 --batch-sizes 1,8,32 \
+      --out "$R/json/mtp3_base_$r.json"
+  done
+}
+
 lane0_rounds1() {  # the GPU tests of what the twelfth session changed on the CPU only (decode attention's
   # empty-sequence guard and early_kv masks, the shared rotation, the Llama layer's rope hand-over) and of the
   # speculative graphs; Inkling plain decode against K = 3 MTP rounds at batch 1/8/32; a K = 3 round's host
@@ -32,13 +44,8 @@ lane0_host1() {  # fewer host ops on a round's critical path (50f3cd0) against e
     tests/engine/test_speculative.py tests/engine/test_host_sync.py tests/engine/test_kernel_path.py \
     tests/engine/test_spec_sampled.py tests/engine/test_block_drafter.py tests/engine/test_draft_vocab.py \
     tests/engine/test_overlap.py tests/engine/test_page_tables.py
-  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
-    --speculative-num-steps 3"
-  for r in 1 2; do
-    step mtp3_new_$r 60 $DECODE $SP --batch-sizes 1,8,32 --out "$R/json/mtp3_new_$r.json"
-    step mtp3_base_$r 60 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1,8,32 \
-      --out "$R/json/mtp3_base_$r.json"
-  done
+  local SP="$ROUNDS13"
+  rounds_vs_base13
   step phases_new 40 $DECODE $SP --batch-sizes 1 --host-phases --profile-steps 20 --out "$R/json/phases_new.json"
   step phases_base 40 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1 --host-phases \
     --profile-steps 20 --out "$R/json/phases_base.json"
@@ -53,8 +60,7 @@ lane0_gemv13() {  # every GPU test (the host-ops change touches every graph repl
   # in the same call (the speedup table)
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-230} python -m pytest -m gpu tests -p no:cacheprovider -rfE ${XDIST:-} --ignore tests/server
-  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
-    --speculative-num-steps 3"
+  local SP="$ROUNDS13"
   for r in 1 2; do
     step mtp3_b1_default_$r 60 $DECODE $SP --batch-sizes 1 --out "$R/json/mtp3_b1_default_$r.json"
     step mtp3_b1_g5_$r 45 $DECODE $SP --batch-sizes 1 --gemv-max-rows 5 --out "$R/json/mtp3_b1_g5_$r.json"
@@ -89,13 +95,8 @@ lane0_perreq13() {  # less host work per request (da64eb9) against 50f3cd0 (scra
   step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -p no:cacheprovider -rfE ${XDIST:-} tests/engine/test_speculative.py \
     tests/engine/test_cuda_graph.py tests/engine/test_spec_sampled.py tests/engine/test_block_pass.py \
     tests/engine/test_page_tables.py tests/engine/test_host_sync.py tests/engine/test_draft_vocab.py
-  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
-    --speculative-num-steps 3"
-  for r in 1 2; do
-    step mtp3_new_$r 60 $DECODE $SP --batch-sizes 1,8,32 --out "$R/json/mtp3_new_$r.json"
-    step mtp3_base_$r 60 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 1,8,32 \
-      --out "$R/json/mtp3_base_$r.json"
-  done
+  local SP="$ROUNDS13"
+  rounds_vs_base13
   step phases32_new 40 $DECODE $SP --batch-sizes 32 --host-phases --profile-steps 20 --out "$R/json/phases32_new.json"
   step phases32_base 40 python scratch/base/benchmarks/decode_batch.py $C $SP --batch-sizes 32 --host-phases \
     --profile-steps 20 --out "$R/json/phases32_base.json"
