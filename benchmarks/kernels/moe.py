@@ -24,13 +24,12 @@ shared ones, over the graph time.
 unweighted shared expert of width num_shared_experts * I (as `kiln.layers.moe` builds them). Both
 replay from a CUDA graph over COPIES copies of the weights; TB/s counts the expert weight bytes a
 call must read (the experts hit, plus the shared ones). The grouped path is forced with an
-explicit config, the GEMV path past one token by raising `GEMV_MAX_TOKENS` while it is captured.
+explicit config, the GEMV path past one token with `gemv_max_tokens` (the engine's `--moe-gemv-max-tokens`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from typing import Optional
 
@@ -147,18 +146,6 @@ def bench_shapes() -> list[tuple]:
     return shapes
 
 
-@contextlib.contextmanager
-def _gemv_max_tokens(n: int):
-    from kiln.kernels import moe as KM
-
-    saved = KM.GEMV_MAX_TOKENS
-    KM.GEMV_MAX_TOKENS = n
-    try:
-        yield
-    finally:
-        KM.GEMV_MAX_TOKENS = saved
-
-
 def gemv_vs_grouped(tokens, dtype, dev, gen) -> None:
     print(f"fused_experts at few tokens: grouped path vs GEMV path, {dtype}, graph median us per call, "
           f"TB/s of expert weights read")
@@ -184,18 +171,17 @@ def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
         sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
         nbytes = (torch.unique(ids).numel() + chunks) * 3 * i * h * elt
 
-        def calls(config):
+        def calls(config, gemv_max_tokens=None):
             def fn():
                 return [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),
-                                         config=config) for L in layers]
+                                         config=config, gemv_max_tokens=gemv_max_tokens) for L in layers]
             return fn
 
         grouped = calls(KM.pick_config(t, k, e, h, i))
-        gemv = calls(None)
+        gemv = calls(None, gemv_max_tokens=t)
         grouped_us = _graph_time(grouped) / COPIES
-        with _gemv_max_tokens(t):
-            gemv_us = _graph_time(gemv) / COPIES
-            diff = (gemv()[0].float() - grouped()[0].float()).abs().max().item()
+        gemv_us = _graph_time(gemv) / COPIES
+        diff = (gemv()[0].float() - grouped()[0].float()).abs().max().item()
         print(f"{arch:<11} {e:>3} {k:>2} {h:>5} {i:>4} {chunks:>2} {t:>3} {nbytes / 1e6:>6.1f} "
               f"{grouped_us:>8.1f} {nbytes / grouped_us / 1e6:>5.2f} {gemv_us:>8.1f} "
               f"{nbytes / gemv_us / 1e6:>5.2f} {grouped_us / gemv_us:>6.2f}x {diff:>9.2e}")

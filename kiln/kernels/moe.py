@@ -293,16 +293,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None) -> bool:
+def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None) -> bool:
     """Whether `fused_experts` of `num_tokens` tokens takes the one-token GEMV path, whose down
-    kernel can run a decode ShortConv in its epilogue (its `conv` argument)."""
-    return 0 < num_tokens <= GEMV_MAX_TOKENS and config is None
+    kernel can run a decode ShortConv in its epilogue (its `conv` argument). `gemv_max_tokens`:
+    the largest T for that path (None: GEMV_MAX_TOKENS; the engine's `--moe-gemv-max-tokens`)."""
+    limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
+    return 0 < num_tokens <= limit and config is None
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
-                  config: Optional[MoEConfig] = None, conv: Optional[tuple] = None) -> torch.Tensor:
+                  config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
+                  gemv_max_tokens: Optional[int] = None) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -310,8 +313,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     or None)` in the linearised layout of `shared_experts_ref` adds sum_s w_s * Shared_s(x) (weight
     1 when None); I_s must be a multiple of I (`shared_chunks` says whether it is). GEMMs run in
     the weights' dtype, activations, weights and the sum over slots in fp32, one cast to
-    `out_dtype` (x's dtype by default). Up to GEMV_MAX_TOKENS tokens take the two-kernel GEMV
-    path, more the grouped GEMMs (module docstring). `config` overrides the grouped path's tiles
+    `out_dtype` (x's dtype by default). Up to `gemv_max_tokens` tokens (None: GEMV_MAX_TOKENS)
+    take the two-kernel GEMV path, more the grouped GEMMs (module docstring). `config` overrides the grouped path's tiles
     and so forces that path at any T (benchmark sweeps).
     `conv` (the GEMV path only: `takes_conv`): the arguments of
     `kiln.kernels.shortconv.short_conv_decode` after x, token t being decode sequence t; the result
@@ -344,7 +347,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     topk_w = topk_weights.float().contiguous()
     shared_w = shared_w.float().contiguous() if has_sw else topk_w
     sw_rep = max(1, chunks // n_shared_w)
-    if takes_conv(T, config):
+    if takes_conv(T, config, gemv_max_tokens):
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
                             sw_rep, has_sw, conv)
     assert conv is None, f"the conv epilogue runs on the one-token path only, not at {T} tokens"

@@ -270,10 +270,11 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
         ops = _kernel_ops()
         if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
             conv = None
-            if out_conv is not None and pc.tp_size == 1 and ops.takes_conv(x.shape[0]):
+            gemv_tokens = getattr(getattr(batch, "backend", None), "moe_gemv_max_tokens", None)
+            if out_conv is not None and pc.tp_size == 1 and ops.takes_conv(x.shape[0], gemv_max_tokens=gemv_tokens):
                 conv = epilogue_conv_args(out_conv, x, batch)
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
-                                    shared=(shared.w13, shared.w2, shared_w), conv=conv)
+                                    shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens)
             if conv is not None:
                 return out
     if out is None:

@@ -133,6 +133,27 @@ def test_gemv_path_takes_several_tokens(device, monkeypatch):
     _check_experts(device, 4, 8, 3, 1, shared_mult=2, shared_weighted=False, seed=13)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_max_tokens_picks_the_path(device, monkeypatch):
+    # The engine's --moe-gemv-max-tokens reaches `fused_experts` as gemv_max_tokens: up to it the
+    # expert GEMVs (the grouped kernels refuse to launch), past it the grouped path.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    args, want = _one_token(device, dtype, 8, 2, 2, 1, True, False, seed=14)
+    x, w13, w2, ids, w, shared = args
+    x4, ids4, w4 = x.expand(4, -1), ids.expand(4, -1), w.expand(4, -1)
+    shared4 = (shared[0], shared[1], shared[2].expand(4, -1))
+    km = _km()
+    assert km.takes_conv(4, gemv_max_tokens=4) and not km.takes_conv(5, gemv_max_tokens=4)
+    assert not km.takes_conv(1, gemv_max_tokens=0) and km.takes_conv(1)
+    with monkeypatch.context() as m:
+        for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
+            m.setattr(km, name, _Refused(name))
+        got = km.fused_experts(x4, w13, w2, ids4, w4, out_dtype=torch.float32, shared=shared4, gemv_max_tokens=4)
+        torch.testing.assert_close(got, want.expand(4, -1), **_tol(dtype))
+        with pytest.raises(AssertionError, match="_align_kernel launched"):
+            km.fused_experts(x4, w13, w2, ids4, w4, shared=shared4, gemv_max_tokens=3)
+
+
 def _conv_state(h, kc, prefix, dtype, device, seed):
     """A ShortConv [h, kc] over paged decode state of one sequence with `prefix` earlier tokens:
     (conv args for `fused_experts(conv=...)`, the Paged state)."""

@@ -1,0 +1,32 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# fourteenth session (2026-12-03): the verify forward of a batch-1 speculative round (4 rows at
+# K = 3) on the decode paths: the dense projections on the GEMV's 4-row loop (--gemv-max-rows 4,
+# with the folded norms) and the MoE on the expert GEMVs (--moe-gemv-max-tokens 4);
+# docs/benchmarks.md, nineteenth pass.
+# shellcheck shell=bash
+
+# K = 3 MTP rounds at batch 1 on the Inkling bench preset (the eighteenth pass's rounds command)
+ROUNDS14="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --speculative-algorithm mtp \
+  --speculative-num-steps 3 --batch-sizes 1"
+
+verify_variants14() {  # verify_variants14 RUN FIRST_LIMIT: one b1 round per variant (steps mtp3_<variant>_RUN)
+  local r=$1 lim=$2
+  step mtp3_default_$r $lim $DECODE $ROUNDS14 --out "$R/json/mtp3_default_$r.json"
+  step mtp3_g4_$r $lim $DECODE $ROUNDS14 --gemv-max-rows 4 --out "$R/json/mtp3_g4_$r.json"
+  step mtp3_m4_$r $lim $DECODE $ROUNDS14 --moe-gemv-max-tokens 4 --out "$R/json/mtp3_m4_$r.json"
+  step mtp3_g4m4_$r $lim $DECODE $ROUNDS14 --gemv-max-rows 4 --moe-gemv-max-tokens 4 --out "$R/json/mtp3_g4m4_$r.json"
+}
+
+lane0_verify1() {  # GPU tests of the GEMV, the expert GEMVs and the speculative graphs (the new verify-on-GEMV
+  # test among them); the expert GEMVs against the grouped MoE at 1/2/4/8 tokens; K = 3 rounds at batch 1 with
+  # the verify on cuBLAS + grouped MoE (default), the GEMV, the expert GEMVs, both: alternated x2; the
+  # round's kernel table with both
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
+    tests/kernels/test_gemv.py tests/engine/test_cuda_graph.py tests/engine/test_kernel_path.py
+  step moe_gemv_tokens 90 python -m benchmarks.kernels.moe --gemv 1 2 4 8
+  verify_variants14 1 90
+  verify_variants14 2 45
+  step mtp3_g4m4_profile 60 $DECODE $ROUNDS14 --gemv-max-rows 4 --moe-gemv-max-tokens 4 --profile --profile-steps 10 \
+    --kernel-rows 45 --out "$R/json/mtp3_g4m4_profile.json"
+}
