@@ -240,6 +240,19 @@ class PagedBackend:
         self.gate.wait(buf)
         return (conv.weight, buf, self.tables["conv"], batch.req_slots, batch.seq_lens_t, batch.win_out_locs["conv"])
 
+    def chunk_conv_args(self, conv, batch: ForwardBatch) -> Optional[tuple]:
+        """For a forward of short chunks (at most SHORT_EXTEND tokens per sequence: a speculative
+        verify) on the kernel path, `conv`'s state as the GEMV's chunk epilogue takes it
+        (`kiln.kernels.gemv.gemv(conv=..., conv_chunk=True)`): (weight, buffer, table, each token's
+        request row, each token's position, each token's state slot). None otherwise (decode steps
+        have `decode_conv_args`)."""
+        if not (self.use_kernels and batch.mode == ForwardMode.EXTEND and batch.max_extend_len <= SHORT_EXTEND):
+            return None
+        buf = self.conv.layer(conv.conv_id)
+        self.gate.wait(buf)
+        rows = self._token_slots(batch, batch.positions.shape[0])
+        return (conv.weight, buf, self.tables["conv"], rows, batch.positions, batch.win_out_locs["conv"])
+
     def fuses_conv_qk_norm(self, batch: ForwardBatch) -> bool:
         """Whether `conv_qk_norm_attention` serves this batch: the kernel path, and a decode step or chunks
         of at most SHORT_EXTEND tokens (a speculative verify; longer prefill chunks keep the

@@ -96,7 +96,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      COS, SIN, POS, LOC, KC, VC, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, HQ, HK,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                     CKP: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr, NORM_KEEP: tl.constexpr,
+                     CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
+                     NORM_KEEP: tl.constexpr,
                      NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
@@ -106,7 +107,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     the GEMV followed by `silu_and_mul`, one launch fewer.
     CONV: row m is decode sequence m and y goes through its ShortConv (`kiln.kernels.shortconv`:
     weight CW [N, CK], buffer CBUF, table CTAB, rows CSLOTS, lengths CLENS, state slots CLOCS),
-    the history loaded after the wait, before the main loop.
+    the history loaded after the wait, before the main loop. CCHUNK: the rows are tokens of short
+    chunks instead (CSLOTS their request rows, CLENS their positions); a tap inside a row's chunk
+    comes from this program's own rows.
     NORM: x holds a pre-norm sublayer's input h and the product is taken with RMSNorm(h + NR)
     (weight NW, eps; `kiln.kernels.norm.normed_tile`), its statistics computed by every program
     after the wait; program 0 also writes h + NR to NS (NORM_RES) and the normed rows to NX
@@ -140,7 +143,7 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         first = tl.program_id(0) == 0
     if CONV:
         hist = decode_conv_history(rm, rm < M, rn, rn < N, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS,
-                                   CK, CKP)
+                                   CK, CKP, CCHUNK)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
@@ -163,7 +166,7 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=2).to(Y.dtype.element_ty).to(tl.float32)
     if CONV:  # the conv reads the projection as the unfused path stores it
         y = decode_conv_epilogue(y.to(CBUF.dtype.element_ty), hist, rm, rm < M, rn, rn < N, CW, stride_cw, CBUF,
-                                 stride_cbuf, CLOCS, CK, CKP)
+                                 stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
     if ROPE:
         rope_epilogue(y, tl.program_id(0), rm, rm < M, Y, stride_ym, COS, SIN, stride_cs, POS, LOC, KC, VC, stride_kcs,
                       stride_kch, stride_vcs, stride_vch, HQ, HK, BLOCK_M, BLOCK_N, HALF)
@@ -210,7 +213,8 @@ def candidate_tiles(m: int) -> list[dict]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
-         prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None) -> torch.Tensor:
+         prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None,
+         conv_chunk: bool = False) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
@@ -241,7 +245,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     projection, in one launch. Each program's rows are rotation pairs of one head. Same rounding
     points; the rotation's products may be contracted into FMAs (`rope_store` forbids that), so
     within a few fp32 ulps of it before the final rounding (the interpreter: bit for bit)."""
-    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope)
+    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk)
 
 
 def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
@@ -289,7 +293,7 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> d
                 NORM_BLOCK=block)
 
 
-def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None) -> torch.Tensor:
+def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -319,7 +323,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None) -> torc
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
         block_m = triton.next_power_of_2(m)
         _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
-                                  **decode_conv_kernel_args(conv, y), **_norm_kernel_args(norm, x, block_m),
+                                  **decode_conv_kernel_args(conv, y, conv_chunk), **_norm_kernel_args(norm, x, block_m),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
                                   **tile, **pdl)
         return y

@@ -135,7 +135,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
                              K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                             CKP: tl.constexpr):
+                             CKP: tl.constexpr, CCHUNK: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
@@ -166,7 +166,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,
-                                   CLENS, CK, CKP)
+                                   CLENS, CK, CKP, CCHUNK)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(KS):
         a_ptrs = act_ptr + (t * KS + j) * I + rk
@@ -195,7 +195,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
             w = w_next
     if CONV:  # the conv reads the MoE output as the unfused path stores it
         y = decode_conv_epilogue(out.to(CBUF.dtype.element_ty)[None, :], hist, rm, rm >= 0, rows, rows < H, CW,
-                                 stride_cw, CBUF, stride_cbuf, CLOCS, CK, CKP)
+                                 stride_cw, CBUF, stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
         tl.store(out_ptr + t * H + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=(rows < H)[None, :])
     else:
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)

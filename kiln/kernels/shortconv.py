@@ -111,17 +111,52 @@ def _short_conv_kernel(
 
 
 @triton.jit
+def _rows_back(v, rm, d):
+    """Row m - d of v [BLOCK_M, C] for every row m (0 where m < d; rm: the row ids): a masked sum
+    over one lane, so exact."""
+    return tl.sum(tl.where((rm[None, :] == rm[:, None] - d)[:, :, None], v[None, :, :], 0), axis=1)
+
+
+@triton.jit
+def _chunk_taps(rm, m_ok, slots_ptr, pos_ptr, K: tl.constexpr, KP: tl.constexpr):
+    """int32 [BLOCK_M, KP], 1 where tap j of row m is row m - (K - 1 - j) of the same forward: that
+    row has the same request row and the position K - 1 - j before (as `kiln.kernels.conv_qk_norm`
+    decides it). The rows of a request's chunk are consecutive, and a GEMV's program holds all of
+    its <= 4 rows."""
+    jj = tl.arange(0, KP)
+    slot = tl.load(slots_ptr + rm, mask=m_ok, other=-1)
+    pos = tl.load(pos_ptr + rm, mask=m_ok, other=-1)
+    inside = tl.zeros([rm.shape[0], KP], dtype=tl.int32)
+    for d in tl.static_range(1, K):
+        back = rm[None, :] == rm[:, None] - d  # [m, m']: m' = m - d
+        slot_back = tl.sum(tl.where(back, slot[None, :], 0), axis=1)
+        pos_back = tl.sum(tl.where(back, pos[None, :], 0), axis=1)
+        hit = (rm >= d) & m_ok & (slot_back == slot) & (pos_back == pos - d)
+        inside += ((jj == K - 1 - d)[None, :] & hit[:, None]).to(tl.int32)
+    return inside
+
+
+@triton.jit
 def decode_conv_history(rm, m_ok, c, c_ok, buf_ptr, stride_buf, table_ptr, stride_tab, slots_ptr, lens_ptr,
-                        K: tl.constexpr, KP: tl.constexpr):
+                        K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
     """The K-1 earlier inputs of decode rows rm (row m: sequence m, its new token at position
     seq_lens[m] - 1) for channels c: fp32 [BLOCK_M, KP, BLOCK_C], tap j at position
     seq_len - K + j (zeros before the sequence and for j >= K - 1). For a kernel that runs the
     decode ShortConv in its epilogue (`kiln.kernels.gemv`): loaded before its main loop, the
-    table and buffer round trips overlap it."""
+    table and buffer round trips overlap it.
+    CHUNK: row m is a token of a short chunk (a speculative verify) at position lens_ptr[m] of
+    table row slots_ptr[m]; taps that are rows of the same forward (`_chunk_taps`) are left 0 here
+    (the epilogue takes them from its own rows), the rest come from the buffer as above."""
     jj = tl.arange(0, KP)
     slot = tl.load(slots_ptr + rm, mask=m_ok, other=0).to(tl.int64)
-    pos = tl.load(lens_ptr + rm, mask=m_ok, other=1)[:, None] - K + jj[None, :]  # [BLOCK_M, KP]
+    if CHUNK:
+        last = tl.load(lens_ptr + rm, mask=m_ok, other=0)  # the row's own position
+    else:
+        last = tl.load(lens_ptr + rm, mask=m_ok, other=1) - 1
+    pos = last[:, None] - (K - 1) + jj[None, :]  # [BLOCK_M, KP]
     ok = m_ok[:, None] & (jj < K - 1)[None, :] & (pos >= 0)
+    if CHUNK:
+        ok = ok & (_chunk_taps(rm, m_ok, slots_ptr, lens_ptr, K, KP) == 0)
     loc = tl.load(table_ptr + slot[:, None] * stride_tab + tl.where(ok, pos, 0), mask=ok, other=0).to(tl.int64)
     return tl.load(buf_ptr + loc[:, :, None] * stride_buf + c[None, None, :],
                    mask=ok[:, :, None] & c_ok[None, None, :], other=0.0).to(tl.float32)
@@ -129,13 +164,17 @@ def decode_conv_history(rm, m_ok, c, c_ok, buf_ptr, stride_buf, table_ptr, strid
 
 @triton.jit
 def decode_conv_epilogue(x_cur, hist, rm, m_ok, c, c_ok, w_ptr, stride_w, buf_ptr, stride_buf, locs_ptr,
-                         K: tl.constexpr, KP: tl.constexpr):
+                         slots_ptr, lens_ptr, K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
     """ShortConv of decode rows whose current inputs x_cur [BLOCK_M, BLOCK_C] (in the buffer's
     dtype) and history (`decode_conv_history`) are given: fp32 y in the reference's order (acc = 0;
     acc += w_j * x_j for j = 0..K-1; y = acc + x), and x_cur stored at buf[out_locs[m]]. Each tap
-    is taken out of `hist` by a masked sum over one non-zero lane (exact)."""
+    is taken out of `hist` by a masked sum over one non-zero lane (exact). CHUNK: a tap that is
+    row m - d of the same forward (`_chunk_taps`) is that row of x_cur (the same values the
+    ShortConv extend kernel reads back from the projection's output)."""
     jj = tl.arange(0, KP)
     xf = x_cur.to(tl.float32)
+    if CHUNK:
+        inside = _chunk_taps(rm, m_ok, slots_ptr, lens_ptr, K, KP)
     acc = tl.zeros(x_cur.shape, dtype=tl.float32)
     for j in tl.static_range(K):
         w_j = tl.load(w_ptr + c * stride_w + j, mask=c_ok, other=0.0).to(tl.float32)
@@ -143,19 +182,24 @@ def decode_conv_epilogue(x_cur, hist, rm, m_ok, c, c_ok, w_ptr, stride_w, buf_pt
             v = xf
         else:
             v = tl.sum(tl.where((jj == j)[None, :, None], hist, 0.0), axis=1)
+            if CHUNK:
+                own = tl.sum(tl.where((jj == j)[None, :], inside, 0), axis=1) > 0
+                v = tl.where(own[:, None], _rows_back(xf, rm, K - 1 - j), v)
         acc = acc + w_j[None, :] * v
     out = tl.load(locs_ptr + rm, mask=m_ok, other=0).to(tl.int64)
     tl.store(buf_ptr + out[:, None] * stride_buf + c[None, :], x_cur, mask=m_ok[:, None] & c_ok[None, :])
     return acc + xf
 
 
-def decode_conv_kernel_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
+def decode_conv_kernel_args(conv: Optional[tuple], y: torch.Tensor, chunk: bool = False) -> dict:
     """Launch arguments of a kernel that runs the decode ShortConv in its epilogue
     (`decode_conv_history` / `decode_conv_epilogue`) on its output y [M, C]: conv = the arguments
-    of `short_conv_decode` after x, or None for none (then y stands in for every pointer)."""
+    of `short_conv_decode` after x, or None for none (then y stands in for every pointer). chunk:
+    the rows are tokens of short chunks, conv's lengths are then each row's position and its
+    request rows one per token (`PagedBackend.chunk_conv_args`)."""
     if conv is None:
         return dict(CW=y, CBUF=y, CTAB=y, CSLOTS=y, CLENS=y, CLOCS=y, stride_cw=0, stride_cbuf=0, stride_ctab=0,
-                    CONV=False, CK=1, CKP=1)
+                    CONV=False, CK=1, CKP=1, CCHUNK=False)
     w, buf, table, slots, lens, locs = conv
     m, n = y.shape
     assert w.shape[0] == buf.shape[1] == n and w.shape[1] >= 1, (w.shape, buf.shape, n)
@@ -165,7 +209,8 @@ def decode_conv_kernel_args(conv: Optional[tuple], y: torch.Tensor) -> dict:
         assert t.stride(-1) == 1, "channel / position dims must be contiguous"
     return dict(CW=w, CBUF=buf, CTAB=table, CSLOTS=slots, CLENS=lens, CLOCS=locs, stride_cw=w.stride(0),
                 stride_cbuf=buf.stride(0), stride_ctab=table.stride(0), CONV=True, CK=w.shape[1],
-                CKP=triton.next_power_of_2(max(1, w.shape[1] - 1)))  # K = 1: no history (one masked lane)
+                CKP=triton.next_power_of_2(max(1, w.shape[1] - 1)),  # K = 1: no history (one masked lane)
+                CCHUNK=chunk)
 
 
 def _block_c(c: int) -> int:

@@ -154,16 +154,19 @@ def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: t
     return None, residual, x
 
 
-def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch) -> Optional[tuple]:
+def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch, chunk: bool = False) -> Optional[tuple]:
     """The decode state of `conv` (a `kiln.kernels.shortconv.short_conv_decode` argument tuple
     after x) when a kernel whose output it convolves may run it in its epilogue: a plain
     ShortConv (no subclass forward, no hooks: those must run), a backend that offers
     `decode_conv_args` and has it for this batch (a decode step on the kernel path), and state kept
-    in x's dtype. None otherwise: the caller then runs `conv` itself."""
+    in x's dtype. None otherwise: the caller then runs `conv` itself. chunk: instead the state of
+    this forward's rows as short chunks (a speculative verify; `PagedBackend.chunk_conv_args`), for
+    the GEMV's `conv_chunk` epilogue."""
+    method = "chunk_conv_args" if chunk else "decode_conv_args"
     if (type(conv).forward is not ShortConv.forward or conv._forward_hooks or conv._forward_pre_hooks
-            or not hasattr(getattr(batch, "backend", None), "decode_conv_args")):
+            or not hasattr(getattr(batch, "backend", None), method)):
         return None
-    args = batch.backend.decode_conv_args(conv, batch)
+    args = getattr(batch.backend, method)(conv, batch)
     if args is None or args[1].dtype != x.dtype:  # the epilogue keeps the state in x's dtype
         return None
     return args
@@ -171,12 +174,16 @@ def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch) -> Optional[tupl
 
 def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. On the
-    GEMV path of a decode step (at most FMA_MAX_ROWS rows, no all-reduce between the two,
-    `epilogue_conv_args`) the conv runs in the GEMV's epilogue: one launch fewer."""
-    args = None
+    GEMV path (at most FMA_MAX_ROWS rows, no all-reduce between the two) of a decode step or a
+    forward of short chunks (a speculative verify), the conv runs in the GEMV's epilogue
+    (`epilogue_conv_args`): one launch fewer."""
+    args, chunk = None, False
     if (gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS
             and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)):
         args = epilogue_conv_args(conv, x, batch)
+        if args is None:
+            args = epilogue_conv_args(conv, x, batch, chunk=True)
+            chunk = args is not None
     if args is None:
         return conv(decode_linear(linear, x, batch), batch)
-    return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args)
+    return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args, conv_chunk=chunk)

@@ -412,3 +412,33 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
                                                               max_tokens=12)
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
+
+
+@pytest.mark.parametrize("model_dir", ["inkling"], indirect=True)
+def test_kernel_path_verify_on_the_gemv_matches_reference_path(model_dir, tmp_path, monkeypatch):
+    # A verify of at most --gemv-max-rows rows (K = 3 at batch 1: one chunk of 4 rows; chunks of
+    # several requests are covered by the kernel's test) projects through Kiln's GEMV (under the interpreter), o_proj with
+    # o_conv in its epilogue over the verify's chunks (`conv_chunk`): greedy output equals plain
+    # greedy, and every emitted token's logits equal a fresh reference prefill (the conv states
+    # the epilogue wrote are the ones the next rounds read).
+    pytest.importorskip("triton")
+    from kiln.kernels import gemv as gemv_module
+    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+
+    with open(f"{model_dir}/config.json") as f:
+        cfg = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS["inkling"]}))
+    model_dir = str(tmp_path)
+    chunk_rows = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (
+        kw.get("conv_chunk") and chunk_rows.append(x.shape[0]), real(x, w, **kw))[1])
+    num_reqs, k = 1, 3
+    ps = prompts(num_reqs, seed=23, lo=18, hi=40)
+    core = spec_core(model_dir, k, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT,
+                     gemv_max_rows=4)
+    res, _, _ = run_spec(core, ps, max_tokens=8)
+    assert num_reqs * (k + 1) in chunk_rows  # whole verifies took the chunk epilogue
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,
+                                                              max_tokens=8)
+    assert_reference(core, res)

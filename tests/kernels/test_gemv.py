@@ -258,6 +258,44 @@ def test_gemv_conv_epilogue_is_gemv_then_short_conv(device, dtype, m, n, k, kc):
     torch.testing.assert_close(got, ref_y, **(FP32 if dtype == torch.float32 else BF16))
 
 
+# (prefix, extend) per request: one chunk of 4 (a K = 3 verify at batch 1), two of 2 (K = 1 at
+# batch 2), chunks of 3 and 1, a chunk at the sequence start (taps before it are zeros)
+CHUNKS = {"verify-b1": ([6], [4]), "verify-b2": ([3, 9], [2, 2]), "3+1": ([1, 5], [3, 1]), "start": ([0], [3])}
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("chunks", list(CHUNKS), ids=list(CHUNKS))
+@pytest.mark.parametrize("n,k,kc", [(96, 64, 4), (37, 200, 3), (40, 64, 1)])
+def test_gemv_conv_epilogue_over_chunks_is_gemv_then_short_conv_extend(device, dtype, chunks, n, k, kc):
+    """The ShortConv of a speculative verify's rows (short chunks, `conv_chunk=True`) in the GEMV's
+    epilogue against the GEMV followed by `short_conv_extend` on the same paged state: taps inside
+    a chunk come from the program's own rows, earlier ones from the buffer. Equal outputs (the
+    interpreter: bit for bit) and the same state writes."""
+    from kiln.kernels.shortconv import short_conv_extend
+    from tests.kernels.test_shortconv_kernels import Paged
+
+    prefix, ext = CHUNKS[chunks]
+    m = sum(ext)
+    x, w = _case(m, n, k, dtype, device, seed=m * 10 + n + kc)
+    gen = torch.Generator().manual_seed(n + kc)
+    paged = Paged(prefix, ext, n, dtype, device, gen)
+    cw = (0.5 * torch.randn(n, kc, generator=gen)).to(dtype).to(device)
+    buf, table, rows, out_locs = paged.to_device()
+    token_rows = torch.repeat_interleave(rows, torch.tensor(ext, device=device))
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]).to(device)
+    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=device)
+    buf_ref = buf.clone()
+    want = short_conv_extend(gemv(x, w), cw, buf_ref, table, rows, torch.tensor(prefix, device=device),
+                             torch.tensor(ext, device=device), starts, out_locs)
+    got = gemv(x, w, conv=(cw, buf, table, token_rows, positions, out_locs), conv_chunk=True)
+    exact = device == "cpu"
+    tol = dict(rtol=0, atol=0) if exact else (FP32 if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2))
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(buf, buf_ref)
+    ref_y, _ = paged.reference(F.linear(x.float(), w.float()).to(dtype), cw)
+    torch.testing.assert_close(got, ref_y, **(FP32 if dtype == torch.float32 else BF16))
+
+
 def test_gemv_conv_epilogue_rejects_what_it_cannot_fuse():
     x, w, conv, _ = _conv_case(2, 96, 64, 4, torch.float32, "cpu", seed=1)
     with pytest.raises(AssertionError, match="conv epilogue"):
