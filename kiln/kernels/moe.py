@@ -27,6 +27,10 @@ never on values, and no host sync, so the decode step can be captured in a CUDA 
 3. `_down_kernel`: per (row block, hidden tile): act @ down^T, times the slot's routing weight in
    fp32 (shared chunks: the shared weight or 1), stored per slot in fp32.
 4. `_sum_slots_kernel`: per token, the KS slot rows summed in fp32 in slot order, cast once.
+   With a ShortConv on the sum (Inkling's out_conv; at most SUM_CONV_MAX_TOKENS tokens: decode
+   sequences, or the short chunks of a speculative verify), `_sum_slots_conv_kernel` instead:
+   every program holds all tokens of its hidden tile and runs the conv in its epilogue
+   (`kiln.kernels.shortconv`), one launch fewer.
 
 One-token path (T <= GEMV_MAX_TOKENS = 1, batch-1 decode): two expert GEMVs,
 `kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order of the sums.
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.moe_gemv import experts_gemv
+from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
@@ -52,9 +57,14 @@ _INT32_MAX = tl.constexpr(2147483647)
 # carry of ranks across steps with few tokens).
 ALIGN_CHUNK_MAX = 2048
 # Up to this many tokens `fused_experts` takes the GEMV path (module docstring). Past one token the
-# grouped path stays, since it reads an expert shared by several tokens once (the crossover is not
-# measured yet); tests lower it to 0 to force the grouped path.
+# grouped path stays, since it reads an expert shared by several tokens once (on an H200 the GEMV
+# path took 1.36x the grouped path's time at 4 tokens: docs/benchmarks.md, nineteenth pass); tests
+# lower it to 0 to force the grouped path.
 GEMV_MAX_TOKENS = 1
+# Up to this many tokens the grouped path can run a ShortConv on its sum (`_sum_slots_conv_kernel`):
+# each program holds every token, as the GEMV's 4-row loop does.
+SUM_CONV_MAX_TOKENS = 4
+SUM_CONV_BLOCK_H = 128
 
 
 @dataclass(frozen=True)
@@ -289,23 +299,53 @@ def _sum_slots_kernel(slots_ptr, out_ptr, H, KS: tl.constexpr, BLOCK_H: tl.const
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _sum_slots_conv_kernel(slots_ptr, out_ptr, T, H, CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf,
+                           stride_ctab, KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                           CONV: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr, CCHUNK: tl.constexpr,
+                           PDL: tl.constexpr):
+    """`_sum_slots_kernel` for all T <= BLOCK_M tokens of one hidden tile per program, the sum
+    (rounded to the state's dtype, as the unfused path stores it) then through its ShortConv:
+    token t is decode sequence t, or (CCHUNK) a token of a short chunk
+    (`kiln.kernels.shortconv.decode_conv_epilogue`)."""
+    wait_for_previous(PDL)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < T
+    offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    hist = decode_conv_history(rm, m_ok, offs, ok, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS, CK, CKP,
+                               CCHUNK)
+    mask = m_ok[:, None] & ok[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        acc += tl.load(slots_ptr + (rm[:, None].to(tl.int64) * KS + j) * H + offs[None, :], mask=mask, other=0.0)
+    y = decode_conv_epilogue(acc.to(CBUF.dtype.element_ty), hist, rm, m_ok, offs, ok, CW, stride_cw, CBUF,
+                             stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
+    tl.store(out_ptr + rm[:, None] * H + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None) -> bool:
-    """Whether `fused_experts` of `num_tokens` tokens takes the one-token GEMV path, whose down
-    kernel can run a decode ShortConv in its epilogue (its `conv` argument). `gemv_max_tokens`:
-    the largest T for that path (None: GEMV_MAX_TOKENS; the engine's `--moe-gemv-max-tokens`)."""
+def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None,
+               chunk: bool = False) -> bool:
+    """Whether `fused_experts` of `num_tokens` tokens can run a ShortConv on its result in a
+    kernel's epilogue (its `conv` argument): the one-token GEMV path's down kernel (decode
+    sequences only), or the grouped path's sum of at most SUM_CONV_MAX_TOKENS tokens (decode
+    sequences, or with `chunk` the tokens of short chunks). `gemv_max_tokens`: the largest T of the
+    GEMV path (None: GEMV_MAX_TOKENS; the engine's `--moe-gemv-max-tokens`)."""
     limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
-    return 0 < num_tokens <= limit and config is None
+    if 0 < num_tokens <= limit and config is None:
+        return not chunk
+    return 0 < num_tokens <= SUM_CONV_MAX_TOKENS
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
-                  gemv_max_tokens: Optional[int] = None) -> torch.Tensor:
+                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -316,10 +356,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     `out_dtype` (x's dtype by default). Up to `gemv_max_tokens` tokens (None: GEMV_MAX_TOKENS)
     take the two-kernel GEMV path, more the grouped GEMMs (module docstring). `config` overrides the grouped path's tiles
     and so forces that path at any T (benchmark sweeps).
-    `conv` (the GEMV path only: `takes_conv`): the arguments of
+    `conv` (where `takes_conv` allows it): the arguments of
     `kiln.kernels.shortconv.short_conv_decode` after x, token t being decode sequence t; the result
     is then that ShortConv of the sum (rounded to `out_dtype`, the state's dtype), run in the down
-    kernel's epilogue (Inkling's out_conv).
+    GEMV's epilogue on the one-token path, in the sum's on the grouped path (Inkling's out_conv).
+    `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
+    `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
+    `conv_chunk`).
     """
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -347,10 +390,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     topk_w = topk_weights.float().contiguous()
     shared_w = shared_w.float().contiguous() if has_sw else topk_w
     sw_rep = max(1, chunks // n_shared_w)
-    if takes_conv(T, config, gemv_max_tokens):
+    limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
+    if T <= limit and config is None:
+        assert not conv_chunk, "the one-token path's conv epilogue takes decode sequences only"
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
                             sw_rep, has_sw, conv)
-    assert conv is None, f"the conv epilogue runs on the one-token path only, not at {T} tokens"
+    assert conv is None or T <= SUM_CONV_MAX_TOKENS, \
+        f"the conv epilogue takes 1..{SUM_CONV_MAX_TOKENS} tokens on the grouped path, not {T}"
 
     cfg = config or pick_config(T, k, E, H, inter)
     bm = cfg.block_m
@@ -391,6 +437,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
         PRECISION=_dot_precision(w2.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x.device))
 
+    if conv is not None:
+        block_h = min(SUM_CONV_BLOCK_H, triton.next_power_of_2(H))
+        _sum_slots_conv_kernel[(triton.cdiv(H, block_h),)](
+            slot_out, out, T, H, **decode_conv_kernel_args(conv, out, conv_chunk), KS=ks_slots,
+            BLOCK_M=triton.next_power_of_2(T), BLOCK_H=block_h, num_warps=4, **pdl_launch(x.device))
+        return out
     block_h = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(T, triton.cdiv(H, block_h))](slot_out, out, H, KS=ks_slots, BLOCK_H=block_h,
                                                    num_warps=4, **pdl_launch(x.device))

@@ -45,12 +45,15 @@ def _kernels():
 _PLAIN_FORWARDS = (ColumnParallelLinear.forward, RowParallelLinear.forward)
 
 
-def gemv_path(batch, x: torch.Tensor, linear: nn.Module) -> bool:
+def gemv_path(batch, x: torch.Tensor, linear: nn.Module, max_rows: Optional[int] = None) -> bool:
     """Whether `linear(x)` takes the GEMV: the engine's kernel path with nothing recorded by
-    autograd, 2-D x of at most `gemv_max_rows` rows in the weight's dtype, and a plain Kiln linear
-    without bias or hooks (anything that changes the module's forward, an adapter such as LoRA's,
-    must run; a bias would be rounded once more than in F.linear's epilogue)."""
+    autograd, 2-D x of at most `gemv_max_rows` rows (`max_rows` instead when given, with the GEMV
+    on: `gemv_max_rows` > 0) in the weight's dtype, and a plain Kiln linear without bias or hooks
+    (anything that changes the module's forward, an adapter such as LoRA's, must run; a bias would
+    be rounded once more than in F.linear's epilogue)."""
     rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
+    if max_rows is not None and rows > 0:
+        rows = max_rows
     return (x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == linear.weight.dtype
             and linear.bias is None and type(linear).forward in _PLAIN_FORWARDS
             and not linear._forward_hooks and not linear._forward_pre_hooks
@@ -173,12 +176,14 @@ def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch, chunk: bool = Fa
 
 
 def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
-    """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. On the
-    GEMV path (at most FMA_MAX_ROWS rows, no all-reduce between the two) of a decode step or a
-    forward of short chunks (a speculative verify), the conv runs in the GEMV's epilogue
-    (`epilogue_conv_args`): one launch fewer."""
+    """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. With the
+    GEMV on, a decode step or a forward of short chunks (a speculative verify) of at most
+    FMA_MAX_ROWS rows, whatever `--gemv-max-rows`' limit, runs the conv in the GEMV's epilogue
+    (`epilogue_conv_args`; no all-reduce between the two): one launch fewer, and at these rows the
+    GEMV streams an o_proj-sized weight faster than cuBLAS (docs/benchmarks.md, ninth pass)."""
     args, chunk = None, False
-    if (gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS
+    gemv_on = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0) > 0  # (then Triton is there)
+    if (gemv_on and gemv_path(batch, x, linear, max_rows=_kernels().FMA_MAX_ROWS)
             and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)):
         args = epilogue_conv_args(conv, x, batch)
         if args is None:

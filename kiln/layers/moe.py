@@ -259,9 +259,10 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
     shared experts are always-selected extra slots of the routed grouped GEMMs, and on one rank
     the single cast happens there too (under TP the fp32 partial sums wait for the all-reduce).
 
-    `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the one-token down
-    GEMV's epilogue where it can run there (one rank, a decode step, `epilogue_conv_args`), else
-    as its own call after the all-reduce."""
+    `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the epilogue of the
+    experts' last kernel where it can run there (one rank, a decode step or a verify's short chunks
+    of at most a few tokens: `kiln.kernels.moe.takes_conv`, `epilogue_conv_args`), else as its own
+    call after the all-reduce."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
@@ -269,12 +270,18 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
     if plain and _use_kernels(x, experts.w13, experts.w2, shared.w13, shared.w2, routed_w, shared_w):
         ops = _kernel_ops()
         if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
-            conv = None
+            conv, chunk = None, False
             gemv_tokens = getattr(getattr(batch, "backend", None), "moe_gemv_max_tokens", None)
-            if out_conv is not None and pc.tp_size == 1 and ops.takes_conv(x.shape[0], gemv_max_tokens=gemv_tokens):
-                conv = epilogue_conv_args(out_conv, x, batch)
+            if out_conv is not None and pc.tp_size == 1:
+                t = x.shape[0]
+                if ops.takes_conv(t, gemv_max_tokens=gemv_tokens):  # a decode step
+                    conv = epilogue_conv_args(out_conv, x, batch)
+                if conv is None and ops.takes_conv(t, gemv_max_tokens=gemv_tokens, chunk=True):  # a verify
+                    conv = epilogue_conv_args(out_conv, x, batch, chunk=True)
+                    chunk = conv is not None
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
-                                    shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens)
+                                    shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens,
+                                    conv_chunk=chunk)
             if conv is not None:
                 return out
     if out is None:

@@ -84,26 +84,37 @@ def test_block_drafter_pass_replays_from_graphs(name, tmp_path_factory):
     assert assert_block_reference(core, res, drafts) > 0
 
 
+@pytest.mark.parametrize("flags", [{}, dict(gemv_max_rows=4, moe_gemv_max_tokens=4)], ids=["default", "g4m4"])
 @pytest.mark.parametrize("num_reqs,k", [(1, 3), (2, 1)])
-def test_speculative_verify_on_the_gemv_paths_equals_plain(num_reqs, k, tmp_path, monkeypatch):
-    # A verify of at most 4 rows (K = 3 at batch 1; K = 1 at batch 2) with --gemv-max-rows 4 and
-    # --moe-gemv-max-tokens 4: its dense projections on the GEMV's 4-row FMA loop (folded norms),
-    # its MoE layers on the expert GEMVs. Greedy output equals plain greedy decoding, and the verify
-    # did take the expert GEMVs (counted by their token count).
+def test_speculative_verify_of_few_rows_equals_plain(num_reqs, k, flags, tmp_path, monkeypatch):
+    # A verify of at most 4 rows (K = 3 at batch 1; K = 1 at batch 2). By default its o_proj runs on
+    # the GEMV with o_conv in the epilogue over the verify's chunks, and its MoE layers on the
+    # grouped path with out_conv in the sum's epilogue (`conv_chunk`); with --gemv-max-rows 4 and
+    # --moe-gemv-max-tokens 4 every dense projection takes the GEMV's 4-row loop (folded norms) and
+    # the MoE the expert GEMVs (out_conv then separate). Greedy output equals plain greedy decoding.
     import json
 
+    from kiln.kernels import gemv as gemv_module
     from kiln.kernels import moe as km
     from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
 
     (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS["inkling"]))
-    tokens = []
-    experts_gemv = km.experts_gemv
-    monkeypatch.setattr(km, "experts_gemv", lambda x, *a: (tokens.append(x.shape[0]), experts_gemv(x, *a))[1])
+    rows = num_reqs * (k + 1)
+    chunk_gemv, chunk_moe, expert_gemv = [], [], []
+    real_gemv, real_fused, real_experts = gemv_module.gemv, km.fused_experts, km.experts_gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (
+        kw.get("conv_chunk") and chunk_gemv.append(x.shape[0]), real_gemv(x, w, **kw))[1])
+    monkeypatch.setattr(km, "fused_experts", lambda x, *a, **kw: (
+        kw.get("conv_chunk") and chunk_moe.append(x.shape[0]), real_fused(x, *a, **kw))[1])
+    monkeypatch.setattr(km, "experts_gemv", lambda x, *a: (expert_gemv.append(x.shape[0]), real_experts(x, *a))[1])
     reqs = prompts(num_reqs, seed=7, lo=10, hi=40)
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
-    core = spec_core(str(tmp_path), k, alpha=0.01, gemv_max_rows=4, moe_gemv_max_tokens=4, **kw)
-    assert core.runner.backend.moe_gemv_max_tokens == 4
+    core = spec_core(str(tmp_path), k, alpha=0.01, **flags, **kw)
     res, _, _ = run_spec(core, reqs, max_tokens=16)
     want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=16)
     assert {rid: r[1] for rid, r in res.items()} == want
-    assert num_reqs * (k + 1) in tokens  # the verify's rows, captured on the expert GEMVs
+    assert rows in chunk_gemv  # o_proj + o_conv of the verify (captured in its graph)
+    if flags:
+        assert rows in expert_gemv and rows not in chunk_moe
+    else:
+        assert rows in chunk_moe and rows not in expert_gemv

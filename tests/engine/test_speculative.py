@@ -416,11 +416,11 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("model_dir", ["inkling"], indirect=True)
 def test_kernel_path_verify_on_the_gemv_matches_reference_path(model_dir, tmp_path, monkeypatch):
-    # A verify of at most --gemv-max-rows rows (K = 3 at batch 1: one chunk of 4 rows; chunks of
-    # several requests are covered by the kernel's test) projects through Kiln's GEMV (under the interpreter), o_proj with
-    # o_conv in its epilogue over the verify's chunks (`conv_chunk`): greedy output equals plain
-    # greedy, and every emitted token's logits equal a fresh reference prefill (the conv states
-    # the epilogue wrote are the ones the next rounds read).
+    # With the GEMV on (--gemv-max-rows 1), a verify of at most 4 rows (K = 3 at batch 1: one chunk
+    # of 4 rows; chunks of several requests are covered by the kernel's test) runs o_proj through
+    # Kiln's GEMV (under the interpreter) with o_conv in its epilogue over the verify's chunk
+    # (`conv_chunk`): greedy output equals plain greedy, and every emitted token's logits equal a
+    # fresh reference prefill (the conv states the epilogue wrote are the ones the next rounds read).
     pytest.importorskip("triton")
     from kiln.kernels import gemv as gemv_module
     from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
@@ -436,7 +436,7 @@ def test_kernel_path_verify_on_the_gemv_matches_reference_path(model_dir, tmp_pa
     num_reqs, k = 1, 3
     ps = prompts(num_reqs, seed=23, lo=18, hi=40)
     core = spec_core(model_dir, k, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT,
-                     gemv_max_rows=4)
+                     gemv_max_rows=1)
     res, _, _ = run_spec(core, ps, max_tokens=8)
     assert num_reqs * (k + 1) in chunk_rows  # whole verifies took the chunk epilogue
     assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,

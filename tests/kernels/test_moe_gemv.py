@@ -144,7 +144,8 @@ def test_gemv_max_tokens_picks_the_path(device, monkeypatch):
     shared4 = (shared[0], shared[1], shared[2].expand(4, -1))
     km = _km()
     assert km.takes_conv(4, gemv_max_tokens=4) and not km.takes_conv(5, gemv_max_tokens=4)
-    assert not km.takes_conv(1, gemv_max_tokens=0) and km.takes_conv(1)
+    # the grouped path's sum takes a conv too; the GEMV path's down kernel decode sequences only
+    assert km.takes_conv(1, gemv_max_tokens=0, chunk=True) and not km.takes_conv(5, gemv_max_tokens=8, chunk=True)
     with monkeypatch.context() as m:
         for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
             m.setattr(km, name, _Refused(name))
@@ -194,13 +195,66 @@ def test_one_token_conv_epilogue_is_experts_then_short_conv(device, dtype, E, k,
     torch.testing.assert_close(got.float(), ref_y.float(), **_tol(dtype))
 
 
-def test_conv_epilogue_is_refused_off_the_one_token_path():
+def test_conv_epilogue_is_refused_where_no_kernel_holds_it():
+    # The one-token path's down GEMV takes decode sequences only; the grouped path's sum at most
+    # SUM_CONV_MAX_TOKENS tokens.
     args, _ = _one_token("cpu", torch.float32, 8, 2, 2, 1, True, False, seed=3)
     x, w13, w2, ids, w, shared = args
     conv, _ = _conv_state(x.shape[1], 4, 2, torch.float32, "cpu", seed=4)
-    two = (x.expand(2, -1), w13, w2, ids.expand(2, -1), w.expand(2, -1))
+    with pytest.raises(AssertionError, match="decode sequences only"):
+        _km().fused_experts(x, w13, w2, ids, w, shared=shared, conv=conv, conv_chunk=True)
+    n = _km().SUM_CONV_MAX_TOKENS + 1
+    many = (x.expand(n, -1), w13, w2, ids.expand(n, -1), w.expand(n, -1))
     with pytest.raises(AssertionError, match="conv epilogue"):
-        _km().fused_experts(*two, shared=(shared[0], shared[1], shared[2].expand(2, -1)), conv=conv)
-    cfg = _km().pick_config(1, ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2])
-    with pytest.raises(AssertionError, match="conv epilogue"):
-        _km().fused_experts(x, w13, w2, ids, w, shared=shared, config=cfg, conv=conv)
+        _km().fused_experts(*many, shared=(shared[0], shared[1], shared[2].expand(n, -1)), conv=conv)
+    assert not _km().takes_conv(n) and _km().takes_conv(n - 1, chunk=True) and not _km().takes_conv(1, chunk=True)
+
+
+# (prefix, extend) per sequence: decode sequences (extend 1), a K = 3 verify at batch 1, two K = 1
+# verifies, a chunk at the sequence start
+SUM_CONV_CASES = {"decode-3": ([4, 0, 7], [1, 1, 1]), "verify-b1": ([6], [4]), "verify-b2": ([2, 9], [2, 2]),
+                  "start": ([0], [3])}
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in GEMV_DTYPES if p.id != "cpu-bf16"])
+@pytest.mark.parametrize("case", list(SUM_CONV_CASES), ids=list(SUM_CONV_CASES))
+@pytest.mark.parametrize("kc", [4, 1])
+def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, kc):
+    """Inkling's out_conv in the grouped path's sum (a few decode sequences, or a verify's short
+    chunks: `conv_chunk`) against `fused_experts` followed by the ShortConv kernel on the same
+    state: equal outputs (the interpreter: bit for bit) and the same state writes."""
+    from kiln.kernels.shortconv import short_conv_decode, short_conv_extend
+    from tests.kernels.test_shortconv_kernels import Paged
+
+    prefix, ext = SUM_CONV_CASES[case]
+    decode = all(e == 1 for e in ext)
+    T = sum(ext)
+    E, k, S = (64, 4, 2) if device == "cuda" else (8, 2, 2)
+    H, I = (2048, 512) if device == "cuda" else (32, 16)
+    gen = torch.Generator().manual_seed(T * 10 + kc)
+    w13, w2, sw13, sw2 = _weights(E, H, I, dtype, device, gen, shared_inter=S * I)
+    x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, k, gen, device)
+    shared = (sw13, sw2, (torch.rand(T, S, generator=gen) + 0.1).to(device))
+    paged = Paged(prefix, ext, H, dtype, device, gen)
+    cw = (0.5 * torch.randn(H, kc, generator=gen)).to(dtype).to(device)
+    buf, table, rows, out_locs = paged.to_device()
+    buf_ref = buf.clone()
+    moe = _km().fused_experts(x, w13, w2, ids, w, shared=shared)
+    if decode:
+        lens = torch.tensor([p + 1 for p in prefix], device=device)
+        want = short_conv_decode(moe, cw, buf_ref, table, rows, lens, out_locs)
+        conv = (cw, buf, table, rows, lens, out_locs)
+    else:
+        dev_list = lambda v: torch.tensor(v, device=device)  # noqa: E731
+        starts = [sum(ext[:i]) for i in range(len(ext))]
+        want = short_conv_extend(moe, cw, buf_ref, table, rows, dev_list(prefix), dev_list(ext), dev_list(starts),
+                                 out_locs)
+        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]).to(device)
+        conv = (cw, buf, table, torch.repeat_interleave(rows, dev_list(ext)), positions, out_locs)
+    got = _km().fused_experts(x, w13, w2, ids, w, shared=shared, conv=conv, conv_chunk=not decode)
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(buf, buf_ref)
+
+
