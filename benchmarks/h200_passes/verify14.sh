@@ -32,9 +32,9 @@ lane0_verify1() {  # GPU tests of the GEMV, the expert GEMVs and the speculative
 }
 
 lane0_verify2() {  # every GPU test (the conv epilogues over a verify's chunks: o_conv in the o_proj GEMV, out_conv in
-  # the grouped MoE's sum); K = 3 rounds at batch 1, and plain decode at batch 1 and 4, the tree against 5639e9d
-  # (the thirteenth session's head, scratch/base), alternated x2; the speedup table (plain and rounds at batch
-  # 1/8/32); the round's kernel table
+  # the grouped MoE's sum; the greedy argmax kernel); K = 3 rounds at batch 1, and plain decode at batch 1 and 4, the
+  # tree against 5639e9d (the thirteenth session's head, scratch/base), alternated x2; the argmax against torch's;
+  # the 8B at batch 1, both; the speedup table (plain and rounds at batch 1/8/32); the round's kernel table
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu tests -q -p no:cacheprovider -rfE ${XDIST:-} --ignore tests/server
   local P4="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
@@ -44,6 +44,10 @@ lane0_verify2() {  # every GPU test (the conv epilogues over a verify's chunks: 
   done
   step plain_new 45 $DECODE $P4 --batch-sizes 1,4 --out "$R/json/plain_new.json"
   step plain_base 45 python scratch/base/benchmarks/decode_batch.py $C $P4 --batch-sizes 1,4 --out "$R/json/plain_base.json"
+  step small_ops 60 python -m benchmarks.kernels.small_ops --quick
+  local L1="--model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step llama8b_new 60 $DECODE $L1 --out "$R/json/llama8b_new.json"
+  step llama8b_base 60 python scratch/base/benchmarks/decode_batch.py $C $L1 --out "$R/json/llama8b_base.json"
   step plain_table 60 $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
     --batch-sizes 1,8,32 --out "$R/json/plain_table.json"
   step mtp3_table 70 $DECODE ${ROUNDS14/--batch-sizes 1/--batch-sizes 1,8,32} --out "$R/json/mtp3_table.json"

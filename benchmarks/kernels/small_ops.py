@@ -9,7 +9,9 @@
   Llama-3.1-8B's gate_up output [T, 2 x 14336], bf16;
 - `conv_qk_norm` (`kiln.kernels.conv_qk_norm`, at decode) vs what it replaces on the
   kernel path: two `short_conv_decode`, two per-head `rms_norm` kernels and q's lam scale, at
-  Inkling's bench preset (Hq=16, Hkv=4, D=128, K=4, bf16; fragmented conv buffers).
+  Inkling's bench preset (Hq=16, Hkv=4, D=128, K=4, bf16; fragmented conv buffers);
+- `argmax` (`kiln.kernels.argmax`, the engine's greedy tokens) vs torch.argmax over fp32 logit rows
+  of 49,216 (Inkling / MiniMax-M3 bench) and 128,256 (Llama 3) tokens.
 
 At T = 1..256 (decode batches) and 2048 (a prefill chunk; not for the decode prologue). Medians
 in us of the op replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`, how the engine's
@@ -40,6 +42,7 @@ def _timers():
 def cases(tokens):
     """(op, shape, reference fn, kernel fn) per configuration; each pair checked once first."""
     from kiln.kernels.activation import silu_and_mul
+    from kiln.kernels.argmax import argmax
     from kiln.kernels.kv_store import store_kv
     from kiln.layers.activation import silu_and_mul_ref
     from kiln.ops.attention import store_kv as store_kv_ref
@@ -66,6 +69,10 @@ def cases(tokens):
                     lambda g=gate_up: silu_and_mul(g)))
         if t <= 256:
             out.append(_prologue_case(t, gen))
+            for vocab in (49216, 128256):  # the Inkling bench preset's and Llama 3's vocabularies
+                x = torch.randn(t, vocab, device=dev, generator=gen)  # fp32 logits
+                assert torch.equal(argmax(x), x.argmax(dim=-1)), "argmax"
+                out.append(("argmax", f"B={t} V={vocab} fp32", lambda x=x: x.argmax(dim=-1), lambda x=x: argmax(x)))
     return out
 
 

@@ -336,6 +336,17 @@ def attach_logprobs(out: SampleOutput, logits: torch.Tensor, batch: SamplingBatc
     return out
 
 
+def greedy_ids(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (first index of each row's maximum). On a GPU with Triton it runs as
+    `kiln.kernels.argmax` (two short launches: torch's reduction took 13 us per 49K-token row on an
+    H200, five times per speculative round), else as torch.argmax."""
+    if x.is_cuda and x.numel() and x.is_floating_point() and kernels_supported(x.device):
+        from kiln.kernels.argmax import argmax
+
+        return argmax(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row from a batch of logits (see the module docstring)."""
 
@@ -348,7 +359,7 @@ class Sampler:
         dev = logits.device
         fast = kernels_supported(dev)
         x = processed_logits(logits, batch)
-        token_ids = x.argmax(dim=-1)  # final for greedy rows
+        token_ids = greedy_ids(x)  # final for greedy rows
         greedy = batch.greedy
         if greedy is None and not fast:
             greedy = _greedy_mask(batch).tolist()

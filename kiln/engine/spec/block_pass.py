@@ -37,6 +37,7 @@ import torch
 from kiln.engine.batch import int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.request import Req
+from kiln.engine.sampler import greedy_ids
 
 
 class LayerRoute:
@@ -103,7 +104,7 @@ class PagedBlockPass:
                                   [layer_cache(i) for i in range(len(drafter.layers))])
         h = h.view(bs, B, -1)[:, 1:K + 1].reshape(bs * K, -1)
         logits = drafter.process_logits(o.vocab.logits(h.to(emb.dtype))).view(bs, K, -1)
-        return o.vocab.tokens(logits.argmax(dim=-1)), logits
+        return o.vocab.tokens(greedy_ids(logits)), logits
 
     # ---- capture ------------------------------------------------------------------------------
     def _addresses(self) -> tuple:

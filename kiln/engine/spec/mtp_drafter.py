@@ -38,6 +38,7 @@ import torch
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.pools import position_slots
 from kiln.engine.request import Req
+from kiln.engine.sampler import greedy_ids
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -208,7 +209,7 @@ class MTPDrafter:
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
                 sub = self.vocab.logits(layer.final_norm(h))  # over the draft vocabulary, as in the graph
-                tokens = self.vocab.tokens(sub.argmax(dim=-1))
+                tokens = self.vocab.tokens(greedy_ids(sub))
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
                 # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
                 logits = self.vocab.full(sub) if sampled or self.keep_logits else None
@@ -241,7 +242,7 @@ class MTPDrafter:
     def _start_flight(self, logits: torch.Tensor) -> None:
         """The chain graph's draft logits [K, n, draft vocabulary] -> drafts kept on the device
         (`DraftsInFlight`): not read back here, the next verify gathers them there."""
-        self.flight = DraftsInFlight.start(self.vocab.tokens(logits.argmax(dim=-1)).t().contiguous())
+        self.flight = DraftsInFlight.start(self.vocab.tokens(greedy_ids(logits)).t().contiguous())
         self._flight_logits = logits if self.keep_logits else None
 
     def _set_in_flight(self, r: Req, row: int, k: int) -> None:

@@ -41,6 +41,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
+from kiln.engine.sampler import greedy_ids
 
 
 class MTPChainGraph:
@@ -145,7 +146,7 @@ class MTPChainGraph:
                 d.site(k)[rows["keep"]] = out.to(d.site(k).dtype)
             prev_h = out.index_select(0, rows["draft_out"][k - 1])
             logits = d.vocab.logits(layer.final_norm(prev_h))  # over the draft vocabulary
-            prev_tok = d.vocab.tokens(logits.argmax(dim=-1))
+            prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
         return torch.stack(out_logits)
 
