@@ -291,8 +291,8 @@ def test_out_conv_epilogue_on_cuda_equals_separate_conv(arch_dir, monkeypatch):
     reqs = prompts(1, seed=5, lo=34, hi=40)
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
     with monkeypatch.context() as m:  # both users of the rule: the dense down_proj and the MoE
-        m.setattr(decode_gemv, "epilogue_conv_args", lambda *a: None)
-        m.setattr(moe_layer, "epilogue_conv_args", lambda *a: None)
+        m.setattr(decode_gemv, "epilogue_conv_args", lambda *a, **kw: None)
+        m.setattr(moe_layer, "epilogue_conv_args", lambda *a, **kw: None)
         want_out, want_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
     fused = []
     real = km.fused_experts
