@@ -145,7 +145,7 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
     for pdl in (1, 2):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, **down),
+                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down),
                            divisible=names(_expert_down_gemv_kernel))["ptx"]
         before = ptx[:ptx.index("griddepcontrol.wait")]
         if pdl == 2:  # the early trigger: the id and weight stream start before the wait
@@ -182,21 +182,21 @@ def gemv_router() -> None:
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
-                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, **NO_NORM, **tile,
-                      ROPE=False, HALF=1))
+                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False, **NO_NORM,
+                      **tile, ROPE=False, HALF=1))
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1)
 
 
 def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False,
-         rope: bool = False) -> None:
+         rope: bool = False, chunk: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
     (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (Inkling
     bench's qkvr with `prenorm_tile`: residual, normed rows kept), nothing of the norm is read
     before the wait. With the RoPE epilogue (the 8B's qkv, a row pair per program) the weight rows
-    are still streamed before the wait."""
+    are still streamed before the wait. With `chunk`, the conv epilogue over a verify's 4 rows."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
     types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX", "KC", "VC")}, "eps": "fp32",
@@ -213,9 +213,9 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         tile["BLOCK_N"] //= 2
     if fma:
         norm_consts = dict(NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=2048) if norm else NO_NORM
-        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=1, PDL=True, GLU=glu, PREFETCH=prefetch, CONV=conv,
-                                                CK=4 if conv else 1, CKP=4 if conv else 1, **norm_consts, **tile,
-                                                ROPE=rope, HALF=64 if rope else 1)
+        kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
+                                                CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
+                                                **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -228,6 +228,26 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait], "the L2 prefetch must be issued before the wait"
     else:
         assert "cp.async.bulk.prefetch" not in ptx
+
+
+def sum_slots_conv() -> None:
+    """The grouped MoE's slot sum with out_conv over a verify's 4 tokens in its epilogue."""
+    from kiln.kernels.moe import _sum_slots_conv_kernel
+
+    types = {"slots_ptr": "*fp32", "out_ptr": "*bf16", "CW": "*bf16", "CBUF": "*bf16",
+             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
+    compile_sm90(_sum_slots_conv_kernel, types, dict(KS=8, BLOCK_M=4, BLOCK_H=128, CONV=True, CK=4, CKP=4,
+                                                     CCHUNK=True, PDL=True))
+
+
+def argmax() -> None:
+    """The greedy argmax's two kernels."""
+    from kiln.kernels.argmax import _chunk_max_kernel, _merge_kernel
+
+    compile_sm90(_chunk_max_kernel, {"x_ptr": "*fp32", "part_v_ptr": "*fp32", "part_i_ptr": "*i32"},
+                 dict(CHUNK=4096, BLOCK=1024, PDL=True))
+    compile_sm90(_merge_kernel, {"part_v_ptr": "*fp32", "part_i_ptr": "*i32", "ids_ptr": "*i64"},
+                 dict(BLOCK=16, PDL=True))
 
 
 def msa_scores() -> None:
@@ -250,6 +270,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "rms_norm": lambda: rms_norm(False), "rms_norm_pdl": lambda: rms_norm(True), "rms_norm_trigger": rms_norm_trigger,
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
+         "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
+         "argmax": argmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True),
