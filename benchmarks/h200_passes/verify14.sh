@@ -70,3 +70,24 @@ lane0_verify3() {  # the GPU tests of the conv epilogues, the MoE, the argmax an
     done
   done
 }
+
+lane0_verify4() {  # verify3 trimmed to the device time left: the GPU tests of the conv epilogues and the speculative
+  # graphs; K = 3 rounds at batch 1, the tree against v_nosum and v_h32, alternated x2; plain decode at batch 1 and 4,
+  # the tree against v_chunkonly, alternated x2 (copies made by scratch/make_variants14.sh)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/engine/test_kernel_path.py \
+    tests/engine/test_cuda_graph.py tests/kernels/test_argmax.py
+  local P4="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 1,4"
+  for r in 1 2; do
+    for v in tree v_nosum v_h32; do
+      local D=$DECODE; [ $v = tree ] || D="python scratch/$v/benchmarks/decode_batch.py $C"
+      step mtp3_${v}_$r 70 $D $ROUNDS14 --out "$R/json/mtp3_${v}_$r.json"
+    done
+  done
+  for r in 1 2; do
+    for v in tree v_chunkonly; do
+      local D=$DECODE; [ $v = tree ] || D="python scratch/$v/benchmarks/decode_batch.py $C"
+      step plain_${v}_$r 45 $D $P4 --out "$R/json/plain_${v}_$r.json"
+    done
+  done
+}
