@@ -328,6 +328,13 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def on_gemv_path(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None) -> bool:
+    """Whether `fused_experts` of `num_tokens` tokens takes the expert GEMVs (up to
+    `gemv_max_tokens`, None: GEMV_MAX_TOKENS) rather than the grouped GEMMs."""
+    limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
+    return 0 < num_tokens <= limit and config is None
+
+
 def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None,
                chunk: bool = False) -> bool:
     """Whether `fused_experts` of `num_tokens` tokens can run a ShortConv on its result in a
@@ -335,8 +342,7 @@ def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tok
     sequences only), or the grouped path's sum of at most SUM_CONV_MAX_TOKENS tokens (decode
     sequences, or with `chunk` the tokens of short chunks). `gemv_max_tokens`: the largest T of the
     GEMV path (None: GEMV_MAX_TOKENS; the engine's `--moe-gemv-max-tokens`)."""
-    limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
-    if 0 < num_tokens <= limit and config is None:
+    if on_gemv_path(num_tokens, config, gemv_max_tokens):
         return not chunk
     return 0 < num_tokens <= SUM_CONV_MAX_TOKENS
 
@@ -390,8 +396,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     topk_w = topk_weights.float().contiguous()
     shared_w = shared_w.float().contiguous() if has_sw else topk_w
     sw_rep = max(1, chunks // n_shared_w)
-    limit = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
-    if T <= limit and config is None:
+    if on_gemv_path(T, config, gemv_max_tokens):
         assert not conv_chunk, "the one-token path's conv epilogue takes decode sequences only"
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
                             sw_rep, has_sw, conv)

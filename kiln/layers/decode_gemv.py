@@ -176,19 +176,21 @@ def epilogue_conv_args(conv: nn.Module, x: torch.Tensor, batch, chunk: bool = Fa
 
 
 def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
-    """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output. With the
-    GEMV on, a decode step or a forward of short chunks (a speculative verify) of at most
-    FMA_MAX_ROWS rows, whatever `--gemv-max-rows`' limit, runs the conv in the GEMV's epilogue
-    (`epilogue_conv_args`; no all-reduce between the two): one launch fewer, and at these rows the
-    GEMV streams an o_proj-sized weight faster than cuBLAS (docs/benchmarks.md, ninth pass)."""
+    """conv(linear(x)) for a `kiln.layers.shortconv.ShortConv` on a projection's output, with the
+    conv in the GEMV's epilogue (`epilogue_conv_args`; one launch fewer; never with an all-reduce
+    between the two): on the GEMV path of a decode step (at most FMA_MAX_ROWS rows), and with the
+    GEMV on for a forward of short chunks (a speculative verify) of at most FMA_MAX_ROWS rows,
+    whatever `--gemv-max-rows`' limit (at these rows the GEMV streams an o_proj-sized weight
+    faster than cuBLAS: docs/benchmarks.md, ninth and nineteenth passes). Decode steps of 2-4 rows
+    keep the limit: with both conv epilogues there, batch 4 ran 2% slower (nineteenth pass)."""
     args, chunk = None, False
-    gemv_on = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0) > 0  # (then Triton is there)
-    if (gemv_on and gemv_path(batch, x, linear, max_rows=_kernels().FMA_MAX_ROWS)
-            and not (isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1)):
+    reduce = isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1
+    if not reduce and gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS:
         args = epilogue_conv_args(conv, x, batch)
-        if args is None:
-            args = epilogue_conv_args(conv, x, batch, chunk=True)
-            chunk = args is not None
+    gemv_on = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0) > 0  # (then Triton is there)
+    if args is None and not reduce and gemv_on and gemv_path(batch, x, linear, max_rows=_kernels().FMA_MAX_ROWS):
+        args = epilogue_conv_args(conv, x, batch, chunk=True)
+        chunk = args is not None
     if args is None:
         return conv(decode_linear(linear, x, batch), batch)
     return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args, conv_chunk=chunk)

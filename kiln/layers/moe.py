@@ -260,9 +260,9 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
     the single cast happens there too (under TP the fp32 partial sums wait for the all-reduce).
 
     `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the epilogue of the
-    experts' last kernel where it can run there (one rank, a decode step or a verify's short chunks
-    of at most a few tokens: `kiln.kernels.moe.takes_conv`, `epilogue_conv_args`), else as its own
-    call after the all-reduce."""
+    experts' last kernel where it runs there (one rank; a decode step on the expert GEMVs, or a
+    verify's short chunks of at most a few tokens on the grouped path: `kiln.kernels.moe.takes_conv`,
+    `epilogue_conv_args`), else as its own call after the all-reduce."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
@@ -273,10 +273,12 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
             conv, chunk = None, False
             gemv_tokens = getattr(getattr(batch, "backend", None), "moe_gemv_max_tokens", None)
             if out_conv is not None and pc.tp_size == 1:
-                t = x.shape[0]
-                if ops.takes_conv(t, gemv_max_tokens=gemv_tokens):  # a decode step
+                # a decode step on the expert GEMVs: the down GEMV's epilogue; a verify's short
+                # chunks on the grouped path: the slot sum's. Decode steps of 2-4 tokens keep the
+                # separate conv (with it in the sum, batch 4 ran 2% slower: nineteenth pass).
+                if ops.on_gemv_path(x.shape[0], gemv_max_tokens=gemv_tokens):
                     conv = epilogue_conv_args(out_conv, x, batch)
-                if conv is None and ops.takes_conv(t, gemv_max_tokens=gemv_tokens, chunk=True):  # a verify
+                elif ops.takes_conv(x.shape[0], gemv_max_tokens=gemv_tokens, chunk=True):
                     conv = epilogue_conv_args(out_conv, x, batch, chunk=True)
                     chunk = conv is not None
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,

@@ -232,24 +232,13 @@ def test_router_weight_stays_fp32_and_recording_can_be_off(which):
     assert b2.extras["routed_experts"][3].shape == (5, K)
 
 
-def _conv_state_of(h, kc, prefixes, seed):
-    """conv args (`fused_experts(conv=...)`) over paged decode state of sequences with these
-    earlier token counts, fp32 on the CPU."""
-    from tests.kernels.test_shortconv_kernels import Paged
-
-    gen = torch.Generator().manual_seed(seed)
-    paged = Paged(prefixes, [1] * len(prefixes), h, torch.float32, "cpu", gen)
-    cw = (0.5 * torch.randn(h, kc, generator=gen))
-    buf, table, rows, out_locs = paged.to_device()
-    return (cw, buf, table, rows, torch.tensor([p + 1 for p in prefixes]), out_locs), paged
-
-
 @INTERPRETER_ONLY  # CPU tensors through the kernels: Triton's interpreter
 def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
     """SinkMoE(x, batch, out_conv): at one decode token on the kernel path (the interpreter here)
     the conv runs in the down GEMV's epilogue (`fused_experts(conv=...)`), with the result of the
-    MoE followed by the conv, and at two decode tokens in the grouped path's sum; a hooked conv, or
-    more tokens than that sum holds, take the separate call (the hook runs)."""
+    MoE followed by the conv; a hooked conv, or two decode tokens, take the separate call (the hook
+    runs). (A verify's chunks run it in the grouped path's sum: tests/kernels/test_moe_gemv.py and
+    the engine's GPU tests.)"""
     pytest.importorskip("triton")
     from kiln.kernels import moe as km
     from kiln.kernels.shortconv import short_conv_decode
@@ -297,15 +286,8 @@ def test_sink_moe_runs_out_conv_in_the_expert_kernels_epilogue(monkeypatch):
         torch.testing.assert_close(moe(x, batch, out_conv=conv), want, rtol=0, atol=0)
         assert hooked and conv_args[-1] is None and len(separate) == 1
         conv._forward_hooks.clear()
-        # two decode tokens: the grouped path, the conv in its sum's epilogue
-        args2, _ = _conv_state_of(H, 4, [5, 2], seed=9)
-        state = [t.clone() for t in args2[1:]]
-        x2 = torch.randn(2, H)
-        want2 = short_conv_decode(moe(x2, batch), conv.weight, *[t.clone() for t in args2[1:]])
-        torch.testing.assert_close(moe(x2, batch, out_conv=conv), want2, rtol=0, atol=0)
-        assert conv_args[-1] is not None and len(separate) == 1
-        # five: more than the sum's epilogue holds, the separate conv
-        moe(torch.randn(5, H), batch, out_conv=conv)
+        state = [t.clone() for t in args[1:]]
+        moe(x.expand(2, -1).contiguous(), batch, out_conv=conv)  # two decode tokens: the grouped path, separate conv
         assert conv_args[-1] is None and len(separate) == 2
 
 
