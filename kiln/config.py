@@ -115,12 +115,15 @@ class EngineConfig:
         "GEMV, whose weight stream starts before the previous kernel has completed "
         "(kiln/layers/decode_gemv.py); 0 uses cuBLAS for every projection. Default: 1 (batch-1 "
         "decode) with Triton kernels on one NVIDIA sm_90+ GPU with PDL, else 0. Up to 16; at 2-16 "
-        "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass).")
+        "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass). With the GEMV on, a "
+        "speculative verify of at most 4 rows runs Inkling's o_proj and dense down_proj (with their "
+        "ShortConv in the epilogue) through it whatever this limit (nineteenth pass).")
     moe_gemv_max_tokens: int = opt(
         1, "MoE layers of at most this many tokens run their experts as two expert GEMVs, one program "
         "row per token and slot (kiln/kernels/moe_gemv.py), instead of the grouped GEMMs with their "
         "align and sum launches (kiln/kernels/moe.py); tokens sharing an expert then read it once per "
-        "slot (from L2 when their programs run together). 1: batch-1 decode only.")
+        "slot (from L2 when their programs run together). 1: batch-1 decode only; up to 16. On an H200 "
+        "the GEMVs lost from 2 tokens on (docs/benchmarks.md, nineteenth pass).")
     gemv_l2_prefetch_mb: int = opt(
         0, "A decode GEMV whose weight is at most this many MiB also asks the whole matrix into L2 "
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
@@ -177,8 +180,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.gemv_max_rows is not None and not 0 <= self.gemv_max_rows <= 16:  # gemv.MAX_ROWS: one MMA tile
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
-        if self.moe_gemv_max_tokens < 0:
-            raise ValueError(f"--moe-gemv-max-tokens takes 0 or more, got {self.moe_gemv_max_tokens}")
+        if not 0 <= self.moe_gemv_max_tokens <= 16:  # past a few tokens every shared expert is re-read
+            raise ValueError(f"--moe-gemv-max-tokens takes 0 to 16, got {self.moe_gemv_max_tokens}")
         if self.gemv_l2_prefetch_mb < 0:
             raise ValueError(f"--gemv-l2-prefetch-mb takes 0 (off) or more, got {self.gemv_l2_prefetch_mb}")
         if self.attention_early_kv_max_bs < 0:

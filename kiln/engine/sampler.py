@@ -44,7 +44,8 @@ Which code runs where:
 - CUDA with Triton (`kiln.kernels.kernels_supported`): penalties, suppression, the softmax and the
   noise are the same torch ops, but filtering and the draw are `kiln.kernels.sampling`: a
   threshold search instead of the sort, fused with the exponential race (the filtered
-  distribution is never written out); `processed_probs` uses the kernel's `filtered_probs`. The
+  distribution is never written out); `processed_probs` uses the kernel's `filtered_probs`, and
+  greedy rows take `kiln.kernels.argmax` (`greedy_ids`). The
   kept set is the reference's (ties by token id included) except that a token whose top-p
   mass-before lies within float rounding of the threshold may fall the other way (see that
   module). This path never waits for the device: row selection uses the host-side
@@ -336,11 +337,15 @@ def attach_logprobs(out: SampleOutput, logits: torch.Tensor, batch: SamplingBatc
     return out
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in the kernel's fp32
+
+
 def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` (first index of each row's maximum). On a GPU with Triton it runs as
     `kiln.kernels.argmax` (two short launches: torch's reduction took 13 us per 49K-token row on an
-    H200, five times per speculative round), else as torch.argmax."""
-    if x.is_cuda and x.numel() and x.is_floating_point() and kernels_supported(x.device):
+    H200, five times per speculative round), else as torch.argmax. The kernel counts NaN as +inf
+    (torch ranks it above); logits hold neither."""
+    if x.is_cuda and x.numel() and x.dtype in _ARGMAX_DTYPES and kernels_supported(x.device):
         from kiln.kernels.argmax import argmax
 
         return argmax(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])

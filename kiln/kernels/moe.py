@@ -12,7 +12,7 @@ layout ([gate_0; ..; up_0; ..], [down_0 | ..]) already stores those chunks as co
 column blocks, so chunk c reads rows c*I.. of the gate half, C*I + c*I.. (up) and columns c*I..
 (down) of the shared tensors, in place. Chunks are experts E..E+C-1 of the grouped GEMMs.
 
-Grouped path (more than GEMV_MAX_TOKENS tokens): four launches whose grids depend only on shapes,
+Grouped path (more tokens than the GEMV path takes): four launches whose grids depend only on shapes,
 never on values, and no host sync, so the decode step can be captured in a CUDA graph.
 1. `_align_kernel` (one program per expert, routed and shared): like SGLang/vLLM's
    moe_align_block_size. Every program histograms all routed ids (redundantly: the ids are few, and
@@ -28,11 +28,12 @@ never on values, and no host sync, so the decode step can be captured in a CUDA 
    fp32 (shared chunks: the shared weight or 1), stored per slot in fp32.
 4. `_sum_slots_kernel`: per token, the KS slot rows summed in fp32 in slot order, cast once.
    With a ShortConv on the sum (Inkling's out_conv; at most SUM_CONV_MAX_TOKENS tokens: decode
-   sequences, or the short chunks of a speculative verify), `_sum_slots_conv_kernel` instead:
+   sequences, or the short chunks of a speculative verify, which is what the engine hands it),
+   `_sum_slots_conv_kernel` instead:
    every program holds all tokens of its hidden tile and runs the conv in its epilogue
    (`kiln.kernels.shortconv`), one launch fewer.
 
-One-token path (T <= GEMV_MAX_TOKENS = 1, batch-1 decode): two expert GEMVs,
+One-token path (T <= `gemv_max_tokens`, by default GEMV_MAX_TOKENS = 1: batch-1 decode): two expert GEMVs,
 `kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order of the sums.
 """
 
@@ -58,7 +59,8 @@ _INT32_MAX = tl.constexpr(2147483647)
 ALIGN_CHUNK_MAX = 2048
 # Up to this many tokens `fused_experts` takes the GEMV path (module docstring). Past one token the
 # grouped path stays, since it reads an expert shared by several tokens once (on an H200 the GEMV
-# path took 1.36x the grouped path's time at 4 tokens: docs/benchmarks.md, nineteenth pass); tests
+# path took 1.37x (Inkling) and 1.27x (MiniMax-M3) the grouped path's time at 4 tokens:
+# docs/benchmarks.md, nineteenth pass); the engine's `--moe-gemv-max-tokens` overrides it; tests
 # lower it to 0 to force the grouped path.
 GEMV_MAX_TOKENS = 1
 # Up to this many tokens the grouped path can run a ShortConv on its sum (`_sum_slots_conv_kernel`):
@@ -362,8 +364,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     1 when None); I_s must be a multiple of I (`shared_chunks` says whether it is). GEMMs run in
     the weights' dtype, activations, weights and the sum over slots in fp32, one cast to
     `out_dtype` (x's dtype by default). Up to `gemv_max_tokens` tokens (None: GEMV_MAX_TOKENS)
-    take the two-kernel GEMV path, more the grouped GEMMs (module docstring). `config` overrides the grouped path's tiles
-    and so forces that path at any T (benchmark sweeps).
+    take the two-kernel GEMV path, more the grouped GEMMs (module docstring). `config` overrides
+    the grouped path's tiles and so forces that path at any T (benchmark sweeps).
     `conv` (where `takes_conv` allows it): the arguments of
     `kiln.kernels.shortconv.short_conv_decode` after x, token t being decode sequence t; the result
     is then that ShortConv of the sum (rounded to `out_dtype`, the state's dtype), run in the down

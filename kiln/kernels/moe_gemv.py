@@ -1,6 +1,7 @@
 """The MoE experts of one token as two GEMVs: the one-token path of `kiln.kernels.moe.fused_experts`.
 
-Up to `kiln.kernels.moe.GEMV_MAX_TOKENS` (1) tokens: batch-1 decode. There every slot (see
+Up to `gemv_max_tokens` tokens (`kiln.kernels.moe.GEMV_MAX_TOKENS`, 1, unless the engine's
+`--moe-gemv-max-tokens` says otherwise): batch-1 decode. There every slot (see
 `kiln.kernels.moe` for slots and shared chunks) has its own expert, so the grouped GEMMs use 1 of
 the 16 rows of each MMA tile, and align and sum_slots are two more latency-bound launches around a
 pure weight stream (on an H200, ~45 us per bench MoE layer for ~50 MB of weights, ~12 us at HBM
@@ -17,8 +18,9 @@ tl.dot: one row), grids fixed by shapes:
    by then: its docstring).
    Optionally a decode ShortConv on the sum in its epilogue (Inkling's out_conv: `conv`).
 The kernels take any T (one program row per token), but past one token the grouped path stays:
-tokens that share an expert read it once there, once per slot here (the crossover is not
-measured; `benchmarks/kernels/moe.py --gemv` times both at T=1). The GEMV tiles are fixed by shape
+tokens that share an expert read it once there, once per slot here (`benchmarks/kernels/moe.py
+--gemv 1 2 4 8` times both; on an H200 the GEMVs lose from 2 tokens on: docs/benchmarks.md,
+nineteenth pass). The GEMV tiles are fixed by shape
 (`gemv_tiles`), so the same inputs give the same bits in every process, though not the grouped
 path's bits (the sums run in another order).
 """

@@ -307,9 +307,10 @@ class SinkMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None, out_conv: Optional[nn.Module] = None,
                 router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The MoE output, through `out_conv` (a ShortConv on it) when given: at a decode step or a
-        verify of a few tokens that conv runs in the expert kernels' epilogue (`_routed_plus_shared`),
-        so a forward hook on this module sees the output after the conv. `router_logits`: the router's logits of x
+        """The MoE output, through `out_conv` (a ShortConv on it) when given: at a decode step on the
+        expert GEMVs (batch 1 by default) or a verify of at most a few tokens that conv runs in the
+        expert kernels' epilogue (`_routed_plus_shared`), so a forward hook on this module sees the
+        output after the conv. `router_logits`: the router's logits of x
         when the caller has them (`SinkGate`)."""
         ids, routed_w, shared_w = self.router(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,

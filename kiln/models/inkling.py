@@ -138,7 +138,7 @@ class InklingAttention(nn.Module):
             if lam is not None:
                 q = (q.float() * lam[:, None, None]).to(q.dtype)
             o = self.attn(q.reshape(t, nh * d), k.reshape(t, nkv * d), v, batch, rel=rel)
-        if self.use_conv:  # at decode through the GEMV, o_conv runs in o_proj's epilogue
+        if self.use_conv:  # at decode or a short verify through the GEMV, o_conv runs in o_proj's epilogue
             return decode_linear_conv(self.o_proj, self.o_conv, o, batch)
         return decode_linear(self.o_proj, o, batch)
 
@@ -171,7 +171,8 @@ class InklingDecoderLayer(nn.Module):
         qkvr, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkvr_proj, h,
                                            residual, batch)
         a = self.self_attn(x, batch) if qkvr is None else self.self_attn.attend(qkvr, batch)
-        # out_conv goes in with the MLP: at decode it runs in the down projection's epilogue
+        # out_conv goes in with the MLP: at decode or a short verify it runs in the epilogue of the
+        # down projection (dense layer) or of the experts' last kernel
         out_conv = self.mlp.out_conv if self.use_conv else None
         if self.is_moe:  # folded: the router GEMV normalises, and keeps the rows for the experts
             z, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.router, a, residual,

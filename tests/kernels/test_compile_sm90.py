@@ -232,11 +232,11 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
 
 def sum_slots_conv() -> None:
     """The grouped MoE's slot sum with out_conv over a verify's 4 tokens in its epilogue."""
-    from kiln.kernels.moe import _sum_slots_conv_kernel
+    from kiln.kernels.moe import SUM_CONV_BLOCK_H, _sum_slots_conv_kernel
 
     types = {"slots_ptr": "*fp32", "out_ptr": "*bf16", "CW": "*bf16", "CBUF": "*bf16",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
-    compile_sm90(_sum_slots_conv_kernel, types, dict(KS=8, BLOCK_M=4, BLOCK_H=128, CONV=True, CK=4, CKP=4,
+    compile_sm90(_sum_slots_conv_kernel, types, dict(KS=8, BLOCK_M=4, BLOCK_H=SUM_CONV_BLOCK_H, CONV=True, CK=4, CKP=4,
                                                      CCHUNK=True, PDL=True))
 
 

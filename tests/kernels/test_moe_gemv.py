@@ -253,7 +253,9 @@ def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, k
         positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]).to(device)
         conv = (cw, buf, table, torch.repeat_interleave(rows, dev_list(ext)), positions, out_locs)
     got = _km().fused_experts(x, w13, w2, ids, w, shared=shared, conv=conv, conv_chunk=not decode)
-    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-5)
+    # compiled, the epilogue's conv adds may contract into FMAs (the ShortConv kernel forbids that)
+    tol = dict(rtol=0, atol=0) if device == "cpu" else (dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32
+                                                         else dict(rtol=1e-2, atol=1e-2))
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(buf, buf_ref)
 

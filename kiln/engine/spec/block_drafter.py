@@ -45,6 +45,7 @@ import torch
 
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
+from kiln.engine.sampler import greedy_ids
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftState, DraftsInFlight
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -272,7 +273,7 @@ class BlockDraftRunner:
         sampled = [i for i, r in enumerate(reqs) if self.sample_drafts and not r.params.greedy]
         selector = self.drafter.candidate_selector
         if selector is None:
-            tokens = self.vocab.tokens(sub.argmax(dim=-1)).tolist()
+            tokens = self.vocab.tokens(greedy_ids(sub)).tolist()
             # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
             logits = self.vocab.full(sub) if sampled or self.keep_logits else None
             logits_at = lambda j, at, prev: logits[at, j]  # noqa: E731  (independent of earlier drafts)
