@@ -45,10 +45,9 @@ Which code runs where:
   noise are the same torch ops, but filtering and the draw are `kiln.kernels.sampling`: a
   threshold search instead of the sort, fused with the exponential race (the filtered
   distribution is never written out); `processed_probs` uses the kernel's `filtered_probs`, and
-  greedy rows take `kiln.kernels.argmax` (`greedy_ids`). The
-  kept set is the reference's (ties by token id included) except that a token whose top-p
-  mass-before lies within float rounding of the threshold may fall the other way (see that
-  module). This path never waits for the device: row selection uses the host-side
+  greedy rows take `kiln.kernels.argmax` (`greedy_ids`). The kept set is the reference's (ties
+  by token id included) except that a token whose top-p mass-before lies within float rounding
+  of the threshold may fall the other way (see that module). This path never waits for the device: row selection uses the host-side
   `SamplingBatch.greedy` list. A batch built without it (`greedy=None`, e.g. by hand) is not
   synced on CUDA either: every row draws noise and greedy rows take the argmax on the device
   (their own generator, if any, then advances; it is never used for anything else).

@@ -234,8 +234,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     conv (M <= FMA_MAX_ROWS, not glu) = (weight [N, conv width], conv_buf, conv_table, req_slots, seq_lens,
     out_locs), the arguments of `kiln.kernels.shortconv.short_conv_decode` after x: the result is
     that decode ShortConv of the GEMV's output (row m is sequence m; with `conv_chunk`, below, the
-    rows are short chunks), and the output rows go into conv_buf[out_locs], in one launch. Same rounding points as the two launches; the conv's adds
-    may be contracted into FMAs here (the ShortConv kernel forbids that), so within a few fp32
+    rows are short chunks), and the output rows go into conv_buf[out_locs], in one launch. Same
+    rounding points as the two launches; the conv's adds may be contracted into FMAs here (the ShortConv kernel forbids that), so within a few fp32
     ulps of them before the final rounding rather than bit for bit (the interpreter: bit for bit).
 
     rope (M <= FMA_MAX_ROWS, not glu or conv) = (cos, sin, positions, loc, k_cache, v_cache), the

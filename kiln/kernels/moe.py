@@ -12,8 +12,8 @@ layout ([gate_0; ..; up_0; ..], [down_0 | ..]) already stores those chunks as co
 column blocks, so chunk c reads rows c*I.. of the gate half, C*I + c*I.. (up) and columns c*I..
 (down) of the shared tensors, in place. Chunks are experts E..E+C-1 of the grouped GEMMs.
 
-Grouped path (more tokens than the GEMV path takes): four launches whose grids depend only on shapes,
-never on values, and no host sync, so the decode step can be captured in a CUDA graph.
+Grouped path (more tokens than the GEMV path takes): four launches whose grids depend only on
+shapes, never on values, and no host sync, so the decode step can be captured in a CUDA graph.
 1. `_align_kernel` (one program per expert, routed and shared): like SGLang/vLLM's
    moe_align_block_size. Every program histograms all routed ids (redundantly: the ids are few, and
    it saves a launch and a grid-wide sync), rounds each expert's count up to BLOCK_M, prefix-sums
@@ -29,12 +29,12 @@ never on values, and no host sync, so the decode step can be captured in a CUDA 
 4. `_sum_slots_kernel`: per token, the KS slot rows summed in fp32 in slot order, cast once.
    With a ShortConv on the sum (Inkling's out_conv; at most SUM_CONV_MAX_TOKENS tokens: decode
    sequences, or the short chunks of a speculative verify, which is what the engine hands it),
-   `_sum_slots_conv_kernel` instead:
-   every program holds all tokens of its hidden tile and runs the conv in its epilogue
-   (`kiln.kernels.shortconv`), one launch fewer.
+   `_sum_slots_conv_kernel` instead: every program holds all tokens of its hidden tile and runs
+   the conv in its epilogue (`kiln.kernels.shortconv`), one launch fewer.
 
-One-token path (T <= `gemv_max_tokens`, by default GEMV_MAX_TOKENS = 1: batch-1 decode): two expert GEMVs,
-`kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order of the sums.
+One-token path (T <= `gemv_max_tokens`, by default GEMV_MAX_TOKENS = 1: batch-1 decode): two
+expert GEMVs, `kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order
+of the sums.
 """
 
 from __future__ import annotations

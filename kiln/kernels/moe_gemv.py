@@ -20,9 +20,8 @@ tl.dot: one row), grids fixed by shapes:
 The kernels take any T (one program row per token), but past one token the grouped path stays:
 tokens that share an expert read it once there, once per slot here (`benchmarks/kernels/moe.py
 --gemv 1 2 4 8` times both; on an H200 the GEMVs lose from 2 tokens on: docs/benchmarks.md,
-nineteenth pass). The GEMV tiles are fixed by shape
-(`gemv_tiles`), so the same inputs give the same bits in every process, though not the grouped
-path's bits (the sums run in another order).
+nineteenth pass). The GEMV tiles are fixed by shape (`gemv_tiles`), so the same inputs give the
+same bits in every process, though not the grouped path's bits (the sums run in another order).
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batc
     GEMV on for a forward of short chunks (a speculative verify) of at most FMA_MAX_ROWS rows,
     whatever `--gemv-max-rows`' limit (Inkling's o_proj and its dense layer's down_proj: at 4 rows
     the GEMV streams those weights faster than cuBLAS, docs/benchmarks.md, ninth pass; the verify's
-    rounds gained with it, nineteenth pass). Decode steps of 2-4 rows
-    keep the limit: with both conv epilogues there, batch 4 ran 2% slower (nineteenth pass)."""
+    rounds gained with it, nineteenth pass). Decode steps of 2-4 rows keep the limit: with both
+    conv epilogues there, batch 4 ran 2% slower (nineteenth pass)."""
     args, chunk = None, False
     reduce = isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1
     if not reduce and gemv_path(batch, x, linear) and x.shape[0] <= _kernels().FMA_MAX_ROWS:
