@@ -246,12 +246,9 @@ def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, k
         want = short_conv_decode(moe, cw, buf_ref, table, rows, lens, out_locs)
         conv = (cw, buf, table, rows, lens, out_locs)
     else:
-        dev_list = lambda v: torch.tensor(v, device=device)  # noqa: E731
-        starts = [sum(ext[:i]) for i in range(len(ext))]
-        want = short_conv_extend(moe, cw, buf_ref, table, rows, dev_list(prefix), dev_list(ext), dev_list(starts),
-                                 out_locs)
-        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]).to(device)
-        conv = (cw, buf, table, torch.repeat_interleave(rows, dev_list(ext)), positions, out_locs)
+        prefix_t, ext_t, starts, token_rows, positions = paged.chunk_tensors()
+        want = short_conv_extend(moe, cw, buf_ref, table, rows, prefix_t, ext_t, starts, out_locs)
+        conv = (cw, buf, table, token_rows, positions, out_locs)
     got = _km().fused_experts(x, w13, w2, ids, w, shared=shared, conv=conv, conv_chunk=not decode)
     # compiled, the epilogue's conv adds may contract into FMAs (the ShortConv kernel forbids that)
     tol = dict(rtol=0, atol=0) if device == "cpu" else (dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32

@@ -47,6 +47,17 @@ class Paged:
         d = self.device
         return self.buf.to(d), self.table.to(d), self.rows.to(d), self.out_locs.to(d)
 
+    def chunk_tensors(self):
+        """On the device: (prefix_lens, extend_lens, extend_starts) per sequence, as
+        `short_conv_extend` takes them, and (request row, position) per token, as a chunk
+        epilogue takes them (`PagedBackend.chunk_conv_args`)."""
+        d, ext = self.device, self.extend_lens
+        starts = [sum(ext[:i]) for i in range(len(ext))]
+        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(self.prefix_lens, ext)])
+        token_rows = torch.repeat_interleave(self.rows, torch.tensor(ext))
+        return (torch.tensor(self.prefix_lens, device=d), torch.tensor(ext, device=d), torch.tensor(starts, device=d),
+                token_rows.to(d), positions.to(d))
+
     def reference(self, x, w):
         """(y, buffer after the step) computed the way PagedBackend does without kernels."""
         k = w.shape[1]
