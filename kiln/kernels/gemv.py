@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.norm import normed_tile, prenorm_inv_rms
+from kiln.kernels.norm import normed_tile, prenorm_inv_rms, store_normed_rows
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
 from kiln.kernels.rotary import rope_epilogue, rope_epilogue_args, rope_pair_rows
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
@@ -92,13 +92,13 @@ def dot_tile() -> dict:
 @triton.jit
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
-                     NR, NW, NS, NX, stride_nr, eps,
+                     NR, NW, NS, NX, stride_nr, eps, NCNT,
                      COS, SIN, POS, LOC, KC, VC, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, HQ, HK,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
-                     NORM_KEEP: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+                     NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
+                     NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -114,6 +114,11 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     (weight NW, eps; `kiln.kernels.norm.normed_tile`), its statistics computed by every program
     after the wait; program 0 also writes h + NR to NS (NORM_RES) and the normed rows to NX
     (NORM_KEEP).
+    NORM_OUT: instead the next sublayer's pre-norm runs on the product: each program stores its
+    columns of s = y + NR to NS and counts itself done (an acq_rel atomic on NCNT, as the router
+    gate's programs do); the last to finish norms whole rows of s (weight NW) into NX and resets
+    the count (`kiln.kernels.norm.store_normed_rows`, the row in registers with NORM_ONE_PASS).
+    y itself is not stored.
     ROPE: W is a fused qkv projection, each program's rows a head's rotation pairs
     (`kiln.kernels.rotary.rope_pair_rows`), and the epilogue rotates q into Y and writes k and v into
     the cache (`rope_epilogue`) instead of storing y."""
@@ -170,6 +175,18 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if ROPE:
         rope_epilogue(y, tl.program_id(0), rm, rm < M, Y, stride_ym, COS, SIN, stride_cs, POS, LOC, KC, VC, stride_kcs,
                       stride_kch, stride_vcs, stride_vch, HQ, HK, BLOCK_M, BLOCK_N, HALF)
+    elif NORM_OUT:
+        ok = (rm < M)[:, None] & (rn < N)[None, :]
+        r = tl.load(NR + rm[:, None] * stride_nr + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        # y rounded as the unfused path stores it, the sum rounded as the reference's `h + f`
+        s = (y.to(Y.dtype.element_ty).to(tl.float32) + r).to(NS.dtype.element_ty)
+        tl.store(NS + rm[:, None] * N + rn[None, :], s, mask=ok)
+        # Every warp's columns are written before the release (one thread issues the atomic); the
+        # last arrival acquires them all.
+        tl.debug_barrier()
+        if tl.atomic_add(NCNT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(NCNT, 0, sem="relaxed", scope="gpu")
+            store_normed_rows(NS, NW, NX, rm, rm < M, N, eps, BLOCK_M, NORM_BLOCK, NORM_ONE_PASS)
     else:
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
@@ -278,19 +295,55 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     return y, summed, normed
 
 
+def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  eps: float, counter: torch.Tensor, prefetch_bytes: int = 0, tile: Optional[dict] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMV of a sublayer's last projection with the next sublayer's pre-norm in its epilogue:
+    f = x @ weight.T, then `kiln.kernels.norm.fused_add_rms_norm(f, residual, norm_weight, eps)`,
+    in one launch. Returns (rms_norm(f + residual), f + residual).
+
+    Each program adds the residual to its columns; the last program to finish (counted on
+    `counter`, an int32 [1] of zeros that it leaves zeroed: one launch at a time per counter) norms
+    the whole rows. So, unlike the norm prologue (`gemv_prenorm`), no program repeats the
+    statistics, and one launch and one PDL hand-off fewer run than with the norm kernel. f and
+    the sum are rounded as the unfused path rounds them (f + residual bit for bit); the normed
+    rows may differ from the norm kernel's by an ulp of x's dtype (another summation order).
+
+    x [M, K] with M <= FMA_MAX_ROWS; weight [N, K]; residual [M, N] of x's dtype; norm_weight [N].
+    The product takes `fma_tile` (or `tile`), so f is `gemv(x, weight)` bit for bit."""
+    m = x.shape[0]
+    n = weight.shape[0]
+    assert m <= FMA_MAX_ROWS, f"the norm epilogue takes 1..{FMA_MAX_ROWS} rows, got {m}"
+    assert residual.shape == (m, n) and residual.dtype == x.dtype, "residual must be [M, N] of x's dtype"
+    assert norm_weight.shape == (n,) and norm_weight.stride(0) == 1, (norm_weight.shape, n)
+    assert counter.dtype == torch.int32 and counter.numel() == 1, "counter: an int32 [1] of zeros"
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    summed, normed = torch.empty_like(residual), torch.empty_like(residual)
+    _launch(x, weight, tile, False, prefetch_bytes, None, (residual, norm_weight, float(eps), summed, normed, counter))
+    return normed, summed
+
+
 def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> dict:
     """Launch arguments of the GEMV's norm prologue: norm = (residual or None, weight, eps,
-    summed out, normed out or None), or None for none (x then stands in for every pointer)."""
+    summed out, normed out or None), or None for none (x then stands in for every pointer). A
+    norm with a sixth item, its counter, is the norm epilogue instead (`gemv_add_norm`)."""
+    off = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_OUT=False, NORM_ONE_PASS=False)
     if norm is None:
-        return dict(NR=x, NW=x, NS=x, NX=x, stride_nr=0, eps=0.0, NORM=False, NORM_RES=False, NORM_KEEP=False,
-                    NORM_BLOCK=1)
+        return dict(NR=x, NW=x, NS=x, NX=x, stride_nr=0, eps=0.0, NCNT=x, NORM_BLOCK=1, **off)
+    if len(norm) == 6:
+        residual, weight, eps, summed, normed, counter = norm
+        n = weight.shape[0]
+        # the whole row in registers up to 4K values per program; wider rows (or more of them) in chunks
+        block = max(16, min(triton.next_power_of_2(n), PRENORM_MAX_BLOCK // block_m))
+        return dict(NR=residual, NW=weight, NS=summed, NX=normed, stride_nr=residual.stride(0), eps=eps,
+                    NCNT=counter, NORM_BLOCK=block, **dict(off, NORM_OUT=True, NORM_ONE_PASS=block >= n))
     residual, weight, eps, summed, normed = norm
     # the statistics' tile: the whole row at once up to 4K values per program (one round trip to L2)
     block = max(16, min(triton.next_power_of_2(x.shape[1]), PRENORM_MAX_BLOCK // block_m))
     return dict(NR=x if residual is None else residual, NW=weight, NS=summed,
                 NX=x if normed is None else normed, stride_nr=0 if residual is None else residual.stride(0),
-                eps=eps, NORM=True, NORM_RES=residual is not None, NORM_KEEP=normed is not None,
-                NORM_BLOCK=block)
+                eps=eps, NCNT=x, NORM_BLOCK=block,
+                **dict(off, NORM=True, NORM_RES=residual is not None, NORM_KEEP=normed is not None))
 
 
 def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False) -> torch.Tensor:

@@ -130,6 +130,40 @@ def normed_tile(x, R, W, S_OUT, N_OUT, rows, cols, mask, inv, stride_rm, K, stor
     return n.to(tl.float32)
 
 
+@triton.jit
+def store_normed_rows(S, W, OUT, rm, m_ok, N, eps, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                      ONE_PASS: tl.constexpr):
+    """RMSNorm of rows rm of S [M, N] into OUT [M, N] (both contiguous), ((s * inv) * w) as
+    `_rms_norm_kernel` computes it, for a program that runs a norm on rows other programs of its
+    grid wrote (the decode GEMV's epilogue, `kiln.kernels.gemv`): S is read through L2 (`.cg`),
+    never from a stale L1 line. ONE_PASS (BLOCK >= N): the rows stay in registers, S and W loaded
+    together; else the statistics, then the scaled output, BLOCK columns at a time. The sum of
+    squares runs in this kernel's layout, so it may differ from the norm kernel's by fp32 ulps."""
+    cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = m_ok[:, None] & (cols < N)[None, :]
+        v = tl.load(S + rm[:, None] * N + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(v * v, axis=1) / N + eps)
+        y = (v * inv[:, None]) * w[None, :]
+        tl.store(OUT + rm[:, None] * N + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c0 in range(0, N, BLOCK):
+            mask = m_ok[:, None] & (c0 + cols < N)[None, :]
+            v = tl.load(S + rm[:, None] * N + c0 + cols[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        inv = tl.math.rsqrt(ss / N + eps)
+        for c0 in range(0, N, BLOCK):
+            mask = m_ok[:, None] & (c0 + cols < N)[None, :]
+            v = tl.load(S + rm[:, None] * N + c0 + cols[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            w = tl.load(W + c0 + cols, mask=c0 + cols < N, other=0.0).to(tl.float32)
+            y = (v * inv[:, None]) * w[None, :]
+            tl.store(OUT + rm[:, None] * N + c0 + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [A, B, H] with a contiguous last dim, a view whenever the layout allows it."""
     if x.stride(-1) != 1:

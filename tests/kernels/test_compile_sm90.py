@@ -186,25 +186,29 @@ def gemv_router() -> None:
                       **tile, ROPE=False, HALF=1))
 
 
-NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1)
+NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)
 
 
 def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False,
-         rope: bool = False, chunk: bool = False) -> None:
+         rope: bool = False, chunk: bool = False, norm_out: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
     (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (Inkling
     bench's qkvr with `prenorm_tile`: residual, normed rows kept), nothing of the norm is read
     before the wait. With the RoPE epilogue (the 8B's qkv, a row pair per program) the weight rows
-    are still streamed before the wait. With `chunk`, the conv epilogue over a verify's 4 rows."""
+    are still streamed before the wait. With `chunk`, the conv epilogue over a verify's 4 rows. With
+    the norm epilogue (the 8B's o_proj, the row in registers), the last program's acq_rel count
+    and its reads of the other programs' columns through L2."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
     types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX", "KC", "VC")}, "eps": "fp32",
+             "NCNT": "*i32",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS", "POS", "LOC")},
              **{n: "*fp32" for n in ("COS", "SIN")}}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
     # not vectorise and the check below would look at scalar loads.
-    div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    div = ("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym") + (
+        ("NR", "NW", "NS", "NX", "stride_nr") if fma else ())
     # the tiles the engine launches at the 8B shape, and with a norm at Inkling bench's qkvr (num_warps
     # only changes the layout, not the order)
     tile = prenorm_tile(1, 3328, 2048) if norm else fma_tile(1, 4096) if fma else dot_tile()
@@ -212,7 +216,9 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     if glu:
         tile["BLOCK_N"] //= 2
     if fma:
-        norm_consts = dict(NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=2048) if norm else NO_NORM
+        norm_consts = dict(NO_NORM, NORM=True, NORM_RES=True, NORM_KEEP=True, NORM_BLOCK=2048) if norm else NO_NORM
+        if norm_out:
+            norm_consts = dict(NO_NORM, NORM_OUT=True, NORM_ONE_PASS=True, NORM_BLOCK=4096)
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
                                                 CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
                                                 **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1)
@@ -224,6 +230,9 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     if norm or rope:  # the weight tile only, as without them: the norm's and RoPE's inputs come after the wait
         plain = compile_sm90(kernel, types, {**consts, **NO_NORM, "ROPE": False, "HALF": 1}, divisible=div)["ptx"]
         assert ptx[:wait].count("ld.global") == plain[:plain.index("griddepcontrol.wait")].count("ld.global")
+    if norm_out:
+        tail = ptx[wait:]
+        assert "atom.global.gpu.acq_rel.add" in tail and "ld.global.cg.v4" in tail, "the count, the L2 reads"
     if prefetch:
         assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait], "the L2 prefetch must be issued before the wait"
     else:
@@ -274,7 +283,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "argmax": argmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
-         "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True),
+         "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
