@@ -48,7 +48,8 @@ class PagedBackend:
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
                  gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
-                 fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, qkv_rope: bool = False):
+                 fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, qkv_rope: bool = False,
+                 norm_epilogue: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.moe_gemv_max_tokens = moe_gemv_max_tokens  # kiln.layers.moe: the expert GEMVs up to this many tokens
@@ -57,6 +58,7 @@ class PagedBackend:
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.early_kv_max_bs = early_kv_max_bs  # decode steps this small read older keys before the PDL wait
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
+        self.norm_epilogue = norm_epilogue  # kiln.layers.decode_gemv: pre-norms in the last GEMV before them
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels

@@ -7,7 +7,9 @@ before its predecessor has completed (PDL), then the all-reduce of a row-paralle
 `decode_swiglu` also folds the MLPs' SiLU-and-mul into the gate_up GEMV, `decode_linear_conv`
 a decode ShortConv on the projection's output (Inkling's o_proj + o_conv) into its epilogue, and
 `decode_prenorm` a sublayer's pre-norm into the prologue of its first projection (or router), and
-`decode_qkv_rope` RoPE and the cache write into the epilogue of a qkv projection (`qkv_rope_args`).
+`decode_qkv_rope` RoPE and the cache write into the epilogue of a qkv projection (`qkv_rope_args`),
+`decode_linear_norm` the next sublayer's pre-norm into the epilogue of a sublayer's last
+projection (where the prologue fold does not apply), and `decode_logits` runs the LM head.
 Anywhere else (the CPU engine, more rows, the trainer, anything autograd records,
 `--kernel-backend reference`, an adapter's forward, a bias) it calls the module, so those paths
 do not change by a bit.
@@ -26,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kiln.engine.batch import ForwardMode
 from kiln.kernels import kernel_path, kernels_supported
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.attention import Attention
@@ -45,6 +48,12 @@ def _kernels():
 _PLAIN_FORWARDS = (ColumnParallelLinear.forward, RowParallelLinear.forward)
 
 
+def hooked(*modules: nn.Module) -> bool:
+    """Whether any of `modules` has forward hooks: a call a hook must see cannot be split into parts
+    or fused into another kernel."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def gemv_path(batch, x: torch.Tensor, linear: nn.Module, max_rows: Optional[int] = None) -> bool:
     """Whether `linear(x)` takes the GEMV: the engine's kernel path with nothing recorded by
     autograd, 2-D x of at most `gemv_max_rows` rows (`max_rows` instead when given, with the GEMV
@@ -58,6 +67,13 @@ def gemv_path(batch, x: torch.Tensor, linear: nn.Module, max_rows: Optional[int]
             and linear.bias is None and type(linear).forward in _PLAIN_FORWARDS
             and not linear._forward_hooks and not linear._forward_pre_hooks
             and kernel_path(batch, x, linear.weight))
+
+
+# Rows up to which `decode_linear_norm` runs a norm in the GEMV's epilogue. On an H200 at the 8B shape
+# (docs/benchmarks.md, twentieth pass) one row gained (a batch-1 step 4.10 against 4.22 ms; the dense
+# chain 117.2 against 118.9 us per layer) and two lost (the chain 140.4 against 135.5 us: the rows
+# are normed in two passes there).
+NORM_EPILOGUE_MAX_ROWS = 1
 
 
 def _prefetch_bytes(batch) -> int:
@@ -195,3 +211,46 @@ def decode_linear_conv(linear: nn.Module, conv: nn.Module, x: torch.Tensor, batc
     if args is None:
         return conv(decode_linear(linear, x, batch), batch)
     return _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch), conv=args, conv_chunk=chunk)
+
+
+def decode_linear_norm(linear: nn.Module, x: torch.Tensor, batch, residual: Optional[torch.Tensor],
+                       norm: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(norm(linear(x) + residual), linear(x) + residual), the norm (the next sublayer's pre-norm)
+    in the epilogue of linear's GEMV (`kiln.kernels.gemv.gemv_add_norm`, one launch fewer), or
+    None where that does not apply; the caller then runs linear and the norm apart. It applies
+    on the GEMV path (`gemv_path`) at up to NORM_EPILOGUE_MAX_ROWS rows with `--disable-norm-epilogue` off,
+    for a norm wider than `--fold-norms-max-hidden` (narrower ones fold into the prologue of the
+    GEMV that reads them, `decode_prenorm`, measured faster there), without an all-reduce between
+    linear and the norm, a residual like the output, and a plain RMSNorm without hooks (the
+    caller checks its own modules, whose calls it splits into their parts: `hooked`)."""
+    backend = getattr(batch, "backend", None)
+    if not getattr(backend, "norm_epilogue", False) or residual is None or x.dim() != 2:
+        return None
+    n = linear.weight.shape[0]
+    if (n <= getattr(backend, "fold_norms_max_hidden", 0) or residual.shape != (x.shape[0], n)
+            or residual.dtype != x.dtype):
+        return None
+    if isinstance(linear, RowParallelLinear) and linear.reduce_output and linear.pc.tp_size > 1:
+        return None
+    if type(norm).forward is not RMSNorm.forward or hooked(norm):
+        return None
+    if not (gemv_path(batch, x, linear) and x.shape[0] <= NORM_EPILOGUE_MAX_ROWS
+            and kernel_path(batch, residual, norm.weight)):
+        return None
+    return _kernels().gemv_add_norm(x, linear.weight, residual, norm.weight, norm.eps, norm.epilogue_counter,
+                                    prefetch_bytes=_prefetch_bytes(batch))
+
+
+def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
+    """`head.compute_logits(hidden[batch.logits_indices]).float()` (a `ParallelLMHead`; the models'
+    `compute_logits`). In a decode CUDA graph, whose logit rows are its rows in order
+    (`CudaGraphRunner._batch`), the gather is skipped; on the GEMV path (`gemv_path`'s rules: at
+    most --gemv-max-rows rows, no hooks) the product runs through the GEMV, whose weight stream
+    starts before the kernel before it completes (cuBLAS's waits for it: no PDL)."""
+    decode_graph = batch.in_graph and batch.mode is ForwardMode.DECODE
+    rows = hidden if decode_graph and batch.logits_indices.shape[0] == hidden.shape[0] else hidden[batch.logits_indices]
+    max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
+    if (rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype and not hooked(head)
+            and kernel_path(batch, rows, head.weight)):
+        return head.gather(_kernels().gemv(rows, head.weight, prefetch_bytes=_prefetch_bytes(batch))).float()
+    return head.compute_logits(rows).float()

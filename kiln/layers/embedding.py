@@ -40,7 +40,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary."""
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight)
+        return self.gather(F.linear(h, self.weight))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full vocabulary's logits from this rank's h W^T (`compute_logits` after its product;
+        `kiln.layers.decode_gemv.decode_logits` computes that product with the GEMV)."""
         if self.pc.tp_size > 1:
-            logits = self.pc.all_gather_last_dim(logits)
-        return logits[..., : self.vocab_size]
+            local = self.pc.all_gather_last_dim(local)
+        return local[..., : self.vocab_size]

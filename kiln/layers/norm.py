@@ -39,6 +39,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        # Counts the programs of a decode GEMV that runs this norm in its epilogue
+        # (`kiln.layers.decode_gemv.decode_linear_norm`); zero between launches.
+        self.register_buffer("epilogue_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, batch=None, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

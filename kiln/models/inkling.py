@@ -19,7 +19,7 @@ from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.kernels import kernel_path
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_prenorm
+from kiln.layers.decode_gemv import decode_linear, decode_linear_conv, decode_logits, decode_prenorm
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.moe import SinkMoE
@@ -273,7 +273,7 @@ class InklingForCausalLM(MTPHost, nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+        return decode_logits(self.lm_head, hidden, batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Copy checkpoint tensors (MODELS.md names) into the stacked/sharded parameters;

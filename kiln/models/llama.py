@@ -20,8 +20,8 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.layers.attention import Attention
-from kiln.layers.decode_gemv import (decode_linear, decode_linear_conv, decode_prenorm, decode_qkv_rope, decode_swiglu,
-                                     qkv_rope_args)
+from kiln.layers.decode_gemv import (decode_linear, decode_linear_conv, decode_linear_norm, decode_logits,
+                                     decode_prenorm, decode_qkv_rope, decode_swiglu, hooked, qkv_rope_args)
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
@@ -70,30 +70,31 @@ class LlamaAttention(nn.Module):
                 rope: Optional[tuple] = None) -> torch.Tensor:
         """o_proj(attention(qkv_proj(x))); `rope`: `decode_rope`'s arguments when the caller has them
         (else looked up here)."""
-        rope = rope if rope is not None else self.decode_rope(positions, x, batch)
-        if rope is not None:
-            return self.attend_rotated(decode_qkv_rope(self.qkv_proj, x, rope, batch), batch)
-        return self.attend(positions, decode_linear(self.qkv_proj, x, batch), batch)
+        return decode_linear(self.o_proj, self.attention(positions, x, batch, rope), batch)
 
     def decode_rope(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> Optional[tuple]:
         """The `rope=` arguments when this decode step's qkv GEMV rotates q and k and writes the
         cache itself (`qkv_rope_args`; not with Qwen3's qk-norm, which comes before RoPE), else None."""
         return None if self.qk_norm else qkv_rope_args(self.attn, self.rotary, positions, x, self.qkv_proj, batch)
 
-    def attend_rotated(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The attention from a rotated q whose step's K/V the qkv GEMV wrote (`decode_rope`)."""
-        return decode_linear(self.o_proj, self.attn.attend_stored(q, batch), batch)
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The attention from its qkv projection on (what `forward` does after its first GEMV)."""
+    def attention(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, rope: Optional[tuple] = None,
+                  qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention's output before o_proj. qkv: qkv_proj(x) when the caller ran it (with
+        `rope`: the rotated q of a GEMV that wrote k and v into the cache, `decode_rope`)."""
+        if qkv is None:
+            rope = rope if rope is not None else self.decode_rope(positions, x, batch)
+            if rope is not None:
+                return self.attn.attend_stored(decode_qkv_rope(self.qkv_proj, x, rope, batch), batch)
+            qkv = decode_linear(self.qkv_proj, x, batch)
+        elif rope is not None:
+            return self.attn.attend_stored(qkv, batch)
         q, k, v = self.qkv_proj.split(qkv)
         t, d = qkv.shape[0], self.attn.head_dim
         q = q.reshape(t, -1, d)
         k = k.reshape(t, -1, d)
         if self.qk_norm:
             q, k = self.q_norm(q, batch), self.k_norm(k, batch)
-        o = self.attn(q, k, v, batch, rope=(self.rotary, positions))
-        return decode_linear(self.o_proj, o, batch)
+        return self.attn(q, k, v, batch, rope=(self.rotary, positions))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,22 +110,50 @@ class LlamaDecoderLayer(nn.Module):
         """Pre-norm block with the residual stream carried apart (vLLM's layout): the layer's input
         is h + residual (h alone for the first layer), its output f + residual as returned. The
         adds happen inside the norms, fused with them on the kernel path; the reference path
-        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`. With --fold-norms-max-hidden at decode
-        each norm runs in the prologue of the GEMV that reads it (`decode_prenorm`), and the layer
-        runs the rest of the sublayer (`attend`, `down`; `attend_rotated` where that GEMV also ran
-        RoPE and the cache write, `LlamaAttention.decode_rope`)."""
-        rope = self.self_attn.decode_rope(positions, h, batch)
-        qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
-                                          batch, rope=rope)
-        if qkv is None:
-            a = self.self_attn(positions, x, batch, rope=rope)
-        elif rope is not None:  # qkv is the rotated q
-            a = self.self_attn.attend_rotated(qkv, batch)
+        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`. See `run` for the decode
+        path's fusions."""
+        h, residual, _ = self.run(positions, h, batch, residual)
+        return h, residual
+
+    def run(self, positions, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None,
+            normed: torch.Tensor | None = None, next_norm: nn.Module | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`forward` for the model's loop. On the decode GEMV path each norm runs inside a GEMV: in
+        the prologue of the one that reads it at hidden sizes up to --fold-norms-max-hidden
+        (`decode_prenorm`), else in the epilogue of the one before it (`decode_linear_norm`:
+        o_proj's for the post-attention norm, down_proj's for `next_norm`); qkv_proj's GEMV may
+        also run RoPE and the cache write (`LlamaAttention.decode_rope`).
+
+        normed: norm(h), computed by the layer before in its epilogue (h is then the whole stream,
+        residual None). next_norm: the norm that reads this layer's output (the next layer's input
+        norm, the model's final norm). Returns (h, residual, normed), normed being next_norm(h)
+        when down_proj's epilogue computed it (h the whole stream, residual None), else None."""
+        attn, mlp = self.self_attn, self.mlp
+        rope = attn.decode_rope(positions, h, batch)
+        if normed is not None:
+            qkv, residual, x = None, h, normed
         else:
-            a = self.self_attn.attend(positions, qkv, batch)
-        act, residual, x = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate_up_proj, a, residual,
-                                          batch, glu=True)
-        return (self.mlp(x, batch) if act is None else self.mlp.down(act, batch)), residual
+            qkv, residual, x = decode_prenorm(self.input_layernorm, attn, attn.qkv_proj, h, residual, batch,
+                                              rope=rope)
+        fused = None
+        if hooked(attn):  # its call runs whole (and `decode_prenorm` did not fold: qkv is None)
+            a = attn(positions, x, batch, rope=rope)
+        else:
+            o = attn.attention(positions, x, batch, rope, qkv)
+            fused = decode_linear_norm(attn.o_proj, o, batch, residual, self.post_attention_layernorm)
+            a = None if fused is not None else decode_linear(attn.o_proj, o, batch)
+        if fused is not None:
+            (x, residual), act = fused, None
+        else:
+            act, residual, x = decode_prenorm(self.post_attention_layernorm, mlp, mlp.gate_up_proj, a, residual,
+                                              batch, glu=True)
+        if act is None and hooked(mlp):
+            return mlp(x, batch), residual, None
+        act = act if act is not None else decode_swiglu(mlp.gate_up_proj, x, batch)
+        fused = decode_linear_norm(mlp.down_proj, act, batch, residual, next_norm) if next_norm is not None else None
+        if fused is not None:
+            return fused[1], None, fused[0]
+        return mlp.down(act, batch), residual, None
 
 
 class LlamaMTPBlock(LlamaDecoderLayer):
@@ -154,11 +183,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h, residual = self.embed_tokens(batch.input_ids), None
+        h, residual, normed = self.embed_tokens(batch.input_ids), None, None
         for i, layer in enumerate(self.layers):
             batch.capture(i, h, residual)
-            h, residual = layer(batch.positions, h, batch, residual)
-        return self.norm(h, batch, residual)[0]
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, residual, normed = layer.run(batch.positions, h, batch, residual, normed, next_norm)
+        return normed if normed is not None else self.norm(h, batch, residual)[0]
 
 
 class LlamaForCausalLM(MTPHost, nn.Module):
@@ -198,7 +228,7 @@ class LlamaForCausalLM(MTPHost, nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+        return decode_logits(self.lm_head, hidden, batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Copy checkpoint tensors into the (sharded, stacked) parameters; returns loaded names.

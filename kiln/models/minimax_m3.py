@@ -23,7 +23,7 @@ from torch import nn
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.engine.cache.components import ComponentKind, StateSpec
-from kiln.layers.decode_gemv import decode_prenorm
+from kiln.layers.decode_gemv import decode_logits, decode_prenorm
 from kiln.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.layers.moe import Experts, MiniMaxMoE, SharedExperts, moe_param_for
 from kiln.layers.msa import MSAAttention
@@ -134,7 +134,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden[batch.logits_indices]).float()
+        return decode_logits(self.lm_head, hidden, batch)
 
     # --- checkpoints -------------------------------------------------------------------------
 

@@ -122,11 +122,13 @@ def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
 
 
 def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None,
-                norm_calls: dict | None = None, rope_calls: dict | None = None) -> dict:
-    """Count `kiln.kernels.gemv.gemv` and `gemv_prenorm` calls per weight (by data pointer) from now
-    on; those with the SiLU-and-mul folded in (glu=True) also into `glu_calls`, those with a
-    ShortConv epilogue into `conv_calls`, those with a norm prologue into `norm_calls`, those with
-    RoPE and the cache write in their epilogue into `rope_calls`."""
+                norm_calls: dict | None = None, rope_calls: dict | None = None,
+                norm_out_calls: dict | None = None) -> dict:
+    """Count `kiln.kernels.gemv.gemv`, `gemv_prenorm` and `gemv_add_norm` calls per weight (by data
+    pointer) from now on; those with the SiLU-and-mul folded in (glu=True) also into `glu_calls`,
+    those with a ShortConv epilogue into `conv_calls`, those with a norm prologue into
+    `norm_calls`, those with RoPE and the cache write in their epilogue into `rope_calls`, those
+    with a norm epilogue into `norm_out_calls`."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
@@ -135,7 +137,7 @@ def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | N
         if into is not None:
             into[weight.data_ptr()] = into.get(weight.data_ptr(), 0) + 1
 
-    real, real_prenorm = gemv_module.gemv, gemv_module.gemv_prenorm
+    real, real_prenorm, real_add_norm = gemv_module.gemv, gemv_module.gemv_prenorm, gemv_module.gemv_add_norm
 
     def counted(x, weight, **kw):
         count(calls, weight)
@@ -151,8 +153,14 @@ def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | N
         count(rope_calls if kw.get("rope") is not None else None, weight)
         return real_prenorm(h, residual, norm_weight, eps, weight, **kw)
 
+    def counted_add_norm(x, weight, *args, **kw):
+        count(calls, weight)
+        count(norm_out_calls, weight)
+        return real_add_norm(x, weight, *args, **kw)
+
     monkeypatch.setattr(gemv_module, "gemv", counted)
     monkeypatch.setattr(gemv_module, "gemv_prenorm", counted_prenorm)
+    monkeypatch.setattr(gemv_module, "gemv_add_norm", counted_add_norm)
     return calls
 
 
@@ -162,15 +170,16 @@ def _gemv_modules(core, calls: dict) -> set[str]:
     return {".".join(x for x in names[ptr].split(".")[:-1] if not x.isdigit()) for ptr in calls}
 
 
-# The projections each architecture routes through the GEMV at decode (kiln/layers/decode_gemv.py).
+# The projections each architecture routes through the GEMV at decode (kiln/layers/decode_gemv.py),
+# the LM head included (`decode_logits`).
 GEMV_MODULES = {
     "llama": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
-              "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+              "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
     "inkling": {"model.layers.self_attn.qkvr_proj", "model.layers.self_attn.o_proj",
-                "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+                "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
     "minimax_m3": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
                    "model.layers.self_attn.indexer.q_proj", "model.layers.self_attn.indexer.k_proj",
-                   "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj"},
+                   "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
 }
 # Where the MoE kernels run (CUDA; the CPU engine keeps the MoE reference), the routers' logits too.
 ROUTERS = {"llama": set(), "inkling": {"model.layers.mlp.router"}, "minimax_m3": {"model.layers.mlp.gate"}}
@@ -188,13 +197,18 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     `test_kernel_path_equals_reference` checks that). The GEMV is counted per
     weight, so a projection that silently falls back (e.g. loses its `batch`) fails. Under
     --fold-norms-max-hidden (by default) the pre-norms run in the prologues of the first
-    projections that read them (the hybrids run only that variant here: the interpreter's time)."""
+    projections that read them (the hybrids run only that variant here: the interpreter's time);
+    without it, Llama's run in the epilogues of the projections before them."""
+    from kiln.layers import decode_gemv
+
     arch = _arch(interp_dir)
+    monkeypatch.setattr(decode_gemv, "NORM_EPILOGUE_MAX_ROWS", 4)  # the epilogue at these 3-row steps
     glu_calls: dict[int, int] = {}
     conv_calls: dict[int, int] = {}
     norm_calls: dict[int, int] = {}
     rope_calls: dict[int, int] = {}
-    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls, rope_calls)
+    norm_out_calls: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls, rope_calls, norm_out_calls)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
@@ -202,7 +216,7 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     want_out, want_rows = greedy(make_core(interp_dir, kernel_backend="reference", **kw), reqs, max_tokens=4)
     # (--gemv-max-rows 0, the default on the CPU: test_kernel_path_equals_reference)
     for rows, fold in (((4, False), (4, True)) if llama else ((4, True),)):
-        for c in (calls, glu_calls, conv_calls, norm_calls, rope_calls):
+        for c in (calls, glu_calls, conv_calls, norm_calls, rope_calls, norm_out_calls):
             c.clear()
         # the fold by default (hidden 64 <= --fold-norms-max-hidden's 2048); 0 turns it off
         core = make_core(interp_dir, kernel_backend="triton", gemv_max_rows=rows,
@@ -212,8 +226,10 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         for rid in want_rows:
             torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
         assert _gemv_modules(core, calls) == GEMV_MODULES[arch]
-        if llama:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer)
-            assert sum(calls.values()) == 3 * 2 * 4, calls
+        if llama:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer), and the
+            # LM head on those steps and on prefill chunks that want at most 4 rows of logits
+            head = core.runner.model.lm_head.weight.data_ptr()
+            assert sum(n for ptr, n in calls.items() if ptr != head) == 3 * 2 * 4 and calls[head] >= 3, calls
         # Every dense MLP's SiLU-and-mul rides in its gate_up GEMV (at most 4 rows: the FMA loop).
         assert _gemv_modules(core, glu_calls) == {m for m in GEMV_MODULES[arch] if "gate_up" in m}
         # Inkling's o_conv runs in its o_proj GEMV's epilogue, the dense layer's out_conv in its
@@ -229,6 +245,10 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         # Llama's qkv GEMV rotates q and k and writes the cache in its epilogue, folded norm or not
         # (`qkv_rope_args`); the hybrids have no RoPE.
         assert _gemv_modules(core, rope_calls) == ({"model.layers.self_attn.qkv_proj"} if llama else set())
+        # Unfolded, Llama's post-attention norm runs in o_proj's epilogue, the next layer's input
+        # norm and the final norm in down_proj's (`decode_linear_norm`).
+        assert _gemv_modules(core, norm_out_calls) == (
+            {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"} if llama and not fold else set())
 
 
 @pytest.mark.gpu
@@ -273,6 +293,32 @@ def test_fused_qkv_rope_on_cuda_equals_rope_store(arch_dir, fold, monkeypatch):
     core = make_core(arch_dir, **kw)
     got_out, got_rows = greedy(core, reqs, max_tokens=8)
     assert _gemv_modules(core, rope_calls) == {"model.layers.self_attn.qkv_proj"}
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["llama"], indirect=True)
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_norm_epilogue_on_cuda_equals_norm_kernel(arch_dir, batch_size, monkeypatch):
+    """On the GPU (compiled, CUDA graphs, fp32): with the fold off, the post-attention norms run in
+    o_proj's GEMV epilogue and the input and final norms in down_proj's (counted; the last
+    program of thousands norms the rows in real shapes: `test_gemv_add_norm_real_shapes`), and
+    the engine generates what it generates with the norm kernel (--disable-norm-epilogue), at one
+    row (the default's limit) and at three."""
+    from kiln.layers import decode_gemv
+
+    monkeypatch.setattr(decode_gemv, "NORM_EPILOGUE_MAX_ROWS", batch_size)
+    reqs = prompts(batch_size, seed=8, lo=34, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=batch_size,
+              fold_norms_max_hidden=0)
+    want_out, want_rows = greedy(make_core(arch_dir, disable_norm_epilogue=True, **kw), reqs, max_tokens=8)
+    norm_out_calls: dict[int, int] = {}
+    _count_gemv(monkeypatch, norm_out_calls=norm_out_calls)
+    core = make_core(arch_dir, **kw)
+    got_out, got_rows = greedy(core, reqs, max_tokens=8)
+    assert _gemv_modules(core, norm_out_calls) == {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"}
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
@@ -335,7 +381,8 @@ def test_fold_norms_on_cuda_equals_separate_norms(arch_dir, monkeypatch):
     generates what the separate norm launches generate."""
     reqs = prompts(1, seed=7, lo=34, hi=40)
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
-    want_out, want_rows = greedy(make_core(arch_dir, fold_norms_max_hidden=0, **kw), reqs, max_tokens=8)
+    want_out, want_rows = greedy(make_core(arch_dir, fold_norms_max_hidden=0, disable_norm_epilogue=True, **kw),
+                                 reqs, max_tokens=8)
     norm_calls: dict[int, int] = {}
     _count_gemv(monkeypatch, norm_calls=norm_calls)
     core = make_core(arch_dir, fold_norms_max_hidden=2048, **kw)
