@@ -15,6 +15,8 @@ the Inkling `bench` shape), with every layer's weights distinct so nothing stays
 - `fold`:       `gemv-glu` with both norms in the prologues of the GEMVs after them (qkv, gate_up:
                 `gemv_prenorm`, the engine's --fold-norms-max-hidden); `fold-qkv` folds the first norm only.
                 `--fold-sweep` times `fold` with every candidate tile for the folded GEMVs.
+- `epilogue`:   `gemv-glu` with each norm in the epilogue of the GEMV before it (o_proj, down_proj:
+                `gemv_add_norm`, the engine's norm epilogue above --fold-norms-max-hidden).
 
 (No attention: the chain isolates the projections and what sits between them.) It prints the
 median time per layer, the bytes it must read, and the fraction of the measured copy bandwidth.
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv, gemv_prenorm
+from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv, gemv_add_norm, gemv_prenorm
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
 
@@ -67,8 +69,8 @@ def make_layers(n_layers, hidden, qkv, attn, inter, dev, dt):
 
 def chain(mode, layers, h, attn, tile=None):
     """One pass over the layers from the stream h (residual starts at h); returns the last
-    (f, residual). `attn` columns of qkv stand in for the attention output. `tile`: the folded
-    GEMVs' tile (`fold` modes)."""
+    (f, residual), (normed, f + residual) in `epilogue` mode. `attn` columns of qkv stand in for the
+    attention output. `tile`: the folded GEMVs' tile (`fold` modes)."""
     lin = F.linear if mode == "cublas" else gemv
 
     def project(x, res, ln, w, fold, glu=False):
@@ -81,6 +83,15 @@ def chain(mode, layers, h, attn, tile=None):
             return lin(x, w), res
         return (gemv(x, w, glu=True) if mode == "gemv-glu" or mode.startswith("fold") else silu_and_mul(lin(x, w))), res
 
+    if mode == "epilogue":  # (normed, stream): the last layer's down norms into its own ln1
+        counters = torch.zeros(2, dtype=torch.int32, device=h.device)
+        x, res = fused_add_rms_norm(h, torch.zeros_like(h), layers[0]["ln1"], 1e-5)
+        for i, L in enumerate(layers):
+            o = gemv(x, L["qkv"])[:, :attn]
+            x, res = gemv_add_norm(o, L["o"], res, L["ln2"], 1e-5, counters[0:1])
+            nxt = layers[i + 1]["ln1"] if i + 1 < len(layers) else L["ln1"]
+            x, res = gemv_add_norm(gemv(x, L["gate_up"], glu=True), L["down"], res, nxt, 1e-5, counters[1:2])
+        return x, res
     f, res = h, torch.zeros_like(h)
     for L in layers:
         q, res = project(f, res, L["ln1"], L["qkv"], fold=mode.startswith("fold"))
@@ -146,12 +157,14 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             h = torch.randn(m, hid, device=dev, dtype=dt)
             ref = None
-            modes = [(mode, None) for mode in ("cublas", "gemv", "gemv-nopdl", "gemv-glu", "fold-qkv", "fold")]
+            modes = [(mode, None) for mode in ("cublas", "gemv", "gemv-nopdl", "gemv-glu", "fold-qkv", "fold",
+                                               "epilogue")]
             if args.fold_sweep and m <= FMA_MAX_ROWS:
                 modes += [("fold", tile) for tile in candidate_tiles(m)]
             for mode, tile in modes:
                 set_pdl(mode != "gemv-nopdl")
-                out = chain(mode, layers, h, attn, tile)[1].float()  # eager: compiles, then checks
+                f, res = chain(mode, layers, h, attn, tile)  # eager: compiles, then checks the stream
+                out = (res if mode == "epilogue" else f + res).float()
                 ref = out if ref is None else ref
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
                 us = triton.testing.do_bench_cudagraph(lambda: chain(mode, layers, h, attn, tile), rep=200,
