@@ -363,7 +363,10 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         assert m <= FMA_MAX_ROWS and not glu and conv is None and not widen, \
             "the RoPE epilogue takes 1..4 rows of a qkv projection, without glu or conv"
         n_out = n - 2 * rope[4].shape[1] * rope[4].shape[2]
-    y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
+    if norm is not None and len(norm) == 6:  # the norm epilogue stores s and the normed rows, never y
+        y = norm[3]
+    else:
+        y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
     # N: the weight rows the programs cover (the q, k and v rows with rope)
     args = (x, weight, y, m, n if rope is not None else n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)

@@ -32,6 +32,7 @@ from kiln.engine.batch import ForwardMode
 from kiln.kernels import kernel_path, kernels_supported
 from kiln.layers.activation import silu_and_mul
 from kiln.layers.attention import Attention
+from kiln.layers.embedding import ParallelLMHead
 from kiln.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
@@ -245,12 +246,15 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(hidden[batch.logits_indices]).float()` (a `ParallelLMHead`; the models'
     `compute_logits`). In a decode CUDA graph, whose logit rows are its rows in order
     (`CudaGraphRunner._batch`), the gather is skipped; on the GEMV path (`gemv_path`'s rules: at
-    most --gemv-max-rows rows, no hooks) the product runs through the GEMV, whose weight stream
-    starts before the kernel before it completes (cuBLAS's waits for it: no PDL)."""
-    decode_graph = batch.in_graph and batch.mode is ForwardMode.DECODE
-    rows = hidden if decode_graph and batch.logits_indices.shape[0] == hidden.shape[0] else hidden[batch.logits_indices]
+    most --gemv-max-rows rows, no hooks, no subclass's `compute_logits`) the product runs through the
+    GEMV, whose weight stream starts before the kernel before it completes (cuBLAS's waits for it:
+    no PDL)."""
+    in_order = (getattr(batch, "in_graph", False) and getattr(batch, "mode", None) is ForwardMode.DECODE
+                and batch.logits_indices.shape[0] == hidden.shape[0])
+    rows = hidden if in_order else hidden[batch.logits_indices]
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
-    if (rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype and not hooked(head)
+    plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
+    if (plain and rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype
             and kernel_path(batch, rows, head.weight)):
         return head.gather(_kernels().gemv(rows, head.weight, prefetch_bytes=_prefetch_bytes(batch))).float()
     return head.compute_logits(rows).float()

@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         # Counts the programs of a decode GEMV that runs this norm in its epilogue
-        # (`kiln.layers.decode_gemv.decode_linear_norm`); zero between launches.
+        # (`kiln.layers.decode_gemv.decode_linear_norm`); zero between launches. A norm runs once
+        # per forward, and forwards run in stream order, so no two launches share it at once.
         self.register_buffer("epilogue_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, batch=None, residual: Optional[torch.Tensor] = None

@@ -105,29 +105,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc)
 
-    def forward(self, positions, h: torch.Tensor, batch: ForwardBatch,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None,
+                normed: torch.Tensor | None = None, next_norm: nn.Module | None = None) -> tuple:
         """Pre-norm block with the residual stream carried apart (vLLM's layout): the layer's input
         is h + residual (h alone for the first layer), its output f + residual as returned. The
         adds happen inside the norms, fused with them on the kernel path; the reference path
-        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`. See `run` for the decode
-        path's fusions."""
-        h, residual, _ = self.run(positions, h, batch, residual)
-        return h, residual
+        computes exactly `h = h + attn(norm(h)); h = h + mlp(norm(h))`.
 
-    def run(self, positions, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None,
-            normed: torch.Tensor | None = None, next_norm: nn.Module | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`forward` for the model's loop. On the decode GEMV path each norm runs inside a GEMV: in
-        the prologue of the one that reads it at hidden sizes up to --fold-norms-max-hidden
-        (`decode_prenorm`), else in the epilogue of the one before it (`decode_linear_norm`:
-        o_proj's for the post-attention norm, down_proj's for `next_norm`); qkv_proj's GEMV may
-        also run RoPE and the cache write (`LlamaAttention.decode_rope`).
+        On the decode GEMV path each norm runs inside a GEMV: in the prologue of the one that
+        reads it at hidden sizes up to --fold-norms-max-hidden (`decode_prenorm`), else in the
+        epilogue of the one before it (`decode_linear_norm`: o_proj's for the post-attention norm,
+        down_proj's for `next_norm`); qkv_proj's GEMV may also run RoPE and the cache write
+        (`LlamaAttention.decode_rope`).
 
         normed: norm(h), computed by the layer before in its epilogue (h is then the whole stream,
         residual None). next_norm: the norm that reads this layer's output (the next layer's input
-        norm, the model's final norm). Returns (h, residual, normed), normed being next_norm(h)
-        when down_proj's epilogue computed it (h the whole stream, residual None), else None."""
+        norm, the model's final norm). With next_norm it returns (h, residual, normed), normed being
+        next_norm(h) when down_proj's epilogue computed it (h the whole stream, residual None), else
+        None; without, (h, residual) as every decoder layer does."""
         attn, mlp = self.self_attn, self.mlp
         rope = attn.decode_rope(positions, h, batch)
         if normed is not None:
@@ -147,13 +142,15 @@ class LlamaDecoderLayer(nn.Module):
         else:
             act, residual, x = decode_prenorm(self.post_attention_layernorm, mlp, mlp.gate_up_proj, a, residual,
                                               batch, glu=True)
-        if act is None and hooked(mlp):
-            return mlp(x, batch), residual, None
-        act = act if act is not None else decode_swiglu(mlp.gate_up_proj, x, batch)
-        fused = decode_linear_norm(mlp.down_proj, act, batch, residual, next_norm) if next_norm is not None else None
-        if fused is not None:
-            return fused[1], None, fused[0]
-        return mlp.down(act, batch), residual, None
+        if act is None and hooked(mlp):  # its call runs whole
+            f = mlp(x, batch)
+        else:
+            act = act if act is not None else decode_swiglu(mlp.gate_up_proj, x, batch)
+            fused = None if next_norm is None else decode_linear_norm(mlp.down_proj, act, batch, residual, next_norm)
+            if fused is not None:
+                return fused[1], None, fused[0]
+            f = mlp.down(act, batch)
+        return (f, residual) if next_norm is None else (f, residual, None)
 
 
 class LlamaMTPBlock(LlamaDecoderLayer):
@@ -187,7 +184,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             batch.capture(i, h, residual)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, residual, normed = layer.run(batch.positions, h, batch, residual, normed, next_norm)
+            h, residual, normed = layer(batch.positions, h, batch, residual, normed, next_norm)
         return normed if normed is not None else self.norm(h, batch, residual)[0]
 
 

@@ -33,7 +33,8 @@ def _as_long(x: Any) -> torch.Tensor:
 
 
 def _with_rows(batch: Any, rows: torch.Tensor) -> Any:
-    """`batch` with `logits_indices` set to `rows` (compute_logits reads only that field)."""
+    """`batch` with `logits_indices` set to `rows` (the field compute_logits gathers by; a training
+    batch is never a decode graph's nor on the decode GEMV path, `kiln.layers.decode_gemv.decode_logits`)."""
     batch.logits_indices = rows
     return batch
 

@@ -313,9 +313,10 @@ def test_norm_epilogue_on_cuda_equals_norm_kernel(arch_dir, batch_size, monkeypa
     reqs = prompts(batch_size, seed=8, lo=34, hi=40)
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=batch_size,
               fold_norms_max_hidden=0)
-    want_out, want_rows = greedy(make_core(arch_dir, disable_norm_epilogue=True, **kw), reqs, max_tokens=8)
     norm_out_calls: dict[int, int] = {}
     _count_gemv(monkeypatch, norm_out_calls=norm_out_calls)
+    want_out, want_rows = greedy(make_core(arch_dir, disable_norm_epilogue=True, **kw), reqs, max_tokens=8)
+    assert not norm_out_calls  # the flag keeps the norm kernel
     core = make_core(arch_dir, **kw)
     got_out, got_rows = greedy(core, reqs, max_tokens=8)
     assert _gemv_modules(core, norm_out_calls) == {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"}

@@ -36,6 +36,22 @@ def test_llama_packed_equals_each_alone(model_type):
             start += n
 
 
+def test_llama_layers_are_called_as_modules():
+    """The model's loop calls each decoder layer as a module, so its hooks run (FSDP2 all-gathers a
+    layer's shards in them: tests/rl/test_fsdp.py), with the norm that reads its output."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+    model = get_model_class("llama")(cfg, max_positions=64)
+    init_dummy_weights(model, 0)
+    seen = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, args, i=i: seen.append((i, args[5])))
+    with torch.no_grad():
+        packed_forward(model, torch.arange(5), [5])
+    layers = model.model.layers
+    assert seen == [(0, layers[1].input_layernorm), (1, model.model.norm)]
+
+
 def test_inkling_trains_through_the_reference_forward_with_replay():
     """Gradients reach qkvr, every ShortConv, the routers and experts under routing replay."""
     model = tiny_inkling(seed=7)
