@@ -29,8 +29,13 @@ lane0_normout2() {  # every GPU test; the 8B at batch 1 against transformers (sa
 }
 
 lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree against scratch/v_nohead (its LM head on
-  # cuBLAS, scratch/make_variants15.sh), and the hybrids at batch 1 against 7fbd6ec (scratch/base15), alternated x2
+  # cuBLAS, scratch/make_variants15.sh), and the hybrids at batch 1 against 7fbd6ec (scratch/base15), alternated x2;
+  # the dense chain at the Inkling shape (the epilogue against the fold the hybrids use)
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-100} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} \
+    tests/kernels/test_gemv_add_norm.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
+  step chain_inkling 90 python -m benchmarks.kernels.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
   for r in 1 2; do
     local lim=45; [ $r = 1 ] && lim=100
     step llama8b_tree_$r $lim $DECODE $L8B --out "$R/json/llama8b_tree_$r.json"
