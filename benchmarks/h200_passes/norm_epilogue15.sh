@@ -29,7 +29,7 @@ lane0_normout2() {  # every GPU test; the 8B at batch 1 against transformers (sa
 }
 
 lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree against scratch/v_nohead (its LM head on
-  # cuBLAS, scratch/make_variants15.sh), and the hybrids at batch 1 against 7fbd6ec (scratch/base15), alternated x2;
+  # cuBLAS, scratch/make_variants15.sh), and Inkling at batch 1 against 7fbd6ec (scratch/base15), alternated x2;
   # the dense chain at the Inkling shape (the epilogue against the fold the hybrids use)
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
@@ -40,7 +40,7 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
     local lim=45; [ $r = 1 ] && lim=100
     step llama8b_tree_$r $lim $DECODE $L8B --out "$R/json/llama8b_tree_$r.json"
     step llama8b_nohead_$r $lim python scratch/v_nohead/benchmarks/decode_batch.py $C $L8B --out "$R/json/llama8b_nohead_$r.json"
-    for m in INK MM; do
+    for m in INK; do
       step ${m}_b1_tree_$r $lim $DECODE --model-path ${!m} $P1 --out "$R/json/${m}_b1_tree_$r.json"
       step ${m}_b1_base_$r $lim python scratch/base15/benchmarks/decode_batch.py $C --model-path ${!m} $P1 \
         --out "$R/json/${m}_b1_base_$r.json"
