@@ -35,7 +35,6 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-100} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} \
     tests/kernels/test_gemv_add_norm.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
-  step chain_inkling 90 python -m benchmarks.kernels.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
   for r in 1 2; do
     local lim=45; [ $r = 1 ] && lim=100
     step llama8b_tree_$r $lim $DECODE $L8B --out "$R/json/llama8b_tree_$r.json"
@@ -46,4 +45,5 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
         --out "$R/json/${m}_b1_base_$r.json"
     done
   done
+  step chain_inkling 90 python -m benchmarks.kernels.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
 }
