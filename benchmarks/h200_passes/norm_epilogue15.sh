@@ -47,3 +47,13 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
   done
   step chain_inkling 90 python -m benchmarks.kernels.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
 }
+
+lane0_normout4() {  # MiniMax-M3 at batch 1 (its LM head on the GEMV now), the tree against 7fbd6ec, alternated x2
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for r in 1 2; do
+    local lim=40; [ $r = 1 ] && lim=90
+    step MM_b1_tree_$r $lim $DECODE --model-path $MM $P1 --out "$R/json/MM_b1_tree_$r.json"
+    step MM_b1_base_$r $lim python scratch/base15/benchmarks/decode_batch.py $C --model-path $MM $P1 \
+      --out "$R/json/MM_b1_base_$r.json"
+  done
+}
