@@ -49,6 +49,7 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
 }
 
 lane0_normout4() {  # MiniMax-M3 at batch 1 (its LM head on the GEMV now), the tree against 7fbd6ec, alternated x2
+  # (not run in the fifteenth session: its start was refused and then too little device time was left)
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   for r in 1 2; do
     local lim=40; [ $r = 1 ] && lim=90
