@@ -319,19 +319,21 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     assert counter.dtype == torch.int32 and counter.numel() == 1, "counter: an int32 [1] of zeros"
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     summed, normed = torch.empty_like(residual), torch.empty_like(residual)
-    _launch(x, weight, tile, False, prefetch_bytes, None, (residual, norm_weight, float(eps), summed, normed, counter))
+    _launch(x, weight, tile, False, prefetch_bytes, None, (residual, norm_weight, float(eps), summed, normed),
+            norm_counter=counter)
     return normed, summed
 
 
-def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> dict:
+def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int,
+                      counter: Optional[torch.Tensor] = None) -> dict:
     """Launch arguments of the GEMV's norm prologue: norm = (residual or None, weight, eps,
-    summed out, normed out or None), or None for none (x then stands in for every pointer). A
-    norm with a sixth item, its counter, is the norm epilogue instead (`gemv_add_norm`)."""
+    summed out, normed out or None), or None for none (x then stands in for every pointer). With
+    `counter` the norm runs in the epilogue instead (`gemv_add_norm`; residual and normed given)."""
     off = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_OUT=False, NORM_ONE_PASS=False)
     if norm is None:
         return dict(NR=x, NW=x, NS=x, NX=x, stride_nr=0, eps=0.0, NCNT=x, NORM_BLOCK=1, **off)
-    if len(norm) == 6:
-        residual, weight, eps, summed, normed, counter = norm
+    if counter is not None:
+        residual, weight, eps, summed, normed = norm
         n = weight.shape[0]
         # the whole row in registers up to 4K values per program; wider rows (or more of them) in chunks
         block = max(16, min(triton.next_power_of_2(n), PRENORM_MAX_BLOCK // block_m))
@@ -346,7 +348,8 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int) -> d
                 **dict(off, NORM=True, NORM_RES=residual is not None, NORM_KEEP=normed is not None))
 
 
-def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False) -> torch.Tensor:
+def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False,
+            norm_counter=None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -363,7 +366,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         assert m <= FMA_MAX_ROWS and not glu and conv is None and not widen, \
             "the RoPE epilogue takes 1..4 rows of a qkv projection, without glu or conv"
         n_out = n - 2 * rope[4].shape[1] * rope[4].shape[2]
-    if norm is not None and len(norm) == 6:  # the norm epilogue stores s and the normed rows, never y
+    if norm_counter is not None:  # the norm epilogue stores the sum and the normed rows, never y
         y = norm[3]
     else:
         y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
@@ -379,7 +382,8 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
         block_m = triton.next_power_of_2(m)
         _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
-                                  **decode_conv_kernel_args(conv, y, conv_chunk), **_norm_kernel_args(norm, x, block_m),
+                                  **decode_conv_kernel_args(conv, y, conv_chunk),
+                                  **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
                                   **tile, **pdl)
         return y
