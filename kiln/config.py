@@ -102,11 +102,12 @@ class EngineConfig:
         "(rope_store). The epilogue's rotation may contract into FMAs, so the two can differ by an "
         "ulp of the model's dtype on a GPU (docs/benchmarks.md, seventeenth pass: 1%% faster).")
     disable_norm_epilogue: bool = opt(
-        False, "At decode on the GEMV path (--gemv-max-rows), a Llama-family layer whose hidden size is "
-        "over --fold-norms-max-hidden runs the next sublayer's pre-norm (residual add + RMSNorm) in the "
+        False, "At batch-1 decode on the GEMV path (--gemv-max-rows), a Llama-family layer whose hidden size "
+        "is over --fold-norms-max-hidden runs the next sublayer's pre-norm (residual add + RMSNorm) in the "
         "epilogue of o_proj's and down_proj's GEMV, the last of its programs norming the row "
         "(kiln/kernels/gemv.py, gemv_add_norm): one launch fewer per norm. This flag keeps the norm "
-        "kernel. The normed rows may differ by an ulp of the model's dtype (another summation order).")
+        "kernel. The normed rows may differ by an ulp of the model's dtype (another summation order). On "
+        "an H200 the 8B shape's batch-1 step took 4.10 against 4.22 ms (docs/benchmarks.md, twentieth pass).")
     pdl_early_trigger: bool = opt(
         False, "With PDL, every Kiln kernel lets its successor launch right after its own wait, so the "
         "successor's programs (e.g. the decode GEMV's weight stream) start while it runs: in every "
