@@ -131,11 +131,6 @@ class EngineConfig:
         "align and sum launches (kiln/kernels/moe.py); tokens sharing an expert then read it once per "
         "slot (from L2 when their programs run together). 1: batch-1 decode only; up to 16. On an H200 "
         "the GEMVs lost from 2 tokens on (docs/benchmarks.md, nineteenth pass).")
-    moe_few_max_tokens: int = opt(
-        8, "Past --moe-gemv-max-tokens, MoE layers of at most this many tokens (a speculative verify "
-        "at batch 1, decode at small batches) run their experts in two launches that read each "
-        "selected expert once, without the grouped path's align and sum launches "
-        "(kiln/kernels/moe_few.py); 0 turns that path off. Up to 8.")
     gemv_l2_prefetch_mb: int = opt(
         0, "A decode GEMV whose weight is at most this many MiB also asks the whole matrix into L2 "
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
@@ -194,8 +189,6 @@ class EngineConfig:
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if not 0 <= self.moe_gemv_max_tokens <= 16:  # past a few tokens every shared expert is re-read
             raise ValueError(f"--moe-gemv-max-tokens takes 0 to 16, got {self.moe_gemv_max_tokens}")
-        if not 0 <= self.moe_few_max_tokens <= 8:  # kiln.kernels.moe_few.MAX_TOKENS
-            raise ValueError(f"--moe-few-max-tokens takes 0 (off) to 8, got {self.moe_few_max_tokens}")
         if self.gemv_l2_prefetch_mb < 0:
             raise ValueError(f"--gemv-l2-prefetch-mb takes 0 (off) or more, got {self.gemv_l2_prefetch_mb}")
         if self.attention_early_kv_max_bs < 0:

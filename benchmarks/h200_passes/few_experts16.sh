@@ -2,7 +2,9 @@
 # sixteenth session (2026-12-03): the MoE's few-token path (`kiln.kernels.moe_few`: each selected
 # expert read once, no align or sum launch) for a speculative verify at batch 1 and decode at
 # batch 2-8; docs/benchmarks.md, twenty-first pass. `--moe-few-max-tokens 0` is the grouped path
-# these runs compare against (the engine before this pass, at these token counts).
+# these runs compare against (the engine before this pass, at these token counts). The path measured
+# slower and was removed: few1 and few2 run on commit 70c4010 (few1 there with the first form's tiles,
+# as recorded in the pass); few3 runs on any later tree.
 # shellcheck shell=bash
 
 ROUND="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
@@ -31,4 +33,16 @@ lane0_few2() {  # few1 again after the rewrite (tensor-core dots only, the gate/
   local P48="--model-path $MM --batch-sizes 4,8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   step MM_b48_few 50 $DECODE $P48 --out "$R/json/MM_b48_few.json"
   step MM_b48_grouped 50 $DECODE $P48 --moe-few-max-tokens 0 --out "$R/json/MM_b48_grouped.json"
+}
+
+lane0_few3() {  # batch 1 of the three models on the tree after the few-token path's removal (MiniMax-M3 with its LM
+  # head on the GEMV, not yet measured), alternated x2 for the hybrids; the 8B against transformers
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for r in 1 2; do
+    local lim=45; [ $r = 1 ] && lim=100
+    step MM_b1_$r $lim $DECODE --model-path $MM $P1 --out "$R/json/MM_b1_$r.json"
+    step INK_b1_$r 45 $DECODE --model-path $INK $P1 --out "$R/json/INK_b1_$r.json"
+  done
+  step llama8b_latency 150 python benchmarks/latency.py --model-path $LLAMA --dummy-init auto --num-runs 3 \
+    --out "$R/json/llama8b_latency.json"
 }

@@ -2,7 +2,6 @@
 
     python -m benchmarks.kernels.moe [--tokens 1 8 64 256 8192] [--sweep]
     python -m benchmarks.kernels.moe --gemv [T ...]
-    python -m benchmarks.kernels.moe --few [T ...] [--few-sweep]
 
 Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
 two shared experts. Rows:
@@ -26,12 +25,6 @@ unweighted shared expert of width num_shared_experts * I (as `kiln.layers.moe` b
 replay from a CUDA graph over COPIES copies of the weights; TB/s counts the expert weight bytes a
 call must read (the experts hit, plus the shared ones). The grouped path is forced with an
 explicit config, the GEMV path past one token with `gemv_max_tokens` (the engine's `--moe-gemv-max-tokens`).
-
-`--few` times the few-token path (`kiln.kernels.moe_few`) against the grouped path at the given
-token counts (default 2 4 8) on both presets' MoE; `--few-sweep` first times candidate gate/up
-tiles, then down tiles, then down splits on the Inkling shape, each at the best so far, and uses
-the best for the table: how `kiln.kernels.moe_few.FEW_UP_TILE`, `FEW_DOWN_TILE` and `FEW_SPLITS`
-are chosen.
 """
 
 from __future__ import annotations
@@ -236,86 +229,6 @@ def gemv_sweep(dtype, dev, gen) -> None:
         torch.cuda.empty_cache()
 
 
-# Candidate few-token tiles that `--few-sweep` times: gate/up (BLOCK_N, BLOCK_K, warps, stages),
-# down (BLOCK_N, BLOCK_K, warps), the down kernel's splits.
-FEW_UP = ((32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4))
-FEW_DOWN = ((16, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8))
-FEW_SPLITS = (8, 4, 16)
-
-
-def _few_case(shape, t, dtype, dev, gen, layers):
-    """Inputs of one token count and two timers, grouped() and few(), each -> (us per call, TB/s,
-    output of copy 0); and the expert bytes a call must read."""
-    from kiln.kernels import moe as KM
-
-    arch, e, k, h, i, chunks, weighted = shape
-    x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
-    ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=gen, device=dev)
-    sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
-    nbytes = (torch.unique(ids).numel() + chunks) * 3 * i * h * torch.finfo(dtype).bits // 8
-
-    def timed(config=None, few=None):
-        fn = lambda: [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),  # noqa: E731
-                                       config=config, few_max_tokens=few) for L in layers]
-        us = _graph_time(fn) / COPIES
-        return us, nbytes / us / 1e6, fn()[0]
-
-    grouped = lambda: timed(config=KM.pick_config(t, k, e, h, i))  # noqa: E731
-    few = lambda: timed(few=t)  # noqa: E731
-    return grouped, few, nbytes
-
-
-def _few_sweep(shape, tokens, dtype, dev, gen) -> None:
-    """Each candidate gate/up tile (down as shipped), then down tile, then split count, each at the
-    best so far; the best stay set in `kiln.kernels.moe_few` for the table after."""
-    from kiln.kernels import moe_few as KF
-
-    arch, e, k, h, i, chunks, weighted = shape
-    layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
-    for t in tokens:
-        _, few, _ = _few_case(shape, t, dtype, dev, gen, layers)
-        for name, cands in (("FEW_UP_TILE", FEW_UP), ("FEW_DOWN_TILE", FEW_DOWN), ("FEW_SPLITS", FEW_SPLITS)):
-            best = (float("inf"), getattr(KF, name))
-            for cand in cands:
-                setattr(KF, name, cand)
-                us = few()[0]
-                print(f"{arch} T={t} up {KF.FEW_UP_TILE} down {KF.FEW_DOWN_TILE} splits {KF.FEW_SPLITS}: {us:7.1f} us",
-                      flush=True)
-                best = min(best, (us, cand))
-            setattr(KF, name, best[1])
-        print(f"{arch} T={t} best: up {KF.FEW_UP_TILE} down {KF.FEW_DOWN_TILE} splits {KF.FEW_SPLITS}", flush=True)
-    del layers
-    torch.cuda.empty_cache()
-
-
-def few_vs_grouped(tokens, dtype, dev, gen, sweep: bool) -> None:
-    """The few-token path against the grouped path (module docstring, `--few`)."""
-    from kiln.kernels import moe_few as KF
-
-    shapes = bench_shapes()
-    if sweep:
-        _few_sweep(shapes[0], [t for t in tokens if t > 2] or tokens, dtype, dev, gen)
-    print(f"fused_experts at few tokens: grouped path vs few-token path (up {KF.FEW_UP_TILE}, down "
-          f"{KF.FEW_DOWN_TILE}, {KF.FEW_SPLITS} splits), {dtype}, graph median us per call, TB/s of expert weights read")
-    head = (f"{'model':<11} {'T':>3} {'MB':>6} {'grouped':>8} {'TB/s':>5} {'few':>8} {'TB/s':>5} {'speedup':>7} "
-            f"{'max diff':>9}")
-    print(head)
-    print("-" * len(head))
-    for shape in shapes:
-        arch, e, k, h, i, chunks, weighted = shape
-        layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
-        for t in tokens:
-            grouped, few, nbytes = _few_case(shape, t, dtype, dev, gen, layers)
-            g_us, g_bw, g_out = grouped()
-            f_us, f_bw, f_out = few()
-            diff = (f_out.float() - g_out.float()).abs().max().item()
-            print(f"{arch:<11} {t:>3} {nbytes / 1e6:>6.1f} {g_us:>8.1f} {g_bw:>5.2f} {f_us:>8.1f} {f_bw:>5.2f} "
-                  f"{g_us / f_us:>6.2f}x {diff:>9.2e}", flush=True)
-        del layers
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
@@ -323,9 +236,6 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv", type=int, nargs="*", metavar="T",
                     help="only time the grouped path against the GEMV path, at T tokens (default 1)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only time the one-token path's candidate tiles")
-    ap.add_argument("--few", type=int, nargs="*", metavar="T",
-                    help="only time the grouped path against the few-token path, at T tokens (default 2 4 8)")
-    ap.add_argument("--few-sweep", action="store_true", help="with --few: sweep the few-token path's tiles first")
     ap.add_argument("--sweep-json", help="with --sweep: write each token count's fastest config here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -333,11 +243,6 @@ def main(argv=None) -> None:
     if args.gemv_sweep:
         dev = torch.device("cuda")
         gemv_sweep(torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))
-        return
-    if args.few is not None:
-        dev = torch.device("cuda")
-        few_vs_grouped(args.few or [2, 4, 8], torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0),
-                       args.few_sweep)
         return
     if args.gemv is not None:
         dev = torch.device("cuda")

@@ -36,10 +36,11 @@ One-token path (T <= `gemv_max_tokens`, by default GEMV_MAX_TOKENS = 1: batch-1 
 expert GEMVs, `kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order
 of the sums.
 
-Few-token path (past that, T <= `few_max_tokens`, by default FEW_MAX_TOKENS: a speculative
-verify at batch 1, decode at small batches): `kiln.kernels.moe_few`, two launches that read each
-selected expert once without sorting the tokens, the slot sum and the ShortConv in the down
-kernel's epilogue.
+Between the two, at 2-8 tokens, a path with two launches and nothing sorted (each program found
+the distinct experts from the ids in registers; the down walk in splits, the last one summing) was
+built and measured slower than the grouped path, 0.75-0.98x at the bench shapes on an H200: the
+grouped GEMMs already stream 2.6-3.4 TB/s there (commit 70c4010, removed after it;
+docs/benchmarks.md, twenty-first pass).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.moe_few import experts_few, takes_few
 from kiln.kernels.moe_gemv import experts_gemv
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
@@ -75,10 +75,6 @@ GEMV_MAX_TOKENS = 1
 # run each, within run-to-run spread); 128 columns profiled at 7.5 us per call (nineteenth pass).
 SUM_CONV_MAX_TOKENS = 4
 SUM_CONV_BLOCK_H = 32
-# Past the GEMV path, up to this many tokens take the few-token path (module docstring; at most
-# `kiln.kernels.moe_few.MAX_TOKENS`); the engine's `--moe-few-max-tokens` overrides it, 0 turns
-# it off (tests lower it to force the grouped path).
-FEW_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -349,29 +345,15 @@ def on_gemv_path(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_t
     return 0 < num_tokens <= limit and config is None
 
 
-def on_few_path(num_tokens: int, top_k: int, config: Optional[MoEConfig] = None,
-                gemv_max_tokens: Optional[int] = None, few_max_tokens: Optional[int] = None) -> bool:
-    """Whether `fused_experts` of `num_tokens` tokens of `top_k` experts each takes the few-token
-    path (`kiln.kernels.moe_few`): past the GEMV path, up to `few_max_tokens` (None:
-    FEW_MAX_TOKENS)."""
-    limit = FEW_MAX_TOKENS if few_max_tokens is None else few_max_tokens
-    return (config is None and not on_gemv_path(num_tokens, config, gemv_max_tokens) and num_tokens <= limit
-            and takes_few(num_tokens, top_k))
-
-
 def takes_conv(num_tokens: int, config: Optional[MoEConfig] = None, gemv_max_tokens: Optional[int] = None,
-               chunk: bool = False, top_k: int = 0, few_max_tokens: Optional[int] = None) -> bool:
+               chunk: bool = False) -> bool:
     """Whether `fused_experts` of `num_tokens` tokens can run a ShortConv on its result in a
     kernel's epilogue (its `conv` argument): the one-token GEMV path's down kernel (decode
-    sequences only), the few-token path's down kernel (decode sequences, or with `chunk` the
-    tokens of short chunks), or the grouped path's sum of at most SUM_CONV_MAX_TOKENS tokens
-    (either). `gemv_max_tokens` / `few_max_tokens`: the paths' largest T (None: GEMV_MAX_TOKENS /
-    FEW_MAX_TOKENS; the engine's flags); `top_k`: the routed experts per token (0: unknown, then
-    the few-token path is not considered)."""
+    sequences only), or the grouped path's sum of at most SUM_CONV_MAX_TOKENS tokens (decode
+    sequences, or with `chunk` the tokens of short chunks). `gemv_max_tokens`: the largest T of the
+    GEMV path (None: GEMV_MAX_TOKENS; the engine's `--moe-gemv-max-tokens`)."""
     if on_gemv_path(num_tokens, config, gemv_max_tokens):
         return not chunk
-    if top_k and on_few_path(num_tokens, top_k, config, gemv_max_tokens, few_max_tokens):
-        return True
     return 0 < num_tokens <= SUM_CONV_MAX_TOKENS
 
 
@@ -379,8 +361,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
-                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False,
-                  few_max_tokens: Optional[int] = None) -> torch.Tensor:
+                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -389,14 +370,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     1 when None); I_s must be a multiple of I (`shared_chunks` says whether it is). GEMMs run in
     the weights' dtype, activations, weights and the sum over slots in fp32, one cast to
     `out_dtype` (x's dtype by default). Up to `gemv_max_tokens` tokens (None: GEMV_MAX_TOKENS)
-    take the two-kernel GEMV path, up to `few_max_tokens` (None: FEW_MAX_TOKENS) the few-token
-    path, more the grouped GEMMs (module docstring). `config` overrides the grouped path's tiles
-    and so forces that path at any T (benchmark sweeps).
+    take the two-kernel GEMV path, more the grouped GEMMs (module docstring). `config` overrides
+    the grouped path's tiles and so forces that path at any T (benchmark sweeps).
     `conv` (where `takes_conv` allows it): the arguments of
     `kiln.kernels.shortconv.short_conv_decode` after x, token t being decode sequence t; the result
     is then that ShortConv of the sum (rounded to `out_dtype`, the state's dtype), run in the down
     GEMV's epilogue on the one-token path, in the sum's on the grouped path (Inkling's out_conv).
-    `conv_chunk` (the few-token and grouped paths): the tokens are short chunks instead, conv as
+    `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
     `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
     `conv_chunk`).
     """
@@ -430,9 +410,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         assert not conv_chunk, "the one-token path's conv epilogue takes decode sequences only"
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
                             sw_rep, has_sw, conv)
-    if on_few_path(T, k, config, gemv_max_tokens, few_max_tokens):
-        return experts_few(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, chunks, n_shared_w, sw_rep,
-                           has_sw, conv, conv_chunk)
     assert conv is None or T <= SUM_CONV_MAX_TOKENS, \
         f"the conv epilogue takes 1..{SUM_CONV_MAX_TOKENS} tokens on the grouped path, not {T}"
 

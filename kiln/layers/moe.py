@@ -260,10 +260,9 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
     the single cast happens there too (under TP the fp32 partial sums wait for the all-reduce).
 
     `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the epilogue of the
-    experts' last kernel where it runs there (one rank; a decode step on the expert GEMVs or the
-    few-token path, or a verify's short chunks on the few-token path or of at most a few tokens on
-    the grouped path: `kiln.kernels.moe.takes_conv`, `epilogue_conv_args`), else as its own call
-    after the all-reduce."""
+    experts' last kernel where it runs there (one rank; a decode step on the expert GEMVs, or a
+    verify's short chunks of at most a few tokens on the grouped path: `kiln.kernels.moe.takes_conv`,
+    `epilogue_conv_args`), else as its own call after the all-reduce."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
@@ -272,26 +271,19 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
         ops = _kernel_ops()
         if ops.shared_chunks(experts.inter_per_rank, shared.w2, shared_w):
             conv, chunk = None, False
-            backend = getattr(batch, "backend", None)
-            gemv_tokens = getattr(backend, "moe_gemv_max_tokens", None)
-            few_tokens = getattr(backend, "moe_few_max_tokens", None)
-            T, k = x.shape[0], ids.shape[1]
+            gemv_tokens = getattr(getattr(batch, "backend", None), "moe_gemv_max_tokens", None)
             if out_conv is not None and pc.tp_size == 1:
-                # In the experts' last kernel: a decode step's on the expert GEMVs (down GEMV) or
-                # the few-token path (down kernel); a verify's short chunks on the few-token path
-                # or the grouped path's sum. Decode steps on the grouped path keep the separate
-                # conv (with it in the sum, batch 4 ran 2% slower: nineteenth pass).
-                if ops.on_gemv_path(T, gemv_max_tokens=gemv_tokens):
+                # a decode step on the expert GEMVs: the down GEMV's epilogue; a verify's short
+                # chunks on the grouped path: the slot sum's. Decode steps of 2-4 tokens keep the
+                # separate conv (with it in the sum, batch 4 ran 2% slower: nineteenth pass).
+                if ops.on_gemv_path(x.shape[0], gemv_max_tokens=gemv_tokens):
                     conv = epilogue_conv_args(out_conv, x, batch)
-                elif ops.on_few_path(T, k, gemv_max_tokens=gemv_tokens, few_max_tokens=few_tokens):
-                    conv = epilogue_conv_args(out_conv, x, batch)
-                if conv is None and ops.takes_conv(T, gemv_max_tokens=gemv_tokens, chunk=True, top_k=k,
-                                                   few_max_tokens=few_tokens):
+                elif ops.takes_conv(x.shape[0], gemv_max_tokens=gemv_tokens, chunk=True):
                     conv = epilogue_conv_args(out_conv, x, batch, chunk=True)
                     chunk = conv is not None
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
                                     shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens,
-                                    conv_chunk=chunk, few_max_tokens=few_tokens)
+                                    conv_chunk=chunk)
             if conv is not None:
                 return out
     if out is None:

@@ -354,35 +354,6 @@ def test_out_conv_epilogue_on_cuda_equals_separate_conv(arch_dir, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch_dir", ["inkling", "minimax_m3"], indirect=True)
-def test_few_expert_path_on_cuda_equals_grouped_path(arch_dir, monkeypatch):
-    """On the GPU (compiled, CUDA graphs, fp32, batch 3): the MoE layers of 2-8 tokens take the
-    few-token experts (counted; Inkling's out_conv in their down kernel), and the engine generates
-    what it generates on the grouped path (`--moe-few-max-tokens 0`)."""
-    from kiln.kernels import moe_few
-
-    reqs = prompts(3, seed=9, lo=34, hi=40)
-    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4)
-    want_out, want_rows = greedy(make_core(arch_dir, moe_few_max_tokens=0, **kw), reqs, max_tokens=8)
-    from kiln.kernels import moe as km
-
-    calls = []  # (tokens, with out_conv) per call
-    real = moe_few.experts_few
-
-    def counted(x, *args):
-        calls.append((x.shape[0], args[13] is not None))  # args[13]: conv
-        return real(x, *args)
-
-    monkeypatch.setattr(km, "experts_few", counted)
-    got_out, got_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
-    assert any(t >= 2 for t, _ in calls), calls  # batch 3 (padded to the graph's 4)
-    assert any(c for _, c in calls) == (_arch(arch_dir) == "inkling"), "Inkling's out_conv in the down kernel"
-    assert got_out == want_out
-    for rid in want_rows:
-        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch_dir", ["inkling", "minimax_m3"], indirect=True)
 def test_fused_router_gate_on_cuda_equals_two_launches(arch_dir, monkeypatch):
     """On the GPU (compiled, CUDA graphs, fp32, batch 1): `--fused-router-gate` runs each router's
     logits and gate as one launch (counted) and generates what the two launches generate."""

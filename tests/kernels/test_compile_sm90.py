@@ -21,13 +21,11 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", divisible: tuple = (),
-                 **options) -> dict:
+def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", divisible: tuple = ()) -> dict:
     """Compile `kernel` (a `@triton.jit` function, not interpreted) for sm_90: `types` names each
     non-`default` argument's Triton type ('*bf16', 'fp32', ...); `constexprs` the constexpr values.
     `divisible` names arguments to specialise as multiples of 16 (as a launch with such values
-    would); `options` are compile options of a launch (num_stages, num_warps). Returns the
-    compiled asm by stage ('ptx', 'cubin', ...)."""
+    would). Returns the compiled asm by stage ('ptx', 'cubin', ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,7 +34,7 @@ def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", di
     sig = {n: "constexpr" if n in constexprs else types.get(n, default) for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None).asm
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
     assert "cubin" in asm
     return asm
 
@@ -154,42 +152,6 @@ def moe_gemv(shared: bool, conv: bool = False) -> None:
             assert "ld.global.cg" in before and "ld.global.v4" in before, "the first tile must load before the wait"
         else:  # without it the kernel waits first
             assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
-
-
-def moe_few(conv: bool = False) -> None:
-    """The MoE few-token path (`kiln.kernels.moe_few`) at 4 tokens (a batch-1 K = 3 verify) with
-    its shipped tiles: the distinct-expert walk (a data-dependent loop with the next tile's load
-    ahead), the gate/up kernel's pipelined K loop, the down kernel's first tile before the PDL
-    wait with the early trigger only, its splits' count (acq_rel) and the last one's L2 reads;
-    with `conv`, out_conv over a verify's chunks in its epilogue."""
-    from kiln.kernels import moe_few as KF
-
-    up, down, splits = KF.few_tiles(2048, 512)
-    up = {k: v for k, v in up.items() if k.startswith("BLOCK")} | dict(num_stages=up["num_stages"])
-    down = {k: v for k, v in down.items() if k.startswith("BLOCK")}
-    w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "CW", "CBUF")}
-    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "wts_ptr": "*fp32", "shared_w_ptr": "*fp32",
-             "part_ptr": "*fp32", "counts_ptr": "*i32", **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
-    div = ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "H", "I", "stride_xt",
-           "stride_we", "stride_wn", "stride_sn", "stride_wh", "stride_sh")
-    names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
-    consts = dict(K=6, C=2, S_PAD=32, ROWS=KF.ROWS, PRECISION="tf32")
-    stages = up.pop("num_stages")
-    compile_sm90(KF._few_up_kernel, types, dict(KP=8, PDL=True, **consts, **up), divisible=names(KF._few_up_kernel),
-                 num_stages=stages)
-    for pdl in (1, 2):
-        ptx = compile_sm90(KF._few_down_kernel, types,
-                           dict(NUM_SW=2, SW_REP=1, HAS_SW=True, SPLITS=splits, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=conv, **consts, **down),
-                           divisible=names(KF._few_down_kernel))["ptx"]
-        wait = ptx.index("griddepcontrol.wait")
-        before = ptx[:wait]
-        if pdl == 2:
-            assert "ld.global.cg" in before and "ld.global" in before.replace("ld.global.cg", ""), \
-                "the first id and tile must load before the wait"
-        else:
-            assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
-        assert "atom.global.gpu.acq_rel.add" in ptx[wait:] and "ld.global.cg" in ptx[wait:], "the count, the L2 reads"
 
 
 def router_gate(sink: bool) -> None:
@@ -323,8 +285,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
-         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "moe_few": moe_few,
-         "moe_few_conv": lambda: moe_few(conv=True), "router_gate_sink": lambda: router_gate(True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),

@@ -104,7 +104,6 @@ def test_one_token_path_is_taken_at_one_token_only(device, monkeypatch):
     x, w13, w2, ids, w, shared = args
     km = _km()
     from kiln.kernels import moe_gemv
-    monkeypatch.setattr(km, "FEW_MAX_TOKENS", 0)  # past one token: the grouped path, not the few-token one
     with monkeypatch.context() as m:  # one token: the GEMV kernels only
         for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
             m.setattr(km, name, _Refused(name))
@@ -144,7 +143,6 @@ def test_gemv_max_tokens_picks_the_path(device, monkeypatch):
     x4, ids4, w4 = x.expand(4, -1), ids.expand(4, -1), w.expand(4, -1)
     shared4 = (shared[0], shared[1], shared[2].expand(4, -1))
     km = _km()
-    monkeypatch.setattr(km, "FEW_MAX_TOKENS", 0)  # past the GEMV path: the grouped path
     assert km.takes_conv(4, gemv_max_tokens=4) and not km.takes_conv(5, gemv_max_tokens=4)
     # the grouped path's sum takes a conv too; the GEMV path's down kernel decode sequences only
     assert km.takes_conv(1, gemv_max_tokens=0, chunk=True) and not km.takes_conv(5, gemv_max_tokens=8, chunk=True)
@@ -197,10 +195,9 @@ def test_one_token_conv_epilogue_is_experts_then_short_conv(device, dtype, E, k,
     torch.testing.assert_close(got.float(), ref_y.float(), **_tol(dtype))
 
 
-def test_conv_epilogue_is_refused_where_no_kernel_holds_it(monkeypatch):
+def test_conv_epilogue_is_refused_where_no_kernel_holds_it():
     # The one-token path's down GEMV takes decode sequences only; the grouped path's sum at most
     # SUM_CONV_MAX_TOKENS tokens.
-    monkeypatch.setattr(_km(), "FEW_MAX_TOKENS", 0)
     args, _ = _one_token("cpu", torch.float32, 8, 2, 2, 1, True, False, seed=3)
     x, w13, w2, ids, w, shared = args
     conv, _ = _conv_state(x.shape[1], 4, 2, torch.float32, "cpu", seed=4)
@@ -222,11 +219,10 @@ SUM_CONV_CASES = {"decode-3": ([4, 0, 7], [1, 1, 1]), "verify-b1": ([6], [4]), "
 @pytest.mark.parametrize("device,dtype", [p for p in GEMV_DTYPES if p.id != "cpu-bf16"])
 @pytest.mark.parametrize("case", list(SUM_CONV_CASES), ids=list(SUM_CONV_CASES))
 @pytest.mark.parametrize("kc", [4, 1])
-def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, kc, monkeypatch):
+def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, kc):
     """Inkling's out_conv in the grouped path's sum (a few decode sequences, or a verify's short
     chunks: `conv_chunk`) against `fused_experts` followed by the ShortConv kernel on the same
     state: equal outputs (the interpreter: bit for bit) and the same state writes."""
-    monkeypatch.setattr(_km(), "FEW_MAX_TOKENS", 0)
     from kiln.kernels.shortconv import short_conv_decode, short_conv_extend
     from tests.kernels.test_shortconv_kernels import Paged
 

@@ -19,14 +19,6 @@ from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
 
 
-@pytest.fixture(autouse=True)
-def grouped_path_at_few_tokens(monkeypatch):
-    """This file tests the grouped path: from 2 tokens it, not the few-token path (whose tests are
-    tests/kernels/test_moe_few.py)."""
-    if kernels.triton_available():
-        monkeypatch.setattr(_km(), "FEW_MAX_TOKENS", 0)
-
-
 
 def _km():
     from kiln.kernels import moe
