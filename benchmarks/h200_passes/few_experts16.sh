@@ -3,8 +3,9 @@
 # expert read once, no align or sum launch) for a speculative verify at batch 1 and decode at
 # batch 2-8; docs/benchmarks.md, twenty-first pass. `--moe-few-max-tokens 0` is the grouped path
 # these runs compare against (the engine before this pass, at these token counts). The path measured
-# slower and was removed: few1 and few2 run on commit 70c4010 (few1 there with the first form's tiles,
-# as recorded in the pass); few3 runs on any later tree.
+# slower and was removed: few1 and few2 run on commit 70c4010 (call 1 ran a first form never committed,
+# so few1 there runs the second form; call 2 ran it with the tiles before its sweep: docs/benchmarks.md);
+# few3 runs on any later tree.
 # shellcheck shell=bash
 
 ROUND="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 \
