@@ -1,0 +1,43 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# seventeenth session (2026-12-03): what each kernel adds to a batch-1 step's critical path, measured
+# by cutting its launches (`benchmarks/critical_path.py`); docs/benchmarks.md, twenty-second pass.
+# shellcheck shell=bash
+
+CP="python benchmarks/critical_path.py"
+
+cut_runs() {  # cut_runs TAG MODEL_ARGS CUT...: one decode_batch run per cut ("none": nothing cut)
+  local tag=$1 margs=$2 lim=110; shift 2  # the first run of each model may compile
+  for c in "$@"; do
+    local flag="" name="${tag}_${c//,/+}"; [ "$c" != none ] && flag="--cut $c"
+    [ -e "$R/json/$name.json" ] && name="${name}_$(date +%H%M%S)"  # a repeated cut keeps every run
+    step "$name" $lim $CP $flag -- $C $margs --out "$R/json/$name.json"
+    lim=45
+  done
+}
+
+cut_table() {  # the step (or round) time of every run of this call, by tag and cut
+  python - "$R/json" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    rows = json.load(open(f))["rows"]
+    r = rows[0] if rows else {}
+    print(f"{os.path.basename(f)[:-5]:40s} step {r.get('step_ms') or float('nan'):7.3f} ms  round {r.get('round_ms') or float('nan'):7.3f} ms  {r.get('note', '')}")
+PY
+}
+
+lane0_crit1() {  # batch-1 steps of both hybrids and Inkling K = 3 rounds, with single kernels and groups cut
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  cut_runs INK "--model-path $INK $P1" gate prologue attention expert_up expert_down experts none gemv norm \
+    gate,prologue,attention gate,prologue,attention,norm,experts none
+  cut_runs MM "--model-path $MM $P1" gate attention experts gemv gate,attention none
+  local RD="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 --cuda-graph-max-bs 8 \
+--speculative-algorithm mtp --speculative-num-steps 3"
+  cut_runs RND "$RD" none gate attention grouped gemv norm
+  cut_table
+}
+
+lane0_crit3() {  # Inkling batch 1 again, every cut against the gate cut that each one implies now (critical_path.IMPLIES)
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  cut_runs INK "--model-path $INK $P1" none gate prologue attention experts expert_down gemv gate none
+  cut_table
+}
