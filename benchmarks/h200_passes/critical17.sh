@@ -36,6 +36,22 @@ lane0_crit1() {  # batch-1 steps of both hybrids and Inkling K = 3 rounds, with 
   cut_table
 }
 
+lane0_crit2() {  # GPU tests of the gate inside the expert GEMVs; batch 1 with it (default) and without, alternated x2
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-170} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} \
+    tests/kernels/test_moe_gated_experts.py tests/kernels/test_moe_gemv.py tests/kernels/test_moe_kernels.py \
+    tests/engine/test_kernel_path.py -k "gate or gemv or moe or expert or fold"
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for r in 1 2; do
+    local lim=45; [ $r = 1 ] && lim=100
+    step INK_gated_$r $lim $DECODE --model-path $INK $P1 --out "$R/json/INK_gated_$r.json"
+    step INK_gatekernel_$r 45 $DECODE --model-path $INK $P1 --disable-gate-in-experts --out "$R/json/INK_gatekernel_$r.json"
+    step MM_gated_$r $lim $DECODE --model-path $MM $P1 --out "$R/json/MM_gated_$r.json"
+    step MM_gatekernel_$r 45 $DECODE --model-path $MM $P1 --disable-gate-in-experts --out "$R/json/MM_gatekernel_$r.json"
+  done
+  cut_table
+}
+
 lane0_crit3() {  # Inkling batch 1 again, every cut against the gate cut that each one implies now (critical_path.IMPLIES)
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   cut_runs INK "--model-path $INK $P1" none gate prologue attention experts expert_down gemv gate none

@@ -321,3 +321,41 @@ def test_fused_router_gate_only_with_its_flag(which, monkeypatch):
     assert torch.equal(got[0], want[0])
     for g, w in zip(got[1:], want[1:]):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@INTERPRETER_ONLY  # CPU tensors through the kernels: Triton's interpreter
+@pytest.mark.parametrize("which", ["sink", "minimax"])
+def test_gate_in_experts_only_where_it_holds(which, monkeypatch):
+    """With the backend's `gate_in_experts` (not --disable-gate-in-experts), a one-token MoE layer
+    with its router logits runs the gate inside the expert GEMVs (`gated_experts`, counted): the
+    output and the recorded ids equal the gate kernel's path bit for bit. Replayed ids, missing
+    logits or two tokens keep the gate kernel."""
+    pytest.importorskip("triton")
+    from kiln.kernels import moe as km
+    from kiln.layers import moe as moe_layer
+
+    monkeypatch.setattr(moe_layer, "_use_kernels", lambda *a: True)
+    moe = SinkMoE(_cfg(), 0) if which == "sink" else MiniMaxMoE(_cfg(), 0)
+    _randomize(moe, seed=12)
+    gate = moe.router if which == "sink" else moe.gate
+    gated = []
+    real = km.gated_experts
+    monkeypatch.setattr(km, "gated_experts", lambda *a, **k: (gated.append(1), real(*a, **k))[1])
+
+    def run(flag, x, logits=True, replay=None):
+        backend = SimpleNamespace(use_kernels=True, gemv_max_rows=1, moe_gemv_max_tokens=1, fused_router_gate=False,
+                                  gate_in_experts=flag)
+        batch = SimpleNamespace(extras={} if replay is None else {"replay_experts": replay}, backend=backend)
+        z = F.linear(x.float(), gate.weight) if logits else None
+        with torch.no_grad():
+            return moe(x, batch, router_logits=z), batch.extras["routed_experts"][0]
+
+    x = torch.randn(1, H)
+    want, want_ids = run(False, x)
+    assert not gated
+    got, ids = run(True, x)
+    assert gated == [1] and torch.equal(got, want) and torch.equal(ids, want_ids)
+    run(True, x, replay={0: want_ids.long()})
+    run(True, x, logits=False)
+    run(True, torch.randn(2, H))
+    assert gated == [1]
