@@ -142,12 +142,6 @@ class EngineConfig:
         "(kiln/kernels/moe_gate.py). Off by default: correct on an H200 but no faster there "
         "(Inkling batch 1 1.40 against 1.41 ms; docs/benchmarks.md, sixteenth pass). Not with "
         "--fold-norms-max-hidden on MoE layers, whose router GEMV then computes the logits.")
-    disable_gate_in_experts: bool = opt(
-        False, "A MoE layer of one token on the expert GEMVs (--moe-gemv-max-tokens) whose router logits "
-        "come from the router GEMV (--fold-norms-max-hidden) runs its gate (sigmoid, biased top-k, "
-        "weights) inside the two expert kernels, each program selecting for itself "
-        "(kiln/kernels/moe_gemv.py, gated_experts): one launch fewer per MoE layer at batch-1 decode, "
-        "the same ids, weights and output bit for bit. This flag keeps the gate kernel. One rank only.")
     fold_norms_max_hidden: int = opt(
         2048, "On the decode GEMV path (--gemv-max-rows), models whose hidden size is at most this run "
         "each pre-norm (RMSNorm with its residual add) in the prologue of the GEMV that reads it first "

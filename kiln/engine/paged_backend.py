@@ -49,13 +49,12 @@ class PagedBackend:
                  gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
                  fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, qkv_rope: bool = False,
-                 norm_epilogue: bool = False, gate_in_experts: bool = False):
+                 norm_epilogue: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.moe_gemv_max_tokens = moe_gemv_max_tokens  # kiln.layers.moe: the expert GEMVs up to this many tokens
         self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
-        self.gate_in_experts = gate_in_experts  # kiln.layers.moe: the one-token expert GEMVs run the gate
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.early_kv_max_bs = early_kv_max_bs  # decode steps this small read older keys before the PDL wait
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)

@@ -186,8 +186,7 @@ class ModelRunner:
                                     fold_norms_max_hidden=self.config.fold_norms_max_hidden,
                                     early_kv_max_bs=self.config.attention_early_kv_max_bs,
                                     qkv_rope=not self.config.disable_fused_qkv_rope,
-                                    norm_epilogue=not self.config.disable_norm_epilogue,
-                                    gate_in_experts=not self.config.disable_gate_in_experts)
+                                    norm_epilogue=not self.config.disable_norm_epilogue)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)
                     if p is not None)
         logger.info("state pools: %d main pages x %d tokens%s (%.2f GB)", self.num_pages, ps,

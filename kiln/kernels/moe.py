@@ -56,7 +56,7 @@ from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.moe_gemv import experts_gemv
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
-from kiln.kernels.moe_gate import GateArgs, minimax_gate, sink_gate  # noqa: F401  (re-exported)
+from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
 _INT32_MAX = tl.constexpr(2147483647)
 # Routed ids the align kernel reads per step: at least 128 (one per thread of its 4 warps, so that
@@ -123,14 +123,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[torch.Tensor],
-                  n_shared: Optional[int] = None) -> int:
+def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[torch.Tensor]) -> int:
     """How many routed-size chunks (C) the shared experts split into; 0 if they cannot be folded
-    into `fused_experts` (a shared intermediate size that is not a multiple of the routed one).
-    The shared experts' count: `n_shared`, else shared_weights' columns (1 when None)."""
+    into `fused_experts` (a shared intermediate size that is not a multiple of the routed one)."""
     total = shared_w2.shape[1]
-    if n_shared is None:
-        n_shared = shared_weights.shape[1] if shared_weights is not None else 1
+    n_shared = shared_weights.shape[1] if shared_weights is not None else 1
     if total == 0 or n_shared == 0 or total % n_shared or (total // n_shared) % inter:
         return 0
     return total // inter
@@ -364,8 +361,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
-                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False,
-                  gate: Optional[GateArgs] = None) -> torch.Tensor:
+                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -383,8 +379,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
     `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
     `conv_chunk`).
-    `gate` (the one-token path only; `gated_experts`): the kernels select from the router's logits
-    themselves, and topk_ids, topk_weights and the shared weights are outputs they fill.
     """
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -415,8 +409,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if on_gemv_path(T, config, gemv_max_tokens):
         assert not conv_chunk, "the one-token path's conv epilogue takes decode sequences only"
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
-                            sw_rep, has_sw, conv, gate)
-    assert gate is None, "the experts select for themselves on the one-token GEMV path only"
+                            sw_rep, has_sw, conv)
     assert conv is None or T <= SUM_CONV_MAX_TOKENS, \
         f"the conv epilogue takes 1..{SUM_CONV_MAX_TOKENS} tokens on the grouped path, not {T}"
 
@@ -469,26 +462,3 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     _sum_slots_kernel[(T, triton.cdiv(H, block_h))](slot_out, out, H, KS=ks_slots, BLOCK_H=block_h,
                                                    num_warps=4, **pdl_launch(x.device))
     return out
-
-
-def gated_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: GateArgs,
-                  out_dtype: Optional[torch.dtype] = None,
-                  shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None, conv: Optional[tuple] = None,
-                  gemv_max_tokens: Optional[int] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The router's gate and the experts in two launches instead of three: `fused_experts` on the
-    one-token GEMV path (`on_gemv_path` must hold) whose kernels select the experts from
-    `gate.logits` themselves. shared = (sw13, sw2) as in `fused_experts`, weighted by the sink
-    gate's shared weights (Inkling), or by 1 (MiniMax-M3: `gate.num_shared` 0). Returns (out,
-    topk_ids [T, k] int64, routed weights [T, k] fp32, shared weights [T, S] fp32 or None): what
-    `sink_gate` / `minimax_gate` return, bit for bit, beside what `fused_experts` returns for them."""
-    t = x.shape[0]
-    assert on_gemv_path(t, gemv_max_tokens=gemv_max_tokens), f"{t} tokens are not on the one-token GEMV path"
-    ids = torch.empty(t, gate.top_k, dtype=torch.long, device=x.device)
-    routed_w = torch.empty(t, gate.top_k, dtype=torch.float32, device=x.device)
-    shared_w = torch.empty(t, gate.num_shared, dtype=torch.float32, device=x.device) if gate.num_shared else None
-    if shared is not None:
-        shared = (*shared, shared_w)
-    out = fused_experts(x, w13, w2, ids, routed_w, out_dtype, shared=shared, conv=conv,
-                        gemv_max_tokens=gemv_max_tokens, gate=gate)
-    return out, ids, routed_w, shared_w

@@ -19,7 +19,6 @@ Triton's CPU interpreter (tests) libdevice is unavailable and numpy's exp stands
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -65,14 +64,15 @@ def _store_selection(rank, w, cols, rows, row_ok, ids_ptr, w_ptr, K: tl.constexp
 
 
 @triton.jit
-def _sink_weights(z, bias_ptr, gscale_ptr, route_scale, E: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-                  N_PAD: tl.constexpr, PRECISE: tl.constexpr):
-    """The sink gate of fp32 logits z [BT, N_PAD] (masked columns 0) in registers: (rank, w), rank
-    as `_select_topk` gives it, w the normalised weight of every selected routed and every shared
-    column (0 elsewhere)."""
+def _sink_select(z_ptr, rows, row_ok, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, route_scale,
+                 E: tl.constexpr, S: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr, PRECISE: tl.constexpr):
+    """The sink gate of token rows `rows` from their logits z [T, E+S] in memory (read from L2:
+    `_router_gate_kernel`'s last program reads what the other programs wrote)."""
     cols = tl.arange(0, N_PAD)
     routed = cols < E
     is_shared = (cols >= E) & (cols < E + S)
+    z = tl.load(z_ptr + rows[:, None].to(tl.int64) * (E + S) + cols[None, :],
+                mask=row_ok[:, None] & (cols < E + S)[None, :], other=0.0, cache_modifier=".cg")
     bias = tl.load(bias_ptr + cols, mask=routed, other=0.0).to(tl.float32)
     score = tl.where(routed[None, :], _sigmoid_exact(z, PRECISE) + bias[None, :], float("-inf"))
     rank = _select_topk(score, cols, K, N_PAD)
@@ -83,72 +83,27 @@ def _sink_weights(z, bias_ptr, gscale_ptr, route_scale, E: tl.constexpr, S: tl.c
     log_s = tl.where(member, log_s, float("-inf"))
     p = tl.exp(log_s - tl.max(log_s, axis=1)[:, None])
     scale = route_scale * tl.load(gscale_ptr).to(tl.float32)
-    return rank, p / tl.sum(p, axis=1)[:, None] * scale
-
-
-@triton.jit
-def _minimax_weights(z, bias_ptr, scaling, E: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr,
-                     PRECISE: tl.constexpr):
-    """MiniMax-M3's gate of fp32 logits z [BT, N_PAD] in registers: (rank, w) as `_sink_weights`."""
-    cols = tl.arange(0, N_PAD)
-    routed = cols < E
-    bias = tl.load(bias_ptr + cols, mask=routed, other=0.0).to(tl.float32)
-    s = _sigmoid_exact(z, PRECISE)
-    rank = _select_topk(tl.where(routed[None, :], s + bias[None, :], float("-inf")), cols, K, N_PAD)
-    s_sel = tl.where(rank >= 0, s, 0.0)
-    return rank, s_sel / tl.sum(s_sel, axis=1)[:, None] * scaling
-
-
-@triton.jit
-def _load_logits(z_ptr, rows, row_ok, N: tl.constexpr, N_PAD: tl.constexpr):
-    """Logit rows z [rows, N] as an fp32 [BT, N_PAD] tile, from L2 (".cg": written by another
-    program or kernel, never a stale L1 line)."""
-    cols = tl.arange(0, N_PAD)
-    return tl.load(z_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-                   mask=row_ok[:, None] & (cols < N)[None, :], other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def gate_selection(z_ptr, rows, row_ok, bias_ptr, gscale_ptr, scale, E: tl.constexpr, S: tl.constexpr,
-                   K: tl.constexpr, N_PAD: tl.constexpr, PRECISE: tl.constexpr, SINK: tl.constexpr):
-    """(rank, w) of token rows `rows` from their logits in memory: the sink gate (SINK; logits
-    [T, E+S]) or MiniMax-M3's (logits [T, E]; S = 0, gscale_ptr unused). What `sink_gate` /
-    `minimax_gate` store, in registers: the expert GEMVs select this way for themselves
-    (`kiln.kernels.moe_gemv`, `gate=`)."""
-    z = _load_logits(z_ptr, rows, row_ok, E + S, N_PAD)
-    if SINK:
-        rank, w = _sink_weights(z, bias_ptr, gscale_ptr, scale, E, S, K, N_PAD, PRECISE)
-    else:
-        rank, w = _minimax_weights(z, bias_ptr, scale, E, K, N_PAD, PRECISE)
-    return rank, w
-
-
-@triton.jit
-def store_gate_selection(rank, w, rows, row_ok, ids_ptr, rw_ptr, sw_ptr, E: tl.constexpr, S: tl.constexpr,
-                         K: tl.constexpr, N_PAD: tl.constexpr):
-    """Store a selection as the gate kernels do: ids and routed weights [T, K], shared weights [T, S]."""
-    cols = tl.arange(0, N_PAD)
+    w = p / tl.sum(p, axis=1)[:, None] * scale
     _store_selection(rank, w, cols, rows, row_ok, ids_ptr, rw_ptr, K)
     if S > 0:
-        is_shared = (cols >= E) & (cols < E + S)
-        tl.store(sw_ptr + rows[:, None] * S + (cols - E)[None, :], w, mask=row_ok[:, None] & is_shared[None, :])
-
-
-@triton.jit
-def _sink_select(z_ptr, rows, row_ok, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, route_scale,
-                 E: tl.constexpr, S: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr, PRECISE: tl.constexpr):
-    """The sink gate of token rows `rows` from their logits z [T, E+S] in memory (read from L2:
-    `_router_gate_kernel`'s last program reads what the other programs wrote)."""
-    rank, w = gate_selection(z_ptr, rows, row_ok, bias_ptr, gscale_ptr, route_scale, E, S, K, N_PAD, PRECISE, True)
-    store_gate_selection(rank, w, rows, row_ok, ids_ptr, rw_ptr, sw_ptr, E, S, K, N_PAD)
+        tl.store(sw_ptr + rows[:, None] * S + (cols - E)[None, :], w,
+                 mask=row_ok[:, None] & is_shared[None, :])
 
 
 @triton.jit
 def _minimax_select(z_ptr, rows, row_ok, bias_ptr, ids_ptr, w_ptr, scaling,
                     E: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr, PRECISE: tl.constexpr):
     """MiniMax-M3's gate of token rows `rows` from their logits z [T, E] in memory (from L2)."""
-    rank, w = gate_selection(z_ptr, rows, row_ok, bias_ptr, bias_ptr, scaling, E, 0, K, N_PAD, PRECISE, False)
-    store_gate_selection(rank, w, rows, row_ok, ids_ptr, w_ptr, w_ptr, E, 0, K, N_PAD)
+    cols = tl.arange(0, N_PAD)
+    routed = cols < E
+    z = tl.load(z_ptr + rows[:, None].to(tl.int64) * E + cols[None, :],
+                mask=row_ok[:, None] & routed[None, :], other=0.0, cache_modifier=".cg")
+    bias = tl.load(bias_ptr + cols, mask=routed, other=0.0).to(tl.float32)
+    s = _sigmoid_exact(z, PRECISE)
+    rank = _select_topk(tl.where(routed[None, :], s + bias[None, :], float("-inf")), cols, K, N_PAD)
+    s_sel = tl.where(rank >= 0, s, 0.0)
+    w = s_sel / tl.sum(s_sel, axis=1)[:, None] * scaling
+    _store_selection(rank, w, cols, rows, row_ok, ids_ptr, w_ptr, K)
 
 
 @triton.jit
@@ -211,31 +166,6 @@ def _router_gate_kernel(x_ptr, w_ptr, z_ptr, counter_ptr, bias_ptr, gscale_ptr, 
                          PRECISE)
         else:
             _minimax_select(z_ptr, rt, rt < T, bias_ptr, ids_ptr, rw_ptr, scale, E, K, N_PAD, PRECISE)
-
-
-@dataclass(frozen=True)
-class GateArgs:
-    """A router's gate handed to the kernels that consume its selection, so that they select for
-    themselves (`kiln.kernels.moe_gemv`'s `gate=`) instead of reading the gate kernel's outputs.
-    `sink`: Inkling's sink gate (logits [T, E+S], `global_scale` its [] tensor); else MiniMax-M3's
-    (logits [T, E]; `global_scale` unused, num_shared 0). `scale`: route_scale / the routed scaling
-    factor."""
-    logits: torch.Tensor
-    bias: torch.Tensor
-    global_scale: torch.Tensor
-    scale: float
-    num_experts: int
-    num_shared: int
-    top_k: int
-    sink: bool
-
-    def kernel_args(self) -> dict:
-        """The gate's constexpr launch arguments (`kiln.kernels.moe_gemv`)."""
-        n = self.num_experts + self.num_shared
-        assert self.logits.dtype == torch.float32 and self.logits.shape[-1] == n and self.logits.is_contiguous(), \
-            (self.logits.dtype, tuple(self.logits.shape))
-        return dict(GATE=1 if self.sink else 2, E=self.num_experts, S=self.num_shared,
-                    N_PAD=max(16, triton.next_power_of_2(n)), PRECISE=not interpreting())
 
 
 def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor,

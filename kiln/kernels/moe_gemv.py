@@ -22,11 +22,14 @@ tokens that share an expert read it once there, once per slot here (`benchmarks/
 --gemv 1 2 4 8` times both; on an H200 the GEMVs lose from 2 tokens on: docs/benchmarks.md,
 nineteenth pass). The GEMV tiles are fixed by shape (`gemv_tiles`), so the same inputs give the
 same bits in every process, though not the grouped path's bits (the sums run in another order).
+
+Tried and removed (commit 15c4b55, docs/benchmarks.md twenty-second pass): both kernels selecting
+the experts from the router logits themselves, with no gate launch. The gate launch costs a
+batch-1 Inkling step ~0.09 ms, but the selection in every one of the ~2000 programs (12 serial
+reductions over 128 lanes, the exact sigmoid) cost more: 1.61 against 1.27 ms.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -34,7 +37,6 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.moe_gate import GateArgs, gate_selection, store_gate_selection
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 # The one-token path's tiles (BLOCK_N, BLOCK_K, num_warps): a fixed function of the shape, never
@@ -65,51 +67,18 @@ def gemv_tiles(hidden: int, inter: int) -> tuple[dict, dict]:
 
 
 @triton.jit
-def _slot_expert(ids_ptr, t, j, K: tl.constexpr, rank, GATE: tl.constexpr, EARLY: tl.constexpr):
-    """Expert id (int64) of token t's routed slot j (< K): from the selection in registers (GATE),
-    else from topk_ids [T, K] in memory (EARLY: read before the PDL wait, so from L2)."""
-    if GATE:
-        cols = tl.arange(0, rank.shape[1])
-        e = tl.sum(tl.sum(tl.where(rank == j, cols[None, :], 0), axis=1), axis=0).to(tl.int64)
-    elif EARLY:
-        e = tl.load(ids_ptr + t * K + j, cache_modifier=".cg").to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + t * K + j).to(tl.int64)
-    return e
-
-
-@triton.jit
-def _token_selection(z_ptr, t, gbias_ptr, gscale_ptr, gate_scale, GATE: tl.constexpr, E: tl.constexpr,
-                     S: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr, PRECISE: tl.constexpr):
-    """Token t's gate (rank, w) [1, N_PAD] from its router logits (GATE 1: the sink gate, 2:
-    MiniMax-M3's); without GATE placeholders that nothing reads."""
-    rows = t + tl.arange(0, 1)
-    if GATE:
-        rank, w = gate_selection(z_ptr, rows, rows >= 0, gbias_ptr, gscale_ptr, gate_scale, E, S, K, N_PAD,
-                                 PRECISE, GATE == 1)
-    else:
-        rank = tl.full((1, N_PAD), -1, tl.int32)
-        w = tl.zeros((1, N_PAD), dtype=tl.float32)
-    return rank, w
-
-
-@triton.jit
-def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, z_ptr, gbias_ptr, gscale_ptr, gate_scale,
-                           H, I, stride_xt, stride_we, stride_wn, stride_sn,
+def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
+                           stride_xt, stride_we, stride_wn, stride_sn,
                            K: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = 0,
-                           E: tl.constexpr = 1, S: tl.constexpr = 0, N_PAD: tl.constexpr = 16,
-                           PRECISE: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[s, cols] = silu(gate) * up of slot s = t*KS + j (program (s, n)), cols the n-th BLOCK_N
     of I: two weight row blocks over all of K = H, CUDA-core FMAs into [BLOCK_N, BLOCK_K] fp32
     accumulators reduced once at the end, the next tiles loaded while the current ones are
-    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`). GATE: the routed slot's expert comes
-    from the router's logits z, selected here (`gate_selection`) instead of read from ids."""
+    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`)."""
     wait_for_previous(PDL)
     s = tl.program_id(0)
     t = s // KS
     j = s % KS
-    rank, _ = _token_selection(z_ptr, t, gbias_ptr, gscale_ptr, gate_scale, GATE, E, S, K, N_PAD, PRECISE)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     n_ok = col_ok[:, None]
@@ -119,7 +88,7 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, z_ptr, gb
     # up rows I + n of w13[e]. Shared chunk c = j - K: rows c*I + n and C*I + c*I + n of sw13.
     # (Starting a shared chunk's stream before the wait measured no gain: docs/benchmarks.md.)
     is_shared = j >= K
-    e = _slot_expert(ids_ptr, t, tl.minimum(j, K - 1), K, rank, GATE, False)
+    e = tl.load(ids_ptr + t * K + tl.minimum(j, K - 1)).to(tl.int64)
     chunk = tl.maximum(j - K, 0).to(tl.int64)
     w_base = tl.where(is_shared, sw13_ptr + chunk * I * stride_sn, w13_ptr + e * stride_we)
     row_stride = tl.where(is_shared, stride_sn, stride_wn).to(tl.int64)
@@ -149,24 +118,16 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, z_ptr, gb
 
 
 @triton.jit
-def _slot_weight(w_ptr, offset, pick, gw, GATE: tl.constexpr):
-    """A slot's gate weight: the column `pick` ([1, N_PAD] mask) of the selection's weights in
-    registers (GATE), else w_ptr[offset] (the gate kernel's output)."""
-    if GATE:
-        v = tl.sum(tl.sum(tl.where(pick, gw, 0.0), axis=1), axis=0)
-    else:
-        v = tl.load(w_ptr + offset)
-    return v
-
-
-@triton.jit
 def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                    J: tl.constexpr, K: tl.constexpr, rank, GATE: tl.constexpr):
+                    J: tl.constexpr, K: tl.constexpr):
     """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
     `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I].
     Slot 0's id may be read before the PDL wait, so from L2 (".cg": never a stale L1 line)."""
     if J < K:
-        e = _slot_expert(ids_ptr, t, J, K, rank, GATE, J == 0)
+        if J == 0:
+            e = tl.load(ids_ptr + t * K, cache_modifier=".cg").to(tl.int64)
+        else:
+            e = tl.load(ids_ptr + t * K + J).to(tl.int64)
         ptrs = w2_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wh + rk
     else:
         ptrs = sw2_ptr + (J - K) * I + rows[:, None].to(tl.int64) * stride_sh + rk
@@ -175,15 +136,12 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
 
 @triton.jit
 def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shared_w_ptr, out_ptr,
-                             z_ptr, gbias_ptr, gscale_ptr, gate_scale,
                              H, I, stride_we, stride_wh, stride_sh,
                              CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                              K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                             CKP: tl.constexpr, CCHUNK: tl.constexpr, GATE: tl.constexpr = 0,
-                             E: tl.constexpr = 1, S: tl.constexpr = 0, N_PAD: tl.constexpr = 16,
-                             PRECISE: tl.constexpr = False):
+                             CKP: tl.constexpr, CCHUNK: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
@@ -198,13 +156,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     loading early measured slower there (docs/benchmarks.md, fifteenth pass).
 
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
-    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait.
-
-    GATE (1: the sink gate, 2: MiniMax-M3's): the program selects token t's experts and weights
-    itself from the router's logits z (`gate_selection`), before the wait like the ids (the
-    logits' writer, the router GEMV, preceded the gate/up kernel, which lets this one launch only
-    after its own wait); ids, topk_w and shared_w are then outputs, which the programs of the
-    first row tile store (the gate kernel's outputs, for routing capture)."""
+    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait."""
     t = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = (rows < H)[:, None]
@@ -213,9 +165,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
 
     if PDL != 2:  # no early trigger: wait first (docstring)
         wait_for_previous(PDL)
-    rank, gw = _token_selection(z_ptr, t, gbias_ptr, gscale_ptr, gate_scale, GATE, E, S, K, N_PAD, PRECISE)
-    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K,
-                             rank, GATE)
+    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K)
     w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
     if PDL == 2:  # the early trigger: the first tile is under way before the wait
         wait_for_previous(PDL)
@@ -235,26 +185,20 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
             # The next slot's stream starts before this slot's last tile is multiplied, so the
             # loads stay in flight across slots too.
             next_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh,
-                                        stride_sh, j + 1, K, rank, GATE)
+                                        stride_sh, j + 1, K)
             w_next = tl.load(next_ptrs, mask=row_ok & (rk < I), other=0.0)
         a = tl.load(a_ptrs + last, mask=rk < I - last, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a
         # The slot's weight multiplies its fp32 output, as in _down_kernel.
         if j < K:
-            out += tl.sum(acc, axis=1) * _slot_weight(topk_w_ptr, t * K + j, rank == j, gw, GATE)
+            out += tl.sum(acc, axis=1) * tl.load(topk_w_ptr + t * K + j)
         elif HAS_SW:
-            c = (j - K) // SW_REP  # the shared expert this chunk belongs to: gate column E + c
-            cols = tl.arange(0, N_PAD)[None, :]
-            out += tl.sum(acc, axis=1) * _slot_weight(shared_w_ptr, t * NUM_SW + c, cols == E + c, gw, GATE)
+            out += tl.sum(acc, axis=1) * tl.load(shared_w_ptr + t * NUM_SW + (j - K) // SW_REP)
         else:
             out += tl.sum(acc, axis=1)
         if j + 1 < KS:
             w_ptrs = next_ptrs
             w = w_next
-    if GATE:  # the gate kernel's outputs, once per token
-        rt = t + tl.arange(0, 1)
-        store_gate_selection(rank, gw, rt, (rt >= 0) & (tl.program_id(0) == 0), ids_ptr, topk_w_ptr, shared_w_ptr,
-                             E, S, K, N_PAD)
     if CONV:  # the conv reads the MoE output as the unfused path stores it
         y = decode_conv_epilogue(out.to(CBUF.dtype.element_ty)[None, :], hist, rm, rm >= 0, rows, rows < H, CW,
                                  stride_cw, CBUF, stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
@@ -264,27 +208,22 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
 
 
 def experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w, sw_rep,
-                 has_sw, conv=None, gate: Optional[GateArgs] = None) -> torch.Tensor:
+                 has_sw, conv=None) -> torch.Tensor:
     """`kiln.kernels.moe.fused_experts` on this path, its arguments prepared there (contiguous last
     dims, fp32 weights, the slot counts); writes and returns `out`. act [T*KS, I] holds the
     activations in the weights' dtype between the two kernels; there is no slot buffer.
     conv: the arguments of `kiln.kernels.shortconv.short_conv_decode` after x (token t is decode
-    sequence t), run on out in the down kernel's epilogue (`out`'s dtype must be the state's).
-    gate: both kernels select the experts from the router's logits themselves (one launch fewer:
-    no gate kernel); ids, topk_w and shared_w are then outputs, written as the gate writes them."""
+    sequence t), run on out in the down kernel's epilogue (`out`'s dtype must be the state's)."""
     T, H = x.shape
     inter = w2.shape[2]
     up, down = gemv_tiles(H, inter)
     act = torch.empty(T * ks_slots, inter, dtype=w2.dtype, device=x.device)
-    g = gate.kernel_args() if gate is not None else dict(GATE=0)
-    z, gbias, gscale, gscale_f = ((gate.logits, gate.bias, gate.global_scale, gate.scale) if gate is not None
-                                  else (topk_w, topk_w, topk_w, 1.0))  # placeholders: never read without GATE
     _expert_up_gemv_kernel[(T * ks_slots, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w13, sw13, ids, act, z, gbias, gscale, gscale_f, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        sw13.stride(0), K=k, KS=ks_slots, **g, **up, **pdl_launch(x.device))
+        x, w13, sw13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
+        K=k, KS=ks_slots, **up, **pdl_launch(x.device))
     # Launched right after the gate/up kernel: the down kernel reads ids before its wait (its docstring).
     _expert_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]), T)](
-        act, w2, sw2, ids, topk_w, shared_w, out, z, gbias, gscale, gscale_f, H, inter, w2.stride(0), w2.stride(1),
-        sw2.stride(0), **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots,
-        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **g, **down, **pdl_launch(x.device))
+        act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
+        **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots,
+        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
     return out

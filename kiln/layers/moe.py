@@ -97,54 +97,16 @@ def _selection_counter(gate: nn.Module) -> None:
     gate.register_buffer("selection_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
 
-def _replayed_ids(gate: nn.Module, batch) -> Optional[torch.Tensor]:
-    """The ids the batch replays for this gate (routing replay), or None."""
-    extras = batch.extras if batch is not None else None
-    return ((extras or {}).get("replay_experts") or {}).get(gate.moe_index)
-
-
-def _record(gate: nn.Module, batch, ids: torch.Tensor) -> None:
-    """Record the ids a gate used, where the batch asks for them (routing capture)."""
-    if batch is not None and batch.extras is not None and getattr(batch, "record_routing", True):
-        batch.extras.setdefault("routed_experts", {})[gate.moe_index] = ids.int()
-
-
 def _routing(gate: nn.Module, batch, compute):
     """Run `compute(forced_ids)` with replayed ids if the batch has some for this gate, and record
     the ids used."""
-    out = compute(_replayed_ids(gate, batch))
-    _record(gate, batch, out[0])
+    extras = batch.extras if batch is not None else None
+    replay = (extras or {}).get("replay_experts") or {}
+    forced = replay.get(gate.moe_index)
+    out = compute(forced)
+    if extras is not None and getattr(batch, "record_routing", True):
+        extras.setdefault("routed_experts", {})[gate.moe_index] = out[0].int()
     return out
-
-
-def _gated_experts(gate: nn.Module, experts: "Experts", shared: "SharedExperts", x: torch.Tensor, batch,
-                   logits: Optional[torch.Tensor], pc: ParallelContext, sink: bool,
-                   out_conv: Optional[nn.Module] = None) -> Optional[torch.Tensor]:
-    """The MoE layer's output with the gate run inside the expert GEMVs (`kiln.kernels.moe.gated_experts`:
-    one launch fewer per MoE layer), where that path holds: a decode step on the one-token GEMV
-    path of one rank, the router's logits from the router GEMV (`logits`), no replayed ids, and
-    the engine's `--disable-gate-in-experts` unset. None elsewhere: the caller then runs the gate
-    and `_routed_plus_shared`. Records the ids as the gate would."""
-    backend = getattr(batch, "backend", None)
-    if (logits is None or not getattr(backend, "gate_in_experts", False) or pc.tp_size != 1
-            or type(experts).forward is not Experts.forward or _replayed_ids(gate, batch) is not None
-            or not _use_kernels(x, experts.w13, experts.w2, shared.w13, shared.w2, gate.weight)):
-        return None
-    ops = _kernel_ops()
-    n_shared = gate.num_shared if sink else 0
-    if (not ops.on_gemv_path(x.shape[0], gemv_max_tokens=backend.moe_gemv_max_tokens)
-            or not ops.shared_chunks(experts.inter_per_rank, shared.w2, None, n_shared=n_shared or 1)
-            or logits.dtype != torch.float32 or not logits.is_contiguous()):
-        return None
-    args = ops.GateArgs(logits, gate.expert_bias if sink else gate.e_score_correction_bias,
-                        gate.global_scale if sink else gate.e_score_correction_bias,
-                        gate.route_scale if sink else gate.routed_scaling_factor,
-                        gate.num_experts, n_shared, gate.top_k, sink)
-    conv = epilogue_conv_args(out_conv, x, batch) if out_conv is not None else None
-    out, ids, _, _ = ops.gated_experts(x, experts.w13, experts.w2, args, shared=(shared.w13, shared.w2), conv=conv,
-                                       gemv_max_tokens=backend.moe_gemv_max_tokens)
-    _record(gate, batch, ids)
-    return out if out_conv is None or conv is not None else out_conv(out, batch)
 
 
 class SinkGate(nn.Module):
@@ -350,10 +312,6 @@ class SinkMoE(nn.Module):
         expert kernels' epilogue (`_routed_plus_shared`), so a forward hook on this module sees the
         output after the conv. `router_logits`: the router's logits of x
         when the caller has them (`SinkGate`)."""
-        out = _gated_experts(self.router, self.experts, self.shared_experts, x, batch, router_logits, self.pc,
-                             True, out_conv)
-        if out is not None:
-            return out
         ids, routed_w, shared_w = self.router(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,
                                    out_conv, batch)
@@ -376,9 +334,6 @@ class MiniMaxMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The MoE output; `router_logits`: the gate's logits of x when the caller has them (`MiniMaxGate`)."""
-        out = _gated_experts(self.gate, self.experts, self.shared_experts, x, batch, router_logits, self.pc, False)
-        if out is not None:
-            return out
         ids, routed_w = self.gate(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc, batch=batch)
 

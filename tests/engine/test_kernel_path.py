@@ -375,27 +375,6 @@ def test_fused_router_gate_on_cuda_equals_two_launches(arch_dir, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch_dir", ["inkling", "minimax_m3"], indirect=True)
-def test_gate_in_experts_on_cuda_equals_gate_kernel(arch_dir, monkeypatch):
-    """On the GPU (compiled, CUDA graphs, fp32, batch 1): the one-token expert GEMVs run each MoE
-    layer's gate themselves (counted; the default) and generate what the gate kernel followed by
-    the expert GEMVs generates (--disable-gate-in-experts), with the same logits."""
-    from kiln.kernels import moe as km
-
-    reqs = prompts(1, seed=8, lo=34, hi=40)
-    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=4, gemv_max_rows=1)
-    want_out, want_rows = greedy(make_core(arch_dir, disable_gate_in_experts=True, **kw), reqs, max_tokens=8)
-    gated = []
-    real = km.gated_experts
-    monkeypatch.setattr(km, "gated_experts", lambda *a, **k: (gated.append(1), real(*a, **k))[1])
-    got_out, got_rows = greedy(make_core(arch_dir, **kw), reqs, max_tokens=8)
-    assert gated, "no MoE layer ran its gate in the expert GEMVs"
-    assert got_out == want_out
-    for rid in want_rows:
-        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("arch_dir", ["llama", "inkling", "minimax_m3"], indirect=True)
 def test_fold_norms_on_cuda_equals_separate_norms(arch_dir, monkeypatch):
     """On the GPU (compiled, CUDA graphs, fp32, batch 1): --fold-norms-max-hidden runs the pre-norms

@@ -125,31 +125,27 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
-def moe_gemv(shared: bool, conv: bool = False, gate: int = 0) -> None:
+def moe_gemv(shared: bool, conv: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
     expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel, whose first
     slot's id and weight tile load before its PDL wait with the early trigger (the id from L2:
-    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue;
-    with `gate` (1 sink, 2 MiniMax-M3) both kernels select from the router's logits (from L2 too)."""
+    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
     w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "CW", "CBUF")}
     types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
-             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")},
-             "z_ptr": "*fp32", "gbias_ptr": "*fp32", "gscale_ptr": "*fp32", "gate_scale": "fp32"}
-    g = (dict(GATE=gate, E=64, S=2 if gate == 1 else 0, N_PAD=128 if gate == 1 else 64, PRECISE=True) if gate
-         else dict(GATE=0, E=1, S=0, N_PAD=16, PRECISE=False))  # the launch's defaults
+             **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
     div = ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "H", "I", "stride_xt",
            "stride_we", "stride_wn", "stride_sn", "stride_wh", "stride_sh")
     ks = 8 if shared else 6
     names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
-    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **g, **up),
+    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up),
                  divisible=names(_expert_up_gemv_kernel))
     for pdl in (1, 2):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **g, **down),
+                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down),
                            divisible=names(_expert_down_gemv_kernel))["ptx"]
         before = ptx[:ptx.index("griddepcontrol.wait")]
         if pdl == 2:  # the early trigger: the id and weight stream start before the wait
@@ -289,8 +285,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
          "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
-         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "moe_gemv_sink_gate": lambda: moe_gemv(True, True, gate=1),
-         "moe_gemv_minimax_gate": lambda: moe_gemv(True, gate=2), "router_gate_sink": lambda: router_gate(True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
