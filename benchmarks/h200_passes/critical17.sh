@@ -1,6 +1,8 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # seventeenth session (2026-12-03): what each kernel adds to a batch-1 step's critical path, measured
 # by cutting its launches (`benchmarks/critical_path.py`); docs/benchmarks.md, twenty-second pass.
+# crit1 ran (calls 1-2) with a tool before 270a011 whose cuts did not all fix the routing; crit2 needs
+# commit 15c4b55 (the gate inside the expert GEMVs, removed after it); crit3-crit5 run on any later tree.
 # shellcheck shell=bash
 
 CP="python benchmarks/critical_path.py"
@@ -56,4 +58,23 @@ lane0_crit3() {  # Inkling batch 1 again, every cut against the gate cut that ea
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   cut_runs INK "--model-path $INK $P1" none gate prologue attention experts expert_down gemv gate none
   cut_table
+}
+
+lane0_crit4() {  # the cuts whose call-2 and call-4 times disagreed (gemv, experts) and the GEMV-only step, twice each
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  cut_runs INK "--model-path $INK $P1" gemv experts prologue,attention,norm,experts gemv experts \
+    prologue,attention,norm,experts
+  cut_table
+}
+
+lane0_crit5() {  # the GEMV-only step and the gemv cut with the GPU idle fraction (--profile): is a slow run host-bound?
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --profile"
+  cut_runs INK "--model-path $INK $P1" prologue,attention,norm,experts prologue,attention,norm,experts \
+    prologue,attention,norm,experts gemv gemv
+  python - "$R/json" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = (json.load(open(f))["rows"] or [{}])[0]
+    print(f"{os.path.basename(f)[:-5]:48s} step {r.get('step_ms') or float('nan'):7.3f} ms  GPU idle {r.get('gpu_idle_frac')}")
+PY
 }
