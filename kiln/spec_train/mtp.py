@@ -6,7 +6,8 @@ mtp_hidden_chain`, the function the engine's drafter is tested against, so query
 key j iff j == i or j <= i + 1 - k, within the MTP window, and rows keep their index i as RoPE
 position. Layer k at row i predicts t_{i+k+1}; only labels inside the target's continuation count
 (the prompt is context, not the target's own distribution). Loss = mean over layers of the mean CE
-per layer. The target is frozen (only `mtp.*` trains) and runs once: its final hidden states h^0
+per layer, against the continuation's tokens or (`--mtp-labels target`) against the target's whole
+distribution at each label. The target is frozen (only `mtp.*` trains) and runs once: its final hidden states h^0
 are computed up front and cached beside the data.
 """
 
@@ -164,9 +165,18 @@ def _head(model, k: int, h: torch.Tensor) -> torch.Tensor:
     return model.lm_head.compute_logits(model.mtp[k - 1].final_norm(h)).float()
 
 
-def mtp_losses(model, ids: torch.Tensor, lens: list[int], prompt_lens: list[int], hidden: torch.Tensor
-               ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """Per layer: the mean CE over rows with a label in the continuation, and (correct top-1, rows)."""
+@torch.no_grad()
+def target_label_probs(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over each label token (packed indices `labels`): the softmax of
+    lm_head(h^0) at the label's previous position (h^0 is after the final norm), fp32."""
+    return model.lm_head.compute_logits(hidden[(labels - 1).to(hidden.device)]).float().softmax(-1)
+
+
+def mtp_losses(model, ids: torch.Tensor, lens: list[int], prompt_lens: list[int], hidden: torch.Tensor,
+               soft: bool = False) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Per layer: the mean CE over rows with a label in the continuation, and (correct top-1, rows).
+    `soft`: the CE is taken against the target's distribution for that label instead of the token
+    (the target's logits at the label's previous position: lm_head(h^0), h^0 being post-norm)."""
     chain = mtp_hidden_chain(model, ids, lens, hidden)
     losses, acc = [], []
     for k, h in enumerate(chain, start=1):
@@ -177,7 +187,11 @@ def mtp_losses(model, ids: torch.Tensor, lens: list[int], prompt_lens: list[int]
             continue
         logits = _head(model, k, h[rows.to(h.device)])
         target = ids[labels.to(ids.device)]
-        losses.append(F.cross_entropy(logits, target))
+        if soft:
+            p = target_label_probs(model, hidden, labels)
+            losses.append(-(p * logits.float().log_softmax(-1)).sum(-1).mean())
+        else:
+            losses.append(F.cross_entropy(logits, target))
         acc.append((int((logits.argmax(-1) == target).sum()), len(rows)))
     return losses, acc
 
@@ -232,7 +246,7 @@ def train_mtp(cfg) -> dict:
             ids, blens, plens, h0 = _batch(samples, hidden, batches.pop(), cfg.max_seq_len, dev)
             model.mtp.train()
             with autocast:
-                losses, _ = mtp_losses(model, ids, blens, plens, h0)
+                losses, _ = mtp_losses(model, ids, blens, plens, h0, soft=cfg.mtp_labels == "target")
                 loss = torch.stack(losses).float().mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -165,6 +165,22 @@ def test_train_mtp_on_a_tiny_target_then_serve(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data, "generate", lambda *a: pytest.fail("generations were not reused"))
     train_draft(TrainDraftConfig(out=out, num_steps=1, **kw))
+    # --mtp-labels target: the soft labels are the target's distribution over each label token, so
+    # on greedy data their argmax is the label itself (an off-by-one row fails this); and it trains.
+    from kiln.spec_train.mtp import _batch, build_model, label_rows, target_hidden, target_label_probs
+    from kiln.loader import resolve_model
+
+    cfg = TrainDraftConfig(out=out, num_steps=30, mtp_labels="target", **kw)
+    samples = [s for s in data.load_or_generate(cfg, os.path.join(out, "data")) if s.output_ids]
+    model = build_model(cfg, resolve_model(target))
+    hidden = target_hidden(model, samples, cfg.max_seq_len, os.path.join(out, "data", "hidden.pt"), False)
+    ids, lens, plens, h0 = _batch(samples, hidden, list(range(8)), cfg.max_seq_len, "cpu")
+    for k in (1, 2):
+        _, labels = label_rows(lens, plens, k)
+        hit = (target_label_probs(model, h0, labels).argmax(-1) == ids[labels]).float().mean()
+        assert hit > 0.95, (k, float(hit))
+    soft = train_draft(cfg)
+    assert soft["val_loss"] < start["val_loss"] - 0.5, (soft, start)
 
 
 def test_train_dflash_on_a_tiny_target_then_serve(tmp_path):
