@@ -56,12 +56,12 @@ class TrainDraftConfig:
                         "residual branches, random elsewhere); 'last-layer' also copies the target's last decoder "
                         "layer into the block; 'random' draws every matrix (kiln.spec_train.mtp.init_mtp).",
                         ["identity", "last-layer", "random"])
-    # DFlash
     mtp_labels: str = opt("tokens", "mtp: what each layer learns to predict. 'tokens': cross-entropy on the "
                           "continuation's tokens; 'target': cross-entropy against the target's whole next-token "
                           "distribution at that position (soft labels from its final hidden state: the ranking "
                           "of every token, not only the argmax; docs/speculative.md has the comparison). "
                           "Validation reports the token cross-entropy either way.", ["tokens", "target"])
+    # DFlash
     dflash_num_layers: int = opt(1, "dflash: drafter layers.")
     dflash_block_size: int = opt(8, "dflash: block size B (the anchor + B-1 drafts; serve with K <= B-1).")
     dflash_layer_ids: Optional[list] = opt(None, "dflash: target layers whose input hidden state is tapped "

@@ -7,8 +7,8 @@ key j iff j == i or j <= i + 1 - k, within the MTP window, and rows keep their i
 position. Layer k at row i predicts t_{i+k+1}; only labels inside the target's continuation count
 (the prompt is context, not the target's own distribution). Loss = mean over layers of the mean CE
 per layer, against the continuation's tokens or (`--mtp-labels target`) against the target's whole
-distribution at each label. The target is frozen (only `mtp.*` trains) and runs once: its final hidden states h^0
-are computed up front and cached beside the data.
+distribution at each label. The target is frozen (only `mtp.*` trains) and runs once: its final
+hidden states h^0 are computed up front and cached beside the data.
 """
 
 from __future__ import annotations
