@@ -9,8 +9,10 @@ chain of dependent kernels (PDL overlaps each launch with its predecessor's tail
 time a cut saves is what that kernel adds to the chain: its bytes and its latency together, the
 number a profile cannot give (a PDL kernel is charged from its launch, while it still waits).
 Compare a cut's saving with the bytes the kernel reads at the measured bandwidth to see how much
-of it is latency. The outputs of a cut kernel are whatever its buffers held: the step's tokens are
-garbage, its timing is not (every later kernel does the same work whatever the values). Cuts
+of it is latency. The outputs of a cut kernel are whatever its buffers held, so the step's tokens
+are garbage; every later kernel does the same work whatever the values, yet on an H200 the cuts
+that took a step far below the real one timed bimodally between runs (e.g. 0.49 or 1.07 ms for
+the same cut; docs/benchmarks.md, twenty-second pass): repeat a run before trusting it. Cuts
 (`CUTS`):
 
 - `gate`: the MoE router's selection (sink gate, MiniMax-M3's gate) returns fixed distinct experts
