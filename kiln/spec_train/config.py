@@ -59,8 +59,9 @@ class TrainDraftConfig:
     mtp_labels: str = opt("tokens", "mtp: what each layer learns to predict. 'tokens': cross-entropy on the "
                           "continuation's tokens; 'target': cross-entropy against the target's whole next-token "
                           "distribution at that position (soft labels from its final hidden state: the ranking "
-                          "of every token, not only the argmax; docs/speculative.md has the comparison). "
-                          "Validation reports the token cross-entropy either way.", ["tokens", "target"])
+                          "of every token, not only the argmax). On SmolLM2 it did not raise acceptance, on "
+                          "greedy or sampled data (docs/speculative.md, 'Soft labels'). Validation reports the "
+                          "token cross-entropy either way.", ["tokens", "target"])
     # DFlash
     dflash_num_layers: int = opt(1, "dflash: drafter layers.")
     dflash_block_size: int = opt(8, "dflash: block size B (the anchor + B-1 drafts; serve with K <= B-1).")
