@@ -22,6 +22,9 @@ def test_every_cut_installs_and_undoes():
     undo = critical_path.install(critical_path.CUTS)
     try:
         assert moe.sink_gate is not gates[0] and moe.minimax_gate is not gates[1]
+        for kernels in critical_path.KERNELS.values():
+            for module, attr in kernels:
+                assert vars(getattr(sys.modules[module], attr)).get("run") is critical_path._skip_launch, attr
     finally:
         undo()
     assert (moe.sink_gate, moe.minimax_gate) == gates
