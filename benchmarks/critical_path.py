@@ -39,10 +39,7 @@ import os
 import sys
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kiln, uninstalled
-
-import torch  # noqa: E402
+import torch
 
 # cut -> the Triton kernels (module, attribute) whose launches become no-ops
 KERNELS: dict[str, list[tuple[str, str]]] = {
@@ -139,6 +136,11 @@ def install(cuts: list[str]) -> Callable[[], None]:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
+    # decode_batch and kiln (uninstalled) importable; done here, not at import, because
+    # benchmarks/kernels would shadow the `kernels` package (transformers probes for it) in the
+    # process that imports this module
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.dirname(here), here]
     argv = list(sys.argv[1:] if argv is None else argv)
     own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
