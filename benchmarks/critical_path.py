@@ -137,7 +137,7 @@ def install(cuts: list[str]) -> Callable[[], None]:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     # decode_batch and kiln (uninstalled) importable; done here, not at import, because
-    # benchmarks/kernels would shadow the `kernels` package (transformers probes for it) in the
+    # benchmarks/kernel_bench would shadow the `kernels` package (transformers probes for it) in the
     # process that imports this module
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [os.path.dirname(here), here]

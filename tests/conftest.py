@@ -12,14 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The benchmark tests put benchmarks/ on sys.path, where benchmarks/kernels looks like the `kernels`
-# package that transformers (5.25 on) probes for when its hub_kernels module is first imported, and
-# then fails to import names from it. Import that module now, before any test can shadow `kernels`.
-try:
-    import transformers.integrations.hub_kernels  # noqa: F401
-except ImportError:
-    pass
-
 # Under pytest-xdist (`make test` runs 2 workers) the workers share the cores: each worker, and the
 # servers and ranks its tests start, gets its share of threads instead of one per core each.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:

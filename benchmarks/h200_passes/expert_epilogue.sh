@@ -11,9 +11,9 @@ lane0_ep() {  # the GPU tests of the touched paths; the expert GEMVs alone (e81e
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
     tests/kernels/test_moe_kernels.py tests/kernels/test_gemv.py tests/kernels/test_shortconv_kernels.py tests/layers \
     tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py tests/engine/test_pdl.py tests/engine/test_hybrid_engine.py
-  step moe_gemv_base 60 bash -c "cd scratch/base && python -m benchmarks.kernels.moe --gemv 1"
-  step moe_gemv_new 60 python -m benchmarks.kernels.moe --gemv 1
-  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  step moe_gemv_base 60 bash -c "cd scratch/base && python -m benchmarks.kernel_bench.moe --gemv 1"
+  step moe_gemv_new 60 python -m benchmarks.kernel_bench.moe --gemv 1
+  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernel_bench.moe --gemv-sweep
   local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   for m in inkling:$INK minimax:$MM; do
     step ${m%%:*}_b1_base 40 python scratch/base/benchmarks/decode_batch.py $C --model-path ${m#*:} $HB \
@@ -28,9 +28,9 @@ lane0_ep2() {  # call 1's down kernel (all slots at once) was slower; back to sl
   local HB="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   for v in base new noup; do
     local dir="scratch/$v"; [ $v = new ] && dir=.; [ $v = noup ] && dir=scratch/v_noup
-    step moe_gemv_$v 60 bash -c "cd $dir && python -m benchmarks.kernels.moe --gemv 1"
+    step moe_gemv_$v 60 bash -c "cd $dir && python -m benchmarks.kernel_bench.moe --gemv 1"
   done
-  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  step moe_gemv_sweep ${T_SWEEP:-120} python -m benchmarks.kernel_bench.moe --gemv-sweep
   for m in inkling:$INK minimax:$MM; do
     for v in base new noup base2 new2; do
       local dir="scratch/base/"; [ "${v%2}" = new ] && dir=""; [ $v = noup ] && dir=scratch/v_noup/
@@ -46,7 +46,7 @@ lane0_ep3() {  # every GPU test; the expert GEMVs alone with the early trigger (
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-250} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
   local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
-  local MICRO="from kiln.kernels.launch import early_trigger; from benchmarks.kernels import moe
+  local MICRO="from kiln.kernels.launch import early_trigger; from benchmarks.kernel_bench import moe
 with early_trigger(True): moe.main(['--gemv', '1'])"
   for v in base new late base2 new2 late2; do
     local dir="scratch/${v%2}"; [ "${v%2}" = new ] && dir=.; [ "${v%2}" = late ] && dir=scratch/v_late

@@ -17,7 +17,7 @@ lane0_few1() {  # GPU tests of the MoE paths and the kernel path; the few-token 
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_few.py \
     tests/kernels/test_moe_gemv.py tests/kernels/test_moe_kernels.py tests/engine/test_kernel_path.py
-  step few_kernels ${T_KERN:-200} python -m benchmarks.kernels.moe --few 2 4 8 --few-sweep
+  step few_kernels ${T_KERN:-200} python -m benchmarks.kernel_bench.moe --few 2 4 8 --few-sweep
   for r in 1 2; do
     local lim=45; [ $r = 1 ] && lim=100
     step INK_round_few_$r $lim $DECODE $ROUND --out "$R/json/INK_round_few_$r.json"

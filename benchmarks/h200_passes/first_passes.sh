@@ -125,7 +125,7 @@ lane1_spec() {
     --profile --out "$R/json/decode_llama8b.json"
   step decode_inkling ${T_INK:-80} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
     --profile --out "$R/json/decode_inkling_bs1.json"
-  step small_ops ${T_OPS:-60} python -m benchmarks.kernels.small_ops
+  step small_ops ${T_OPS:-60} python -m benchmarks.kernel_bench.small_ops
 }
 
 lane0_spec2() {  # after the verify-as-decode change: spec rounds again, with a warm-up per batch size

@@ -83,7 +83,7 @@ lane0_msa() {  # seventh session: every GPU test; MSA scores sized to fill the G
   # against 813b32e (scratch/base) at batch 1 and 64; Inkling batch 64 with the early trigger off / on again
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
-  step moe_t1 ${T_MICRO:-60} python -m benchmarks.kernels.moe ${MOE_ARGS:---gemv 1 2 4}
+  step moe_t1 ${T_MICRO:-60} python -m benchmarks.kernel_bench.moe ${MOE_ARGS:---gemv 1 2 4}
   local OLD="python scratch/base/benchmarks/decode_batch.py $C" NEW="$DECODE"
   for v in OLD NEW; do
     step inkling_b1_$v 45 ${!v} --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8
@@ -104,7 +104,7 @@ lane1_msa() { :; }
 
 lane0_msa2() {  # the MoE one-token tiles swept; Inkling batch 64 with the trigger (its compile outlasted call 2's
   # limit); the hybrids at batch 1 with the trigger; MiniMax-M3 at 8K context
-  step moe_sweep ${T_MICRO:-120} python -m benchmarks.kernels.moe --gemv-sweep
+  step moe_sweep ${T_MICRO:-120} python -m benchmarks.kernel_bench.moe --gemv-sweep
   step inkling_b64_trigger 90 $DECODE --model-path $INK --batch-sizes 64 --input-len 1024 --output-len 128 --pdl-early-trigger
   hybrids_b1 _trigger 45 --pdl-early-trigger
   step minimax_8k 150 $DECODE --model-path $MM --batch-sizes 8,64 --input-len 8192 --output-len 256 --time-limit 50
@@ -125,7 +125,7 @@ lane0_split() {  # eighth session: decode attention's least keys per split and i
   # the attention GPU tests; the split sweep with the engine's grid (table of 128K); the hybrids at
   # batch 1 against 4987a32 (scratch/base); Inkling MTP rounds against plain decode
   step attn_tests ${T_TESTS:-120} python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_attention_kernels.py
-  step attn_sweep ${T_MICRO:-150} python -m benchmarks.kernels.attention --batch 1 8 64 --context 1024 8192 \
+  step attn_sweep ${T_MICRO:-150} python -m benchmarks.kernel_bench.attention --batch 1 8 64 --context 1024 8192 \
     --table-len 131072 --min-split-keys 64 128 256 512 --no-reference
   local OLD="python scratch/base/benchmarks/decode_batch.py $C" NEW="$DECODE"
   for v in OLD NEW; do
@@ -141,9 +141,9 @@ lane0_split2() {  # the split sweep again (least keys x most splits, 32K too), w
   # old kernel (4987a32) timed by the same script; batch 1 end to end against 4987a32
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 4"; fi
   step attn_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_attention_kernels.py
-  step attn_sweep ${T_MICRO:-160} python -m benchmarks.kernels.attention --batch 1 8 --context 1024 8192 32768 \
+  step attn_sweep ${T_MICRO:-160} python -m benchmarks.kernel_bench.attention --batch 1 8 --context 1024 8192 32768 \
     --table-len 131072 --min-split-keys 64 128 --max-splits 16 32 128 --no-reference
-  (cd scratch/base && step attn_old 60 python -m benchmarks.kernels.attention --batch 1 8 --context 1024 8192 32768 \
+  (cd scratch/base && step attn_old 60 python -m benchmarks.kernel_bench.attention --batch 1 8 --context 1024 8192 32768 \
     --table-len 131072 --no-reference)
   local OLD="python scratch/base/benchmarks/decode_batch.py $C" NEW="$DECODE"
   for v in OLD NEW; do

@@ -12,7 +12,7 @@ lane0_normout1() {  # GPU tests of the GEMV, the norm epilogue and the kernel pa
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv_add_norm.py \
     tests/kernels/test_gemv.py tests/kernels/test_norm.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
-  step chain 120 python -m benchmarks.kernels.gemv --rows 1,2 --chain-only --layers 16 --shapes llama-8b
+  step chain 120 python -m benchmarks.kernel_bench.gemv --rows 1,2 --chain-only --layers 16 --shapes llama-8b
   for r in 1 2; do
     local lim=45; [ $r = 1 ] && lim=100
     step llama8b_epi_$r $lim $DECODE $L8B --out "$R/json/llama8b_epi_$r.json"
@@ -45,7 +45,7 @@ lane0_normout3() {  # the LM head on the GEMV: the 8B at batch 1, the tree again
         --out "$R/json/${m}_b1_base_$r.json"
     done
   done
-  step chain_inkling 90 python -m benchmarks.kernels.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
+  step chain_inkling 90 python -m benchmarks.kernel_bench.gemv --rows 1 --chain-only --layers 16 --shapes inkling-bench
 }
 
 lane0_normout4() {  # MiniMax-M3 at batch 1 (its LM head on the GEMV now), the tree against 7fbd6ec, alternated x2

@@ -26,7 +26,7 @@ lane0_fold2() {  # the GEMV tests; the layer chain with the norms folded, every 
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
     tests/kernels/test_moe_kernels.py tests/kernels/test_norm.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
-  step chain_fold ${T_CHAIN:-200} python -m benchmarks.kernels.gemv --rows 1 --chain-only --fold-sweep --layers 16
+  step chain_fold ${T_CHAIN:-200} python -m benchmarks.kernel_bench.gemv --rows 1 --chain-only --fold-sweep --layers 16
   local HB="--batch-sizes 1 --input-len 1024 --output-len 256 --cuda-graph-max-bs 8"
   for m in llama8b:$LLAMA inkling:$INK minimax:$MM; do
     for v in off on off2 on2; do

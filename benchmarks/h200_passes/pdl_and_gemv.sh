@@ -41,7 +41,7 @@ lane0_final3() {  # after the device rounds and graph passes near max_tokens: th
 lane1_final3() { :; }
 
 lane0_pdl() {  # programmatic dependent launch: kernel chains, GPU tests, then batch-1 decode with and without
-  step pdl_chains ${T_MICRO:-60} python -m benchmarks.kernels.pdl
+  step pdl_chains ${T_MICRO:-60} python -m benchmarks.kernel_bench.pdl
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 150 \
     tests/engine/test_pdl.py tests/kernels tests/engine/test_cuda_graph.py
   for v in on off; do
@@ -115,7 +115,7 @@ lane0_gemv() {  # Kiln's decode GEMV (its weight stream started before the PDL w
   step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout 200 ${XDIST:-} \
     tests/kernels/test_gemv.py tests/engine/test_pdl.py tests/engine/test_cuda_graph.py \
     tests/engine/test_kernel_path.py tests/engine/test_host_sync.py
-  step gemv_micro ${T_MICRO:-150} python -m benchmarks.kernels.gemv --layers 32 --rows 1,4,8
+  step gemv_micro ${T_MICRO:-150} python -m benchmarks.kernel_bench.gemv --layers 32 --rows 1,4,8
   for rows in 8 0; do
     step llama8b_gemv$rows ${T_8B:-70} $DECODE --model-path $LLAMA --batch-sizes 1,8 --input-len 1024 --output-len 128 \
       --cuda-graph-max-bs 8 --gemv-max-rows $rows --out "$R/json/llama8b_gemv$rows.json"
@@ -175,7 +175,7 @@ lane0_gemv5() {  # the speculative tail failure: every GPU test with the GEMV of
   if [ -f scratch/spec_tail_gpu.py ]; then step seeds_gemv0 ${T_SEEDS:-130} python -m scratch.spec_tail_gpu 16 0 6; fi
   KILN_TEST_GEMV_MAX_ROWS=1 step gpu_tests_gemv1 ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider \
     --timeout 150 ${XDIST:-} --ignore tests/server
-  step gemv_tiles ${T_MICRO:-60} python -m benchmarks.kernels.gemv --rows 1,2,4 --layers 8
+  step gemv_tiles ${T_MICRO:-60} python -m benchmarks.kernel_bench.gemv --rows 1,2,4 --layers 8
 }
 
 lane1_gemv5() { :; }
@@ -194,7 +194,7 @@ c.cudaHostUnregister(t.data_ptr())"
     --ignore tests/server
   KILN_TEST_GEMV_MAX_ROWS=1 step gpu_tests_gemv1 ${T_TESTS:-180} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider \
     --timeout 150 ${XDIST:-} --ignore tests/server
-  step gemv_sweep ${T_MICRO:-100} python -m benchmarks.kernels.gemv --rows 1,2,4 --layers 16 --sweep
+  step gemv_sweep ${T_MICRO:-100} python -m benchmarks.kernel_bench.gemv --rows 1,2,4 --layers 16 --sweep
   step latency_llama8b ${T_LAT:-70} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
     --gemv-max-rows 1 --out "$R/json/latency_llama8b.json"
   step inkling_b1 ${T_INK:-40} $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 \
@@ -205,7 +205,7 @@ lane1_gemv6() { :; }
 
 lane0_gemv7() {  # the GEMV's second tile rule: its tests, the Inkling-shape sweep, batch 1 with the GEMV off and on
   step gemv_tests 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_gemv.py
-  step gemv_sweep ${T_MICRO:-70} python -m benchmarks.kernels.gemv --rows 1 --shapes inkling-bench,llama-8b --sweep --no-chain
+  step gemv_sweep ${T_MICRO:-70} python -m benchmarks.kernel_bench.gemv --rows 1 --shapes inkling-bench,llama-8b --sweep --no-chain
   for rows in 1 0; do
     step latency_llama8b_gemv$rows ${T_LAT:-60} python benchmarks/latency.py --model-path $LLAMA $C --num-runs 3 --no-hf \
       --gemv-max-rows $rows --out "$R/json/latency_llama8b_gemv$rows.json"

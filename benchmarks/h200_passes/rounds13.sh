@@ -71,13 +71,13 @@ lane0_gemv13() {  # every GPU test (the host-ops change touches every graph repl
 }
 
 lane0_tile13() {  # the block drafters' GPU tests (their paged pass copies inputs with one multi-tensor copy since
-  # e063100); the grouped MoE's tiles at a verify's 4 and 8 tokens swept (benchmarks.kernels.moe --sweep, with
+  # e063100); the grouped MoE's tiles at a verify's 4 and 8 tokens swept (benchmarks.kernel_bench.moe --sweep, with
   # narrow-N candidates); a copy of the tree whose pick_config takes the fastest (scratch/v_tile, made by
   # scratch/make_tile_variant.py) against the tree, K = 3 MTP rounds at batch 1, alternated x2
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-90} python -m pytest -m gpu -p no:cacheprovider -rfE ${XDIST:-} tests/engine/test_block_pass.py \
     tests/engine/test_block_drafter.py tests/kernels/test_moe_kernels.py
-  step moe_sweep ${T_SWEEP:-200} python -m benchmarks.kernels.moe --tokens 4 8 --sweep --sweep-json "$R/json/moe_sweep.json"
+  step moe_sweep ${T_SWEEP:-200} python -m benchmarks.kernel_bench.moe --tokens 4 8 --sweep --sweep-json "$R/json/moe_sweep.json"
   step variant 30 python scratch/make_tile_variant.py "$R/json/moe_sweep.json" scratch/v_tile
   step variant_check 60 python scratch/check_tile.py scratch/v_tile
   local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 8 --speculative-algorithm mtp \

@@ -24,7 +24,7 @@ lane0_verify1() {  # GPU tests of the GEMV, the expert GEMVs and the speculative
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
     tests/kernels/test_gemv.py tests/engine/test_cuda_graph.py tests/engine/test_kernel_path.py
-  step moe_gemv_tokens 90 python -m benchmarks.kernels.moe --gemv 1 2 4 8
+  step moe_gemv_tokens 90 python -m benchmarks.kernel_bench.moe --gemv 1 2 4 8
   verify_variants14 1 90
   verify_variants14 2 45
   step mtp3_g4m4_profile 60 $DECODE $ROUNDS14 --gemv-max-rows 4 --moe-gemv-max-tokens 4 --profile --profile-steps 10 \
@@ -44,7 +44,7 @@ lane0_verify2() {  # every GPU test (the conv epilogues over a verify's chunks: 
   done
   step plain_new 45 $DECODE $P4 --batch-sizes 1,4 --out "$R/json/plain_new.json"
   step plain_base 45 python scratch/base/benchmarks/decode_batch.py $C $P4 --batch-sizes 1,4 --out "$R/json/plain_base.json"
-  step small_ops 60 python -m benchmarks.kernels.small_ops --quick
+  step small_ops 60 python -m benchmarks.kernel_bench.small_ops --quick
   local L1="--model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   step llama8b_new 60 $DECODE $L1 --out "$R/json/llama8b_new.json"
   step llama8b_base 60 python scratch/base/benchmarks/decode_batch.py $C $L1 --out "$R/json/llama8b_base.json"

@@ -61,7 +61,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# Launch shape, tuned on an H200 (benchmarks/kernels/attention.py); module attributes so that a
+# Launch shape, tuned on an H200 (benchmarks/kernel_bench/attention.py); module attributes so that a
 # sweep can override them. Splits aim at MIN_PROGRAMS_PER_SM (sequence, kv head, split) programs
 # per SM, more (up to MAX_PROGRAMS_PER_SM) while each split keeps SPLIT_KEYS keys: short
 # programs spend a larger share on their start (three dependent loads before the first key).

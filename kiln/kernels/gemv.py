@@ -21,7 +21,7 @@ Two inner loops, picked by the number of rows:
 
 The tile is a fixed function of the shape (`fma_tile`, `dot_tile`), not autotuned: an autotuned
 tile depends on timing, so two processes could sum in different orders and their outputs differ
-in the last bits. `python -m benchmarks.kernels.gemv` sweeps the candidates to revisit the rule.
+in the last bits. `python -m benchmarks.kernel_bench.gemv` sweeps the candidates to revisit the rule.
 
 Reference: `torch.nn.functional.linear`; `tests/kernels/test_gemv.py` compares the two.
 `kiln.layers.decode_gemv` routes the engine's decode projections here (`--gemv-max-rows`).
@@ -48,7 +48,7 @@ FMA_MAX_ROWS = 4
 PRENORM_MAX_BLOCK = 4096  # values per program in one step of the norm prologue's statistics (tests lower it)
 
 
-# Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernels/gemv.py` sweeps.
+# Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernel_bench/gemv.py` sweeps.
 FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
              (8, 512, 4), (8, 256, 4), (16, 256, 8))
 DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
@@ -219,7 +219,7 @@ def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
 
 
 def candidate_tiles(m: int) -> list[dict]:
-    """The tiles `benchmarks/kernels/gemv.py --sweep` times for m rows: the MMA tiles past
+    """The tiles `benchmarks/kernel_bench/gemv.py --sweep` times for m rows: the MMA tiles past
     FMA_MAX_ROWS, else the FMA tiles whose fp32 accumulator (BLOCK_M x BLOCK_N x BLOCK_K over the
     threads) stays at <= 64 registers per thread."""
     if m > FMA_MAX_ROWS:

@@ -2,7 +2,7 @@
 
 A decode step at small batch is a chain of short dependent kernels, and between two of them the
 GPU idles while the second one is launched (about 0.5 us after a Triton kernel, 1 us after a
-cuBLAS GEMM on an H200: `python -m benchmarks.kernels.pdl`). On Hopper and later, a kernel
+cuBLAS GEMM on an H200: `python -m benchmarks.kernel_bench.pdl`). On Hopper and later, a kernel
 launched with the programmatic-stream-serialization attribute may start while its predecessor
 still runs; it must then execute `griddepcontrol.wait` before it reads anything the predecessor
 wrote or writes anything the predecessor reads. CUDA graphs keep the attribute (a programmatic

@@ -93,7 +93,7 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     Decode (small m) is weight-bandwidth bound: small BLOCK_M (16, the smallest MMA tile) wastes
     little padding, and narrow N tiles with long K steps give enough programs and bytes in flight
     to stream every selected expert's weights once. Prefill (large m) is compute bound: big tiles.
-    Chosen with `python -m benchmarks.kernels.moe --sweep` on an H200 for the bench shapes."""
+    Chosen with `python -m benchmarks.kernel_bench.moe --sweep` on an H200 for the bench shapes."""
     m = num_tokens * top_k / max(num_experts, 1)
     if m <= 12:  # T <= 128 at k=6 of 64: 22.5 / 73 / 118 us at T=1 / 8 / 64 (+2 shared)
         cfg = MoEConfig(16, (32, 128, 4, 4), (128, 128, 8, 3))

@@ -18,7 +18,7 @@ tl.dot: one row), grids fixed by shapes:
    by then: its docstring).
    Optionally a decode ShortConv on the sum in its epilogue (Inkling's out_conv: `conv`).
 The kernels take any T (one program row per token), but past one token the grouped path stays:
-tokens that share an expert read it once there, once per slot here (`benchmarks/kernels/moe.py
+tokens that share an expert read it once there, once per slot here (`benchmarks/kernel_bench/moe.py
 --gemv 1 2 4 8` times both; on an H200 the GEMVs lose from 2 tokens on: docs/benchmarks.md,
 nineteenth pass). The GEMV tiles are fixed by shape (`gemv_tiles`), so the same inputs give the
 same bits in every process, though not the grouped path's bits (the sums run in another order).
@@ -41,7 +41,7 @@ from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, de
 
 # The one-token path's tiles (BLOCK_N, BLOCK_K, num_warps): a fixed function of the shape, never
 # autotuned, so that every process sums in the same order (as `kiln.kernels.gemv`). From
-# `python -m benchmarks.kernels.moe --gemv-sweep` on an H200 (docs/benchmarks.md, twelfth pass):
+# `python -m benchmarks.kernel_bench.moe --gemv-sweep` on an H200 (docs/benchmarks.md, twelfth pass):
 # narrow row blocks with long K steps, as for the dense GEMV. At one token, CUDA-graph medians
 # over 8 weight copies: MiniMax-M3 bench 18.5 us with these two (grouped path 20.9); Inkling bench
 # 20.0 us with this down tile and a gate/up tile of (8, 256), which timed as (2, 1024) did within

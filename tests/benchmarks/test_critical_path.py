@@ -11,7 +11,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Loaded from its path: putting benchmarks/ on sys.path would let benchmarks/kernels shadow the
+# Loaded from its path: putting benchmarks/ on sys.path would let benchmarks/kernel_bench shadow the
 # `kernels` package that transformers probes for, in every later test of this worker.
 _spec = importlib.util.spec_from_file_location("critical_path", os.path.join(REPO, "benchmarks", "critical_path.py"))
 critical_path = importlib.util.module_from_spec(_spec)

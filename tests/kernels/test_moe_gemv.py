@@ -125,7 +125,7 @@ def test_one_token_path_is_taken_at_one_token_only(device, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_path_takes_several_tokens(device, monkeypatch):
-    # The GEMV kernels take any T (what `benchmarks/kernels/moe.py --gemv T` times), shared and not.
+    # The GEMV kernels take any T (what `benchmarks/kernel_bench/moe.py --gemv T` times), shared and not.
     monkeypatch.setattr(_km(), "GEMV_MAX_TOKENS", 4)
     for name in ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"):
         monkeypatch.setattr(_km(), name, _Refused(name))

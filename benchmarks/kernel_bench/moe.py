@@ -1,7 +1,7 @@
 """MoE: Triton kernels (`kiln.kernels.moe`) vs the PyTorch references (`kiln.ops.moe`), CUDA only.
 
-    python -m benchmarks.kernels.moe [--tokens 1 8 64 256 8192] [--sweep]
-    python -m benchmarks.kernels.moe --gemv [T ...]
+    python -m benchmarks.kernel_bench.moe [--tokens 1 8 64 256 8192] [--sweep]
+    python -m benchmarks.kernel_bench.moe --gemv [T ...]
 
 Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
 two shared experts. Rows:
@@ -239,7 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-json", help="with --sweep: write each token count's fastest config here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.kernels.moe needs CUDA")
+        raise SystemExit("benchmarks.kernel_bench.moe needs CUDA")
     if args.gemv_sweep:
         dev = torch.device("cuda")
         gemv_sweep(torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))

@@ -1,6 +1,6 @@
 """What programmatic dependent launch (PDL, Hopper) saves per kernel boundary, CUDA only.
 
-    python -m benchmarks.kernels.pdl
+    python -m benchmarks.kernel_bench.pdl
 
 A decode step at batch 1 is a chain of small dependent kernels (norms, RoPE, attention, merge,
 gates) between GEMMs. With PDL a kernel is launched while its predecessor still runs and waits

@@ -1,7 +1,7 @@
 """Paged decode attention: Triton (`kiln.kernels.attention.decode_attention`) vs the reference
 (`kiln.ops.attention.paged_decode_attention`), CUDA only.
 
-    python -m benchmarks.kernels.attention [--batch 1 8 64] [--context 1024 8192 32768]
+    python -m benchmarks.kernel_bench.attention [--batch 1 8 64] [--context 1024 8192 32768]
                                            [--shape llama-3.1-8b inkling-bench] [--no-reference]
                                            [--table-len 131072] [--min-split-keys 64 256]
                                            [--max-splits 32 128] [--merge-kernel]
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
                     help="values of MAX_SPLITS to time (default: the module's own)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.kernels.attention needs CUDA")
+        raise SystemExit("benchmarks.kernel_bench.attention needs CUDA")
 
     from kiln.kernels import decode_attention as module
 

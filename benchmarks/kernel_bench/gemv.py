@@ -1,6 +1,6 @@
 """Decode GEMV (`kiln.kernels.gemv`) against cuBLAS, alone and in a decoder layer's chain; CUDA only.
 
-    python -m benchmarks.kernels.gemv [--layers 32] [--rows 1,4] [--sweep] [--shapes llama-8b] [--no-chain]
+    python -m benchmarks.kernel_bench.gemv [--layers 32] [--rows 1,4] [--sweep] [--shapes llama-8b] [--no-chain]
                                       [--chain-only] [--fold-sweep]
 
 A decode step at batch 1 is a chain of weight streams separated by small kernels. This replays,

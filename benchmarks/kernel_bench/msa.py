@@ -1,7 +1,7 @@
 """MSA decode: Triton kernels (`kiln.kernels.msa.msa_decode`) vs the reference
 (`kiln.ops.msa.paged_msa_attention`), CUDA only.
 
-    python -m benchmarks.kernels.msa [--batch 1 8 64] [--context 8192 32768 131072]
+    python -m benchmarks.kernel_bench.msa [--batch 1 8 64] [--context 8192 32768 131072]
 
 Shapes: the MiniMax-M3 bench preset per rank (Hq=16, Hkv=G=4, D=DI=128, block 128, N=16), bf16,
 every sequence at the full context, each position at a random cache slot (fragmented pages).
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) reference op")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.kernels.msa needs CUDA")
+        raise SystemExit("benchmarks.kernel_bench.msa needs CUDA")
 
     import triton
 

@@ -1,6 +1,6 @@
 """ShortConv and sampling kernels vs their torch references on one GPU.
 
-    python -m benchmarks.kernels.shortconv_sampling [--quick]
+    python -m benchmarks.kernel_bench.shortconv_sampling [--quick]
 
 Medians of `triton.testing.do_bench` (ms, shown in us), printed as one table:
 - ShortConv decode (one token per sequence) and extend (16-token chunks after a 100-token prefix)

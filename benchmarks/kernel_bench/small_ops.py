@@ -1,6 +1,6 @@
 """Per-layer small ops of a decode step: one-launch Triton kernels vs the references, CUDA only.
 
-    python -m benchmarks.kernels.small_ops [--quick]
+    python -m benchmarks.kernel_bench.small_ops [--quick]
 
 - `store_kv` (`kiln.kernels.kv_store`) vs `kiln.ops.attention.store_kv` (an index_put per
   tensor): Llama-3.1-8B's K/V rows (8 KV heads x 128, bf16), v a view of the fused QKV output,
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="T = 1 and 64 only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.kernels.small_ops needs CUDA")
+        raise SystemExit("benchmarks.kernel_bench.small_ops needs CUDA")
     import triton
 
     eager, graphed = _timers()
