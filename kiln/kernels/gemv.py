@@ -42,6 +42,7 @@ from kiln.kernels.norm import normed_tile, prenorm_inv_rms, store_normed_rows
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
 from kiln.kernels.rotary import rope_epilogue, rope_epilogue_args, rope_pair_rows
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
+from kiln.kernels.trace import global_time, store_trace, trace_args
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
@@ -93,12 +94,12 @@ def dot_tile() -> dict:
 def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                      NR, NW, NS, NX, stride_nr, eps, NCNT,
-                     COS, SIN, POS, LOC, KC, VC, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, HQ, HK,
+                     COS, SIN, POS, LOC, KC, VC, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, HQ, HK, TR,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
                      NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
-                     NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+                     NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -121,7 +122,10 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     y itself is not stored.
     ROPE: W is a fused qkv projection, each program's rows a head's rotation pairs
     (`kiln.kernels.rotary.rope_pair_rows`), and the epilogue rotates q into Y and writes k and v into
-    the cache (`rope_epilogue`) instead of storing y."""
+    the cache (`rope_epilogue`) instead of storing y.
+    TRACE: each program writes its timestamps to TR (`kiln.kernels.trace`)."""
+    if TRACE:
+        t_start = global_time(0.0)
     if ROPE:
         rn = rope_pair_rows(tl.program_id(0), BLOCK_N, HALF)
     else:
@@ -142,6 +146,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if PREFETCH:
         l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
+    if TRACE:
+        t_waited = global_time(0.0)
     if NORM:
         inv = prenorm_inv_rms(X, NR, rm, rm < M, stride_xm, stride_nr, K, eps, NORM_RES, BLOCK_M,
                               NORM_BLOCK)[:, None, None]
@@ -166,6 +172,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
             acc_u += u.to(tl.float32) * x
             u = u_next
     y = tl.sum(acc, axis=2)
+    if TRACE:
+        t_reduced = global_time(tl.sum(tl.sum(y, axis=1), axis=0))
     if GLU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=2).to(Y.dtype.element_ty).to(tl.float32)
@@ -190,6 +198,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     else:
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
+    if TRACE:
+        store_trace(TR, t_start, t_waited, t_reduced, global_time(0.0))
 
 
 @triton.jit
@@ -231,7 +241,7 @@ def candidate_tiles(m: int) -> list[dict]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
          prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None,
-         conv_chunk: bool = False) -> torch.Tensor:
+         conv_chunk: bool = False, trace: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
@@ -261,13 +271,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     rotated, with k rotated and v written into the caches at rows loc: `rope_store` of the
     projection, in one launch. Each program's rows are rotation pairs of one head. Same rounding
     points; the rotation's products may be contracted into FMAs (`rope_store` forbids that), so
-    within a few fp32 ulps of it before the final rounding (the interpreter: bit for bit)."""
-    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk)
+    within a few fp32 ulps of it before the final rounding (the interpreter: bit for bit).
+
+    trace (M <= FMA_MAX_ROWS, CUDA only): an int64 buffer of at least programs x
+    `kiln.kernels.trace.FIELDS` values that receives each program's timestamps; the result does
+    not change (`benchmarks/kernel_bench/gemv_trace.py`)."""
+    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk, trace=trace)
 
 
 def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, glu: bool = False, keep_normed: bool = False, prefetch_bytes: int = 0,
-                 tile: Optional[dict] = None, rope: Optional[tuple] = None
+                 tile: Optional[dict] = None, rope: Optional[tuple] = None, trace: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The GEMV of a pre-norm sublayer's first projection with the norm in its prologue:
     x = rms_norm(h + residual) (`kiln.kernels.norm.fused_add_rms_norm`; rms_norm(h) when residual
@@ -279,7 +293,8 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     h + residual (h itself when residual is None), the normed rows if `keep_normed` else None).
     The normed values are the norm kernel's up to its statistics: summed in another order, they
     may differ from it by an ulp of x's dtype. The product may also sum in another order than
-    `gemv`'s, `prenorm_tile` picking another tile than `fma_tile`. rope: as `gemv`'s (y is then q)."""
+    `gemv`'s, `prenorm_tile` picking another tile than `fma_tile`. rope, trace: as `gemv`'s (y is
+    then q)."""
     m, k = h.shape
     assert m <= FMA_MAX_ROWS, f"the norm prologue takes 1..{FMA_MAX_ROWS} rows, got {m}"
     assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1, (norm_weight.shape, k)
@@ -291,7 +306,7 @@ def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
     normed = torch.empty_like(h) if keep_normed else None
     norm = (residual, norm_weight, float(eps), summed, normed)
     tile = tile or (None if interpreting() else prenorm_tile(m, weight.shape[0], k))
-    y = _launch(h, weight, tile, glu, prefetch_bytes, None, norm, rope)
+    y = _launch(h, weight, tile, glu, prefetch_bytes, None, norm, rope, trace=trace)
     return y, summed, normed
 
 
@@ -349,7 +364,7 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int,
 
 
 def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False,
-            norm_counter=None) -> torch.Tensor:
+            norm_counter=None, trace=None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -385,8 +400,9 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
                                   **decode_conv_kernel_args(conv, y, conv_chunk),
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
-                                  **tile, **pdl)
+                                  **trace_args(trace, x, grid), **tile, **pdl)
         return y
+    assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())
     grid = triton.cdiv(n, tile["BLOCK_N"])

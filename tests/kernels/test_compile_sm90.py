@@ -183,14 +183,14 @@ def gemv_router() -> None:
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
                  dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False, **NO_NORM,
-                      **tile, ROPE=False, HALF=1))
+                      **tile, ROPE=False, HALF=1, TRACE=False))
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)
 
 
 def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = False, norm: bool = False,
-         rope: bool = False, chunk: bool = False, norm_out: bool = False) -> None:
+         rope: bool = False, chunk: bool = False, norm_out: bool = False, trace: bool = False) -> None:
     """Both decode GEMV loops compile and issue their first weight load before the PDL wait (the
     point of the kernel); with PREFETCH, the L2 bulk prefetch of the matrix too
     (`kiln.kernels.prefetch`), and without it no prefetch at all. With the norm prologue (Inkling
@@ -198,11 +198,13 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     before the wait. With the RoPE epilogue (the 8B's qkv, a row pair per program) the weight rows
     are still streamed before the wait. With `chunk`, the conv epilogue over a verify's 4 rows. With
     the norm epilogue (the 8B's o_proj, the row in registers), the last program's acq_rel count
-    and its reads of the other programs' columns through L2."""
+    and its reads of the other programs' columns through L2. With `trace`, the timer reads
+    (`kiln.kernels.trace`): one before the first weight load, one after the wait, and no timer
+    at all without it."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
     types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX", "KC", "VC")}, "eps": "fp32",
-             "NCNT": "*i32",
+             "NCNT": "*i32", "TR": "*i64",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS", "POS", "LOC")},
              **{n: "*fp32" for n in ("COS", "SIN")}}
     # Triton specialises 16-divisible ints and pointers at launch; without that the loads would
@@ -221,7 +223,8 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
             norm_consts = dict(NO_NORM, NORM_OUT=True, NORM_ONE_PASS=True, NORM_BLOCK=4096)
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
                                                 CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
-                                                **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1)
+                                                **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1,
+                                                TRACE=trace)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -237,6 +240,12 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait], "the L2 prefetch must be issued before the wait"
     else:
         assert "cp.async.bulk.prefetch" not in ptx
+    if trace:
+        first_timer = ptx.index("%globaltimer")
+        assert first_timer < ptx.index("ld.global.v4") < wait, "the start time precedes the weight stream"
+        assert ptx.count("%globaltimer") == 4 and "%globaltimer" in ptx[wait:] and "%smid" in ptx[wait:]
+    else:
+        assert "%globaltimer" not in ptx and "%smid" not in ptx
 
 
 def sum_slots_conv() -> None:
@@ -284,7 +293,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
-         "gemv_router": gemv_router, "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
+         "gemv_router": gemv_router, "gemv_norm_traced": lambda: gemv(True, norm=True, trace=True), "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,

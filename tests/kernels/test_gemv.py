@@ -221,6 +221,48 @@ def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
         torch.testing.assert_close(gemv(x, w32, prefetch_bytes=1 << 30), gemv(x, w32), rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_traced_gemv_is_bit_identical_and_its_times_ordered(prenorm):
+    """A traced launch (`kiln.kernels.trace`) computes the same output bit for bit, and every
+    program's record is ordered: start <= wait returned <= reduced <= stored, on a real SM."""
+    from kiln.kernels.gemv import gemv_prenorm, prenorm_tile
+    from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+
+    x, w = _case(1, 3584, 2048, torch.bfloat16, "cuda", seed=11)
+    trace = torch.zeros(4096 * FIELDS, dtype=torch.int64, device="cuda")
+    if prenorm:
+        ln = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn_like(x)
+        got = gemv_prenorm(x, res, ln, 1e-5, w, trace=trace)[0]
+        want = gemv_prenorm(x, res, ln, 1e-5, w)[0]
+        programs = 3584 // prenorm_tile(1, 3584, 2048)["BLOCK_N"]
+    else:
+        got, want, programs = gemv(x, w, trace=trace), gemv(x, w), 3584 // fma_tile(1, 2048)["BLOCK_N"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    rec = trace.view(-1, FIELDS).cpu()
+    assert (rec[:programs, START] > 0).all() and (rec[programs:] == 0).all(), "one record per program"
+    rec = rec[:programs]
+    assert (rec[:, START] <= rec[:, WAITED]).all() and (rec[:, WAITED] <= rec[:, REDUCED]).all()
+    assert (rec[:, REDUCED] <= rec[:, STORED]).all()
+    assert rec[:, SM].max() < torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def test_traced_gemv_is_refused_where_it_cannot_run():
+    """The interpreter has no inline PTX: asking for a trace there is a clear error, not a crash."""
+    from kiln.kernels import interpreting
+    from kiln.kernels.trace import FIELDS, trace_args
+
+    x = torch.zeros(1, 8)
+    assert trace_args(None, x, 4) == dict(TR=x, TRACE=False)
+    if interpreting():
+        with pytest.raises(AssertionError, match="needs a GPU"):
+            trace_args(torch.zeros(4 * FIELDS, dtype=torch.int64), x, 4)
+    elif torch.cuda.is_available():
+        with pytest.raises(AssertionError, match="int64 buffer"):
+            trace_args(torch.zeros(3 * FIELDS, dtype=torch.int64, device="cuda"), x, 4)
+
+
 PRENORM_CASES = [(96, 64, False, False), (74, 200, True, True), (37, 200, False, True)]  # n, k, glu, residual
 PRENORM_REAL = [(3328, 2048, False, True), (2048, 2048, True, False), (6144, 4096, False, True)]  # bench, 8B
 

@@ -1,0 +1,167 @@
+"""Where a decode GEMV's time goes in a dependent chain: per-program timestamps; CUDA only.
+
+    python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512]
+                                                [--out trace.json]
+
+At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
+twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
+cannot say where: with PDL a kernel's interval starts at its launch, while it still waits. This
+replays, from a CUDA graph with PDL and the early trigger (as the engine's batch-1 graphs run),
+chains of GEMVs whose launches record `kiln.kernels.trace` timestamps, and prints per GEMV
+(medians over the chain, us; "prev" is the launch before it):
+
+- `span`:      its last program's end minus prev's last end: what it adds to the chain;
+- `bytes`:     its weight bytes at the copy bandwidth;
+- `launch`:    its first program's start minus prev's last wait (the early trigger lets it launch
+               once every program of prev has passed its wait);
+- `released`:  its first wait's return minus prev's last end (completion -> release);
+- `spread`:    its last wait's return minus its first (late waves start their loads after it);
+- `stream`:    its last reduction minus its first wait's return;
+- `tail`:      its last end minus its last reduction (epilogue, store);
+- `waves`:     programs per SM it ran, at most.
+
+Chains: `dense` is Inkling `bench`'s dense path per MoE layer without attention and experts
+(qkvr 3584x2048 with the pre-norm in its prologue -> o_proj 2048x2048 -> the router 64x2048,
+fp32, pre-norm in its prologue), `o` is o_proj-shaped GEMVs feeding each other. Every layer's
+weights are distinct (nothing stays in L2). `--tiles` times the chains with other FMA tiles for
+the two large GEMVs (the rule's by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+
+from benchmarks.kernel_bench.gemv import copy_bandwidth
+from kiln.kernels.gemv import gemv, gemv_prenorm, prenorm_tile
+from kiln.kernels.launch import set_pdl
+from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+
+
+def tile_of(name: str, warps: int = 4) -> dict:
+    bn, bk = (int(v) for v in name.split("x"))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+
+
+class Chain:
+    """The launches of one chain, each with its own trace buffer (a slice of one tensor)."""
+
+    def __init__(self, kind: str, layers: int, tile, dev, dt=torch.bfloat16):
+        self.kind, self.tile = kind, tile
+        hid = 2048
+        w = lambda n, k, d=dt: (torch.randn(n, k, device=dev) / k ** 0.5).to(d)  # noqa: E731
+        self.h = torch.randn(1, hid, device=dev, dtype=dt)
+        if kind == "dense":
+            self.layers = [dict(ln1=1 + 0.1 * torch.randn(hid, device=dev, dtype=dt), qkvr=w(3584, hid),
+                                o=w(hid, hid), ln2=1 + 0.1 * torch.randn(hid, device=dev, dtype=dt),
+                                router=w(64, hid, torch.float32)) for _ in range(layers)]
+            self.names = ["qkvr", "o", "router"] * layers
+        else:
+            self.layers = [dict(o=w(hid, hid)) for _ in range(layers)]
+            self.names = ["o"] * layers
+        self.bytes = {"qkvr": 3584 * hid * 2, "o": hid * hid * 2, "router": 64 * hid * 4}
+        self.trace = torch.zeros(len(self.names), 4096 * FIELDS, dtype=torch.int64, device=dev)
+
+    def run(self, traced: bool = True):
+        i, f, res = 0, self.h, torch.zeros_like(self.h)
+        tr = (lambda j: self.trace[j]) if traced else (lambda j: None)  # noqa: E731
+        for L in self.layers:
+            if self.kind == "dense":
+                q, res, _ = gemv_prenorm(f, res, L["ln1"], 1e-5, L["qkvr"], tile=self.tile, trace=tr(i))
+                o = gemv(q[:, :2048], L["o"], tile=self.tile, trace=tr(i + 1))
+                _, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["router"], trace=tr(i + 2))
+                f, i = o, i + 3
+            else:
+                f, i = gemv(f, L["o"], tile=self.tile, trace=tr(i)), i + 1
+        return f
+
+    def records(self):
+        """Per launch: a [programs, FIELDS] int64 array of the last replay (zeros past the grid)."""
+        out = []
+        for row in self.trace.view(len(self.names), -1, FIELDS).cpu():
+            used = row[:, START] != 0
+            out.append(row[used])
+        return out
+
+
+def analyse(recs: list, names: list, nbytes: dict, bw: float) -> dict:
+    """Medians per GEMV name of the quantities in the module docstring, from one replay's records
+    (`Chain.records`), the launches' names in order, their weight bytes, and the bandwidth (B/s)."""
+    rows = {}
+    for i in range(3, len(recs)):  # skip the first launches: their predecessors are outside the chain
+        r, p = recs[i], recs[i - 1]
+        us = lambda t: t / 1e3  # noqa: E731
+        first_wait, last_wait = r[:, WAITED].min(), r[:, WAITED].max()
+        per_sm = torch.bincount(r[:, SM]).max().item()
+        rows.setdefault(names[i], []).append(dict(
+            span=us(r[:, STORED].max() - p[:, STORED].max()), launch=us(r[:, START].min() - p[:, WAITED].max()),
+            released=us(first_wait - p[:, STORED].max()), spread=us(last_wait - first_wait),
+            stream=us(r[:, REDUCED].max() - first_wait), tail=us(r[:, STORED].max() - r[:, REDUCED].max()),
+            waves=per_sm, programs=len(r)))
+    table = {}
+    for name, rs in rows.items():
+        table[name] = {k: statistics.median(float(x[k]) for x in rs) for k in rs[0]}
+        table[name]["bytes"] = nbytes[name] / bw * 1e6
+    return table
+
+
+def timer_step(recs) -> float:
+    """The smallest nonzero difference between timestamps (the timer's resolution), ns."""
+    t = torch.cat([r[:, :4].flatten() for r in recs]).unique()
+    d = (t[1:] - t[:-1])
+    d = d[d > 0]
+    return float(d.min()) if len(d) else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--chains", default="dense,o")
+    ap.add_argument("--tiles", default="rule", help="comma-separated BNxBK FMA tiles (4 warps), or 'rule'")
+    ap.add_argument("--out", default=None, help="write the tables as JSON here")
+    args = ap.parse_args()
+    dev = "cuda"
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}; rule tile at qkvr "
+          f"{prenorm_tile(1, 3584, 2048)}", flush=True)
+    results = []
+    for trigger in (True, False):
+        set_pdl(True, early_trigger=trigger)
+        for kind in args.chains.split(","):
+            for tname in args.tiles.split(","):
+                tile = None if tname == "rule" else tile_of(tname)
+                chain = Chain(kind, args.layers, tile, dev)
+                steps = {}
+                for traced in (False, True):
+                    chain.run(traced)  # compile
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        chain.run(traced)
+                    steps[traced] = triton.testing.do_bench(graph.replay, rep=200, return_mode="median") * 1e3
+                graph.replay()  # the traced graph: its records are read below
+                torch.cuda.synchronize()
+                per_layer, traced_layer = steps[False] / args.layers, steps[True] / args.layers
+                bound = sum(chain.bytes[n] for n in chain.names) / bw * 1e6 / args.layers
+                recs = chain.records()
+                table = analyse(recs, chain.names, chain.bytes, bw)
+                print(f"\n{kind} chain, tile {tname}, early trigger {'on' if trigger else 'off'}: {per_layer:.2f} us per "
+                      f"layer (traced {traced_layer:.2f}; bytes {bound:.2f}, {bound / per_layer:.1%}); timer step "
+                      f"{timer_step(recs):.0f} ns", flush=True)
+                cols = ("span", "bytes", "launch", "released", "spread", "stream", "tail", "waves", "programs")
+                print(f"{'gemv':<8}" + "".join(f"{c:>10}" for c in cols))
+                for name, t in table.items():
+                    print(f"{name:<8}" + "".join(f"{t[c]:>10.2f}" for c in cols), flush=True)
+                results.append(dict(chain=kind, tile=tname, trigger=trigger, us_per_layer=per_layer,
+                                    traced_us_per_layer=traced_layer, bound=bound, table=table))
+    set_pdl(True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The GEMV trace's analysis (`benchmarks/kernel_bench/gemv_trace.py`) on records with known gaps."""
+
+import pytest
+import torch
+
+from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+
+gemv_trace = pytest.importorskip("benchmarks.kernel_bench.gemv_trace")
+
+
+def launch(t0, waits, reduced, stored, sms):
+    """One launch's records: program p starts at t0 and waits until waits[p], etc. (ns)."""
+    rec = torch.zeros(len(waits), FIELDS, dtype=torch.int64)
+    rec[:, START], rec[:, WAITED], rec[:, REDUCED], rec[:, STORED] = t0, torch.tensor(waits), \
+        torch.tensor(reduced), torch.tensor(stored)
+    rec[:, SM] = torch.tensor(sms)
+    return rec
+
+
+def test_analysis_reads_the_gaps_between_launches():
+    # Each launch starts 500 ns after the previous one's last wait, is released 300 ns after the
+    # previous one's last store, its second program waits 200 ns longer (a later wave on SM 0),
+    # reduces 1000 ns after its first wait, and stores 100 ns after its last reduction.
+    recs, end, last_wait = [], 0, 0
+    for _ in range(6):
+        start = last_wait + 500
+        w0 = end + 300
+        recs.append(launch(start, [w0, w0 + 200], [w0 + 1000, w0 + 1000], [w0 + 1100, w0 + 1100], [0, 0]))
+        end, last_wait = w0 + 1100, w0 + 200
+    table = gemv_trace.analyse(recs, ["o"] * 6, {"o": 4_200_000}, 4.2e12)
+    o = table["o"]
+    assert o["span"] == pytest.approx(1.4) and o["released"] == pytest.approx(0.3)
+    assert o["launch"] == pytest.approx(0.5) and o["spread"] == pytest.approx(0.2)
+    assert o["stream"] == pytest.approx(1.0) and o["tail"] == pytest.approx(0.1)
+    assert o["waves"] == 2 and o["programs"] == 2 and o["bytes"] == pytest.approx(1.0)
+    assert gemv_trace.timer_step(recs) == 100
