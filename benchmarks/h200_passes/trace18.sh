@@ -9,3 +9,46 @@ lane0_trace1() {  # the traced GEMV's GPU tests; the dense and o_proj chains wit
   step gemv_trace ${T_TRACE:-240} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains dense,o \
     --tiles rule,2x1024,4x512,8x256,16x128 --out "$R/json/trace1.json"
 }
+
+variant() {  # variant NAME FMA_1ROW_K2048 PRENORM_1ROW [EXPERT_UP]: a copy of the tree with other batch-1 tiles
+  local d=/tmp/v_$1; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  python - "$d" "$2" "$3" "${4:-}" <<'PY'
+import sys
+d, fma, pre, up = sys.argv[1:5]
+p = f"{d}/kiln/kernels/gemv.py"; s = open(p).read()
+old_fma = "bn, bk, warps = (2, 1024, 4) if k <= 4096 else (4, 1024, 8)"
+old_pre = "        return dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)"
+assert old_fma in s and old_pre in s
+bn, bk, w = pre.split(",")
+s = s.replace(old_fma, f"bn, bk, warps = ({fma}) if k <= 2048 else (2, 1024, 4) if k <= 4096 else (4, 1024, 8)")
+s = s.replace(old_pre, f"        return dict(BLOCK_N={bn}, BLOCK_K={bk}, num_warps={w}, num_stages=1) if k <= {bk} else "
+                       "dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)")
+open(p, "w").write(s)
+if up:
+    p = f"{d}/kiln/kernels/moe_gemv.py"; s = open(p).read()
+    assert "GEMV_UP_TILE = (2, 1024, 4)" in s
+    open(p, "w").write(s.replace("GEMV_UP_TILE = (2, 1024, 4)", f"GEMV_UP_TILE = ({up})"))
+print("variant", d, fma, pre, up)
+PY
+}
+
+lane0_trace2() {  # chains with one K tile per program; Inkling / MiniMax-M3 batch 1 with such tiles in the engine
+  step gemv_trace ${T_TRACE:-200} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains dense,o --trigger on \
+    --tiles rule,1x2048,2x2048,2x2048/w8,4x2048/w8,8x2048/w8,4x2048/w16 --router-tile 1x2048 --out "$R/json/trace2.json"
+  variant b "2, 2048, 8" "4,2048,8"
+  variant c "1, 2048, 4" "2,2048,8"
+  variant d "2, 2048, 8" "4,2048,8" "2, 2048, 8"
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step INK_base 110 $DECODE --model-path $INK $P1 --out "$R/json/INK_base.json"
+  for v in b c d; do
+    step INK_$v 100 python /tmp/v_$v/benchmarks/decode_batch.py $C --model-path $INK $P1 --out "$R/json/INK_$v.json"
+  done
+  step MM_base 110 $DECODE --model-path $MM $P1 --out "$R/json/MM_base.json"
+  step MM_d 100 python /tmp/v_d/benchmarks/decode_batch.py $C --model-path $MM $P1 --out "$R/json/MM_d.json"
+  python - "$R/json" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
+    rows = json.load(open(f)).get("rows") or [{}]
+    print(f"{os.path.basename(f)[:-5]:12s} step {rows[0].get('step_ms') or float('nan'):7.3f} ms")
+PY
+}

@@ -1,7 +1,7 @@
 """Where a decode GEMV's time goes in a dependent chain: per-program timestamps; CUDA only.
 
-    python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512]
-                                                [--out trace.json]
+    python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512/w8]
+                                                [--router-tile 1x2048] [--trigger on|off|both] [--out trace.json]
 
 At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
 twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
@@ -42,16 +42,18 @@ from kiln.kernels.launch import set_pdl
 from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
 
 
-def tile_of(name: str, warps: int = 4) -> dict:
-    bn, bk = (int(v) for v in name.split("x"))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+def tile_of(name: str) -> dict:
+    """'BNxBK' (4 warps) or 'BNxBK/wW' -> an FMA tile."""
+    shape, _, warps = name.partition("/w")
+    bn, bk = (int(v) for v in shape.split("x"))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=int(warps or 4), num_stages=1)
 
 
 class Chain:
     """The launches of one chain, each with its own trace buffer (a slice of one tensor)."""
 
-    def __init__(self, kind: str, layers: int, tile, dev, dt=torch.bfloat16):
-        self.kind, self.tile = kind, tile
+    def __init__(self, kind: str, layers: int, tile, dev, dt=torch.bfloat16, router_tile=None):
+        self.kind, self.tile, self.router_tile = kind, tile, router_tile
         hid = 2048
         w = lambda n, k, d=dt: (torch.randn(n, k, device=dev) / k ** 0.5).to(d)  # noqa: E731
         self.h = torch.randn(1, hid, device=dev, dtype=dt)
@@ -73,7 +75,7 @@ class Chain:
             if self.kind == "dense":
                 q, res, _ = gemv_prenorm(f, res, L["ln1"], 1e-5, L["qkvr"], tile=self.tile, trace=tr(i))
                 o = gemv(q[:, :2048], L["o"], tile=self.tile, trace=tr(i + 1))
-                _, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["router"], trace=tr(i + 2))
+                _, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["router"], tile=self.router_tile, trace=tr(i + 2))
                 f, i = o, i + 3
             else:
                 f, i = gemv(f, L["o"], tile=self.tile, trace=tr(i)), i + 1
@@ -121,7 +123,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--chains", default="dense,o")
-    ap.add_argument("--tiles", default="rule", help="comma-separated BNxBK FMA tiles (4 warps), or 'rule'")
+    ap.add_argument("--tiles", default="rule", help="comma-separated FMA tiles BNxBK[/wWARPS] (4 warps unless "
+                    "given), or 'rule'")
+    ap.add_argument("--router-tile", default="rule", help="the dense chain's router tile, as --tiles")
+    ap.add_argument("--trigger", choices=("on", "off", "both"), default="both", help="PDL's early trigger")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args()
     dev = "cuda"
@@ -129,12 +134,13 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}; rule tile at qkvr "
           f"{prenorm_tile(1, 3584, 2048)}", flush=True)
     results = []
-    for trigger in (True, False):
+    for trigger in {"on": (True,), "off": (False,), "both": (True, False)}[args.trigger]:
         set_pdl(True, early_trigger=trigger)
         for kind in args.chains.split(","):
             for tname in args.tiles.split(","):
                 tile = None if tname == "rule" else tile_of(tname)
-                chain = Chain(kind, args.layers, tile, dev)
+                chain = Chain(kind, args.layers, tile, dev,
+                              router_tile=None if args.router_tile == "rule" else tile_of(args.router_tile))
                 steps = {}
                 for traced in (False, True):
                     chain.run(traced)  # compile
