@@ -52,3 +52,43 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     print(f"{os.path.basename(f)[:-5]:12s} step {rows[0].get('step_ms') or float('nan'):7.3f} ms")
 PY
 }
+
+lane0_trace3() {  # the activation tiles one tile ahead (XPIPE) in the chains; GPU tests; both hybrids at batch 1, alternated
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_gemv.py \
+    tests/kernels/test_norm.py tests/kernels/test_gemv_add_norm.py tests/engine/test_kernel_path.py -k "gemv or fold or norm or greedy"
+  step gemv_trace ${T_TRACE:-150} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains dense,o --trigger on \
+    --tiles rule,2x1024 --xpipe both --out "$R/json/trace3.json"
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  variant_xpipe_off
+  for r in 1 2; do
+    step INK_xpipe_$r 100 $DECODE --model-path $INK $P1 --out "$R/json/INK_xpipe_$r.json"
+    step INK_noxpipe_$r 100 python /tmp/v_nox/benchmarks/decode_batch.py $C --model-path $INK $P1 --out "$R/json/INK_noxpipe_$r.json"
+  done
+  step MM_xpipe 100 $DECODE --model-path $MM $P1 --out "$R/json/MM_xpipe.json"
+  step MM_noxpipe 100 python /tmp/v_nox/benchmarks/decode_batch.py $C --model-path $MM $P1 --out "$R/json/MM_noxpipe.json"
+  step_table
+}
+
+variant_xpipe_off() {  # a copy of the tree whose GEMV loads each activation tile in its own iteration
+  local d=/tmp/v_nox; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  python - "$d" <<'PY'
+import sys
+p = f"{sys.argv[1]}/kiln/kernels/gemv.py"; s = open(p).read()
+old = '**{"XPIPE": True, **tile}'
+assert old in s
+open(p, "w").write(s.replace(old, '**{"XPIPE": False, **tile}'))
+PY
+}
+
+step_table() {  # the step time of every decode run of this call
+  python - "$R/json" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
+    d = json.load(open(f))
+    if not isinstance(d, dict) or "rows" not in d:
+        continue
+    rows = d["rows"] or [{}]
+    print(f"{os.path.basename(f)[:-5]:16s} step {rows[0].get('step_ms') or float('nan'):7.3f} ms")
+PY
+}

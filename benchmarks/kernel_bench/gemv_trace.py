@@ -18,13 +18,18 @@ chains of GEMVs whose launches record `kiln.kernels.trace` timestamps, and print
 - `spread`:    its last wait's return minus its first (late waves start their loads after it);
 - `stream`:    its last reduction minus its first wait's return;
 - `tail`:      its last end minus its last reduction (epilogue, store);
+- `early`:     the share of its programs that started before prev's last end (resident early
+               enough to load weights while prev ran);
+- `prologue`:  per program (median), its prologue after its wait (a norm's statistics);
+- `post`:      per program (median), its reduction after its own wait;
 - `waves`:     programs per SM it ran, at most.
 
 Chains: `dense` is Inkling `bench`'s dense path per MoE layer without attention and experts
 (qkvr 3584x2048 with the pre-norm in its prologue -> o_proj 2048x2048 -> the router 64x2048,
 fp32, pre-norm in its prologue), `o` is o_proj-shaped GEMVs feeding each other. Every layer's
 weights are distinct (nothing stays in L2). `--tiles` times the chains with other FMA tiles for
-the two large GEMVs (the rule's by default).
+the two large GEMVs (the rule's by default), `--xpipe` with the activation tiles loaded one tile
+ahead (the kernel's default) or in the tile's own iteration.
 """
 
 from __future__ import annotations
@@ -37,23 +42,30 @@ import torch
 import triton
 
 from benchmarks.kernel_bench.gemv import copy_bandwidth
-from kiln.kernels.gemv import gemv, gemv_prenorm, prenorm_tile
+from kiln.kernels.gemv import fma_tile, gemv, gemv_prenorm, prenorm_tile
 from kiln.kernels.launch import set_pdl
-from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
 
-def tile_of(name: str) -> dict:
-    """'BNxBK' (4 warps) or 'BNxBK/wW' -> an FMA tile."""
+def tile_of(name: str, rule: dict, xpipe: bool = True) -> dict:
+    """'rule' (the engine's tile, given) or 'BNxBK' (4 warps) or 'BNxBK/wW' -> an FMA tile, with
+    the activation tiles pipelined or not (the kernel's XPIPE)."""
+    if name == "rule":
+        return dict(rule, XPIPE=xpipe)
     shape, _, warps = name.partition("/w")
     bn, bk = (int(v) for v in shape.split("x"))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=int(warps or 4), num_stages=1)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=int(warps or 4), num_stages=1, XPIPE=xpipe)
 
 
 class Chain:
     """The launches of one chain, each with its own trace buffer (a slice of one tensor)."""
 
-    def __init__(self, kind: str, layers: int, tile, dev, dt=torch.bfloat16, router_tile=None):
-        self.kind, self.tile, self.router_tile = kind, tile, router_tile
+    def __init__(self, kind: str, layers: int, tile: str, dev, dt=torch.bfloat16, router_tile: str = "rule",
+                 xpipe: bool = True):
+        self.kind = kind
+        self.tile = tile_of(tile, prenorm_tile(1, 3584, 2048), xpipe)  # qkvr's (the o chain: o's)
+        self.o_tile = tile_of(tile, fma_tile(1, 2048), xpipe)
+        self.router_tile = tile_of(router_tile, prenorm_tile(1, 64, 2048), xpipe)
         hid = 2048
         w = lambda n, k, d=dt: (torch.randn(n, k, device=dev) / k ** 0.5).to(d)  # noqa: E731
         self.h = torch.randn(1, hid, device=dev, dtype=dt)
@@ -74,11 +86,11 @@ class Chain:
         for L in self.layers:
             if self.kind == "dense":
                 q, res, _ = gemv_prenorm(f, res, L["ln1"], 1e-5, L["qkvr"], tile=self.tile, trace=tr(i))
-                o = gemv(q[:, :2048], L["o"], tile=self.tile, trace=tr(i + 1))
+                o = gemv(q[:, :2048], L["o"], tile=self.o_tile, trace=tr(i + 1))
                 _, res, _ = gemv_prenorm(o, res, L["ln2"], 1e-5, L["router"], tile=self.router_tile, trace=tr(i + 2))
                 f, i = o, i + 3
             else:
-                f, i = gemv(f, L["o"], tile=self.tile, trace=tr(i)), i + 1
+                f, i = gemv(f, L["o"], tile=self.o_tile, trace=tr(i)), i + 1
         return f
 
     def records(self):
@@ -99,7 +111,10 @@ def analyse(recs: list, names: list, nbytes: dict, bw: float) -> dict:
         us = lambda t: t / 1e3  # noqa: E731
         first_wait, last_wait = r[:, WAITED].min(), r[:, WAITED].max()
         per_sm = torch.bincount(r[:, SM]).max().item()
+        median = lambda v: us(v.double().quantile(0.5).item())  # noqa: E731
         rows.setdefault(names[i], []).append(dict(
+            early=(r[:, START] < p[:, STORED].max()).double().mean().item(),
+            prologue=median(r[:, PROLOGUE] - r[:, WAITED]), post=median(r[:, REDUCED] - r[:, WAITED]),
             span=us(r[:, STORED].max() - p[:, STORED].max()), launch=us(r[:, START].min() - p[:, WAITED].max()),
             released=us(first_wait - p[:, STORED].max()), spread=us(last_wait - first_wait),
             stream=us(r[:, REDUCED].max() - first_wait), tail=us(r[:, STORED].max() - r[:, REDUCED].max()),
@@ -126,6 +141,8 @@ def main() -> None:
     ap.add_argument("--tiles", default="rule", help="comma-separated FMA tiles BNxBK[/wWARPS] (4 warps unless "
                     "given), or 'rule'")
     ap.add_argument("--router-tile", default="rule", help="the dense chain's router tile, as --tiles")
+    ap.add_argument("--xpipe", choices=("on", "off", "both"), default="on",
+                    help="the GEMV's activation tiles loaded one tile ahead (XPIPE, the default) or not")
     ap.add_argument("--trigger", choices=("on", "off", "both"), default="both", help="PDL's early trigger")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args()
@@ -137,10 +154,9 @@ def main() -> None:
     for trigger in {"on": (True,), "off": (False,), "both": (True, False)}[args.trigger]:
         set_pdl(True, early_trigger=trigger)
         for kind in args.chains.split(","):
-            for tname in args.tiles.split(","):
-                tile = None if tname == "rule" else tile_of(tname)
-                chain = Chain(kind, args.layers, tile, dev,
-                              router_tile=None if args.router_tile == "rule" else tile_of(args.router_tile))
+            for tname, xpipe in ((t, x) for t in args.tiles.split(",")
+                                 for x in {"on": (True,), "off": (False,), "both": (True, False)}[args.xpipe]):
+                chain = Chain(kind, args.layers, tname, dev, router_tile=args.router_tile, xpipe=xpipe)
                 steps = {}
                 for traced in (False, True):
                     chain.run(traced)  # compile
@@ -154,14 +170,15 @@ def main() -> None:
                 bound = sum(chain.bytes[n] for n in chain.names) / bw * 1e6 / args.layers
                 recs = chain.records()
                 table = analyse(recs, chain.names, chain.bytes, bw)
-                print(f"\n{kind} chain, tile {tname}, early trigger {'on' if trigger else 'off'}: {per_layer:.2f} us per "
+                print(f"\n{kind} chain, tile {tname}, xpipe {'on' if xpipe else 'off'}, early trigger {'on' if trigger else 'off'}: {per_layer:.2f} us per "
                       f"layer (traced {traced_layer:.2f}; bytes {bound:.2f}, {bound / per_layer:.1%}); timer step "
                       f"{timer_step(recs):.0f} ns", flush=True)
-                cols = ("span", "bytes", "launch", "released", "spread", "stream", "tail", "waves", "programs")
-                print(f"{'gemv':<8}" + "".join(f"{c:>10}" for c in cols))
+                cols = ("span", "bytes", "launch", "released", "spread", "stream", "tail", "early", "prologue",
+                        "post", "waves", "programs")
+                print(f"{'gemv':<8}" + "".join(f"{c:>9}" for c in cols))
                 for name, t in table.items():
-                    print(f"{name:<8}" + "".join(f"{t[c]:>10.2f}" for c in cols), flush=True)
-                results.append(dict(chain=kind, tile=tname, trigger=trigger, us_per_layer=per_layer,
+                    print(f"{name:<8}" + "".join(f"{t[c]:>9.2f}" for c in cols), flush=True)
+                results.append(dict(chain=kind, tile=tname, xpipe=xpipe, trigger=trigger, us_per_layer=per_layer,
                                     traced_us_per_layer=traced_layer, bound=bound, table=table))
     set_pdl(True)
     if args.out:

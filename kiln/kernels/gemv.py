@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.norm import normed_tile, prenorm_inv_rms, store_normed_rows
+from kiln.kernels.norm import norm_operands, normed_tile, normed_values, prenorm_inv_rms, store_normed_rows
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
 from kiln.kernels.rotary import rope_epilogue, rope_epilogue_args, rope_pair_rows
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
@@ -99,7 +99,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      GLU: tl.constexpr, PREFETCH: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
                      NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
-                     NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr):
+                     NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
+                     XPIPE: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -148,6 +149,10 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     wait_for_previous(PDL)
     if TRACE:
         t_waited = global_time(0.0)
+    if XPIPE:  # x's first tile (and the norm's operands) in flight with the statistics' loads
+        xa = tl.load(x_ptrs, mask=m_ok & (kk < K), other=0.0)
+        if NORM:
+            ra, na = norm_operands(NR, NW, rm[:, None, None], kk, m_ok & (kk < K), stride_nr, NORM_RES)
     if NORM:
         inv = prenorm_inv_rms(X, NR, rm, rm < M, stride_xm, stride_nr, K, eps, NORM_RES, BLOCK_M,
                               NORM_BLOCK)[:, None, None]
@@ -155,6 +160,11 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if CONV:
         hist = decode_conv_history(rm, rm < M, rn, rn < N, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS,
                                    CK, CKP, CCHUNK)
+    if TRACE:
+        if NORM:
+            t_prologue = global_time(tl.sum(tl.sum(tl.sum(inv, axis=2), axis=1), axis=0))
+        else:
+            t_prologue = global_time(0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
@@ -162,10 +172,19 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         if GLU:
             u_next = tl.load(u_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
         x_ok = m_ok & (kk < K - k0 + BLOCK_K)
-        x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=x_ok, other=0.0).to(tl.float32)
-        if NORM:
-            x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, stride_nr,
-                             K, first, NORM_RES, NORM_KEEP)
+        if XPIPE:  # x's tile k0 too: only the first tile's round trip after the wait is not hidden
+            x = xa.to(tl.float32)
+            xa = tl.load(x_ptrs + k0, mask=m_ok & (kk < K - k0), other=0.0)
+            if NORM:
+                x = normed_values(x, ra, na, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, K, first,
+                                  NORM_RES, NORM_KEEP)
+                ra, na = norm_operands(NR, NW, rm[:, None, None], kk + k0, m_ok & (kk < K - k0), stride_nr,
+                                       NORM_RES)
+        else:
+            x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=x_ok, other=0.0).to(tl.float32)
+            if NORM:
+                x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, stride_nr,
+                                K, first, NORM_RES, NORM_KEEP)
         acc += w.to(tl.float32) * x
         w = w_next
         if GLU:
@@ -199,7 +218,7 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
     if TRACE:
-        store_trace(TR, t_start, t_waited, t_reduced, global_time(0.0))
+        store_trace(TR, t_start, t_waited, t_prologue, t_reduced, global_time(0.0))
 
 
 @triton.jit
@@ -400,7 +419,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
                                   **decode_conv_kernel_args(conv, y, conv_chunk),
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
-                                  **trace_args(trace, x, grid), **tile, **pdl)
+                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile}, **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

@@ -112,19 +112,38 @@ def prenorm_inv_rms(X, R, rm, m_ok, stride_xm, stride_rm, K, eps, HAS_RESIDUAL: 
 
 @triton.jit
 def normed_tile(x, R, W, S_OUT, N_OUT, rows, cols, mask, inv, stride_rm, K, store,
-                 HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr):
+                HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr):
     """The norm's output at `cols` of `rows` (any tile shape, broadcast as `x`), from x's fp32 tile
     and `inv` (`prenorm_inv_rms`, broadcast likewise): s = x, or x + r rounded to the residual's
     dtype, then ((s * inv) * w) rounded to x's dtype (S_OUT's), as `_rms_norm_kernel` computes it;
     returned in fp32. Where `store`, s (the residual stream's new value) goes to S_OUT and, with
     KEEP_NORMED, the normed tile to N_OUT (both contiguous [M, K])."""
+    r, w = norm_operands(R, W, rows, cols, mask, stride_rm, HAS_RESIDUAL)
+    return normed_values(x, r, w, S_OUT, N_OUT, rows, cols, mask, inv, K, store, HAS_RESIDUAL, KEEP_NORMED)
+
+
+@triton.jit
+def norm_operands(R, W, rows, cols, mask, stride_rm, HAS_RESIDUAL: tl.constexpr):
+    """The residual's tile (R's dtype; 0 without one) and the norm weight's tile (W's dtype) at
+    `cols` of `rows`, as `normed_tile` reads them: loaded apart so that a loop can issue the next
+    tile's loads before it uses the current one (`normed_values`)."""
     if HAS_RESIDUAL:
-        r = tl.load(R + rows * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(S_OUT.dtype.element_ty)
+        r = tl.load(R + rows * stride_rm + cols, mask=mask, other=0.0)
+    else:
+        r = 0.0
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    return r, w
+
+
+@triton.jit
+def normed_values(x, r, w, S_OUT, N_OUT, rows, cols, mask, inv, K, store,
+                  HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr):
+    """`normed_tile` from operands already loaded (`norm_operands`): the same values, bit for bit."""
+    if HAS_RESIDUAL:
+        s = (x + r.to(tl.float32)).to(S_OUT.dtype.element_ty)
         tl.store(S_OUT + rows * K + cols, s, mask=mask & store)
         x = s.to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    n = ((x * inv) * w).to(S_OUT.dtype.element_ty)
+    n = ((x * inv) * w.to(tl.float32)).to(S_OUT.dtype.element_ty)
     if KEEP_NORMED:
         tl.store(N_OUT + rows * K + cols, n, mask=mask & store)
     return n.to(tl.float32)

@@ -20,12 +20,13 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 
-# the fields of one program's record: start, wait returned, products reduced, stored, SM id (3 spare)
+# the fields of one program's record: start, wait returned, prologue done (a norm's statistics, a
+# conv's history), products reduced, stored, SM id (2 spare)
 FIELDS = 8
-START, WAITED, REDUCED, STORED, SM = range(5)
+START, WAITED, PROLOGUE, REDUCED, STORED, SM = range(6)
 # the same, for the kernels (a @triton.jit function reads only constexpr globals)
-_FIELDS, _START, _WAITED, _REDUCED, _STORED, _SM = (tl.constexpr(v)
-                                                    for v in (FIELDS, START, WAITED, REDUCED, STORED, SM))
+_FIELDS, _START, _WAITED, _PROLOGUE, _REDUCED, _STORED, _SM = (
+    tl.constexpr(v) for v in (FIELDS, START, WAITED, PROLOGUE, REDUCED, STORED, SM))
 
 
 @triton.jit
@@ -43,11 +44,12 @@ def sm_id():
 
 
 @triton.jit
-def store_trace(TR, t_start, t_waited, t_reduced, t_stored):
-    """This program's record: the four times and its SM."""
+def store_trace(TR, t_start, t_waited, t_prologue, t_reduced, t_stored):
+    """This program's record: the five times and its SM."""
     base = TR + tl.program_id(0) * _FIELDS
     tl.store(base + _START, t_start)
     tl.store(base + _WAITED, t_waited)
+    tl.store(base + _PROLOGUE, t_prologue)
     tl.store(base + _REDUCED, t_reduced)
     tl.store(base + _STORED, t_stored)
     tl.store(base + _SM, sm_id().to(tl.int64))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
 gemv_trace = pytest.importorskip("benchmarks.kernel_bench.gemv_trace")
 
@@ -13,6 +13,7 @@ def launch(t0, waits, reduced, stored, sms):
     rec = torch.zeros(len(waits), FIELDS, dtype=torch.int64)
     rec[:, START], rec[:, WAITED], rec[:, REDUCED], rec[:, STORED] = t0, torch.tensor(waits), \
         torch.tensor(reduced), torch.tensor(stored)
+    rec[:, PROLOGUE] = rec[:, WAITED] + 400
     rec[:, SM] = torch.tensor(sms)
     return rec
 
@@ -20,7 +21,8 @@ def launch(t0, waits, reduced, stored, sms):
 def test_analysis_reads_the_gaps_between_launches():
     # Each launch starts 500 ns after the previous one's last wait, is released 300 ns after the
     # previous one's last store, its second program waits 200 ns longer (a later wave on SM 0),
-    # reduces 1000 ns after its first wait, and stores 100 ns after its last reduction.
+    # reduces 1000 ns after its first wait, and stores 100 ns after its last reduction; each
+    # program's prologue takes 400 ns. Every program starts before the previous launch ends.
     recs, end, last_wait = [], 0, 0
     for _ in range(6):
         start = last_wait + 500
@@ -33,4 +35,6 @@ def test_analysis_reads_the_gaps_between_launches():
     assert o["launch"] == pytest.approx(0.5) and o["spread"] == pytest.approx(0.2)
     assert o["stream"] == pytest.approx(1.0) and o["tail"] == pytest.approx(0.1)
     assert o["waves"] == 2 and o["programs"] == 2 and o["bytes"] == pytest.approx(1.0)
+    # per program: the prologue 0.4 us, the reduction 1.0 and 0.8 us after its own wait
+    assert o["prologue"] == pytest.approx(0.4) and o["post"] == pytest.approx(0.9) and o["early"] == 1.0
     assert gemv_trace.timer_step(recs) == 100

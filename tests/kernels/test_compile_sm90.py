@@ -183,7 +183,7 @@ def gemv_router() -> None:
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
                  dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False, **NO_NORM,
-                      **tile, ROPE=False, HALF=1, TRACE=False))
+                      **tile, ROPE=False, HALF=1, TRACE=False, XPIPE=True))
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)
@@ -199,7 +199,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     are still streamed before the wait. With `chunk`, the conv epilogue over a verify's 4 rows. With
     the norm epilogue (the 8B's o_proj, the row in registers), the last program's acq_rel count
     and its reads of the other programs' columns through L2. With `trace`, the timer reads
-    (`kiln.kernels.trace`): one before the first weight load, one after the wait, and no timer
+    (`kiln.kernels.trace`): five, one before the first weight load, and no timer
     at all without it."""
     from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
 
@@ -224,7 +224,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
                                                 CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
                                                 **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1,
-                                                TRACE=trace)
+                                                TRACE=trace, XPIPE=True)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]
@@ -243,7 +243,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     if trace:
         first_timer = ptx.index("%globaltimer")
         assert first_timer < ptx.index("ld.global.v4") < wait, "the start time precedes the weight stream"
-        assert ptx.count("%globaltimer") == 4 and "%globaltimer" in ptx[wait:] and "%smid" in ptx[wait:]
+        assert ptx.count("%globaltimer") == 5 and "%globaltimer" in ptx[wait:] and "%smid" in ptx[wait:]
     else:
         assert "%globaltimer" not in ptx and "%smid" not in ptx
 
