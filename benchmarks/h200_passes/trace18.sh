@@ -92,3 +92,42 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     print(f"{os.path.basename(f)[:-5]:16s} step {rows[0].get('step_ms') or float('nan'):7.3f} ms")
 PY
 }
+
+variant_rule() {  # variant_rule NAME QKVR_TILE O_TILE ROUTER_TILE: batch-1 tiles (BN,BK,warps) for K <= 2048
+  local d=/tmp/v_$1; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  python - "$d" "$2" "$3" "$4" <<'PY'
+import sys
+d, pre, fma, router = sys.argv[1:5]
+p = f"{d}/kiln/kernels/gemv.py"; s = open(p).read()
+old_fma = "bn, bk, warps = (2, 1024, 4) if k <= 4096 else (4, 1024, 8)"
+old_pre = "    if m == 1 and n >= 2048:\n"
+assert old_fma in s and old_pre in s
+t = lambda v: "dict(BLOCK_N={}, BLOCK_K={}, num_warps={}, num_stages=1)".format(*v.split(","))
+s = s.replace(old_fma, f"bn, bk, warps = ({fma}) if k <= 2048 else (2, 1024, 4) if k <= 4096 else (4, 1024, 8)")
+s = s.replace(old_pre, f"    if m == 1 and k <= 2048:\n        return {t(pre)} if n >= 2048 else {t(router)}\n" + old_pre)
+open(p, "w").write(s)
+print("variant", d, "qkvr", pre, "o", fma, "router", router)
+PY
+}
+
+lane0_trace4() {  # one-K-tile tiles (ONE_TILE) for qkvr / o / the router in the chain and in the engine at batch 1
+  step gemv_trace ${T_TRACE:-150} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains dense --trigger on \
+    --tiles rule,8x2048/w8+4x2048/w8,16x2048/w16+2x2048/w8,8x2048/w8+rule,rule+4x2048/w8,rule+2x2048/w8 \
+    --out "$R/json/trace4a.json"
+  step gemv_trace_router ${T_TRACE:-100} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains dense \
+    --trigger on --tiles rule,8x2048/w8+4x2048/w8 --router-tile 1x2048 --out "$R/json/trace4b.json"
+  variant_rule one1 "8,2048,8" "4, 2048, 8" "1,2048,4"
+  variant_rule one2 "16,2048,16" "2, 2048, 8" "1,2048,4"
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  for r in 1 2; do
+    step INK_base_$r 100 $DECODE --model-path $INK $P1 --out "$R/json/INK_base_$r.json"
+    for v in one1 one2; do
+      step INK_${v}_$r 100 python /tmp/v_$v/benchmarks/decode_batch.py $C --model-path $INK $P1 --out "$R/json/INK_${v}_$r.json"
+    done
+  done
+  step MM_base 100 $DECODE --model-path $MM $P1 --out "$R/json/MM_base.json"
+  for v in one1 one2; do
+    step MM_$v 100 python /tmp/v_$v/benchmarks/decode_batch.py $C --model-path $MM $P1 --out "$R/json/MM_$v.json"
+  done
+  step_table
+}

@@ -28,7 +28,8 @@ Chains: `dense` is Inkling `bench`'s dense path per MoE layer without attention 
 (qkvr 3584x2048 with the pre-norm in its prologue -> o_proj 2048x2048 -> the router 64x2048,
 fp32, pre-norm in its prologue), `o` is o_proj-shaped GEMVs feeding each other. Every layer's
 weights are distinct (nothing stays in L2). `--tiles` times the chains with other FMA tiles for
-the two large GEMVs (the rule's by default), `--xpipe` with the activation tiles loaded one tile
+the two large GEMVs (the rule's by default; a tile whose BLOCK_K covers K takes the kernel's
+loop-free path, ONE_TILE), `--xpipe` with the activation tiles loaded one tile
 ahead (the kernel's default) or in the tile's own iteration.
 """
 
@@ -63,8 +64,9 @@ class Chain:
     def __init__(self, kind: str, layers: int, tile: str, dev, dt=torch.bfloat16, router_tile: str = "rule",
                  xpipe: bool = True):
         self.kind = kind
-        self.tile = tile_of(tile, prenorm_tile(1, 3584, 2048), xpipe)  # qkvr's (the o chain: o's)
-        self.o_tile = tile_of(tile, fma_tile(1, 2048), xpipe)
+        qkvr_tile, _, o_tile = tile.partition("+")  # 'QKVR+O', or one tile for both
+        self.tile = tile_of(qkvr_tile, prenorm_tile(1, 3584, 2048), xpipe)
+        self.o_tile = tile_of(o_tile or qkvr_tile, fma_tile(1, 2048), xpipe)
         self.router_tile = tile_of(router_tile, prenorm_tile(1, 64, 2048), xpipe)
         hid = 2048
         w = lambda n, k, d=dt: (torch.randn(n, k, device=dev) / k ** 0.5).to(d)  # noqa: E731
@@ -139,7 +141,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--chains", default="dense,o")
     ap.add_argument("--tiles", default="rule", help="comma-separated FMA tiles BNxBK[/wWARPS] (4 warps unless "
-                    "given), or 'rule'")
+                    "given) or 'rule', for qkvr and o; 'QKVR+O' gives each its own (the o chain takes O)")
     ap.add_argument("--router-tile", default="rule", help="the dense chain's router tile, as --tiles")
     ap.add_argument("--xpipe", choices=("on", "off", "both"), default="on",
                     help="the GEMV's activation tiles loaded one tile ahead (XPIPE, the default) or not")

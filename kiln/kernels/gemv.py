@@ -100,7 +100,7 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
                      NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
                      NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
-                     XPIPE: tl.constexpr):
+                     XPIPE: tl.constexpr, ONE_TILE: tl.constexpr):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -143,7 +143,6 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if GLU:
         u_ptrs = W + (rn + N)[None, :, None].to(tl.int64) * stride_wn + kk
         u = tl.load(u_ptrs, mask=n_ok & (kk < K), other=0.0)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:
         l2_prefetch_span(W, tl.program_id(0), PF_SPAN, PF_CHUNK, PF_PROGRAMS)
     wait_for_previous(PDL)
@@ -165,37 +164,56 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
             t_prologue = global_time(tl.sum(tl.sum(tl.sum(inv, axis=2), axis=1), axis=0))
         else:
             t_prologue = global_time(0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
-        w_next = tl.load(w_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
-        if GLU:
-            u_next = tl.load(u_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
-        x_ok = m_ok & (kk < K - k0 + BLOCK_K)
-        if XPIPE:  # x's tile k0 too: only the first tile's round trip after the wait is not hidden
+    if ONE_TILE:  # the whole row was loaded before the wait: no loop, no accumulator tile to carry
+        x_ok = m_ok & (kk < K)
+        if XPIPE:
             x = xa.to(tl.float32)
-            xa = tl.load(x_ptrs + k0, mask=m_ok & (kk < K - k0), other=0.0)
             if NORM:
-                x = normed_values(x, ra, na, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, K, first,
-                                  NORM_RES, NORM_KEEP)
-                ra, na = norm_operands(NR, NW, rm[:, None, None], kk + k0, m_ok & (kk < K - k0), stride_nr,
-                                       NORM_RES)
+                x = normed_values(x, ra, na, NS, NX, rm[:, None, None], kk, x_ok, inv, K, first, NORM_RES, NORM_KEEP)
         else:
-            x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=x_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)
             if NORM:
-                x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, stride_nr,
-                                K, first, NORM_RES, NORM_KEEP)
-        acc += w.to(tl.float32) * x
-        w = w_next
+                x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk, x_ok, inv, stride_nr, K, first, NORM_RES,
+                                NORM_KEEP)
+        y = tl.sum(w.to(tl.float32) * x, axis=2)
         if GLU:
-            acc_u += u.to(tl.float32) * x
-            u = u_next
-    y = tl.sum(acc, axis=2)
+            y_u = tl.sum(u.to(tl.float32) * x, axis=2)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if GLU:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+            # load tile k0 (masked off past K) while tile k0 - BLOCK_K is multiplied
+            w_next = tl.load(w_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
+            if GLU:
+                u_next = tl.load(u_ptrs + k0, mask=n_ok & (kk < K - k0), other=0.0)
+            x_ok = m_ok & (kk < K - k0 + BLOCK_K)
+            if XPIPE:  # x's tile k0 too: only the first tile's round trip after the wait is not hidden
+                x = xa.to(tl.float32)
+                xa = tl.load(x_ptrs + k0, mask=m_ok & (kk < K - k0), other=0.0)
+                if NORM:
+                    x = normed_values(x, ra, na, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv, K,
+                                      first, NORM_RES, NORM_KEEP)
+                    ra, na = norm_operands(NR, NW, rm[:, None, None], kk + k0, m_ok & (kk < K - k0), stride_nr,
+                                           NORM_RES)
+            else:
+                x = tl.load(x_ptrs + (k0 - BLOCK_K), mask=x_ok, other=0.0).to(tl.float32)
+                if NORM:
+                    x = normed_tile(x, NR, NW, NS, NX, rm[:, None, None], kk + (k0 - BLOCK_K), x_ok, inv,
+                                    stride_nr, K, first, NORM_RES, NORM_KEEP)
+            acc += w.to(tl.float32) * x
+            w = w_next
+            if GLU:
+                acc_u += u.to(tl.float32) * x
+                u = u_next
+        y = tl.sum(acc, axis=2)
+        if GLU:
+            y_u = tl.sum(acc_u, axis=2)
     if TRACE:
         t_reduced = global_time(tl.sum(tl.sum(y, axis=1), axis=0))
     if GLU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=2).to(Y.dtype.element_ty).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * y_u.to(Y.dtype.element_ty).to(tl.float32)
     if CONV:  # the conv reads the projection as the unfused path stores it
         y = decode_conv_epilogue(y.to(CBUF.dtype.element_ty), hist, rm, rm < M, rn, rn < N, CW, stride_cw, CBUF,
                                  stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
@@ -419,7 +437,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
                                   **decode_conv_kernel_args(conv, y, conv_chunk),
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
-                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile}, **pdl)
+                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile}, ONE_TILE=tile["BLOCK_K"] >= k, **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

@@ -183,7 +183,7 @@ def gemv_router() -> None:
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
                  dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False, **NO_NORM,
-                      **tile, ROPE=False, HALF=1, TRACE=False, XPIPE=True))
+                      **tile, ROPE=False, HALF=1, TRACE=False, XPIPE=True, ONE_TILE=False))
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)
@@ -224,7 +224,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
                                                 CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
                                                 **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1,
-                                                TRACE=trace, XPIPE=True)
+                                                TRACE=trace, XPIPE=True, ONE_TILE=False)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]

@@ -315,6 +315,33 @@ def _check_prenorm(device, dtype, m, n, k, glu, with_residual, exact):
     assert none is None and torch.equal(y2, y)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,k,block_k", [(12, 64, 64), (10, 200, 256)])
+@pytest.mark.parametrize("glu", [False, True])
+def test_one_tile_gemv_matches_the_loop(device, dtype, n, k, block_k, glu):
+    """A tile whose BLOCK_K covers K takes the kernel's loop-free path (ONE_TILE: the whole row
+    loaded before the wait, no accumulator tile): the product as F.linear's (and SiLU-and-mul of
+    it), the norm prologue's output as the norm then the same one-tile GEMV, residual stored."""
+    from kiln.kernels.gemv import gemv_prenorm
+    from kiln.kernels.norm import fused_add_rms_norm
+
+    one = dict(BLOCK_N=2, BLOCK_K=block_k, num_warps=4, num_stages=1)
+    x, w = _case(1, n, k, dtype, device, seed=n + k)
+    want = F.linear(x.float(), w.float())
+    if glu:
+        want = F.silu(want[:, : n // 2]) * want[:, n // 2:]
+    tol = FP32 if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gemv(x, w, tile=one, glu=glu).float(), want, **tol)
+    res = torch.randn_like(x)
+    nw = torch.rand(k, dtype=dtype, device=device) + 0.5
+    y, summed, normed = gemv_prenorm(x, res, nw, 1e-6, w, glu=glu, keep_normed=True, tile=one)
+    want_x, want_sum = fused_add_rms_norm(x, res, nw, 1e-6)
+    assert torch.equal(summed, want_sum)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else tol
+    torch.testing.assert_close(normed, want_x, **exact)
+    torch.testing.assert_close(y, gemv(want_x, w, tile=one, glu=glu), **exact)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_prenorm_widens_for_an_fp32_router(m):
