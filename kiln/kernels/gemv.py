@@ -51,7 +51,9 @@ PRENORM_MAX_BLOCK = 4096  # values per program in one step of the norm prologue'
 
 # Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernel_bench/gemv.py` sweeps.
 FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
-             (8, 512, 4), (8, 256, 4), (16, 256, 8))
+             (8, 512, 4), (8, 256, 4), (16, 256, 8), (4, 2048, 8), (8, 2048, 8))
+# At one row, K in (ONE_TILE_MIN_K, ONE_TILE_MAX_K] takes a tile as deep as the row (ONE_TILE).
+ONE_TILE_MIN_K, ONE_TILE_MAX_K = 1024, 2048
 DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
 INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
 
@@ -62,8 +64,13 @@ def fma_tile(m: int, k: int) -> dict:
     From the sweeps on an H200 (docs/benchmarks.md, "ninth pass"): at 1 row, 2x1024 on 4 warps is
     the best or within a few percent of it at K <= 4096 (Llama-8B qkv, o, gate_up), and 4x1024 on
     8 warps at the long K of down projections; with the accumulator holding 2 or 4 rows, 4x1024
-    and 4x512 on 4 warps win."""
+    and 4x512 on 4 warps win. At 1 row and 1024 < K <= 2048 (the hybrids' hidden size) one
+    4x2048 tile on 8 warps covers the row: the loop-free path (ONE_TILE), whose whole row is
+    loaded before the PDL wait, is faster there in a dependent chain and in the engine
+    (docs/benchmarks.md, twenty-third pass); at K <= 1024 the 2x1024 tile covers it already."""
     if m == 1:
+        if ONE_TILE_MIN_K < k <= ONE_TILE_MAX_K:
+            return dict(BLOCK_N=4, BLOCK_K=ONE_TILE_MAX_K, num_warps=8, num_stages=1)
         bn, bk, warps = (2, 1024, 4) if k <= 4096 else (4, 1024, 8)
     elif m == 2:
         bn, bk, warps = 4, 1024, 4
@@ -78,7 +85,14 @@ def prenorm_tile(m: int, n: int, k: int) -> dict:
     work that `fma_tile`'s narrow one-row tiles would repeat for every 2 output columns: at one row
     and n >= 2048, 4 columns per program (2 gate + 2 up rows with glu) share it, the best tile of
     a sweep of a decoder layer's chain at the Inkling `bench` and 8B shapes; a smaller weight (a
-    router) keeps `fma_tile`'s programs (docs/benchmarks.md, sixteenth pass)."""
+    router) keeps `fma_tile`'s programs (docs/benchmarks.md, sixteenth pass). At one row and
+    1024 < K <= 2048, one tile covers the row (ONE_TILE): 8x2048 on 8 warps for n >= 2048 (every
+    program then fits on the GPU at once), and a router's one row per program on 4 warps, its 64
+    programs each one round trip of weights (twenty-third pass)."""
+    if m == 1 and ONE_TILE_MIN_K < k <= ONE_TILE_MAX_K:
+        if n >= 2048:
+            return dict(BLOCK_N=8, BLOCK_K=ONE_TILE_MAX_K, num_warps=8, num_stages=1)
+        return dict(BLOCK_N=1, BLOCK_K=ONE_TILE_MAX_K, num_warps=4, num_stages=1)
     if m == 1 and n >= 2048:
         return dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
     return fma_tile(m, k)
