@@ -135,7 +135,6 @@ lane0_trace4() {  # one-K-tile tiles (ONE_TILE) for qkvr / o / the router in the
 lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; both hybrids and the 8B at batch 1 against the session's start
   # scratch/base18 = `git archive 82d6277 kiln benchmarks/{decode_batch,common,roofline,dummy_weights}.py benchmarks/configs` (carried)
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
-  step gpu_tests ${T_TESTS:-240} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8" B=scratch/base18/benchmarks/decode_batch.py
   for r in 1 2; do
     step INK_new_$r 100 $DECODE --model-path $INK $P1 --out "$R/json/INK_new_$r.json"
@@ -146,4 +145,5 @@ lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; bot
   step L8B_new 120 $DECODE --model-path $LLAMA $P1 --out "$R/json/L8B_new.json"
   step L8B_start 120 python $B $C --model-path $LLAMA $P1 --out "$R/json/L8B_start.json"
   step_table
+  step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
 }
