@@ -16,12 +16,20 @@ is 0.
 Two inner loops, picked by the number of rows:
 - 1 to 4 rows (BLOCK_M = M rounded up to 1, 2 or 4): CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K]
   fp32 accumulator reduced once at the end, the next weight tile loaded while the current one is
-  multiplied (two tiles in flight per program). Narrow BLOCK_N gives many programs per SM.
+  multiplied (two tiles in flight per program). Narrow BLOCK_N gives many programs per SM. The
+  activation side (x, and a folded norm's residual and weight) is loaded one tile ahead as well
+  (XPIPE): in a dependent chain each K step otherwise waits for its own L2 round trip after the
+  PDL wait, ~0.3-0.4 us each (`benchmarks/kernel_bench/gemv_trace.py`, twenty-third pass). A tile
+  as deep as K (ONE_TILE, `fma_tile` at one row and 1024 < K <= 2048) has no loop: the program's
+  whole row slice is loaded before the wait and reduced once, with no accumulator tile to carry,
+  so its registers stay low enough that every program of the grid is resident at once.
 - 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
 
 The tile is a fixed function of the shape (`fma_tile`, `dot_tile`), not autotuned: an autotuned
 tile depends on timing, so two processes could sum in different orders and their outputs differ
 in the last bits. `python -m benchmarks.kernel_bench.gemv` sweeps the candidates to revisit the rule.
+
+With `trace` each program records its timestamps (`kiln.kernels.trace`): what the trace tool reads.
 
 Reference: `torch.nn.functional.linear`; `tests/kernels/test_gemv.py` compares the two.
 `kiln.layers.decode_gemv` routes the engine's decode projections here (`--gemv-max-rows`).
@@ -138,7 +146,10 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     ROPE: W is a fused qkv projection, each program's rows a head's rotation pairs
     (`kiln.kernels.rotary.rope_pair_rows`), and the epilogue rotates q into Y and writes k and v into
     the cache (`rope_epilogue`) instead of storing y.
-    TRACE: each program writes its timestamps to TR (`kiln.kernels.trace`)."""
+    TRACE: each program writes its timestamps to TR (`kiln.kernels.trace`).
+    XPIPE: the activation tiles (x; with NORM, the residual's and the norm weight's) are loaded one
+    K tile ahead, as the weights are; off, each in its own iteration (the same values, bit for bit).
+    ONE_TILE (BLOCK_K >= K, set by the wrapper): no K loop and no accumulator tile."""
     if TRACE:
         t_start = global_time(0.0)
     if ROPE:
