@@ -147,16 +147,3 @@ lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; bot
   step_table
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
 }
-
-lane0_trace6() {  # Inkling MTP rounds (K = 3, batch 1) with the final code against the session's start
-  local RD="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 64 --cuda-graph-max-bs 8 \
---speculative-algorithm mtp --speculative-num-steps 3" B=scratch/base18/benchmarks/decode_batch.py
-  step RND_new 80 $DECODE $RD --out "$R/json/RND_new.json"
-  step RND_start 70 python $B $C $RD --out "$R/json/RND_start.json"
-  python - "$R/json" <<'PY'
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "RND_*.json"))):
-    r = (json.load(open(f)).get("rows") or [{}])[0]
-    print(f"{os.path.basename(f)[:-5]:10s} round {r.get('round_ms') or float('nan'):7.3f} ms  accept_len {r.get('accept_len')}")
-PY
-}
