@@ -316,6 +316,31 @@ def _check_prenorm(device, dtype, m, n, k, glu, with_residual, exact):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m,glu", [(1, False), (3, True)])
+def test_activation_tiles_ahead_change_no_bit(device, dtype, m, glu):
+    """XPIPE (x, and a folded norm's residual and weight, loaded one K step ahead) only moves
+    loads: over several K steps the product, the norm prologue's stored sum and normed rows equal
+    the kernel loading each tile in its own step, bit for bit."""
+    from kiln.kernels.gemv import INTERPRETER_TILE, gemv_prenorm
+
+    x, w = _case(m, 10, 200, dtype, device, seed=m + 7)
+    base = dict(INTERPRETER_TILE) if device == "cpu" else fma_tile(m, 200)
+    on, off = dict(base, XPIPE=True), dict(base, XPIPE=False)
+    assert triton_cdiv(200, base["BLOCK_K"]) > 1, "the check needs several K steps"
+    assert torch.equal(gemv(x, w, tile=on, glu=glu), gemv(x, w, tile=off, glu=glu))
+    res = torch.randn_like(x)
+    nw = torch.rand(200, dtype=dtype, device=device) + 0.5
+    got = gemv_prenorm(x, res, nw, 1e-6, w, glu=glu, keep_normed=True, tile=on)
+    want = gemv_prenorm(x, res, nw, 1e-6, w, glu=glu, keep_normed=True, tile=off)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("n,k,block_k", [(12, 64, 64), (10, 200, 256)])
 @pytest.mark.parametrize("glu", [False, True])
 def test_one_tile_gemv_matches_the_loop(device, dtype, n, k, block_k, glu):
