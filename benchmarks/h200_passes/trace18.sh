@@ -147,3 +147,14 @@ lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; bot
   step_table
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
 }
+
+lane0_slots1() {  # the down expert GEMV's slots all at once (GEMV_DOWN_ALL_SLOTS) at batch 1, then its GPU tests
+  local d=/tmp/v_all; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  sed -i 's/^GEMV_DOWN_ALL_SLOTS = False$/GEMV_DOWN_ALL_SLOTS = True/' "$d/kiln/kernels/moe_gemv.py"
+  grep -n "^GEMV_DOWN_ALL_SLOTS" "$d/kiln/kernels/moe_gemv.py"
+  local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step INK_allslots 70 python $d/benchmarks/decode_batch.py $C --model-path $INK $P1 --out "$R/json/INK_allslots.json"
+  step INK_slotbyslot 40 $DECODE --model-path $INK $P1 --out "$R/json/INK_slotbyslot.json"
+  step_table
+  step gpu_tests 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_moe_gemv.py -k all_slots
+}
