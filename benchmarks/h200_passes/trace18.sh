@@ -148,7 +148,7 @@ lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; bot
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
 }
 
-lane0_slots1() {  # the down expert GEMV's slots all at once (GEMV_DOWN_ALL_SLOTS) at batch 1, then its GPU tests
+lane0_slots1() {  # needs e196893 (GEMV_DOWN_ALL_SLOTS, removed after this call): the down GEMV's slots all at once at batch 1, its GPU tests
   local d=/tmp/v_all; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
   sed -i 's/^GEMV_DOWN_ALL_SLOTS = False$/GEMV_DOWN_ALL_SLOTS = True/' "$d/kiln/kernels/moe_gemv.py"
   grep -n "^GEMV_DOWN_ALL_SLOTS" "$d/kiln/kernels/moe_gemv.py"

@@ -15,7 +15,7 @@ tl.dot: one row), grids fixed by shapes:
    `_sum_slots_kernel`'s order, dots act with BLOCK_N rows of each slot's down weight, weights it as
    `_down_kernel` does and sums in fp32 registers: one cast, no fp32 slot buffer, no sum kernel.
    With the early trigger its first weight tile loads before the PDL wait (the ids are complete
-   by then: its docstring); with `GEMV_DOWN_ALL_SLOTS` (off: not yet timed) every slot's tile does.
+   by then: its docstring).
    Optionally a decode ShortConv on the sum in its epilogue (Inkling's out_conv: `conv`).
 The kernels take any T (one program row per token), but past one token the grouped path stays:
 tokens that share an expert read it once there, once per slot here (`benchmarks/kernel_bench/moe.py
@@ -27,6 +27,11 @@ Tried and removed (commit 15c4b55, docs/benchmarks.md twenty-second pass): both 
 the experts from the router logits themselves, with no gate launch. The gate launch costs a
 batch-1 Inkling step ~0.09 ms, but the selection in every one of the ~2000 programs (12 serial
 reductions over 128 lanes, the exact sigmoid) cost more: 1.61 against 1.27 ms.
+Also tried and removed (commit b4f7b09, twenty-third pass): the down kernel loading every slot's id
+and weight tile at once ([KS, BLOCK_N, BLOCK_K], before the wait with the trigger) instead of one
+slot ahead. Correct (CPU and GPU tests), slower: Inkling 1.266 against 1.214 ms. It took 80
+registers per thread against 64 (sm_90 compile), so 6 programs per SM instead of 8 and the 1024
+programs of a bench layer no longer fit at once.
 """
 
 from __future__ import annotations
@@ -48,13 +53,6 @@ from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, de
 # 0.1 us (grouped 20.8). The first guess, (16, 256) / (8, 512), took 24.0 and 21.8 us.
 GEMV_UP_TILE = (2, 1024, 4)
 GEMV_DOWN_TILE = (2, 512, 4)
-# The down kernel's slots all at once (ALL_SLOTS) where one K tile covers a slot (BLOCK_K >= I):
-# every slot's expert id and weight tile loaded together, before the PDL wait with the early
-# trigger, instead of one slot ahead (each slot's id, then its weights: a dependent pair of round
-# trips per slot, ~8 slots per token). Written and tested on the CPU and compiled for sm_90 in the
-# eighteenth session, not yet timed on a GPU, so off until it is (docs/benchmarks.md, twenty-third
-# pass).
-GEMV_DOWN_ALL_SLOTS = False
 # Under the interpreter: small tiles, so that the tests' tiny shapes span several of them.
 GEMV_INTERPRETER_TILE = (4, 16, 1)
 
@@ -142,32 +140,13 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
 
 
 @triton.jit
-def _down_all_slot_tiles(w2_ptr, sw2_ptr, ids_ptr, t, rows, H, I, stride_we, stride_wh, stride_sh,
-                         K: tl.constexpr, KS: tl.constexpr, KS_P: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Every slot's [BLOCK_N, BLOCK_K] down-weight tile of token t as one [KS_P, BLOCK_N, BLOCK_K]
-    load (BLOCK_K >= I), addressed as `_down_slot_ptrs` does: routed slot j from w2[ids[t, j]], shared
-    chunk c = j - K from sw2's columns c*I; padding slots (j >= KS) read nothing. The ids are read
-    from L2 (".cg"), as slot 0's id in `_down_slot_ptrs`."""
-    js = tl.arange(0, KS_P)
-    routed = js < K
-    e = tl.load(ids_ptr + t * K + tl.minimum(js, K - 1), mask=routed, other=0, cache_modifier=".cg").to(tl.int64)
-    r3 = rows[None, :, None].to(tl.int64)
-    k3 = tl.arange(0, BLOCK_K)[None, None, :]
-    routed_ptrs = w2_ptr + (e * stride_we)[:, None, None] + r3 * stride_wh + k3
-    shared_ptrs = sw2_ptr + (tl.maximum(js - K, 0) * I)[:, None, None] + r3 * stride_sh + k3
-    ptrs = tl.where(routed[:, None, None], routed_ptrs, shared_ptrs)
-    mask = (js < KS)[:, None, None] & (r3 < H) & (k3 < I)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shared_w_ptr, out_ptr,
                              H, I, stride_we, stride_wh, stride_sh,
                              CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                              K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                             CKP: tl.constexpr, CCHUNK: tl.constexpr, ALL_SLOTS: tl.constexpr, KS_P: tl.constexpr):
+                             CKP: tl.constexpr, CCHUNK: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
@@ -182,11 +161,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     loading early measured slower there (docs/benchmarks.md, fifteenth pass).
 
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
-    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait.
-
-    ALL_SLOTS (BLOCK_K >= I; KS_P = KS rounded up to a power of 2): every slot's id and weight tile
-    are loaded at once, one [KS_P, BLOCK_N, BLOCK_K] tile (`_down_all_slots`), then every slot's act
-    row; the slots are still weighted and added one by one, in the same order."""
+    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait."""
     t = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = (rows < H)[:, None]
@@ -195,35 +170,16 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
 
     if PDL != 2:  # no early trigger: wait first (docstring)
         wait_for_previous(PDL)
-    if ALL_SLOTS:
-        w_all = _down_all_slot_tiles(w2_ptr, sw2_ptr, ids_ptr, t, rows, H, I, stride_we, stride_wh, stride_sh, K,
-                                     KS, KS_P, BLOCK_K)
-    else:
-        w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K)
-        w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
-    if PDL == 2:  # the early trigger: the first tile (every slot's with ALL_SLOTS) is under way before the wait
+    w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K)
+    w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
+    if PDL == 2:  # the early trigger: the first tile is under way before the wait
         wait_for_previous(PDL)
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,
                                    CLENS, CK, CKP, CCHUNK)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ALL_SLOTS:
-        js = tl.arange(0, KS_P)
-        a_all = tl.load(act_ptr + (t * KS + js)[:, None, None] * I + tl.arange(0, BLOCK_K)[None, None, :],
-                        mask=(js < KS)[:, None, None] & (tl.arange(0, BLOCK_K) < I)[None, None, :], other=0.0)
-        # each slot's products summed over K: [KS_P, BLOCK_N]
-        per_slot = tl.sum(w_all.to(tl.float32) * a_all.to(tl.float32), axis=2)
-    for j in tl.static_range(KS if ALL_SLOTS else 0):
-        # slot j's row, picked out exactly (a sum of it and zeros), weighted and added in slot order
-        acc_j = tl.sum(tl.where((js == j)[:, None], per_slot, 0.0), axis=0)
-        if j < K:
-            out += acc_j * tl.load(topk_w_ptr + t * K + j)
-        elif HAS_SW:
-            out += acc_j * tl.load(shared_w_ptr + t * NUM_SW + (j - K) // SW_REP)
-        else:
-            out += acc_j
-    for j in tl.static_range(0 if ALL_SLOTS else KS):
+    for j in tl.static_range(KS):
         a_ptrs = act_ptr + (t * KS + j) * I + rk
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(BLOCK_K, I, BLOCK_K):  # all but the last tile, the next one loading
@@ -271,10 +227,8 @@ def experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots,
         x, w13, sw13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
         K=k, KS=ks_slots, **up, **pdl_launch(x.device))
     # Launched right after the gate/up kernel: the down kernel reads ids before its wait (its docstring).
-    all_slots = GEMV_DOWN_ALL_SLOTS and down["BLOCK_K"] >= inter
     _expert_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]), T)](
         act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
         **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots,
-        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, ALL_SLOTS=all_slots,
-        KS_P=triton.next_power_of_2(ks_slots), **down, **pdl_launch(x.device))
+        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
     return out

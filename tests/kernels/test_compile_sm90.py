@@ -125,13 +125,11 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
-def moe_gemv(shared: bool, conv: bool = False, all_slots: bool = False) -> None:
+def moe_gemv(shared: bool, conv: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
     expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel, whose first
     slot's id and weight tile load before its PDL wait with the early trigger (the id from L2:
-    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue.
-    With `all_slots`, every slot's id and tile load together (ALL_SLOTS), before the wait with the
-    trigger: as many weight loads before it as the one-slot-ahead kernel issues in all."""
+    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
@@ -147,22 +145,13 @@ def moe_gemv(shared: bool, conv: bool = False, all_slots: bool = False) -> None:
     for pdl in (1, 2):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down,
-                                ALL_SLOTS=all_slots, KS_P=8),
+                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down),
                            divisible=names(_expert_down_gemv_kernel))["ptx"]
         before = ptx[:ptx.index("griddepcontrol.wait")]
         if pdl == 2:  # the early trigger: the id and weight stream start before the wait
             assert "ld.global.cg" in before and "ld.global.v4" in before, "the first tile must load before the wait"
         else:  # without it the kernel waits first
             assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
-        if all_slots and pdl == 2:  # every slot's weights before the wait: the loop's loads all come first
-            slot_by_slot = compile_sm90(_expert_down_gemv_kernel, types,
-                                        dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                             CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down,
-                                             ALL_SLOTS=False, KS_P=8),
-                                        divisible=names(_expert_down_gemv_kernel))["ptx"]
-            assert before.count("ld.global") > slot_by_slot[:slot_by_slot.index("griddepcontrol.wait")].count(
-                "ld.global"), "ALL_SLOTS must issue more weight loads before the wait"
 
 
 def router_gate(sink: bool) -> None:
@@ -305,8 +294,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
          "gemv_router": gemv_router, "gemv_norm_traced": lambda: gemv(True, norm=True, trace=True), "moe_gemv": lambda: moe_gemv(False), "moe_gemv_shared": lambda: moe_gemv(True),
-         "moe_gemv_conv": lambda: moe_gemv(True, conv=True),
-         "moe_gemv_all_slots": lambda: moe_gemv(True, conv=True, all_slots=True), "router_gate_sink": lambda: router_gate(True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),

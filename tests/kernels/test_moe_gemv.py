@@ -195,38 +195,6 @@ def test_one_token_conv_epilogue_is_experts_then_short_conv(device, dtype, E, k,
     torch.testing.assert_close(got.float(), ref_y.float(), **_tol(dtype))
 
 
-@pytest.mark.parametrize("device,dtype", GEMV_DTYPES)
-@pytest.mark.parametrize("E,k,S,shared_mult,shared_weighted,ragged",
-                         [c for c in GEMV_CASES if c.id in ("k3", "inkling-shared", "wide-weighted-shared")])
-@pytest.mark.parametrize("conv", [False, True])
-def test_down_all_slots_matches_slot_by_slot(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, conv,
-                                             monkeypatch):
-    """The down kernel with every slot's tile loaded at once (GEMV_DOWN_ALL_SLOTS, where one K tile
-    covers a slot) against the slot-by-slot kernel: the same weighted sum in the same slot order
-    (the interpreter: to fp32 rounding of the per-slot sums), routed and shared slots, with and
-    without the out_conv epilogue; and against the reference ops."""
-    from kiln.kernels import moe_gemv
-
-    args, want = _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, ragged, seed=3 + E + k + S)
-    x, w13, w2, ids, w, shared = args
-    assert moe_gemv.gemv_tiles(x.shape[1], w2.shape[2])[1]["BLOCK_K"] >= w2.shape[2], "one K tile per slot"
-    conv_args = _conv_state(x.shape[1], 4, 3, dtype, device, seed=11)[0] if conv else None
-
-    def run(all_slots):
-        monkeypatch.setattr(moe_gemv, "GEMV_DOWN_ALL_SLOTS", all_slots)
-        c = None if conv_args is None else (conv_args[0], conv_args[1].clone(), *conv_args[2:])
-        return _km().fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32 if not conv else None,
-                                   shared=shared, conv=c), c
-
-    (slot_by_slot, c0), (all_at_once, c1) = run(False), run(True)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(all_at_once, slot_by_slot, **tol)
-    if conv:
-        torch.testing.assert_close(c1[1], c0[1], **tol)  # the conv state written
-    else:
-        torch.testing.assert_close(all_at_once, want, **_tol(dtype))
-
-
 def test_conv_epilogue_is_refused_where_no_kernel_holds_it():
     # The one-token path's down GEMV takes decode sequences only; the grouped path's sum at most
     # SUM_CONV_MAX_TOKENS tokens.
