@@ -172,9 +172,10 @@ def main() -> None:
                 bound = sum(chain.bytes[n] for n in chain.names) / bw * 1e6 / args.layers
                 recs = chain.records()
                 table = analyse(recs, chain.names, chain.bytes, bw)
-                print(f"\n{kind} chain, tile {tname}, xpipe {'on' if xpipe else 'off'}, early trigger {'on' if trigger else 'off'}: {per_layer:.2f} us per "
-                      f"layer (traced {traced_layer:.2f}; bytes {bound:.2f}, {bound / per_layer:.1%}); timer step "
-                      f"{timer_step(recs):.0f} ns", flush=True)
+                onoff = lambda b: "on" if b else "off"  # noqa: E731
+                print(f"\n{kind} chain, tile {tname}, xpipe {onoff(xpipe)}, early trigger {onoff(trigger)}: "
+                      f"{per_layer:.2f} us per layer (traced {traced_layer:.2f}; bytes {bound:.2f}, "
+                      f"{bound / per_layer:.1%}); timer step {timer_step(recs):.0f} ns", flush=True)
                 cols = ("span", "bytes", "launch", "released", "spread", "stream", "tail", "early", "prologue",
                         "post", "waves", "programs")
                 print(f"{'gemv':<8}" + "".join(f"{c:>9}" for c in cols))

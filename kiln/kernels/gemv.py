@@ -462,7 +462,8 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
                                   **decode_conv_kernel_args(conv, y, conv_chunk),
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
-                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile}, ONE_TILE=tile["BLOCK_K"] >= k, **pdl)
+                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile},
+                                  ONE_TILE=tile["BLOCK_K"] >= k, **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
