@@ -1,7 +1,8 @@
 """Where a decode GEMV's time goes in a dependent chain: per-program timestamps; CUDA only.
 
     python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512/w8]
-                                                [--router-tile 1x2048] [--trigger on|off|both] [--out trace.json]
+                                                [--router-tile 1x2048] [--xpipe on|off|both]
+                                                [--trigger on|off|both] [--out trace.json]
 
 At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
 twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
@@ -130,7 +131,7 @@ def analyse(recs: list, names: list, nbytes: dict, bw: float) -> dict:
 
 def timer_step(recs) -> float:
     """The smallest nonzero difference between timestamps (the timer's resolution), ns."""
-    t = torch.cat([r[:, :4].flatten() for r in recs]).unique()
+    t = torch.cat([r[:, :SM].flatten() for r in recs]).unique()  # every time field
     d = (t[1:] - t[:-1])
     d = d[d > 0]
     return float(d.min()) if len(d) else float("nan")

@@ -20,9 +20,10 @@ Two inner loops, picked by the number of rows:
   activation side (x, and a folded norm's residual and weight) is loaded one tile ahead as well
   (XPIPE): in a dependent chain each K step otherwise waits for its own L2 round trip after the
   PDL wait, ~0.3-0.4 us each (`benchmarks/kernel_bench/gemv_trace.py`, twenty-third pass). A tile
-  as deep as K (ONE_TILE, `fma_tile` at one row and 1024 < K <= 2048) has no loop: the program's
-  whole row slice is loaded before the wait and reduced once, with no accumulator tile to carry,
-  so its registers stay low enough that every program of the grid is resident at once.
+  as deep as K (ONE_TILE: any tile with BLOCK_K >= K, so also `fma_tile`'s 2x1024 at K <= 1024;
+  chosen for it at one row and 1024 < K <= 2048) has no loop: the program's whole row slice is
+  loaded before the wait and reduced once, with no accumulator tile to carry, so its registers
+  stay low enough that every program of the grid is resident at once.
 - 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
 
 The tile is a fixed function of the shape (`fma_tile`, `dot_tile`), not autotuned: an autotuned
@@ -62,6 +63,7 @@ FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4)
              (8, 512, 4), (8, 256, 4), (16, 256, 8), (4, 2048, 8), (8, 2048, 8))
 # At one row, K in (ONE_TILE_MIN_K, ONE_TILE_MAX_K] takes a tile as deep as the row (ONE_TILE).
 ONE_TILE_MIN_K, ONE_TILE_MAX_K = 1024, 2048
+ROUTER_MAX_ROWS = 256  # a norm-prologue GEMV this narrow is a MoE router: one row per program
 DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
 INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
 
@@ -95,12 +97,15 @@ def prenorm_tile(m: int, n: int, k: int) -> dict:
     a sweep of a decoder layer's chain at the Inkling `bench` and 8B shapes; a smaller weight (a
     router) keeps `fma_tile`'s programs (docs/benchmarks.md, sixteenth pass). At one row and
     1024 < K <= 2048, one tile covers the row (ONE_TILE): 8x2048 on 8 warps for n >= 2048 (every
-    program then fits on the GPU at once), and a router's one row per program on 4 warps, its 64
-    programs each one round trip of weights (twenty-third pass)."""
+    program then fits on the GPU at once), and a router's (n <= ROUTER_MAX_ROWS) one row per
+    program on 4 warps, its 64 programs each one round trip of weights (twenty-third pass); the
+    sizes between (not timed) take `fma_tile`'s one-tile 4x2048, whose rows still pair for a
+    RoPE epilogue (a qkv projection split by tensor parallelism)."""
     if m == 1 and ONE_TILE_MIN_K < k <= ONE_TILE_MAX_K:
         if n >= 2048:
             return dict(BLOCK_N=8, BLOCK_K=ONE_TILE_MAX_K, num_warps=8, num_stages=1)
-        return dict(BLOCK_N=1, BLOCK_K=ONE_TILE_MAX_K, num_warps=4, num_stages=1)
+        if n <= ROUTER_MAX_ROWS:
+            return dict(BLOCK_N=1, BLOCK_K=ONE_TILE_MAX_K, num_warps=4, num_stages=1)
     if m == 1 and n >= 2048:
         return dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1)
     return fma_tile(m, k)
@@ -184,7 +189,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     if CONV:
         hist = decode_conv_history(rm, rm < M, rn, rn < N, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS,
                                    CK, CKP, CCHUNK)
-    if TRACE:
+    if TRACE:  # after the norm's statistics; without a norm, once the prologue's loads are issued (a
+        # dependence on the conv history would hold the loop back until it arrives)
         if NORM:
             t_prologue = global_time(tl.sum(tl.sum(tl.sum(inv, axis=2), axis=1), axis=0))
         else:
@@ -235,7 +241,10 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         if GLU:
             y_u = tl.sum(acc_u, axis=2)
     if TRACE:
-        t_reduced = global_time(tl.sum(tl.sum(y, axis=1), axis=0))
+        if GLU:
+            t_reduced = global_time(tl.sum(tl.sum(y + y_u, axis=1), axis=0))
+        else:
+            t_reduced = global_time(tl.sum(tl.sum(y, axis=1), axis=0))
     if GLU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * y_u.to(Y.dtype.element_ty).to(tl.float32)
@@ -467,6 +476,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
+    tile = {k: v for k, v in tile.items() if k != "XPIPE"} if tile else None  # the MMA loop has no XPIPE
     tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())
     grid = triton.cdiv(n, tile["BLOCK_N"])
     _gemv_dot_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), PRECISION=precision,

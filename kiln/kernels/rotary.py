@@ -229,7 +229,7 @@ def rope_epilogue_args(rope: Optional[tuple], y: torch.Tensor, n_rows: int, bloc
     assert d % 2 == 0 and cos.shape[-1] == half and cos.stride() == sin.stride() and cos.stride(-1) == 1
     assert v_cache.shape[1:] == k_cache.shape[1:] and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert n_rows == (hq + 2 * hk) * d, f"qkv rows {n_rows} != (q heads {hq} + 2 x kv heads {hk}) x head dim {d}"
-    assert half % (block_n // 2) == 0 and block_n % 2 == 0, f"tile of {block_n} rows does not pair within a head"
+    assert block_n % 2 == 0 and half % (block_n // 2) == 0, f"tile of {block_n} rows does not pair within a head"
     assert positions.shape[0] >= m and loc.shape[0] >= m and not loc.is_floating_point()
     assert positions.stride(0) == 1 and loc.stride(0) == 1 and k_cache.dtype == v_cache.dtype
     return dict(COS=cos, SIN=sin, POS=positions, LOC=loc, KC=k_cache, VC=v_cache, stride_cs=cos.stride(0),

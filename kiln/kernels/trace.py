@@ -20,8 +20,9 @@ import triton.language as tl
 
 from kiln.kernels import interpreting
 
-# the fields of one program's record: start, wait returned, prologue done (a norm's statistics, a
-# conv's history), products reduced, stored, SM id (2 spare)
+# the fields of one program's record: start, wait returned, prologue done (a norm's statistics;
+# without a norm, the prologue's loads issued), products reduced, stores issued (not completed),
+# SM id (2 spare)
 FIELDS = 8
 START, WAITED, PROLOGUE, REDUCED, STORED, SM = range(6)
 # the same, for the kernels (a @triton.jit function reads only constexpr globals)
@@ -63,5 +64,6 @@ def trace_args(trace, fallback, programs: int) -> dict:
     assert not interpreting(), "a traced launch needs a GPU: the interpreter has no inline PTX"
     assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= programs * FIELDS, \
         f"trace: a contiguous int64 buffer of at least {programs} x {FIELDS} values"
+    assert trace.device == fallback.device, f"trace on {trace.device}, the kernel's tensors on {fallback.device}"
     return dict(TR=trace, TRACE=True)
 

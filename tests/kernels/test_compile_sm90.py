@@ -224,7 +224,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
         kernel, consts = _gemv_fma_kernel, dict(BLOCK_M=4 if chunk else 1, PDL=True, GLU=glu, PREFETCH=prefetch,
                                                 CONV=conv, CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=chunk,
                                                 **norm_consts, **tile, ROPE=rope, HALF=64 if rope else 1,
-                                                TRACE=trace, XPIPE=True, ONE_TILE=False)
+                                                TRACE=trace, XPIPE=True, ONE_TILE=tile["BLOCK_K"] >= 2048)
     else:
         kernel, consts = _gemv_dot_kernel, dict(PRECISION="tf32", PDL=True, PREFETCH=prefetch, **tile)
     ptx = compile_sm90(kernel, types, consts, divisible=div)["ptx"]

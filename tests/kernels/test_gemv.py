@@ -94,6 +94,21 @@ def test_fma_tiles_are_candidates_within_the_register_budget():
             assert block_m * t["BLOCK_N"] * t["BLOCK_K"] <= 64 * 32 * t["num_warps"], (m, k, t)
 
 
+def test_one_row_prenorm_tiles_pair_rows_for_rope():
+    """At one row and 1024 < K <= 2048 the norm-prologue tile is one row per program only for a
+    router (<= ROUTER_MAX_ROWS rows); a wider weight, e.g. a qkv projection split by tensor
+    parallelism (1536 rows of Llama-3.2-1B at tp 2), keeps an even BLOCK_N, as the RoPE epilogue's
+    row pairs need, and every one-row tile covers the row."""
+    from kiln.kernels.gemv import ROUTER_MAX_ROWS, prenorm_tile
+
+    for k in (1025, 2048):
+        for n in (64, 66, ROUTER_MAX_ROWS, ROUTER_MAX_ROWS + 1, 1536, 1792, 2048, 3584):
+            t = prenorm_tile(1, n, k)
+            assert t["BLOCK_K"] >= k, (n, k, t)
+            assert (t["BLOCK_N"] == 1) == (n <= ROUTER_MAX_ROWS), (n, k, t)
+            assert n <= ROUTER_MAX_ROWS or t["BLOCK_N"] % 2 == 0, (n, k, t)
+
+
 def _output_digest() -> str:
     """SHA-256 of the GEMV's outputs at the 8B qkv shape for 1, 2, 4 and 8 rows (bf16, CUDA)."""
     import hashlib
@@ -227,7 +242,7 @@ def test_traced_gemv_is_bit_identical_and_its_times_ordered(prenorm):
     """A traced launch (`kiln.kernels.trace`) computes the same output bit for bit, and every
     program's record is ordered: start <= wait returned <= reduced <= stored, on a real SM."""
     from kiln.kernels.gemv import gemv_prenorm, prenorm_tile
-    from kiln.kernels.trace import FIELDS, REDUCED, SM, START, STORED, WAITED
+    from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
     x, w = _case(1, 3584, 2048, torch.bfloat16, "cuda", seed=11)
     trace = torch.zeros(4096 * FIELDS, dtype=torch.int64, device="cuda")
@@ -243,7 +258,8 @@ def test_traced_gemv_is_bit_identical_and_its_times_ordered(prenorm):
     rec = trace.view(-1, FIELDS).cpu()
     assert (rec[:programs, START] > 0).all() and (rec[programs:] == 0).all(), "one record per program"
     rec = rec[:programs]
-    assert (rec[:, START] <= rec[:, WAITED]).all() and (rec[:, WAITED] <= rec[:, REDUCED]).all()
+    assert (rec[:, START] <= rec[:, WAITED]).all() and (rec[:, WAITED] <= rec[:, PROLOGUE]).all()
+    assert (rec[:, PROLOGUE] <= rec[:, REDUCED]).all()
     assert (rec[:, REDUCED] <= rec[:, STORED]).all()
     assert rec[:, SM].max() < torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -324,7 +340,8 @@ def test_activation_tiles_ahead_change_no_bit(device, dtype, m, glu):
     from kiln.kernels.gemv import INTERPRETER_TILE, gemv_prenorm
 
     x, w = _case(m, 10, 200, dtype, device, seed=m + 7)
-    base = dict(INTERPRETER_TILE) if device == "cpu" else fma_tile(m, 200)
+    # several K steps on both devices (the rule's tiles cover K = 200 in one)
+    base = dict(INTERPRETER_TILE) if device == "cpu" else dict(BLOCK_N=4, BLOCK_K=64, num_warps=4, num_stages=1)
     on, off = dict(base, XPIPE=True), dict(base, XPIPE=False)
     assert triton_cdiv(200, base["BLOCK_K"]) > 1, "the check needs several K steps"
     assert torch.equal(gemv(x, w, tile=on, glu=glu), gemv(x, w, tile=off, glu=glu))
