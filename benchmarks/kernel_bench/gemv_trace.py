@@ -23,7 +23,7 @@ chains of GEMVs whose launches record `kiln.kernels.trace` timestamps, and print
                enough to load weights while prev ran);
 - `prologue`:  per program (median), its prologue after its wait (a norm's statistics);
 - `post`:      per program (median), its reduction after its own wait;
-- `waves`:     programs per SM it ran, at most.
+- `per_sm`:    the most of its programs that ran on one SM (resident together or one after another).
 
 Chains: `dense` is Inkling `bench`'s dense path per MoE layer without attention and experts
 (qkvr 3584x2048 with the pre-norm in its prologue -> o_proj 2048x2048 -> the router 64x2048,
@@ -121,7 +121,7 @@ def analyse(recs: list, names: list, nbytes: dict, bw: float) -> dict:
             span=us(r[:, STORED].max() - p[:, STORED].max()), launch=us(r[:, START].min() - p[:, WAITED].max()),
             released=us(first_wait - p[:, STORED].max()), spread=us(last_wait - first_wait),
             stream=us(r[:, REDUCED].max() - first_wait), tail=us(r[:, STORED].max() - r[:, REDUCED].max()),
-            waves=per_sm, programs=len(r)))
+            per_sm=per_sm, programs=len(r)))
     table = {}
     for name, rs in rows.items():
         table[name] = {k: statistics.median(float(x[k]) for x in rs) for k in rs[0]}
@@ -178,7 +178,7 @@ def main() -> None:
                       f"{per_layer:.2f} us per layer (traced {traced_layer:.2f}; bytes {bound:.2f}, "
                       f"{bound / per_layer:.1%}); timer step {timer_step(recs):.0f} ns", flush=True)
                 cols = ("span", "bytes", "launch", "released", "spread", "stream", "tail", "early", "prologue",
-                        "post", "waves", "programs")
+                        "post", "per_sm", "programs")
                 print(f"{'gemv':<8}" + "".join(f"{c:>9}" for c in cols))
                 for name, t in table.items():
                     print(f"{name:<8}" + "".join(f"{t[c]:>9.2f}" for c in cols), flush=True)

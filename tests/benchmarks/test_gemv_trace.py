@@ -34,7 +34,7 @@ def test_analysis_reads_the_gaps_between_launches():
     assert o["span"] == pytest.approx(1.4) and o["released"] == pytest.approx(0.3)
     assert o["launch"] == pytest.approx(0.5) and o["spread"] == pytest.approx(0.2)
     assert o["stream"] == pytest.approx(1.0) and o["tail"] == pytest.approx(0.1)
-    assert o["waves"] == 2 and o["programs"] == 2 and o["bytes"] == pytest.approx(1.0)
+    assert o["per_sm"] == 2 and o["programs"] == 2 and o["bytes"] == pytest.approx(1.0)
     # per program: the prologue 0.4 us, the reduction 1.0 and 0.8 us after its own wait
     assert o["prologue"] == pytest.approx(0.4) and o["post"] == pytest.approx(0.9) and o["early"] == 1.0
     assert gemv_trace.timer_step(recs) == 100
