@@ -27,7 +27,8 @@ chains of GEMVs whose launches record `kiln.kernels.trace` timestamps, and print
 
 Chains: `dense` is Inkling `bench`'s dense path per MoE layer without attention and experts
 (qkvr 3584x2048 with the pre-norm in its prologue -> o_proj 2048x2048 -> the router 64x2048,
-fp32, pre-norm in its prologue), `o` is o_proj-shaped GEMVs feeding each other. Every layer's
+fp32, pre-norm in its prologue), `o` is o_proj-shaped GEMVs feeding each other, `moe` the MoE at
+one token (the router, the sink gate, the two expert GEMVs: `MoEChain`; `--tiles` does not apply). Every layer's
 weights are distinct (nothing stays in L2). `--tiles` times the chains with other FMA tiles for
 the two large GEMVs (the rule's by default; a tile whose BLOCK_K covers K takes the kernel's
 loop-free path, ONE_TILE), `--xpipe` with the activation tiles loaded one tile
@@ -105,6 +106,50 @@ class Chain:
         return out
 
 
+class MoEChain:
+    """Inkling `bench`'s MoE per layer at one token: the router GEMV with the pre-norm in its
+    prologue (traced), the sink gate (not traced), the two expert GEMVs of
+    `kiln.kernels.moe_gemv` (traced), whose output feeds the next layer. So the `up` rows'
+    `released`, `launch` and `span` include the gate launched between. Every layer's weights are
+    distinct (64 experts of 2x512x2048 and 512x2048: ~200 MB a layer)."""
+
+    def __init__(self, layers: int, dev, hidden: int = 2048, experts: int = 64, top_k: int = 6, inter: int = 512,
+                 shared: int = 2, dt=torch.bfloat16, router_tile: str = "rule"):
+        from kiln.kernels.moe_gate import sink_gate
+        from kiln.kernels.moe import fused_experts
+
+        self.sink_gate, self.fused_experts, self.top_k = sink_gate, fused_experts, top_k
+        self.router_tile = tile_of(router_tile, prenorm_tile(1, experts + shared, hidden))
+        w = lambda *shape: (torch.randn(*shape, device=dev) / shape[-1] ** 0.5).to(dt)  # noqa: E731
+        self.h = torch.randn(1, hidden, device=dev, dtype=dt)
+        self.layers = [dict(ln=1 + 0.1 * torch.randn(hidden, device=dev, dtype=dt),
+                            router=torch.randn(experts + shared, hidden, device=dev) / hidden ** 0.5,
+                            bias=0.01 * torch.randn(experts, device=dev), scale=torch.tensor(1.0, device=dev),
+                            w13=w(experts, 2 * inter, hidden), w2=w(experts, hidden, inter),
+                            sw13=w(2 * shared * inter, hidden), sw2=w(hidden, shared * inter))
+                       for _ in range(layers)]
+        self.names = ["router", "up", "down"] * layers
+        slots = top_k + shared
+        self.bytes = {"router": (experts + shared) * hidden * 4, "up": slots * 2 * inter * hidden * 2,
+                      "down": slots * hidden * inter * 2}
+        self.trace = torch.zeros(len(self.names), 4096 * FIELDS, dtype=torch.int64, device=dev)
+
+    def run(self, traced: bool = True):
+        i, f, res = 0, self.h, torch.zeros_like(self.h)
+        tr = (lambda j: self.trace[j]) if traced else (lambda j: None)  # noqa: E731
+        for L in self.layers:
+            z, res, x = gemv_prenorm(f, res, L["ln"], 1e-5, L["router"], keep_normed=True, tile=self.router_tile,
+                                     trace=tr(i))
+            ids, rw, sw = self.sink_gate(x, L["router"], L["bias"], L["scale"], self.top_k, 1.0, use_gemv=True,
+                                         logits=z)
+            f = self.fused_experts(x, L["w13"], L["w2"], ids, rw, shared=(L["sw13"], L["sw2"], sw),
+                                   trace=(tr(i + 1), tr(i + 2)) if traced else None)
+            i += 3
+        return f
+
+    records = Chain.records
+
+
 def analyse(recs: list, names: list, nbytes: dict, bw: float) -> dict:
     """Medians per GEMV name of the quantities in the module docstring, from one replay's records
     (`Chain.records`), the launches' names in order, their weight bytes, and the bandwidth (B/s)."""
@@ -159,7 +204,10 @@ def main() -> None:
         for kind in args.chains.split(","):
             for tname, xpipe in ((t, x) for t in args.tiles.split(",")
                                  for x in {"on": (True,), "off": (False,), "both": (True, False)}[args.xpipe]):
-                chain = Chain(kind, args.layers, tname, dev, router_tile=args.router_tile, xpipe=xpipe)
+                if kind == "moe":
+                    chain = MoEChain(args.layers, dev, router_tile=args.router_tile)
+                else:
+                    chain = Chain(kind, args.layers, tname, dev, router_tile=args.router_tile, xpipe=xpipe)
                 steps = {}
                 for traced in (False, True):
                     chain.run(traced)  # compile

@@ -270,7 +270,7 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
     if TRACE:
-        store_trace(TR, t_start, t_waited, t_prologue, t_reduced, global_time(0.0))
+        store_trace(TR, tl.program_id(0), t_start, t_waited, t_prologue, t_reduced, global_time(0.0))
 
 
 @triton.jit

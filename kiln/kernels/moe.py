@@ -361,7 +361,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
-                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False) -> torch.Tensor:
+                  gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False,
+                  trace: Optional[tuple] = None) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -378,7 +379,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     GEMV's epilogue on the one-token path, in the sum's on the grouped path (Inkling's out_conv).
     `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
     `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
-    `conv_chunk`).
+    `conv_chunk`). `trace` (the one-token path, CUDA): the two expert GEMVs' `kiln.kernels.trace`
+    buffers (`benchmarks/kernel_bench/gemv_trace.py --chains moe`).
     """
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -409,7 +411,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if on_gemv_path(T, config, gemv_max_tokens):
         assert not conv_chunk, "the one-token path's conv epilogue takes decode sequences only"
         return experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w,
-                            sw_rep, has_sw, conv)
+                            sw_rep, has_sw, conv, trace)
+    assert trace is None, "only the one-token path's expert GEMVs are traced"
     assert conv is None or T <= SUM_CONV_MAX_TOKENS, \
         f"the conv epilogue takes 1..{SUM_CONV_MAX_TOKENS} tokens on the grouped path, not {T}"
 

@@ -43,6 +43,7 @@ import triton.language as tl
 from kiln.kernels import interpreting
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
+from kiln.kernels.trace import global_time, store_trace, trace_args
 
 # The one-token path's tiles (BLOCK_N, BLOCK_K, num_warps): a fixed function of the shape, never
 # autotuned, so that every process sums in the same order (as `kiln.kernels.gemv`). From
@@ -73,14 +74,19 @@ def gemv_tiles(hidden: int, inter: int) -> tuple[dict, dict]:
 
 @triton.jit
 def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
-                           stride_xt, stride_we, stride_wn, stride_sn,
+                           stride_xt, stride_we, stride_wn, stride_sn, TR,
                            K: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     """act[s, cols] = silu(gate) * up of slot s = t*KS + j (program (s, n)), cols the n-th BLOCK_N
     of I: two weight row blocks over all of K = H, CUDA-core FMAs into [BLOCK_N, BLOCK_K] fp32
     accumulators reduced once at the end, the next tiles loaded while the current ones are
-    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`)."""
+    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`). TRACE: each program's timestamps go to
+    TR (`kiln.kernels.trace`; the prologue is the expert id's load)."""
+    if TRACE:
+        t_start = global_time(0.0)
     wait_for_previous(PDL)
+    if TRACE:
+        t_waited = global_time(0.0)
     s = tl.program_id(0)
     t = s // KS
     j = s % KS
@@ -101,6 +107,8 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
     g_ptrs = w_base + cols[:, None].to(tl.int64) * row_stride + rk  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + rk  # [1, BLOCK_K]
 
+    if TRACE:
+        t_prologue = global_time(e.to(tl.float32))
     g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
     u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -118,8 +126,13 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
         u = u_next
     acc_g = tl.sum(acc_g, axis=1)
     acc_u = tl.sum(acc_u, axis=1)
+    if TRACE:
+        t_reduced = global_time(tl.sum(acc_g + acc_u, axis=0))
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32, as _gate_up_kernel
     tl.store(act_ptr + s.to(tl.int64) * I + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    if TRACE:
+        store_trace(TR, s * tl.num_programs(1) + tl.program_id(1), t_start, t_waited, t_prologue, t_reduced,
+                    global_time(0.0))
 
 
 @triton.jit
@@ -142,11 +155,11 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
 @triton.jit
 def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shared_w_ptr, out_ptr,
                              H, I, stride_we, stride_wh, stride_sh,
-                             CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
+                             CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab, TR,
                              K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                             CKP: tl.constexpr, CCHUNK: tl.constexpr):
+                             CKP: tl.constexpr, CCHUNK: tl.constexpr, TRACE: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
@@ -161,7 +174,11 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     loading early measured slower there (docs/benchmarks.md, fifteenth pass).
 
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
-    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait."""
+    `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait.
+    TRACE: each program's timestamps go to TR (`kiln.kernels.trace`; the prologue's stamp is taken
+    once the conv history's loads are issued)."""
+    if TRACE:
+        t_start = global_time(0.0)
     t = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = (rows < H)[:, None]
@@ -174,10 +191,14 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
     if PDL == 2:  # the early trigger: the first tile is under way before the wait
         wait_for_previous(PDL)
+    if TRACE:
+        t_waited = global_time(0.0)
     rm = t + tl.arange(0, 1)  # this token as the conv helpers' row vector
     if CONV:
         hist = decode_conv_history(rm, rm >= 0, rows, rows < H, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS,
                                    CLENS, CK, CKP, CCHUNK)
+    if TRACE:
+        t_prologue = global_time(0.0)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(KS):
         a_ptrs = act_ptr + (t * KS + j) * I + rk
@@ -204,31 +225,41 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
         if j + 1 < KS:
             w_ptrs = next_ptrs
             w = w_next
+    if TRACE:
+        t_reduced = global_time(tl.sum(out, axis=0))
     if CONV:  # the conv reads the MoE output as the unfused path stores it
         y = decode_conv_epilogue(out.to(CBUF.dtype.element_ty)[None, :], hist, rm, rm >= 0, rows, rows < H, CW,
                                  stride_cw, CBUF, stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
         tl.store(out_ptr + t * H + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=(rows < H)[None, :])
     else:
         tl.store(out_ptr + t * H + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
+    if TRACE:
+        store_trace(TR, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), t_start, t_waited, t_prologue,
+                    t_reduced, global_time(0.0))
 
 
 def experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots, n_shared_w, sw_rep,
-                 has_sw, conv=None) -> torch.Tensor:
+                 has_sw, conv=None, trace=None) -> torch.Tensor:
     """`kiln.kernels.moe.fused_experts` on this path, its arguments prepared there (contiguous last
     dims, fp32 weights, the slot counts); writes and returns `out`. act [T*KS, I] holds the
     activations in the weights' dtype between the two kernels; there is no slot buffer.
     conv: the arguments of `kiln.kernels.shortconv.short_conv_decode` after x (token t is decode
-    sequence t), run on out in the down kernel's epilogue (`out`'s dtype must be the state's)."""
+    sequence t), run on out in the down kernel's epilogue (`out`'s dtype must be the state's).
+    trace: (the up kernel's, the down kernel's) `kiln.kernels.trace` buffers (CUDA only)."""
     T, H = x.shape
     inter = w2.shape[2]
     up, down = gemv_tiles(H, inter)
     act = torch.empty(T * ks_slots, inter, dtype=w2.dtype, device=x.device)
-    _expert_up_gemv_kernel[(T * ks_slots, triton.cdiv(inter, up["BLOCK_N"]))](
+    up_grid = (T * ks_slots, triton.cdiv(inter, up["BLOCK_N"]))
+    down_grid = (triton.cdiv(H, down["BLOCK_N"]), T)
+    up_trace, down_trace = trace if trace is not None else (None, None)
+    _expert_up_gemv_kernel[up_grid](
         x, w13, sw13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
-        K=k, KS=ks_slots, **up, **pdl_launch(x.device))
+        **trace_args(up_trace, x, up_grid[0] * up_grid[1]), K=k, KS=ks_slots, **up, **pdl_launch(x.device))
     # Launched right after the gate/up kernel: the down kernel reads ids before its wait (its docstring).
-    _expert_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]), T)](
+    _expert_down_gemv_kernel[down_grid](
         act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
-        **decode_conv_kernel_args(conv, out), K=k, KS=ks_slots,
+        **decode_conv_kernel_args(conv, out), **trace_args(down_trace, x, down_grid[0] * down_grid[1]), K=k,
+        KS=ks_slots,
         NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
     return out

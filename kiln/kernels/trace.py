@@ -45,9 +45,10 @@ def sm_id():
 
 
 @triton.jit
-def store_trace(TR, t_start, t_waited, t_prologue, t_reduced, t_stored):
-    """This program's record: the five times and its SM."""
-    base = TR + tl.program_id(0) * _FIELDS
+def store_trace(TR, pid, t_start, t_waited, t_prologue, t_reduced, t_stored):
+    """Program `pid`'s record (its index in the grid, row-major over a 2-D grid): the five times and
+    its SM."""
+    base = TR + pid * _FIELDS
     tl.store(base + _START, t_start)
     tl.store(base + _WAITED, t_waited)
     tl.store(base + _PROLOGUE, t_prologue)

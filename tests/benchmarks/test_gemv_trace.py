@@ -38,3 +38,20 @@ def test_analysis_reads_the_gaps_between_launches():
     # per program: the prologue 0.4 us, the reduction 1.0 and 0.8 us after its own wait
     assert o["prologue"] == pytest.approx(0.4) and o["post"] == pytest.approx(0.9) and o["early"] == 1.0
     assert gemv_trace.timer_step(recs) == 100
+
+
+def test_moe_chain_runs_the_engine_kernels_untraced_on_the_cpu():
+    """The MoE chain's plumbing (router GEMV with the norm prologue, sink gate from its logits, the
+    one-token expert GEMVs) at tiny sizes under the interpreter: a finite, repeatable output per
+    layer; a traced run is refused there with the trace module's message."""
+    from kiln.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("the CPU interpreter's check")
+    chain = gemv_trace.MoEChain(2, "cpu", hidden=64, experts=8, top_k=2, inter=16, shared=2, dt=torch.float32)
+    assert chain.names == ["router", "up", "down"] * 2
+    assert chain.bytes == {"router": 10 * 64 * 4, "up": 4 * 32 * 64 * 2, "down": 4 * 64 * 16 * 2}
+    a, b = chain.run(traced=False), chain.run(traced=False)
+    assert a.shape == (1, 64) and torch.isfinite(a).all() and torch.equal(a, b)
+    with pytest.raises(AssertionError, match="needs a GPU"):
+        chain.run(traced=True)

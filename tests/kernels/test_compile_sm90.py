@@ -125,28 +125,31 @@ def rms_norm_trigger() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
-def moe_gemv(shared: bool, conv: bool = False) -> None:
+def moe_gemv(shared: bool, conv: bool = False, trace: bool = False) -> None:
     """The MoE one-token path (`kiln.kernels.moe_gemv`) at the bench shape's tiles: a data-dependent
     expert (routed) or a shared chunk per slot, KS unrolled slots in the down kernel, whose first
     slot's id and weight tile load before its PDL wait with the early trigger (the id from L2:
-    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue."""
+    `.cg`) and after it without; with `conv`, Inkling's out_conv in the down kernel's epilogue.
+    With `trace`, both kernels' timer reads (`kiln.kernels.trace`: five each); none without."""
     from kiln.kernels.moe_gemv import _expert_down_gemv_kernel, _expert_up_gemv_kernel, gemv_tiles
 
     up, down = ({k: v for k, v in t.items() if k.startswith("BLOCK")} for t in gemv_tiles(2048, 512))
     w = {n: "*bf16" for n in ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "CW", "CBUF")}
-    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
+    types = {**w, "ids_ptr": "*i64", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32", "TR": "*i64",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
     div = ("x_ptr", "act_ptr", "out_ptr", "w13_ptr", "sw13_ptr", "w2_ptr", "sw2_ptr", "H", "I", "stride_xt",
            "stride_we", "stride_wn", "stride_sn", "stride_wh", "stride_sh")
     ks = 8 if shared else 6
     names = lambda k: tuple(n for n in div if n in k.arg_names)  # noqa: E731
-    compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, **up),
-                 divisible=names(_expert_up_gemv_kernel))
+    up_ptx = compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, TRACE=trace, **up),
+                          divisible=names(_expert_up_gemv_kernel))["ptx"]
+    assert up_ptx.count("%globaltimer") == (5 if trace else 0)
     for pdl in (1, 2):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, **down),
+                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, TRACE=trace, **down),
                            divisible=names(_expert_down_gemv_kernel))["ptx"]
+        assert ptx.count("%globaltimer") == (5 if trace else 0)
         before = ptx[:ptx.index("griddepcontrol.wait")]
         if pdl == 2:  # the early trigger: the id and weight stream start before the wait
             assert "ld.global.cg" in before and "ld.global.v4" in before, "the first tile must load before the wait"
@@ -296,7 +299,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_router": gemv_router,
          "gemv_norm_traced": lambda: gemv(True, norm=True, trace=True), "moe_gemv": lambda: moe_gemv(False),
          "moe_gemv_shared": lambda: moe_gemv(True),
-         "moe_gemv_conv": lambda: moe_gemv(True, conv=True), "router_gate_sink": lambda: router_gate(True),
+         "moe_gemv_conv": lambda: moe_gemv(True, conv=True),
+         "moe_gemv_traced": lambda: moe_gemv(True, conv=True, trace=True), "router_gate_sink": lambda: router_gate(True),
          "router_gate_minimax": lambda: router_gate(False),
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),

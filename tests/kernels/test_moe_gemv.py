@@ -257,3 +257,23 @@ def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, k
     assert torch.equal(buf, buf_ref)
 
 
+
+
+@pytest.mark.gpu
+def test_traced_expert_gemvs_are_bit_identical_and_their_times_ordered():
+    """Both one-token expert GEMVs with `kiln.kernels.trace` buffers: the same output bit for bit,
+    one ordered record per program (start <= wait returned <= prologue <= reduced <= stored)."""
+    from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, START, STORED, WAITED
+
+    args, _ = _one_token("cuda", torch.bfloat16, 8, 3, 2, 1, True, False, seed=5)
+    x, w13, w2, ids, w, shared = args
+    up, down = (torch.zeros(8192 * FIELDS, dtype=torch.int64, device="cuda") for _ in range(2))
+    want = _km().fused_experts(x, w13, w2, ids, w, shared=shared)
+    got = _km().fused_experts(x, w13, w2, ids, w, shared=shared, trace=(up, down))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for buf in (up, down):
+        rec = buf.view(-1, FIELDS).cpu()
+        rec = rec[rec[:, START] != 0]
+        assert len(rec) > 0
+        for a, b in ((START, WAITED), (WAITED, PROLOGUE), (PROLOGUE, REDUCED), (REDUCED, STORED)):
+            assert (rec[:, a] <= rec[:, b]).all(), (a, b)
