@@ -158,3 +158,11 @@ lane0_slots1() {  # needs e196893 (GEMV_DOWN_ALL_SLOTS, removed after this call)
   step_table
   step gpu_tests 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_moe_gemv.py -k all_slots
 }
+
+lane0_moetrace1() {  # NOT RUN YET (prepared at the end of the eighteenth session): the traced expert GEMVs' GPU tests; the MoE chain's trace
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
+    tests/kernels/test_gemv.py -k "trace or one_token or activation_tiles"
+  step moe_trace ${T_TRACE:-200} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains moe,dense --trigger on \
+    --out "$R/json/moetrace1.json"
+}
