@@ -5,7 +5,8 @@ import torch
 
 from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
-gemv_trace = pytest.importorskip("benchmarks.kernel_bench.gemv_trace")
+from benchmarks.kernel_bench import gemv_trace
+from tests.kernels.devices import DEVICES
 
 
 def launch(t0, waits, reduced, stored, sms):
@@ -40,18 +41,20 @@ def test_analysis_reads_the_gaps_between_launches():
     assert gemv_trace.timer_step(recs) == 100
 
 
-def test_moe_chain_runs_the_engine_kernels_untraced_on_the_cpu():
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_chain_runs_the_engine_kernels(device):
     """The MoE chain's plumbing (router GEMV with the norm prologue, sink gate from its logits, the
-    one-token expert GEMVs) at tiny sizes under the interpreter: a finite, repeatable output per
-    layer; a traced run is refused there with the trace module's message."""
-    from kiln.kernels import interpreting
-
-    if not interpreting():
-        pytest.skip("the CPU interpreter's check")
-    chain = gemv_trace.MoEChain(2, "cpu", hidden=64, experts=8, top_k=2, inter=16, shared=2, dt=torch.float32)
+    one-token expert GEMVs) at tiny sizes: a finite, repeatable output per layer. Under the
+    interpreter a traced run is refused with the trace module's message; on CUDA it gives the
+    same output and one record per program of every traced launch."""
+    chain = gemv_trace.MoEChain(2, device, hidden=64, experts=8, top_k=2, inter=16, shared=2, dt=torch.float32)
     assert chain.names == ["router", "up", "down"] * 2
     assert chain.bytes == {"router": 10 * 64 * 4, "up": 4 * 32 * 64 * 2, "down": 4 * 64 * 16 * 2}
     a, b = chain.run(traced=False), chain.run(traced=False)
     assert a.shape == (1, 64) and torch.isfinite(a).all() and torch.equal(a, b)
-    with pytest.raises(AssertionError, match="needs a GPU"):
-        chain.run(traced=True)
+    if device == "cpu":
+        with pytest.raises(AssertionError, match="needs a GPU"):
+            chain.run(traced=True)
+        return
+    assert torch.equal(chain.run(traced=True), a)
+    assert all(len(r) > 0 for r in chain.records())

@@ -343,7 +343,7 @@ def test_activation_tiles_ahead_change_no_bit(device, dtype, m, glu):
     # several K steps on both devices (the rule's tiles cover K = 200 in one)
     base = dict(INTERPRETER_TILE) if device == "cpu" else dict(BLOCK_N=4, BLOCK_K=64, num_warps=4, num_stages=1)
     on, off = dict(base, XPIPE=True), dict(base, XPIPE=False)
-    assert triton_cdiv(200, base["BLOCK_K"]) > 1, "the check needs several K steps"
+    assert 200 > base["BLOCK_K"], "the check needs several K steps"
     assert torch.equal(gemv(x, w, tile=on, glu=glu), gemv(x, w, tile=off, glu=glu))
     res = torch.randn_like(x)
     nw = torch.rand(200, dtype=dtype, device=device) + 0.5
@@ -353,14 +353,10 @@ def test_activation_tiles_ahead_change_no_bit(device, dtype, m, glu):
         assert torch.equal(a, b)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("n,k,block_k", [(12, 64, 64), (10, 200, 256)])
 @pytest.mark.parametrize("glu", [False, True])
-def test_one_tile_gemv_matches_the_loop(device, dtype, n, k, block_k, glu):
+def test_one_tile_gemv_matches_linear_and_the_norm_then_gemv(device, dtype, n, k, block_k, glu):
     """A tile whose BLOCK_K covers K takes the kernel's loop-free path (ONE_TILE: the whole row
     loaded before the wait, no accumulator tile): the product as F.linear's (and SiLU-and-mul of
     it), the norm prologue's output as the norm then the same one-tile GEMV, residual stored."""
