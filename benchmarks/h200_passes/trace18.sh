@@ -1,6 +1,8 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # eighteenth session (2026-12-03): where a batch-1 GEMV's time goes in a dependent chain, from
 # per-program timestamps (`kiln.kernels.trace`, `benchmarks/kernel_bench/gemv_trace.py`).
+# Each lane ran on the commit named in docs/benchmarks.md (twenty-third pass): the variant lanes edit
+# the tile rule of their day, so at a later head they measure something else.
 # shellcheck shell=bash
 
 lane0_trace1() {  # the traced GEMV's GPU tests; the dense and o_proj chains with several tiles, trigger on and off
@@ -10,8 +12,12 @@ lane0_trace1() {  # the traced GEMV's GPU tests; the dense and o_proj chains wit
     --tiles rule,2x1024,4x512,8x256,16x128 --out "$R/json/trace1.json"
 }
 
+copy_tree() {  # copy_tree NAME: a copy of kiln/ and benchmarks/ at /tmp/v_NAME for a variant's edits; prints its path
+  local d=/tmp/v_$1; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/; echo "$d"
+}
+
 variant() {  # variant NAME FMA_1ROW_K2048 PRENORM_1ROW [EXPERT_UP]: a copy of the tree with other batch-1 tiles
-  local d=/tmp/v_$1; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  local d; d=$(copy_tree "$1")
   python - "$d" "$2" "$3" "${4:-}" <<'PY'
 import sys
 d, fma, pre, up = sys.argv[1:5]
@@ -71,7 +77,7 @@ lane0_trace3() {  # the activation tiles one tile ahead (XPIPE) in the chains; G
 }
 
 variant_xpipe_off() {  # a copy of the tree whose GEMV loads each activation tile in its own iteration
-  local d=/tmp/v_nox; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  local d; d=$(copy_tree nox)
   python - "$d" <<'PY'
 import sys
 p = f"{sys.argv[1]}/kiln/kernels/gemv.py"; s = open(p).read()
@@ -94,7 +100,7 @@ PY
 }
 
 variant_rule() {  # variant_rule NAME QKVR_TILE O_TILE ROUTER_TILE: batch-1 tiles (BN,BK,warps) for K <= 2048
-  local d=/tmp/v_$1; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  local d; d=$(copy_tree "$1")
   python - "$d" "$2" "$3" "$4" <<'PY'
 import sys
 d, pre, fma, router = sys.argv[1:5]
@@ -149,7 +155,7 @@ lane0_trace5() {  # the one-tile rule and XPIPE in the code: every GPU test; bot
 }
 
 lane0_slots1() {  # needs e196893 (GEMV_DOWN_ALL_SLOTS, removed after this call): the down GEMV's slots all at once at batch 1, its GPU tests
-  local d=/tmp/v_all; rm -rf "$d"; mkdir -p "$d"; cp -r kiln benchmarks "$d"/
+  local d; d=$(copy_tree all)
   sed -i 's/^GEMV_DOWN_ALL_SLOTS = False$/GEMV_DOWN_ALL_SLOTS = True/' "$d/kiln/kernels/moe_gemv.py"
   grep -n "^GEMV_DOWN_ALL_SLOTS" "$d/kiln/kernels/moe_gemv.py"
   local P1="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
@@ -162,7 +168,7 @@ lane0_slots1() {  # needs e196893 (GEMV_DOWN_ALL_SLOTS, removed after this call)
 lane0_moetrace1() {  # NOT RUN YET (prepared at the end of the eighteenth session): the traced expert GEMVs' GPU tests; the MoE chain's trace
   if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   step gpu_tests ${T_TESTS:-150} python -m pytest -m gpu -q -rfE -p no:cacheprovider ${XDIST:-} tests/kernels/test_moe_gemv.py \
-    tests/kernels/test_gemv.py -k "trace or one_token or activation_tiles"
+    tests/kernels/test_gemv.py tests/benchmarks/test_gemv_trace.py -k "trace or one_token or activation_tiles or moe_chain"
   step moe_trace ${T_TRACE:-200} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains moe,dense --trigger on \
     --out "$R/json/moetrace1.json"
 }
