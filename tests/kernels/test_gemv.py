@@ -240,7 +240,7 @@ def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
 @pytest.mark.parametrize("prenorm", [False, True])
 def test_traced_gemv_is_bit_identical_and_its_times_ordered(prenorm):
     """A traced launch (`kiln.kernels.trace`) computes the same output bit for bit, and every
-    program's record is ordered: start <= wait returned <= reduced <= stored, on a real SM."""
+    program's record is ordered: start <= wait returned <= prologue <= reduced <= stored, on a real SM."""
     from kiln.kernels.gemv import gemv_prenorm, prenorm_tile
     from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
