@@ -40,6 +40,9 @@ class TrainDraftConfig:
     prompts: Optional[str] = opt(None, "A JSONL file of prompts ({\"prompt\": text or chat messages} or "
                                  "{\"prompt_ids\": [...]} per line); default: Kiln's built-in prompt set.")
     num_prompts: int = opt(256, "Prompts to generate from (the first N of the file or the built-in set).")
+    synthetic_prompts: int = opt(0, "Also have the target write this many prompts itself and continue them "
+                                 "(Magpie: user turns sampled at temperature 1 from its chat template's user "
+                                 "header; cut or duplicate ones dropped). More data without a dataset.")
     samples_per_prompt: int = opt(1, "Continuations per prompt.")
     max_new_tokens: int = opt(128, "Most tokens the target generates per continuation.")
     temperature: float = opt(0.0, "Sampling temperature of the data (0: greedy, the distribution greedy "
@@ -88,10 +91,15 @@ class TrainDraftConfig:
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: no clipping).")
     autocast_bf16: bool = opt(False, "Run the drafter's forward/backward under bfloat16 autocast (about 2x on "
                               "CPUs with bf16 matmuls); weights and the optimizer stay fp32.")
+    time_limit_s: float = opt(0.0, "mtp: stop training after this many seconds of steps (0: no limit), with a "
+                              "final validation; the cosine decay then follows whichever of --num-steps and the "
+                              "time limit runs out first, so a clock-bound run still ends at the low rate.")
     val_fraction: float = opt(0.05, "Fraction of sequences held out for the validation loss.")
     eval_every: int = opt(25, "Validation loss every this many steps (0: only at the end).")
     seed: int = opt(0, "Seed of prompt order, batching, sampling and initialisation.")
     threads: int = opt(1, "torch CPU threads (the engine and the trainer).")
+    cache_hidden: bool = opt(True, "mtp: save the target's hidden states beside the data (data/hidden.pt, 4 bytes "
+                             "x hidden size per token) so a second run skips that forward.")
     device: str = opt("cpu", "Where the target and the drafter run.", ["cpu", "cuda"])
     progress: bool = opt(True, "Show tqdm progress bars.")
     engine: dict = opt({}, "Extra kiln.Engine options for data generation (JSON), e.g. {\"max_running_requests\": 64}.")
@@ -99,6 +107,8 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.synthetic_prompts < 0:
+            raise ValueError(f"--synthetic-prompts must be >= 0, got {self.synthetic_prompts}")
         for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "num_mtp_layers", "batch_tokens",
                      "max_seq_len", "threads", "mtp_sliding_window", "dflash_num_layers",
                      "dflash_anchors_per_seq"):
@@ -106,8 +116,8 @@ class TrainDraftConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dflash_block_size < 2 or self.dflash_gamma <= 0:
             raise ValueError("--dflash-block-size must be >= 2 and --dflash-gamma > 0")
-        if self.num_steps < 0 or self.temperature < 0 or not 0 <= self.val_fraction < 1:
-            raise ValueError("--num-steps and --temperature must be >= 0 and --val-fraction in [0, 1)")
+        if self.num_steps < 0 or self.temperature < 0 or self.time_limit_s < 0 or not 0 <= self.val_fraction < 1:
+            raise ValueError("--num-steps, --temperature and --time-limit-s must be >= 0 and --val-fraction in [0, 1)")
         self.engine = dict(self.engine or {})
 
     # ---- CLI -------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 Prompts come from a JSONL file (`{"prompt": text or chat messages}` or `{"prompt_ids": [...]}` per
 line) or from the built-in set (`builtin_prompts`): instruction templates crossed with topics, plus
 arithmetic questions from `kiln.rl.data.ArithmeticTask`. The built-in set has a held-out split
-(other topics, other numbers) for measuring acceptance on prompts the drafter never saw.
+(other topics, other numbers) for measuring acceptance on prompts the drafter never saw. Beyond
+those, the target can write user turns itself (`synthesize_prompts`, Magpie): as many prompts as
+the data needs, in the target's own distribution, without a dataset.
 
 The cache (`DIR/data/generations.jsonl` + `meta.json`) is reused when the target, the prompts and
 the sampling options are the same, so a second training run skips generation.
@@ -113,7 +115,8 @@ def _meta(cfg, prompts: list[Prompt]) -> dict:
     return {"target": os.path.abspath(os.path.expanduser(cfg.target)) if cfg.target != "embedded" else "embedded",
             "prompts_sha": digest, "num_prompts": len(prompts), "samples_per_prompt": cfg.samples_per_prompt,
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "chat_template": cfg.chat_template, "seed": cfg.seed}
+            "chat_template": cfg.chat_template, "seed": cfg.seed,
+            "synthetic_prompts": getattr(cfg, "synthetic_prompts", 0)}
 
 
 def target_path(target: str) -> Optional[str]:
@@ -121,28 +124,63 @@ def target_path(target: str) -> Optional[str]:
     return None if target == "embedded" else target
 
 
-def load_or_generate(cfg, data_dir: str) -> list[Sample]:
-    """The cached generations in `data_dir` if they match `cfg`, else generate and cache them."""
+def base_prompts(cfg) -> list[Prompt]:
+    """The run's given prompts: the first `num_prompts` of the file, or of the built-in set."""
     prompts = load_prompt_file(cfg.prompts) if cfg.prompts else builtin_prompts("train", cfg.seed)
-    prompts = prompts[:cfg.num_prompts]
-    meta = _meta(cfg, prompts)
-    gen_path, meta_path = os.path.join(data_dir, "generations.jsonl"), os.path.join(data_dir, "meta.json")
-    if os.path.isfile(gen_path) and os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            if json.load(f) == meta:
-                with open(gen_path) as g:
-                    samples = [Sample(**json.loads(line)) for line in g if line.strip()]
-                logger.info("reusing %d cached generations from %s", len(samples), gen_path)
-                return samples
-    samples = generate(cfg, prompts)
+    return prompts[:cfg.num_prompts]
+
+
+def load_or_generate(cfg, data_dir: str) -> list[Sample]:
+    """The cached generations in `data_dir` if they match `cfg`, else generate and cache them.
+    With `cfg.synthetic_prompts`, the target first writes that many more prompts itself (kept in
+    `data_dir/synthetic_prompts.jsonl`); the cache key covers their count and seed, not their text."""
+    prompts = base_prompts(cfg)
+    cached = load_cached(cfg, data_dir, prompts)
+    if cached is not None:
+        return cached
+    n_synth = getattr(cfg, "synthetic_prompts", 0)
+    if n_synth:
+        synth = synthesize_prompts(cfg, n_synth)
+        os.makedirs(data_dir, exist_ok=True)
+        with open(os.path.join(data_dir, "synthetic_prompts.jsonl"), "w") as f:
+            for p in synth:
+                f.write(json.dumps({"prompt": p}) + "\n")
+    else:
+        synth = []
+    samples = generate(cfg, prompts + synth)
+    save_generations(cfg, data_dir, prompts, samples)
+    return samples
+
+
+def _paths(data_dir: str) -> tuple[str, str]:
+    return os.path.join(data_dir, "generations.jsonl"), os.path.join(data_dir, "meta.json")
+
+
+def load_cached(cfg, data_dir: str, prompts: list[Prompt]) -> Optional[list[Sample]]:
+    """The generations cached in `data_dir` for exactly these prompts and options, else None."""
+    gen_path, meta_path = _paths(data_dir)
+    if not (os.path.isfile(gen_path) and os.path.isfile(meta_path)):
+        return None
+    with open(meta_path) as f:
+        if json.load(f) != _meta(cfg, prompts):
+            return None
+    with open(gen_path) as g:
+        samples = [Sample(**json.loads(line)) for line in g if line.strip()]
+    logger.info("reusing %d cached generations from %s", len(samples), gen_path)
+    return samples
+
+
+def save_generations(cfg, data_dir: str, prompts: list[Prompt], samples: list[Sample]) -> None:
+    """Cache `samples` (generated from `prompts` with `cfg`'s options) in `data_dir`; written to
+    a temporary file and renamed, so an interrupted run never leaves a half-written cache."""
+    gen_path, meta_path = _paths(data_dir)
     os.makedirs(data_dir, exist_ok=True)
     with open(gen_path + ".tmp", "w") as g:
         for s in samples:
             g.write(json.dumps({"prompt_ids": s.prompt_ids, "output_ids": s.output_ids}) + "\n")
     os.replace(gen_path + ".tmp", gen_path)
     with open(meta_path, "w") as f:
-        json.dump(meta, f, indent=2)
-    return samples
+        json.dump(_meta(cfg, prompts), f, indent=2)
 
 
 def engine_options(cfg, **extra: Any) -> dict:
@@ -178,12 +216,61 @@ def tokenize_prompts(llm, prompts: list[Prompt], chat_template: bool) -> list[li
 
 def generate(cfg, prompts: list[Prompt]) -> list[Sample]:
     """The target's continuations of `prompts` (`samples_per_prompt` each) with Kiln's engine."""
-    from kiln.engine.request import SamplingParams
     from kiln.offline import Engine
+
+    with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
+        return continue_prompts(llm, cfg, prompts)
+
+
+def continue_prompts(llm, cfg, prompts: list[Prompt]) -> list[Sample]:
+    """The continuations of `prompts` by an open engine `llm`, with `cfg`'s sampling options."""
+    from kiln.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, n=cfg.samples_per_prompt,
                             seed=cfg.seed if cfg.temperature > 0 else None)
-    with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
-        ids = tokenize_prompts(llm, prompts, cfg.chat_template)
-        outs = llm.generate(ids, params, use_tqdm=cfg.progress)
+    ids = tokenize_prompts(llm, prompts, cfg.chat_template)
+    outs = llm.generate(ids, params, use_tqdm=cfg.progress)
     return [Sample(list(o.prompt_token_ids), list(c.token_ids)) for o in outs for c in o.outputs]
+
+
+# Magpie (Xu et al., 2024): an aligned chat model, given its template up to where a user's message
+# starts, writes a plausible user message. Sampled at temperature 1 so the prompts spread over what
+# the model expects to be asked; messages cut by the token cap or too short to be a request are
+# dropped, and duplicates kept once.
+SYNTH_MAX_TOKENS = 96
+SYNTH_MIN_CHARS = 12
+
+
+def user_turn_prefix(llm) -> list[int]:
+    """Token ids of the chat template up to the first character of a user message (with the
+    template's default system turn, if it has one)."""
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError("--synthetic-prompts needs a target with a tokenizer and a chat template")
+    marker = "\u2063KILN_USER_TURN\u2063"
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in text:
+        raise ValueError("the target's chat template does not show the user's message verbatim; "
+                         "--synthetic-prompts cannot find where a user turn starts")
+    return llm.tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
+
+
+def synthesize_prompts(cfg, n: int, llm=None) -> list[str]:
+    """Up to `n` distinct user messages written by the target itself from its chat template's
+    user-turn header (Magpie), sampled at temperature 1 with `cfg.seed`."""
+    from kiln.engine.request import SamplingParams
+    from kiln.offline import Engine
+
+    if llm is None:
+        with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as opened:
+            return synthesize_prompts(cfg, n, opened)
+    prefix = user_turn_prefix(llm)
+    params = SamplingParams(max_tokens=SYNTH_MAX_TOKENS, temperature=1.0, n=n, seed=cfg.seed)
+    out = llm.generate([prefix], params, use_tqdm=False)[0].outputs
+    seen, prompts = set(), []
+    for c in out:
+        text = c.text.strip()
+        if c.finish_reason == "stop" and len(text) >= SYNTH_MIN_CHARS and text not in seen:
+            seen.add(text)
+            prompts.append(text)
+    logger.info("the target wrote %d distinct prompts of %d asked", len(prompts), n)
+    return prompts

@@ -95,19 +95,21 @@ def init_mtp(model, how: str, seed: int) -> None:
 
 # ---- data --------------------------------------------------------------------------------------
 @torch.no_grad()
-def target_hidden(model, samples: list[Sample], max_seq_len: int, cache: str, progress: bool) -> list[torch.Tensor]:
-    """h^0 (the target's final hidden states, fp32) of every sample's first max_seq_len tokens,
-    computed in packed batches and cached at `cache` (reused while it matches the samples)."""
+def target_hidden(model, samples: list[Sample], max_seq_len: int, cache: str | None,
+                  progress: bool) -> list[torch.Tensor]:
+    """h^0 (the target's final hidden states, fp32, on the model's device) of every sample's first
+    max_seq_len tokens, computed in packed batches and cached at `cache` (reused while it matches
+    the samples; None: not cached)."""
     key = [len(s.prompt_ids) for s in samples] + [len(s.ids) for s in samples] + [max_seq_len]
-    if os.path.isfile(cache):
-        saved = torch.load(cache)
+    dev = next(model.parameters()).device
+    if cache is not None and os.path.isfile(cache):
+        saved = torch.load(cache, map_location=dev)
         if saved["key"] == key and saved["sum"] == sum(sum(s.ids[:max_seq_len]) for s in samples):
             return list(saved["hidden"].split(saved["lens"]))
     from tqdm import tqdm
 
     lens = [min(len(s.ids), max_seq_len) for s in samples]
     out: list[torch.Tensor] = []
-    dev = next(model.parameters()).device
     bar = tqdm(total=sum(lens), desc="target hidden states", unit="tok", disable=not progress)
     i = 0
     while i < len(samples):
@@ -116,12 +118,14 @@ def target_hidden(model, samples: list[Sample], max_seq_len: int, cache: str, pr
             n += lens[j]
             j += 1
         ids = torch.tensor([t for s, m in zip(samples[i:j], lens[i:j]) for t in s.ids[:m]], device=dev)
-        out += list(model(packed_batch(ids, lens[i:j])).float().cpu().split(lens[i:j]))
+        # Kept on the model's device: the training batches are cut from it there.
+        out += list(model(packed_batch(ids, lens[i:j])).float().split(lens[i:j]))
         bar.update(n)
         i = j
     bar.close()
-    torch.save({"key": key, "sum": sum(sum(s.ids[:max_seq_len]) for s in samples), "lens": lens,
-                "hidden": torch.cat(out)}, cache)
+    if cache is not None:
+        torch.save({"key": key, "sum": sum(sum(s.ids[:max_seq_len]) for s in samples), "lens": lens,
+                    "hidden": torch.cat(out).cpu()}, cache)
     return out
 
 
@@ -218,7 +222,8 @@ def train_mtp(cfg) -> dict:
     samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
     dev = cfg.device
     model = build_model(cfg, source, dev)
-    hidden = target_hidden(model, samples, cfg.max_seq_len, os.path.join(cfg.out, "data", "hidden.pt"), cfg.progress)
+    cache = os.path.join(cfg.out, "data", "hidden.pt") if cfg.cache_hidden else None
+    hidden = target_hidden(model, samples, cfg.max_seq_len, cache, cfg.progress)
     order = list(range(len(samples)))
     random.Random(cfg.seed).shuffle(order)
     n_val = int(round(cfg.val_fraction * len(order))) if len(order) > 1 else 0
@@ -226,7 +231,6 @@ def train_mtp(cfg) -> dict:
     lens = [min(len(s.ids), cfg.max_seq_len) for s in samples]
     params = [p for p in model.mtp.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, cfg.num_steps))
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     history: list[dict] = []
     rng = random.Random(cfg.seed + 1)
@@ -251,12 +255,18 @@ def train_mtp(cfg) -> dict:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+            # Under --time-limit-s the schedule decays by whichever runs out first, steps or time,
+            # so a run stopped by the clock still ends at the low learning rate.
+            time_frac = (time.time() - t0) / cfg.time_limit_s if cfg.time_limit_s else 0.0
+            lr = cfg.lr * _lr_factor(step - 1, cfg.warmup_steps, cfg.num_steps, time_frac)
+            for group in opt.param_groups:
+                group["lr"] = lr
             opt.step()
-            sched.step()
             tokens += len(ids)
             row = {"step": step, "loss": loss.item(), "loss_k": [x.item() for x in losses], "grad_norm": gnorm,
-                   "lr": sched.get_last_lr()[0], "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
-            if val and (step == cfg.num_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+                   "lr": lr, "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
+            out_of_time = bool(cfg.time_limit_s) and time.time() - t0 > cfg.time_limit_s
+            if val and (step == cfg.num_steps or out_of_time or (cfg.eval_every and step % cfg.eval_every == 0)):
                 with autocast:
                     row.update(evaluate(model, samples, hidden, val, cfg))
             history.append(row)
@@ -265,6 +275,10 @@ def train_mtp(cfg) -> dict:
             if "val_loss" in row and step < cfg.num_steps:  # a curve to look at while it runs
                 plot_losses(history, os.path.join(cfg.out, "loss.png"))
             bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in row["loss_k"]))
+            if out_of_time and step < cfg.num_steps:
+                logger.warning("--time-limit-s %s reached: training stopped at step %d of %d",
+                               cfg.time_limit_s, step, cfg.num_steps)
+                break
         bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
     export_checkpoint(model, source, cfg)
@@ -292,38 +306,50 @@ def evaluate(model, samples, hidden, idx: list[int], cfg) -> dict:
             "val_acc_k": [h / max(n, 1) for h, n in zip(hits, rows)]}
 
 
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def _lr_factor(step: int, warmup: int, total: int, time_frac: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak over the steps after it, or over
+    `time_frac` (the share of the time limit spent) when that is further along."""
     if step < warmup:
         return (step + 1) / warmup
-    frac = (step - warmup) / max(total - warmup, 1)
+    frac = max((step - warmup) / max(total - warmup, 1), time_frac)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
 def export_checkpoint(model, source, cfg) -> None:
     """cfg.out becomes a servable checkpoint: the target's tensors as they are on disk plus the
     trained `mtp.{k}.*`, config.json with the MTP fields, tokenizer and generation config."""
+    from kiln.rl.sync import checkpoint_views
+
+    mtp = {name: t.detach() for name, t in checkpoint_views(model) if name.startswith("mtp.")}
+    write_checkpoint(source, mtp, mtp_config(source.config, cfg), cfg.out)
+
+
+def write_checkpoint(source, mtp: dict, config: dict, out: str) -> None:
+    """Write `out` as a servable checkpoint: the target `source`'s tensors as they are on disk,
+    the MTP tensors `mtp` ({"mtp.{k}...": tensor}, cast to the target's dtype), `config` as
+    config.json, and the target's tokenizer and generation config."""
     from safetensors.torch import save_file
 
     from kiln.loader import iter_weights
     from kiln.loader.source import TOKENIZER_FILES
-    from kiln.rl.sync import checkpoint_views
 
+    if not mtp or not all(n.startswith("mtp.") for n in mtp):
+        raise ValueError("write_checkpoint: expected a non-empty set of mtp.* tensors")
+    os.makedirs(out, exist_ok=True)
     state = {n: t.contiguous() for n, t in iter_weights(source) if not n.startswith("mtp.")}
     dtype = next(iter(state.values())).dtype
-    for name, t in checkpoint_views(model):
-        if name.startswith("mtp."):
-            state[name] = t.detach().to("cpu", dtype).contiguous().clone()
-    for name in os.listdir(cfg.out):
+    for name, t in mtp.items():
+        state[name] = t.to("cpu", dtype).contiguous().clone()
+    for name in os.listdir(out):
         if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-            os.remove(os.path.join(cfg.out, name))
-    save_file(state, os.path.join(cfg.out, "model.safetensors"), metadata={"format": "pt"})
+            os.remove(os.path.join(out, name))
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     mask = os.umask(0)  # safetensors writes owner-only files; the rest of the checkpoint follows the umask
     os.umask(mask)
-    os.chmod(os.path.join(cfg.out, "model.safetensors"), 0o666 & ~mask)
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
-        json.dump(mtp_config(source.config, cfg), f, indent=2)
+    os.chmod(os.path.join(out, "model.safetensors"), 0o666 & ~mask)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     for name in TOKENIZER_FILES + ("generation_config.json",):
         p = os.path.join(source.model_dir, name)
         if os.path.isfile(p):
-            shutil.copyfile(p, os.path.join(cfg.out, name))
+            shutil.copyfile(p, os.path.join(out, name))

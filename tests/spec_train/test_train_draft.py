@@ -123,13 +123,13 @@ def _write_target(d) -> str:
     return d
 
 
-def _acceptance(model_dir, ps, spec: bool = True) -> tuple[list[list[int]], float]:
+def _acceptance(model_dir, ps, spec: bool = True, **engine) -> tuple[list[list[int]], float]:
     from kiln.engine.request import SamplingParams
     from kiln.offline import Engine
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with Engine(model_dir, skip_tokenizer_init=True, max_total_tokens=2048,
-                **({"speculative_algorithm": "mtp"} if spec else {})) as llm:
+                **({"speculative_algorithm": "mtp"} if spec else {}), **engine) as llm:
         outs = llm.generate(ps, params, use_tqdm=False)
         spec = llm.stats().spec
     return [o.outputs[0].token_ids for o in outs], (spec.accept_length if spec is not None else 0.0)

