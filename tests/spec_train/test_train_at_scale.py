@@ -14,7 +14,7 @@ import torch
 from kiln.spec_train import TrainDraftConfig
 from kiln.spec_train.cli import train_draft
 from kiln.spec_train.data import SYNTH_MIN_CHARS, load_or_generate, synthesize_prompts, user_turn_prefix
-from tests.spec_train.test_train_draft import _acceptance, _write_target
+from tests.spec_train.test_train_draft import TARGET, _acceptance, _write_target
 
 
 def _kw(target, **extra):
@@ -138,7 +138,8 @@ def test_train_mtp_on_cuda_then_serve(tmp_path):
     checkpoint serves greedy output identical to the target's (fp32 engine)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target = _write_target(str(tmp_path / "target"))
+    # Head dim 16: the smallest the Triton attention kernels take (the CPU tests' target has 12).
+    target = _write_target(str(tmp_path / "target"), {**TARGET, "head_dim": 16})
     out = str(tmp_path / "out")
     kw = _kw(target, device="cuda", eval_every=40, cache_hidden=False, engine={"dtype": "float32"})
     final = train_draft(TrainDraftConfig(out=out, num_steps=80, **kw))

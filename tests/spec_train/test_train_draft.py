@@ -98,7 +98,7 @@ def test_training_forward_is_what_serving_drafts(tmp_path):
     assert assert_mtp_reference(core, res, drafts, reference=teacher_forced_logits) > 20
 
 
-def _write_target(d) -> str:
+def _write_target(d, config: dict = TARGET) -> str:
     from safetensors.torch import save_file
 
     from kiln.loader import init_dummy_weights
@@ -106,7 +106,7 @@ def _write_target(d) -> str:
     from kiln.rl.sync import checkpoint_views
 
     os.makedirs(d, exist_ok=True)
-    model = get_model_class("llama")(parse_model_config(TARGET), max_positions=64)
+    model = get_model_class("llama")(parse_model_config(config), max_positions=64)
     init_dummy_weights(model, 0)
     with torch.no_grad():
         for p in model.parameters():
@@ -114,7 +114,7 @@ def _write_target(d) -> str:
                 p.mul_(1.0 / (0.02 * math.sqrt(p.shape[-1])))
     save_file({n: t.contiguous() for n, t in checkpoint_views(model)}, os.path.join(d, "model.safetensors"))
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(TARGET, f)
+        json.dump(config, f)
     g = torch.Generator().manual_seed(0)
     with open(os.path.join(d, "prompts.jsonl"), "w") as f:
         for _ in range(48):
