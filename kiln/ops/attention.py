@@ -165,13 +165,61 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
                      scale: float, sliding_window: Optional[int] = None,
                      rel: Optional[torch.Tensor] = None, key_gap: int = 0) -> torch.Tensor:
     """Causal attention inside each of several whole sequences packed along dim 0 (positions
-    restart at 0 at every sequence start); rel: [T, Hq, R] or None."""
+    restart at 0 at every sequence start); rel: [T, Hq, R] or None.
+
+    On a GPU, without `rel`, the sequences run together, padded to the longest, when the padded
+    scores take at most PADDED_SCORES elements and, under autograd (which keeps them for the
+    backward), at most PADDED_WASTE times the loop's: a drafter's training batch holds dozens to
+    hundreds of short sequences, and one batched einsum replaces their small launches (on an H200
+    the loop held the SmolLM2 hidden-state pass to ~17K tokens/s). On a CPU the loop is faster
+    (4.5x on 16 sequences of 90-384 tokens: the padding is compute there). Same math per row."""
+    lens = [int(n) for n in seq_lens]
+    padded = len(lens) * max(lens) ** 2
+    if (rel is None and q.device.type != "cpu" and len(lens) > 1 and padded * q.shape[1] <= PADDED_SCORES
+            and (not torch.is_grad_enabled() or padded <= PADDED_WASTE * sum(n * n for n in lens))):
+        return _padded_packed_attention(q, k, v, lens, scale, sliding_window, key_gap)
     out = torch.empty_like(q)
     start = 0
-    for n in seq_lens:
+    for n in lens:
         pos = torch.arange(n, device=q.device)
         sl = slice(start, start + n)
         out[sl] = _attend(q[sl], k[sl], v[sl], pos, pos, scale, sliding_window,
                           None if rel is None else rel[sl], key_gap)
         start += n
     return out
+
+
+# Largest fp32 score tensor [B, Hq, L, L] the padded path may build (1 GiB), and under autograd
+# its largest size against the per-sequence scores it replaces.
+PADDED_SCORES = 2 ** 28
+PADDED_WASTE = 4
+
+
+def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,
+                             sliding_window: Optional[int], key_gap: int) -> torch.Tensor:
+    """`packed_attention` without rel, every sequence at once: rows gathered into [B, L, H, D]
+    (padding repeats row 0), the visibility rule of `_attend` on positions 0..L-1 (the same for
+    every sequence, since positions restart at 0), keys past a sequence's end masked."""
+    dev, b, L = q.device, len(lens), max(lens)
+    n_t = torch.tensor(lens, device=dev)
+    starts = torch.cumsum(n_t, 0) - n_t
+    pos = torch.arange(L, device=dev)
+    valid = pos[None, :] < n_t[:, None]  # [B, L]
+    idx = torch.where(valid, starts[:, None] + pos[None, :], 0)
+    hq, d, hkv = q.shape[1], q.shape[2], k.shape[1]
+    group = hq // hkv
+    qf = q.float()[idx].view(b, L, hkv, group, d)
+    kf, vf = k.float()[idx], v.float()[idx]  # [B, L, Hkv, D]
+    scores = torch.einsum("blhgd,bmhd->bhglm", qf, kf) * scale
+    dist = pos[:, None] - pos[None, :]
+    visible = dist >= 0
+    if sliding_window is not None:
+        visible &= dist < sliding_window
+    if key_gap > 1:
+        visible &= (dist == 0) | (dist >= key_gap)
+    visible = visible[None] & valid[:, None, :]  # [B, L, L]: no key past the sequence's end
+    # A padding row keeps its diagonal, so no row is all -inf (NaN would reach the backward).
+    visible |= (~valid)[:, :, None] & torch.eye(L, dtype=torch.bool, device=dev)[None]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.einsum("bhglm,bmhd->blhgd", torch.softmax(scores, dim=-1), vf)
+    return out.reshape(b, L, hq, d)[valid].to(q.dtype)

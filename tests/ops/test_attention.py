@@ -68,3 +68,47 @@ def test_paged_rows_at_explicit_positions_with_key_gap_and_offset(gap):
         plain = paged_attention(q_all[q_rows], k_cache, v_cache, table, [1], [0], [len(q_rows)], 0.3, window,
                                 rel[q_rows], positions=q_rows, key_offset=offset)
         assert (plain[-1] - got[-1]).abs().max() > 1e-3
+
+
+def _packed_inputs(device="cpu"):
+    lens = [1, 9, 4, 13]
+    g = torch.Generator().manual_seed(0)
+    return lens, [torch.randn(sum(lens), h, 8, generator=g).to(device) for h in (6, 2, 2)]
+
+
+def _attention_and_grads(fn, q, k, v):
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(qq, kk, vv)
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
+    return [t.detach().cpu() for t in (out, qq.grad, kk.grad, vv.grad)]
+
+
+@pytest.mark.parametrize("window,gap", [(None, 0), (4, 0), (None, 3), (6, 2)])
+def test_padded_packed_attention_equals_the_per_sequence_loop(window, gap):
+    """All sequences in one einsum against the per-sequence loop (what packed_attention runs on a
+    CPU): outputs and gradients, GQA, a 1-token sequence, windows and the MTP key gap."""
+    from kiln.ops.attention import _padded_packed_attention
+
+    lens, (q, k, v) = _packed_inputs()
+    padded = _attention_and_grads(lambda *t: _padded_packed_attention(*t, lens, 0.3, window, gap), q, k, v)
+    loop = _attention_and_grads(lambda *t: packed_attention(*t, lens, 0.3, window, key_gap=gap), q, k, v)
+    for got, want in zip(padded, loop):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # both fp32 inside
+
+
+@pytest.mark.gpu
+def test_packed_attention_on_cuda_takes_the_padded_path_and_equals_the_cpu_loop(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import kiln.ops.attention as A
+
+    calls = []
+    real = A._padded_packed_attention
+    monkeypatch.setattr(A, "_padded_packed_attention", lambda *a: calls.append(1) or real(*a))
+    lens, (q, k, v) = _packed_inputs()
+    cuda = _attention_and_grads(lambda *t: A.packed_attention(*t, lens, 0.3, 4, key_gap=2), q.cuda(), k.cuda(), v.cuda())
+    cpu = _attention_and_grads(lambda *t: A.packed_attention(*t, lens, 0.3, 4, key_gap=2), q, k, v)
+    assert calls == [1]  # the CPU run took the loop
+    for got, want in zip(cuda, cpu):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # TF32 may be on
