@@ -31,7 +31,13 @@ lane0_drafter19() {  # call 2 (carry .device_wheels, scratch/smol_b), right afte
   [ -f /tmp/smol/part1 ] || { echo "no /tmp/smol/part1: the machine of call 1 was given back"; return 1; }
   cat /tmp/smol/part1 scratch/smol_b/part2 > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$SMOL_SHA  /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || return 1
-  pip install -q --no-deps .device_wheels/*.whl
+  # `python -m pip`: the `pip` on the machine's PATH installs beside another Python (call 2 failed on it:
+  # transformers found no gguf). Call 3 ran this lane after installing gguf that way by hand, with
+  # --synthetic-prompts 24000 (the old default): the synthesis alone outran the 575 s limit. Call 4 ran the
+  # script by hand on the GGUF call 3 had left on the machine:
+  #   python benchmarks/spec_train_gpu.py run --target /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/w2 \
+  #     --export $OUT/export --budget-s 420 --synthetic-prompts 3000 --reserve-s 120
+  python -m pip install -q --no-deps .device_wheels/*.whl
   step spec_train_gpu ${T_TRAIN:-575} python benchmarks/spec_train_gpu.py run \
     --target /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/w --export "$R/export" --budget-s ${BUDGET:-555} \
     ${TRAIN_ARGS:-}
