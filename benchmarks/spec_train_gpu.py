@@ -1,15 +1,16 @@
 """Drafter self-distillation at scale on one GPU, inside one bounded command.
 
     python benchmarks/spec_train_gpu.py run --target SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/w \
-        --export $OUT --budget-s 540
+        --export $OUT --budget-s 555
     python benchmarks/spec_train_gpu.py assemble --export DIR --out runs/smollm2-mtp-gpu    # on the CPU
 
 `run` is `kiln train-draft --method mtp` with its data step sized by time instead of by count:
-1. the target writes `--synthetic-prompts` user turns itself (Magpie, `synthesize_prompts`);
+1. the target writes up to `--synthetic-prompts` user turns itself (Magpie, `synthesize_prompts`),
+   for at most `--synth-share` of the budget;
 2. it continues the built-in training prompts and then those, greedily, in chunks, until
    `--gen-share` of the budget is spent (one engine for both);
 3. MTP layers train on what was generated (`train_mtp`, on the GPU, bf16 autocast), stopped early
-   if the budget runs short;
+   if the budget runs short, keeping the drafter of the lowest validation loss (`--keep-best`);
 4. the MTP tensors go to `--export` at once (fp32, in files of at most 15 MiB: the device tool
    copies back 8 files of 16 MiB), then acceptance is measured on the GPU with
    `spec_acceptance.py`: greedy at K = 1, 2, 3 at batch 1 over `--b1-prompts` held-out prompts
@@ -44,19 +45,27 @@ def _log(msg: str) -> None:
     print(f"[spec_train_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def generate_data(cfg, n_synth: int, gen_seconds: float, chunk: int, summary: dict):
-    """(prompts used, samples): built-in prompts first, then the target's own, continued in
-    chunks of `chunk` prompts until `gen_seconds` have passed."""
+def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, chunk: int, summary: dict):
+    """(prompts used, synthetic prompts, samples): the target writes up to `n_synth` prompts in
+    chunks of `chunk` until `synth_seconds` have passed; then the built-in prompts and those are
+    continued in chunks of `chunk` until `gen_seconds` have passed (both from the engine's start)."""
     from kiln.offline import Engine
     from kiln.spec_train.data import base_prompts, continue_prompts, engine_options, synthesize_prompts, target_path
 
     t0 = time.time()
     with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
         summary["engine_start_s"] = round(time.time() - t0, 1)
-        t1 = time.time()
-        synth = synthesize_prompts(cfg, n_synth, llm) if n_synth else []
-        summary.update(synthetic_asked=n_synth, synthetic_kept=len(synth), synth_s=round(time.time() - t1, 1))
-        _log(f"{len(synth)} synthetic prompts of {n_synth} in {summary['synth_s']} s")
+        t1, synth, seen, asked = time.time(), [], set(), 0
+        while asked < n_synth and time.time() - t0 < synth_seconds:
+            n = min(chunk, n_synth - asked)
+            # Seeds cfg.seed + asked .. + n - 1: the same draws as one call for all of them.
+            for p in synthesize_prompts(dataclasses.replace(cfg, seed=cfg.seed + asked), n, llm):
+                if p not in seen:
+                    seen.add(p)
+                    synth.append(p)
+            asked += n
+        summary.update(synthetic_asked=asked, synthetic_kept=len(synth), synth_s=round(time.time() - t1, 1))
+        _log(f"{len(synth)} synthetic prompts of {asked} asked in {summary['synth_s']} s")
         prompts = base_prompts(cfg) + synth
         used, samples, t2 = [], [], time.time()
         for i in range(0, len(prompts), chunk):
@@ -144,11 +153,11 @@ def run(args) -> None:
                            num_mtp_layers=args.num_mtp_layers, num_steps=args.num_steps,
                            batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
                            autocast_bf16=True, val_fraction=args.val_fraction, eval_every=args.eval_every,
-                           progress=False, cache_hidden=False, engine=engine, seed=args.seed)
+                           progress=False, cache_hidden=False, keep_best=True, engine=engine, seed=args.seed)
     summary: dict = {"args": vars(args), "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    used, synth, samples = generate_data(cfg, args.synthetic_prompts, args.gen_share * args.budget_s,
-                                         args.chunk, summary)
+    used, synth, samples = generate_data(cfg, args.synthetic_prompts, args.synth_share * args.budget_s,
+                                         args.gen_share * args.budget_s, args.chunk, summary)
     with open(os.path.join(args.work, "synthetic_prompts.jsonl"), "w") as f:
         for p in synth:
             f.write(json.dumps({"prompt": p}) + "\n")
@@ -219,15 +228,16 @@ def main() -> None:
     r.add_argument("--work", required=True, help="Working directory (the train-draft output directory).")
     r.add_argument("--export", required=True, help="Where the MTP tensors and results.tar.gz go.")
     r.add_argument("--device", default="cuda")
-    r.add_argument("--budget-s", type=float, default=540.0, help="Wall-clock budget of the whole run.")
-    r.add_argument("--gen-share", type=float, default=0.35, help="Share of the budget for the data.")
+    r.add_argument("--budget-s", type=float, default=555.0, help="Wall-clock budget of the whole run.")
+    r.add_argument("--synth-share", type=float, default=0.12, help="Share of the budget for synthetic prompts.")
+    r.add_argument("--gen-share", type=float, default=0.4, help="Share of the budget for the data (prompts too).")
     r.add_argument("--reserve-s", type=float, default=170.0, help="Budget kept for export and acceptance.")
     r.add_argument("--hidden-tok-per-s", type=float, default=40_000.0,
                    help="Assumed speed of the target's hidden-state pass (sizes the training time).")
-    r.add_argument("--synthetic-prompts", type=int, default=3000,
-                   help="Prompts the target writes first (on an H200: ~160 a second for SmolLM2, 78%% kept).")
+    r.add_argument("--synthetic-prompts", type=int, default=12000,
+                   help="Most prompts the target writes first (on an H200: ~160 a second for SmolLM2, 78%% kept).")
     r.add_argument("--num-prompts", type=int, default=540, help="Built-in training prompts first.")
-    r.add_argument("--chunk", type=int, default=4096, help="Prompts per generate call (the budget's grain).")
+    r.add_argument("--chunk", type=int, default=2048, help="Prompts per generate call (the budget's grain).")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--max-running-requests", type=int, default=512)
     r.add_argument("--num-mtp-layers", type=int, default=3)
@@ -236,7 +246,8 @@ def main() -> None:
     r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--warmup-steps", type=int, default=30)
     r.add_argument("--val-fraction", type=float, default=0.02)
-    r.add_argument("--eval-every", type=int, default=100)
+    r.add_argument("--eval-every", type=int, default=50, help="Validation every this many steps (the export "
+                   "keeps the drafter of the lowest validation loss).")
     r.add_argument("--acc-prompts", type=int, default=64, help="Held-out prompts of the acceptance run.")
     r.add_argument("--b1-prompts", type=int, default=32, help="Held-out prompts of the batch-1 speed run.")
     r.add_argument("--seed", type=int, default=0)

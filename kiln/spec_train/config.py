@@ -94,6 +94,8 @@ class TrainDraftConfig:
     time_limit_s: float = opt(0.0, "mtp: stop training after this many seconds of steps (0: no limit), with a "
                               "final validation; the cosine decay then follows whichever of --num-steps and the "
                               "time limit runs out first, so a clock-bound run still ends at the low rate.")
+    keep_best: bool = opt(False, "mtp: export the MTP layers as they were at the lowest validation loss (checked "
+                          "every --eval-every steps, at step 0 and at the end) instead of after the last step.")
     val_fraction: float = opt(0.05, "Fraction of sequences held out for the validation loss.")
     eval_every: int = opt(25, "Validation loss every this many steps (0: only at the end).")
     seed: int = opt(0, "Seed of prompt order, batching, sampling and initialisation.")

@@ -237,11 +237,18 @@ def train_mtp(cfg) -> dict:
     batches: list[list[int]] = []
     t0, tokens = time.time(), 0
     autocast = torch.autocast(device_type=torch.device(dev).type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
+    best: dict = {}  # --keep-best: the validated row with the lowest loss, and the MTP weights then
+
+    def keep_if_best(row: dict) -> None:
+        if cfg.keep_best and "val_loss" in row and ("row" not in best or row["val_loss"] < best["row"]["val_loss"]):
+            best.update(row=row, state={k: v.detach().clone() for k, v in model.mtp.state_dict().items()})
+
     with open(metrics_path, "w") as mf:
         if val:  # the untrained drafter's validation loss: where the curve starts
             with autocast:
                 history.append({"step": 0, **evaluate(model, samples, hidden, val, cfg)})
             mf.write(json.dumps(history[-1]) + "\n")
+            keep_if_best(history[-1])
         bar = tqdm(range(1, cfg.num_steps + 1), desc="train mtp", unit="step", disable=not cfg.progress)
         for step in bar:
             if not batches:  # a new epoch: reshuffle, repack
@@ -270,6 +277,7 @@ def train_mtp(cfg) -> dict:
                 with autocast:
                     row.update(evaluate(model, samples, hidden, val, cfg))
             history.append(row)
+            keep_if_best(row)
             mf.write(json.dumps(row) + "\n")
             mf.flush()
             if "val_loss" in row and step < cfg.num_steps:  # a curve to look at while it runs
@@ -281,7 +289,13 @@ def train_mtp(cfg) -> dict:
                 break
         bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
+    if best:
+        model.mtp.load_state_dict(best["state"])
+        logger.info("--keep-best: exporting the MTP layers of step %d (validation loss %.4f)",
+                    best["row"]["step"], best["row"]["val_loss"])
     export_checkpoint(model, source, cfg)
+    if best:
+        return {**{k: v for k, v in best["row"].items() if k.startswith("val_")}, "val_step": best["row"]["step"]}
     last = next((h for h in reversed(history) if "val_loss_k" in h), history[-1] if history else {})
     return {k: v for k, v in last.items() if k.startswith("val_")}
 

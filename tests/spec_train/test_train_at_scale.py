@@ -38,6 +38,24 @@ def test_time_limit_stops_training_and_ends_at_the_low_rate(tmp_path):
         TrainDraftConfig(out=out, time_limit_s=-1, **_kw(target))
 
 
+def test_keep_best_exports_the_weights_of_the_lowest_validation_loss(tmp_path):
+    """A learning rate that wrecks the drafter at once: with --keep-best the export is the step-0
+    drafter (the lowest validation loss), the same tensors an untrained run writes."""
+    from safetensors import safe_open
+
+    target = _write_target(str(tmp_path / "target"))
+    kw = _kw(target, lr=50.0, warmup_steps=1, eval_every=1)
+    best = train_draft(TrainDraftConfig(out=str(tmp_path / "best"), num_steps=4, keep_best=True, **kw))
+    rows = [json.loads(line) for line in open(os.path.join(str(tmp_path / "best"), "metrics.jsonl"))]
+    assert best["val_step"] == 0 and best["val_loss"] == min(r["val_loss"] for r in rows)
+    assert rows[-1]["val_loss"] > best["val_loss"] + 1.0  # the last step's drafter is worse
+    train_draft(TrainDraftConfig(out=str(tmp_path / "untrained"), num_steps=0, **kw))
+    with safe_open(os.path.join(str(tmp_path / "best"), "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(str(tmp_path / "untrained"), "model.safetensors"), "pt") as b:
+        names = [k for k in a.keys() if k.startswith("mtp.")]
+        assert names and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in names)
+
+
 def test_user_turn_prefix_is_the_template_up_to_the_message(smollm2_source):
     from kiln.loader import load_tokenizer
 
