@@ -50,7 +50,8 @@ def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, c
     chunks of `chunk` until `synth_seconds` have passed; then the built-in prompts and those are
     continued in chunks of `chunk` until `gen_seconds` have passed (both from the engine's start)."""
     from kiln.offline import Engine
-    from kiln.spec_train.data import base_prompts, continue_prompts, engine_options, synthesize_prompts, target_path
+    from kiln.spec_train.data import (as_user_turns, base_prompts, continue_prompts, engine_options,
+                                      synthesize_prompts, target_path)
 
     t0 = time.time()
     with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
@@ -66,10 +67,10 @@ def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, c
             asked += n
         summary.update(synthetic_asked=asked, synthetic_kept=len(synth), synth_s=round(time.time() - t1, 1))
         _log(f"{len(synth)} synthetic prompts of {asked} asked in {summary['synth_s']} s")
-        prompts = base_prompts(cfg) + synth
+        prompts = base_prompts(cfg) + as_user_turns(synth)
         used, samples, t2 = [], [], time.time()
         for i in range(0, len(prompts), chunk):
-            if time.time() - t0 > gen_seconds:
+            if used and time.time() - t0 > gen_seconds:  # at least one chunk, whatever the clock
                 break
             part = prompts[i:i + chunk]
             samples += continue_prompts(llm, cfg, part)
@@ -86,18 +87,26 @@ def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, c
 
 
 def export_mtp(checkpoint: str, export: str) -> list[str]:
-    """The checkpoint's mtp.* tensors into export/mtp-NN.safetensors, each under CHUNK_BYTES."""
+    """The checkpoint's mtp.* tensors (fp32) into export/mtp-NN.safetensors, each under
+    CHUNK_BYTES; a tensor larger than that goes in row blocks named `NAME@i` (`load_export`
+    joins them)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     parts, cur, size = [], {}, 0
     with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        pieces = []
         for name in sorted(k for k in f.keys() if k.startswith("mtp.")):
-            t = f.get_tensor(name).to(torch.float32)
+            t = f.get_tensor(name).to(torch.float32).contiguous()
+            row_bytes = max(t[0].numel() * 4, 1) if t.dim() else 4
+            if t.numel() * 4 <= CHUNK_BYTES:
+                pieces.append((name, t))
+                continue
+            rows = max(CHUNK_BYTES // row_bytes, 1)
+            pieces += [(f"{name}@{i}", b.clone()) for i, b in enumerate(t.split(rows))]
+        for name, t in pieces:
             nbytes = t.numel() * 4
-            if nbytes > CHUNK_BYTES:
-                raise ValueError(f"{name} alone is {nbytes} bytes, over one export file")
             if cur and size + nbytes > CHUNK_BYTES:
                 parts.append(cur)
                 cur, size = {}, 0
@@ -202,16 +211,33 @@ def run(args) -> None:
     _log(f"done in {summary['total_s']} s")
 
 
-def assemble(args) -> None:
+def load_export(export: str) -> dict:
+    """The MTP tensors of an export directory, row blocks (`NAME@i`) joined again."""
+    import torch
     from safetensors.torch import load_file
 
+    flat = {}
+    for p in sorted(glob.glob(os.path.join(export, "mtp-*.safetensors"))):
+        flat.update(load_file(p))
+    out, blocks = {}, {}
+    for name, t in flat.items():
+        if "@" in name:
+            base, i = name.rsplit("@", 1)
+            blocks.setdefault(base, {})[int(i)] = t
+        else:
+            out[name] = t
+    for base, parts in blocks.items():
+        assert sorted(parts) == list(range(len(parts))), (base, sorted(parts))
+        out[base] = torch.cat([parts[i] for i in range(len(parts))])
+    return out
+
+
+def assemble(args) -> None:
     from kiln.loader import resolve_model
     from kiln.spec_train.data import target_path
     from kiln.spec_train.mtp import write_checkpoint
 
-    mtp = {}
-    for p in sorted(glob.glob(os.path.join(args.export, "mtp-*.safetensors"))):
-        mtp.update(load_file(p))
+    mtp = load_export(args.export)
     if not mtp:
         raise SystemExit(f"no mtp-*.safetensors in {args.export}")
     with tarfile.open(os.path.join(args.export, "results.tar.gz")) as tar:

@@ -11,7 +11,8 @@ lane0_tests19() {  # call 1 (carry .device_wheels, scratch/smol_a): park the GGU
   # session's review fixes and traced MoE GEMVs had not run); Inkling K = 3 MTP rounds against plain decode at batch
   # 1/8/32 on the one-tile GEMV; the MoE chain's trace
   mkdir -p /tmp/smol && cp scratch/smol_a/part1 /tmp/smol/part1 && ls -la /tmp/smol
-  if ls .device_wheels/*.whl > /dev/null 2>&1; then pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
+  # (call 1 ran `pip install`, which installs beside another Python; xdist is in the image anyway)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then python -m pip install -q --no-deps .device_wheels/*.whl; XDIST="-n 6"; fi
   tiny_smol /tmp/tiny
   step smoke_train 150 python benchmarks/spec_train_gpu.py run --target /tmp/tiny --work /tmp/tw --export /tmp/tw_out \
     --budget-s 120 --reserve-s 50 --synthetic-prompts 512 --num-prompts 540 --chunk 540 --max-new-tokens 32 \

@@ -167,16 +167,16 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     """Causal attention inside each of several whole sequences packed along dim 0 (positions
     restart at 0 at every sequence start); rel: [T, Hq, R] or None.
 
-    On a GPU, without `rel`, the sequences run together, padded to the longest, when the padded
-    scores take at most PADDED_SCORES elements and, under autograd (which keeps them for the
-    backward), at most PADDED_WASTE times the loop's: a drafter's training batch holds dozens to
-    hundreds of short sequences, and one batched einsum replaces their small launches (on an H200
-    the loop held the SmolLM2 hidden-state pass to ~17K tokens/s). On a CPU the loop is faster
-    (4.5x on 16 sequences of 90-384 tokens: the padding is compute there). Same math per row."""
+    On a GPU, without `rel` and without autograd (the trainers' hidden-state and reference
+    passes), the sequences run together, padded to the longest, when the padded scores take at
+    most PADDED_SCORES elements: a drafter's training data holds thousands of short sequences,
+    and one batched einsum replaces their small launches (on an H200 the loop held the SmolLM2
+    hidden-state pass to ~17K tokens/s). Under autograd the loop stays: the padded scores kept
+    for the backward would grow a trainer's memory. On a CPU the loop is faster (4.5x on 16
+    sequences of 90-384 tokens: the padding is compute there). Same math per row."""
     lens = [int(n) for n in seq_lens]
-    padded = len(lens) * max(lens) ** 2
-    if (rel is None and q.device.type != "cpu" and len(lens) > 1 and padded * q.shape[1] <= PADDED_SCORES
-            and (not torch.is_grad_enabled() or padded <= PADDED_WASTE * sum(n * n for n in lens))):
+    if (len(lens) > 1 and rel is None and q.device.type != "cpu" and not torch.is_grad_enabled()
+            and len(lens) * max(lens) ** 2 * q.shape[1] <= PADDED_SCORES):
         return _padded_packed_attention(q, k, v, lens, scale, sliding_window, key_gap)
     out = torch.empty_like(q)
     start = 0
@@ -189,10 +189,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     return out
 
 
-# Largest fp32 score tensor [B, Hq, L, L] the padded path may build (1 GiB), and under autograd
-# its largest size against the per-sequence scores it replaces.
+# Largest fp32 score tensor [B, Hq, L, L] the padded path may build (1 GiB).
 PADDED_SCORES = 2 ** 28
-PADDED_WASTE = 4
 
 
 def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,

@@ -91,9 +91,10 @@ class TrainDraftConfig:
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: no clipping).")
     autocast_bf16: bool = opt(False, "Run the drafter's forward/backward under bfloat16 autocast (about 2x on "
                               "CPUs with bf16 matmuls); weights and the optimizer stay fp32.")
-    time_limit_s: float = opt(0.0, "mtp: stop training after this many seconds of steps (0: no limit), with a "
-                              "final validation; the cosine decay then follows whichever of --num-steps and the "
-                              "time limit runs out first, so a clock-bound run still ends at the low rate.")
+    time_limit_s: float = opt(0.0, "mtp: stop training after this many seconds (steps and validations; 0: no "
+                              "limit), with a final validation; the cosine decay then follows whichever of "
+                              "--num-steps and the time limit runs out first, so a clock-bound run still ends at "
+                              "the low rate.")
     keep_best: bool = opt(False, "mtp: export the MTP layers as they were at the lowest validation loss (checked "
                           "every --eval-every steps, at step 0 and at the end) instead of after the last step.")
     val_fraction: float = opt(0.05, "Fraction of sequences held out for the validation loss.")
@@ -109,6 +110,8 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.method == "dflash" and (self.time_limit_s or self.keep_best or not self.cache_hidden):
+            raise ValueError("--time-limit-s, --keep-best and --no-cache-hidden apply to --method mtp only")
         if self.synthetic_prompts < 0:
             raise ValueError(f"--synthetic-prompts must be >= 0, got {self.synthetic_prompts}")
         for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "num_mtp_layers", "batch_tokens",

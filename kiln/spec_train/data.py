@@ -116,7 +116,8 @@ def _meta(cfg, prompts: list[Prompt]) -> dict:
             "prompts_sha": digest, "num_prompts": len(prompts), "samples_per_prompt": cfg.samples_per_prompt,
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "chat_template": cfg.chat_template, "seed": cfg.seed,
-            "synthetic_prompts": getattr(cfg, "synthetic_prompts", 0)}
+            # only when used, so caches written before the option existed still match
+            **({"synthetic_prompts": cfg.synthetic_prompts} if getattr(cfg, "synthetic_prompts", 0) else {})}
 
 
 def target_path(target: str) -> Optional[str]:
@@ -140,16 +141,25 @@ def load_or_generate(cfg, data_dir: str) -> list[Sample]:
         return cached
     n_synth = getattr(cfg, "synthetic_prompts", 0)
     if n_synth:
-        synth = synthesize_prompts(cfg, n_synth)
-        os.makedirs(data_dir, exist_ok=True)
-        with open(os.path.join(data_dir, "synthetic_prompts.jsonl"), "w") as f:
-            for p in synth:
-                f.write(json.dumps({"prompt": p}) + "\n")
+        from kiln.offline import Engine
+
+        with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:  # one engine for both
+            synth = synthesize_prompts(cfg, n_synth, llm)
+            os.makedirs(data_dir, exist_ok=True)
+            with open(os.path.join(data_dir, "synthetic_prompts.jsonl"), "w") as f:
+                for p in synth:
+                    f.write(json.dumps({"prompt": p}) + "\n")
+            samples = continue_prompts(llm, cfg, prompts + as_user_turns(synth))
     else:
-        synth = []
-    samples = generate(cfg, prompts + synth)
+        samples = generate(cfg, prompts)
     save_generations(cfg, data_dir, prompts, samples)
     return samples
+
+
+def as_user_turns(texts: list[str]) -> list[list[dict]]:
+    """Synthetic prompts as chat messages: they were written as user turns, so they go through the
+    chat template even under --no-chat-template."""
+    return [[{"role": "user", "content": t}] for t in texts]
 
 
 def _paths(data_dir: str) -> tuple[str, str]:

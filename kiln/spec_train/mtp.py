@@ -123,9 +123,9 @@ def target_hidden(model, samples: list[Sample], max_seq_len: int, cache: str | N
         bar.update(n)
         i = j
     bar.close()
-    if cache is not None:
+    if cache is not None:  # gathered on the host: no second copy on the GPU
         torch.save({"key": key, "sum": sum(sum(s.ids[:max_seq_len]) for s in samples), "lens": lens,
-                    "hidden": torch.cat(out).cpu()}, cache)
+                    "hidden": torch.cat([h.cpu() for h in out])}, cache)
     return out
 
 
@@ -263,8 +263,11 @@ def train_mtp(cfg) -> dict:
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
             # Under --time-limit-s the schedule decays by whichever runs out first, steps or time,
-            # so a run stopped by the clock still ends at the low learning rate.
-            time_frac = (time.time() - t0) / cfg.time_limit_s if cfg.time_limit_s else 0.0
+            # so a run stopped by the clock still ends at the low learning rate (one clock read
+            # for both: the step that stops the run is the one taken at the floor).
+            now = time.time()
+            time_frac = (now - t0) / cfg.time_limit_s if cfg.time_limit_s else 0.0
+            out_of_time = bool(cfg.time_limit_s) and now - t0 > cfg.time_limit_s
             lr = cfg.lr * _lr_factor(step - 1, cfg.warmup_steps, cfg.num_steps, time_frac)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -272,7 +275,6 @@ def train_mtp(cfg) -> dict:
             tokens += len(ids)
             row = {"step": step, "loss": loss.item(), "loss_k": [x.item() for x in losses], "grad_norm": gnorm,
                    "lr": lr, "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
-            out_of_time = bool(cfg.time_limit_s) and time.time() - t0 > cfg.time_limit_s
             if val and (step == cfg.num_steps or out_of_time or (cfg.eval_every and step % cfg.eval_every == 0)):
                 with autocast:
                     row.update(evaluate(model, samples, hidden, val, cfg))
@@ -323,8 +325,9 @@ def evaluate(model, samples, hidden, idx: list[int], cfg) -> dict:
 def _lr_factor(step: int, warmup: int, total: int, time_frac: float = 0.0) -> float:
     """Linear warmup, then cosine decay to 10% of the peak over the steps after it, or over
     `time_frac` (the share of the time limit spent) when that is further along."""
-    if step < warmup:
-        return (step + 1) / warmup
+    by_time = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(time_frac, 1.0)))
+    if step < warmup:  # a clock running out during the warmup still pulls the rate down
+        return min((step + 1) / warmup, by_time)
     frac = max((step - warmup) / max(total - warmup, 1), time_frac)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 

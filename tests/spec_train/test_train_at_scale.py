@@ -97,48 +97,68 @@ def test_synthesize_prompts_keeps_finished_distinct_requests():
 
 
 def test_synthetic_prompts_join_the_data_and_its_cache_key(tmp_path, monkeypatch):
+    import contextlib
+
+    import kiln.offline
     from kiln.spec_train import data
 
     target = _write_target(str(tmp_path / "target"))
-    seen = []
-    monkeypatch.setattr(data, "synthesize_prompts", lambda cfg, n: ["made up one", "made up two"][:n])
+    seen, engines = [], []
 
-    def fake_generate(cfg, prompts):
+    @contextlib.contextmanager
+    def one_engine(**kw):
+        engines.append(kw)
+        yield "llm"
+
+    monkeypatch.setattr(kiln.offline, "Engine", one_engine)
+    monkeypatch.setattr(data, "synthesize_prompts", lambda cfg, n, llm: ["made up one", "made up two"][:n])
+
+    def fake_continue(llm, cfg, prompts):
+        assert llm == "llm"  # the engine that wrote them continues them
         seen.append(list(prompts))
         return [data.Sample([1, 2], [3, 4]) for _ in prompts]
 
-    monkeypatch.setattr(data, "generate", fake_generate)
+    monkeypatch.setattr(data, "continue_prompts", fake_continue)
+    monkeypatch.setattr(data, "generate", lambda cfg, prompts: fake_continue("llm", cfg, prompts))
     cfg = TrainDraftConfig(out=str(tmp_path / "o"), synthetic_prompts=2, **_kw(target, num_prompts=3))
     d = str(tmp_path / "o" / "data")
-    assert len(load_or_generate(cfg, d)) == 5 and seen[0][3:] == ["made up one", "made up two"]
+    assert len(load_or_generate(cfg, d)) == 5 and len(engines) == 1
+    turns = [[{"role": "user", "content": t}] for t in ("made up one", "made up two")]
+    assert seen[0][3:] == turns
     assert [json.loads(line)["prompt"] for line in open(os.path.join(d, "synthetic_prompts.jsonl"))] == \
         ["made up one", "made up two"]
     assert len(load_or_generate(cfg, d)) == 5 and len(seen) == 1  # cached
-    load_or_generate(TrainDraftConfig(out=str(tmp_path / "o"), **_kw(target, num_prompts=3)), d)
+    plain = TrainDraftConfig(out=str(tmp_path / "o"), **_kw(target, num_prompts=3))
+    load_or_generate(plain, d)
     assert len(seen) == 2 and len(seen[1]) == 3  # without them: another key, generated again
+    assert "synthetic_prompts" not in data._meta(plain, [])  # caches from before the option still match
     with pytest.raises(ValueError, match="--synthetic-prompts must be >= 0"):
         TrainDraftConfig(out="o", synthetic_prompts=-1, **_kw(target))
+    with pytest.raises(ValueError, match="apply to --method mtp only"):
+        TrainDraftConfig(out="o", **{**_kw(target), "method": "dflash"}, keep_best=True)
 
 
-def test_checkpoint_rebuilt_from_exported_mtp_tensors_is_the_trained_one(tmp_path):
-    """benchmarks/spec_train_gpu.py's round trip: export (files under the size cap) + assemble."""
+@pytest.mark.parametrize("chunk_bytes", [15 * 2**20, 5000])
+def test_checkpoint_rebuilt_from_exported_mtp_tensors_is_the_trained_one(tmp_path, monkeypatch, chunk_bytes):
+    """benchmarks/spec_train_gpu.py's round trip: export (files under the size cap; at 5000 bytes
+    the larger tensors go in row blocks) + assemble."""
     from safetensors import safe_open
 
-    from benchmarks.spec_train_gpu import export_mtp, pack_results
+    import benchmarks.spec_train_gpu as stg
     from kiln.loader import resolve_model
     from kiln.spec_train.mtp import write_checkpoint
-    from safetensors.torch import load_file
+
+    monkeypatch.setattr(stg, "CHUNK_BYTES", chunk_bytes)
 
     target = _write_target(str(tmp_path / "target"))
     out = str(tmp_path / "out")
     train_draft(TrainDraftConfig(out=out, num_steps=2, **_kw(target)))
     export = str(tmp_path / "export")
     os.makedirs(export)
-    parts = export_mtp(out, export)
-    pack_results(out, export, {"k": 1})
-    mtp = {}
-    for p in parts:
-        mtp.update(load_file(p))
+    parts = stg.export_mtp(out, export)
+    stg.pack_results(out, export, {"k": 1})
+    assert all(os.path.getsize(p) <= chunk_bytes + 4096 for p in parts)  # + the safetensors header
+    mtp = stg.load_export(export)
     rebuilt = str(tmp_path / "rebuilt")
     write_checkpoint(resolve_model(target), mtp, json.load(open(os.path.join(out, "config.json"))), rebuilt)
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as a, \
