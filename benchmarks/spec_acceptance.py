@@ -73,7 +73,7 @@ def main() -> None:
     if args.check_greedy:
         plain, _, wall = run()
         n = sum(len(t) for t in plain)
-        print(f"no speculation: {n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s)")
+        print(f"no speculation: {n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s, {1e3 * wall / n:.2f} ms a token)")
         results.append({"K": 0, "tokens": n, "wall_s": wall})
     draft = {}
     if args.speculative_draft_model_path:
@@ -84,14 +84,19 @@ def main() -> None:
         toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k, **draft)
         n = sum(len(t) for t in toks)
         row = {"K": k, "accept_length": spec.accept_length, "accept_rate_per_position": spec.accept_rate_per_position,
-               "verify_steps": spec.verify_steps, "tokens": n, "wall_s": wall}
+               "verify_steps": spec.verify_steps, "tokens": n, "wall_s": wall,
+               "ms_per_round": 1e3 * wall / max(spec.verify_steps, 1)}
         if plain is not None:
             row["greedy_identical"] = toks == plain
+            # tokens/s against the plain run's: below 1 when a round costs more than L plain steps
+            row["speedup"] = (n / wall) / (results[0]["tokens"] / results[0]["wall_s"])
         results.append(row)
         rates = " ".join(f"{r:.3f}" for r in spec.accept_rate_per_position)
         print(f"K={k}: acceptance length {spec.accept_length:.3f}, per position [{rates}], "
-              f"{spec.verify_steps} verify steps, {n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s)"
-              + (f", greedy identical: {row['greedy_identical']}" if plain is not None else ""))
+              f"{spec.verify_steps} verify steps, {n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s, "
+              f"{row['ms_per_round']:.2f} ms a round)"
+              + (f", {row['speedup']:.2f}x plain, greedy identical: {row['greedy_identical']}"
+                 if plain is not None else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
