@@ -87,12 +87,18 @@ class Attention(nn.Module):
 
 
 class PackedAttentionBackend:
-    """Trainer / reference backend: whole sequences packed along the token dim, no cache."""
+    """Trainer / reference backend: whole sequences packed along the token dim, no cache.
+    `pad_under_grad`: on a GPU, run the sequences as one padded batch under autograd too
+    (`kiln.ops.attention.packed_attention`)."""
+
+    def __init__(self, pad_under_grad: bool = False):
+        self.pad_under_grad = pad_under_grad
 
     def attention(self, layer: Attention, q, k, v, batch: ForwardBatch, rel=None) -> torch.Tensor:
         assert all(p == 0 for p in batch.prefix_lens), "packed attention has no cache"
         return ref_ops.packed_attention(q, k, v, batch.extend_lens, layer.scale, layer.sliding_window,
-                                        ref_ops.materialized(rel), getattr(layer, "key_gap", 0))
+                                        ref_ops.materialized(rel), getattr(layer, "key_gap", 0),
+                                        pad_under_grad=self.pad_under_grad)
 
     def short_conv(self, conv, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Whole sequences: taps before each sequence start read zeros."""

@@ -157,7 +157,9 @@ def mtp_hidden_chain(model, input_ids: torch.Tensor, seq_lens: list[int], hidden
         keep = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(prev_starts, lens)])
         # ... and the tokens t_{i+k} at those rows.
         toks = torch.cat([input_ids[s + k:s + k + n] for s, n in zip(starts, lens)])
-        h_k = layer(model.model.embed_tokens(toks), h_prev[keep], packed_batch(toks, lens))
+        # The trainer's few MTP layers may keep padded scores for the backward (one batched
+        # attention per layer on a GPU instead of one per sequence).
+        h_k = layer(model.model.embed_tokens(toks), h_prev[keep], packed_batch(toks, lens, pad_under_grad=True))
         out.append(h_k)
         h_prev, prev_lens = h_k, lens
     return out

@@ -16,8 +16,9 @@ from kiln.layers.attention import PackedAttentionBackend
 
 
 def packed_batch(input_ids: torch.Tensor, seq_lens: Sequence[int],
-                 replay: Optional[dict[int, torch.Tensor]] = None) -> ForwardBatch:
-    """A TRAIN-mode batch over sequences packed along dim 0 of `input_ids` [T]."""
+                 replay: Optional[dict[int, torch.Tensor]] = None, pad_under_grad: bool = False) -> ForwardBatch:
+    """A TRAIN-mode batch over sequences packed along dim 0 of `input_ids` [T] (`pad_under_grad`:
+    see `PackedAttentionBackend`)."""
     seq_lens = [int(n) for n in seq_lens]
     assert sum(seq_lens) == input_ids.shape[0], (seq_lens, tuple(input_ids.shape))
     dev = input_ids.device
@@ -25,7 +26,7 @@ def packed_batch(input_ids: torch.Tensor, seq_lens: Sequence[int],
     batch = ForwardBatch(mode=ForwardMode.TRAIN, input_ids=input_ids, positions=positions,
                          prefix_lens=[0] * len(seq_lens), extend_lens=seq_lens,
                          logits_indices=torch.arange(input_ids.shape[0], device=dev),
-                         backend=PackedAttentionBackend())
+                         backend=PackedAttentionBackend(pad_under_grad))
     if replay is not None:
         # {moe_layer_index: LongTensor [T, k]}: MoE gates use these ids instead of their top-k.
         batch.extras["replay_experts"] = replay

@@ -163,7 +163,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
                      scale: float, sliding_window: Optional[int] = None,
-                     rel: Optional[torch.Tensor] = None, key_gap: int = 0) -> torch.Tensor:
+                     rel: Optional[torch.Tensor] = None, key_gap: int = 0,
+                     pad_under_grad: bool = False) -> torch.Tensor:
     """Causal attention inside each of several whole sequences packed along dim 0 (positions
     restart at 0 at every sequence start); rel: [T, Hq, R] or None.
 
@@ -171,11 +172,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     passes), the sequences run together, padded to the longest, when the padded scores take at
     most PADDED_SCORES elements: a drafter's training data holds thousands of short sequences,
     and one batched einsum replaces their small launches (on an H200 the loop held the SmolLM2
-    hidden-state pass to ~17K tokens/s). Under autograd the loop stays: the padded scores kept
-    for the backward would grow a trainer's memory. On a CPU the loop is faster (4.5x on 16
-    sequences of 90-384 tokens: the padding is compute there). Same math per row."""
+    hidden-state pass to ~17K tokens/s). Under autograd the loop stays unless `pad_under_grad`:
+    the padded scores kept for the backward would grow a policy trainer's memory (the MTP trainer's
+    few layers ask for it). On a CPU the loop is faster (4.5x on 16 sequences of 90-384 tokens:
+    the padding is compute there). Same math per row."""
     lens = [int(n) for n in seq_lens]
-    if (len(lens) > 1 and rel is None and q.device.type != "cpu" and not torch.is_grad_enabled()
+    if (len(lens) > 1 and rel is None and q.device.type != "cpu" and (pad_under_grad or not torch.is_grad_enabled())
             and len(lens) * max(lens) ** 2 * q.shape[1] <= PADDED_SCORES):
         return _padded_packed_attention(q, k, v, lens, scale, sliding_window, key_gap)
     out = torch.empty_like(q)

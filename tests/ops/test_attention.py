@@ -113,4 +113,10 @@ def test_packed_attention_on_cuda_takes_the_padded_path_without_autograd(monkeyp
     assert calls == [1]  # the CPU run took the loop
     torch.testing.assert_close(cuda, cpu, atol=1e-4, rtol=1e-4)  # TF32 may be on
     A.packed_attention(q.cuda().requires_grad_(True), k.cuda(), v.cuda(), lens, 0.3, 4, key_gap=2)
-    assert calls == [1]  # under autograd: the loop (its memory)
+    assert calls == [1]  # under autograd: the loop (its memory) ...
+    padded = _attention_and_grads(lambda *t: A.packed_attention(*t, lens, 0.3, 4, key_gap=2, pad_under_grad=True),
+                                  q.cuda(), k.cuda(), v.cuda())
+    assert calls == [1, 1]  # ... unless asked (the MTP trainer)
+    loop = _attention_and_grads(lambda *t: A.packed_attention(*t, lens, 0.3, 4, key_gap=2), q, k, v)
+    for got, want in zip(padded, loop):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
