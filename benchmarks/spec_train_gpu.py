@@ -48,7 +48,8 @@ def _log(msg: str) -> None:
 def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, chunk: int, summary: dict):
     """(prompts used, synthetic prompts, samples): the target writes up to `n_synth` prompts in
     chunks of `chunk` until `synth_seconds` have passed; then the built-in prompts and those are
-    continued in chunks of `chunk` until `gen_seconds` have passed (both from the engine's start)."""
+    continued in chunks of `chunk` until `gen_seconds` have passed (both counted from before the
+    engine starts; at least one chunk is continued whatever the clock)."""
     from kiln.offline import Engine
     from kiln.spec_train.data import (as_user_turns, base_prompts, continue_prompts, engine_options,
                                       synthesize_prompts, target_path)
