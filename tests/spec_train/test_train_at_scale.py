@@ -174,8 +174,6 @@ def test_checkpoint_rebuilt_from_exported_mtp_tensors_is_the_trained_one(tmp_pat
 def test_train_mtp_on_cuda_then_serve(tmp_path):
     """The whole train-draft run on the GPU: the hidden states stay there, the loss falls, and the
     checkpoint serves greedy output identical to the target's (fp32 engine)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     # Head dim 16: the smallest the Triton attention kernels take (the CPU tests' target has 12).
     target = _write_target(str(tmp_path / "target"), {**TARGET, "head_dim": 16})
     out = str(tmp_path / "out")
