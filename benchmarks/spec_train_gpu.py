@@ -50,12 +50,10 @@ def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, c
     chunks of `chunk` until `synth_seconds` have passed; then the built-in prompts and those are
     continued in chunks of `chunk` until `gen_seconds` have passed (both counted from before the
     engine starts; at least one chunk is continued whatever the clock)."""
-    from kiln.offline import Engine
-    from kiln.spec_train.data import (as_user_turns, base_prompts, continue_prompts, engine_options,
-                                      synthesize_prompts, target_path)
+    from kiln.spec_train.data import as_user_turns, base_prompts, continue_prompts, open_target, synthesize_prompts
 
     t0 = time.time()
-    with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
+    with open_target(cfg) as llm:
         summary["engine_start_s"] = round(time.time() - t0, 1)
         t1, synth, seen, asked = time.time(), [], set(), 0
         while asked < n_synth and time.time() - t0 < synth_seconds:
@@ -149,7 +147,7 @@ def run(args) -> None:
     import torch
 
     from kiln.spec_train import TrainDraftConfig
-    from kiln.spec_train.data import save_generations
+    from kiln.spec_train.data import save_generations, write_prompt_file
     from kiln.spec_train.mtp import train_mtp
 
     t_start = time.time()
@@ -168,13 +166,9 @@ def run(args) -> None:
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     used, synth, samples = generate_data(cfg, args.synthetic_prompts, args.synth_share * args.budget_s,
                                          args.gen_share * args.budget_s, args.chunk, summary)
-    with open(os.path.join(args.work, "synthetic_prompts.jsonl"), "w") as f:
-        for p in synth:
-            f.write(json.dumps({"prompt": p}) + "\n")
+    write_prompt_file(os.path.join(args.work, "synthetic_prompts.jsonl"), synth)
     prompts_file = os.path.join(args.work, "prompts.jsonl")
-    with open(prompts_file, "w") as f:
-        for p in used:
-            f.write(json.dumps({"prompt": p}) + "\n")
+    write_prompt_file(prompts_file, used)
     # The same run as `kiln train-draft --prompts prompts.jsonl`: its data cache now holds these.
     cfg = dataclasses.replace(cfg, prompts=prompts_file, num_prompts=len(used))
     save_generations(cfg, os.path.join(args.work, "data"), used, samples)

@@ -98,6 +98,13 @@ def load_prompt_file(path: str) -> list[Prompt]:
     return out
 
 
+def write_prompt_file(path: str, prompts: list[Prompt]) -> None:
+    """`prompts` as a JSONL file `load_prompt_file` reads back (`{"prompt": ...}` per line)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+
+
 @dataclass
 class Sample:
     """One training sequence: the prompt's token ids and the target's continuation."""
@@ -141,14 +148,10 @@ def load_or_generate(cfg, data_dir: str) -> list[Sample]:
         return cached
     n_synth = getattr(cfg, "synthetic_prompts", 0)
     if n_synth:
-        from kiln.offline import Engine
-
-        with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:  # one engine for both
+        with open_target(cfg) as llm:  # one engine writes the prompts and continues them
             synth = synthesize_prompts(cfg, n_synth, llm)
             os.makedirs(data_dir, exist_ok=True)
-            with open(os.path.join(data_dir, "synthetic_prompts.jsonl"), "w") as f:
-                for p in synth:
-                    f.write(json.dumps({"prompt": p}) + "\n")
+            write_prompt_file(os.path.join(data_dir, "synthetic_prompts.jsonl"), synth)
             samples = continue_prompts(llm, cfg, prompts + as_user_turns(synth))
     else:
         samples = generate(cfg, prompts)
@@ -224,11 +227,16 @@ def tokenize_prompts(llm, prompts: list[Prompt], chat_template: bool) -> list[li
     return out
 
 
-def generate(cfg, prompts: list[Prompt]) -> list[Sample]:
-    """The target's continuations of `prompts` (`samples_per_prompt` each) with Kiln's engine."""
+def open_target(cfg):
+    """Kiln's offline engine on the frozen target, with `engine_options(cfg)` (a context manager)."""
     from kiln.offline import Engine
 
-    with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as llm:
+    return Engine(model_path=target_path(cfg.target), **engine_options(cfg))
+
+
+def generate(cfg, prompts: list[Prompt]) -> list[Sample]:
+    """The target's continuations of `prompts` (`samples_per_prompt` each) with Kiln's engine."""
+    with open_target(cfg) as llm:
         return continue_prompts(llm, cfg, prompts)
 
 
@@ -264,15 +272,11 @@ def user_turn_prefix(llm) -> list[int]:
     return llm.tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
 
 
-def synthesize_prompts(cfg, n: int, llm=None) -> list[str]:
-    """Up to `n` distinct user messages written by the target itself from its chat template's
-    user-turn header (Magpie), sampled at temperature 1 with `cfg.seed`."""
+def synthesize_prompts(cfg, n: int, llm) -> list[str]:
+    """Up to `n` distinct user messages written by the target (open engine `llm`) itself from its
+    chat template's user-turn header (Magpie), sampled at temperature 1 with `cfg.seed`."""
     from kiln.engine.request import SamplingParams
-    from kiln.offline import Engine
 
-    if llm is None:
-        with Engine(model_path=target_path(cfg.target), **engine_options(cfg)) as opened:
-            return synthesize_prompts(cfg, n, opened)
     prefix = user_turn_prefix(llm)
     params = SamplingParams(max_tokens=SYNTH_MAX_TOKENS, temperature=1.0, n=n, seed=cfg.seed)
     out = llm.generate([prefix], params, use_tqdm=False)[0].outputs
