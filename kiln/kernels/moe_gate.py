@@ -42,25 +42,32 @@ def _sigmoid_exact(z, PRECISE: tl.constexpr):
 
 @triton.jit
 def _select_topk(score, cols, K: tl.constexpr, N_PAD: tl.constexpr):
-    """Rank [BT, N_PAD] int32: j for the column picked in round j, -1 elsewhere. `score` is -inf
-    where a column may not be picked."""
+    """Rank [BT, N_PAD] int32: j for the column picked in round j, -1 elsewhere. `score` (fp32, no
+    NaN, never -0.0: a sigmoid plus a bias) is -inf where a column may not be picked.
+
+    One reduction per round: each score and its column are packed into one int64 key whose order
+    is "larger score, then lower id", so a round's max names its pick directly (the score's bits
+    made order-preserving as a signed int, the complemented column below them). Two reductions a
+    round (the max, then the lowest id at it) made the gate's serial chain twice as long."""
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
+    key = (ordered.to(tl.int64) << 32) | (N_PAD - 1 - cols)[None, :].to(tl.int64)
     rank = tl.full(score.shape, -1, tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(score, axis=1)
-        pick = tl.min(tl.where(score == best[:, None], cols[None, :], N_PAD), axis=1)
-        hit = cols[None, :] == pick[:, None]
+        hit = key == tl.max(key, axis=1)[:, None]
         rank = tl.where(hit, j, rank)
-        score = tl.where(hit, float("-inf"), score)
+        key = tl.where(hit, -9223372036854775807 - 1, key)
     return rank
 
 
 @triton.jit
 def _store_selection(rank, w, cols, rows, row_ok, ids_ptr, w_ptr, K: tl.constexpr):
-    for j in tl.static_range(K):
-        sel = rank == j
-        tl.store(ids_ptr + rows * K + j, tl.sum(tl.where(sel, cols[None, :], 0), axis=1).to(tl.int64),
-                 mask=row_ok)
-        tl.store(w_ptr + rows * K + j, tl.sum(tl.where(sel, w, 0.0), axis=1), mask=row_ok)
+    """Each picked column writes its id and weight to slot `rank` of its row: a scatter, with no
+    reduction (one slot, one writer)."""
+    picked = (rank >= 0) & row_ok[:, None]
+    slot = rows[:, None].to(tl.int64) * K + tl.maximum(rank, 0)
+    tl.store(ids_ptr + slot, (cols[None, :] + tl.zeros_like(rank)).to(tl.int64), mask=picked)
+    tl.store(w_ptr + slot, w, mask=picked)
 
 
 @triton.jit
@@ -216,6 +223,16 @@ def _block_t(num_tokens: int) -> int:
     return min(16, triton.next_power_of_2(max(num_tokens, 1)))
 
 
+# Warps of a gate program over one token (decode): its E+S logits fit one warp, so every reduction
+# of the selection is a warp shuffle, with no shared memory and no barrier between warps.
+# Four warps for more tokens per program.
+DECODE_GATE_WARPS = 1
+
+
+def _gate_warps(block_t: int) -> int:
+    return DECODE_GATE_WARPS if block_t == 1 else 4
+
+
 def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
               global_scale: torch.Tensor, top_k: int, route_scale: float, use_gemv: bool = False,
               counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None
@@ -246,7 +263,7 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     _sink_gate_kernel[(triton.cdiv(t, bt),)](
         z, expert_bias, global_scale, ids, routed_w, shared_w if s > 0 else routed_w, t,
         float(route_scale), E=e, S=s, K=top_k, N_PAD=max(16, triton.next_power_of_2(e + s)),
-        BLOCK_T=bt, PRECISE=not interpreting(), num_warps=4, **pdl_launch(z.device))
+        BLOCK_T=bt, PRECISE=not interpreting(), num_warps=_gate_warps(bt), **pdl_launch(z.device))
     return ids, routed_w, shared_w
 
 
@@ -272,5 +289,5 @@ def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     _minimax_gate_kernel[(triton.cdiv(t, bt),)](
         z, bias, ids, w, t, float(routed_scaling_factor), E=e, K=top_k,
         N_PAD=max(16, triton.next_power_of_2(e)), BLOCK_T=bt, PRECISE=not interpreting(),
-        num_warps=4, **pdl_launch(z.device))
+        num_warps=_gate_warps(bt), **pdl_launch(z.device))
     return ids, w

@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", divisible: tuple = ()) -> dict:
+def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", divisible: tuple = (),
+                 num_warps: int = 4) -> dict:
     """Compile `kernel` (a `@triton.jit` function, not interpreted) for sm_90: `types` names each
     non-`default` argument's Triton type ('*bf16', 'fp32', ...); `constexprs` the constexpr values.
     `divisible` names arguments to specialise as multiples of 16 (as a launch with such values
@@ -34,7 +35,7 @@ def compile_sm90(kernel, types: dict, constexprs: dict, default: str = "i32", di
     sig = {n: "constexpr" if n in constexprs else types.get(n, default) for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm
     assert "cubin" in asm
     return asm
 
@@ -144,15 +145,17 @@ def moe_gemv(shared: bool, conv: bool = False, trace: bool = False) -> None:
     up_ptx = compile_sm90(_expert_up_gemv_kernel, types, dict(K=6, KS=ks, PDL=True, TRACE=trace, **up),
                           divisible=names(_expert_up_gemv_kernel))["ptx"]
     assert up_ptx.count("%globaltimer") == (5 if trace else 0)
-    for pdl in (1, 2):
+    for pdl, ahead in ((1, 2), (2, 1), (2, 2)):
         ptx = compile_sm90(_expert_down_gemv_kernel, types,
                            dict(K=6, KS=ks, NUM_SW=2, SW_REP=1, HAS_SW=shared, PDL=pdl, CONV=conv,
-                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, TRACE=trace, **down),
+                                CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=False, TRACE=trace, AHEAD=ahead,
+                                **down),
                            divisible=names(_expert_down_gemv_kernel))["ptx"]
         assert ptx.count("%globaltimer") == (5 if trace else 0)
         before = ptx[:ptx.index("griddepcontrol.wait")]
-        if pdl == 2:  # the early trigger: the id and weight stream start before the wait
-            assert "ld.global.cg" in before and "ld.global.v4" in before, "the first tile must load before the wait"
+        if pdl == 2:  # the early trigger: the ids and weight streams start before the wait
+            assert before.count("ld.global.cg") == ahead, "each slot in flight loads its id from L2 before the wait"
+            assert "ld.global.v4" in before, "the first tile must load before the wait"
         else:  # without it the kernel waits first
             assert "ld.global" not in before, "without the early trigger nothing may load before the wait"
 
@@ -177,6 +180,23 @@ def router_gate(sink: bool) -> None:
     stores_done = ptx.rindex("st.global", 0, atom)
     assert "bar.sync" in ptx[stores_done:atom], "a barrier must order every warp's stores before the count"
     assert "ld.global.cg" in ptx[atom:], "the last program reads the logits from L2"
+
+
+def gates() -> None:
+    """The sink and MiniMax-M3 gates on one token over one warp (their decode launch) and 16 over
+    four: the selection's packed int64 keys (a bitcast and shifts) compile, with no shared-memory
+    barrier on one warp."""
+    from kiln.kernels.moe_gate import _minimax_gate_kernel, _sink_gate_kernel
+
+    types = {"z_ptr": "*fp32", "bias_ptr": "*fp32", "gscale_ptr": "*fp32", "ids_ptr": "*i64", "rw_ptr": "*fp32",
+             "sw_ptr": "*fp32", "w_ptr": "*fp32", "route_scale": "fp32", "scaling": "fp32"}
+    for bt, warps in ((1, 1), (16, 4)):
+        sink = compile_sm90(_sink_gate_kernel, types, dict(E=64, S=2, K=6, N_PAD=128, BLOCK_T=bt, PRECISE=True, PDL=2),
+                            num_warps=warps)["ptx"]
+        mm = compile_sm90(_minimax_gate_kernel, types, dict(E=64, K=6, N_PAD=64, BLOCK_T=bt, PRECISE=True, PDL=2),
+                          num_warps=warps)["ptx"]
+        if warps == 1:
+            assert "bar.sync" not in sink and "bar.sync" not in mm, "one warp needs no barrier"
 
 
 def gemv_router() -> None:
@@ -301,7 +321,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True),
          "moe_gemv_traced": lambda: moe_gemv(True, conv=True, trace=True), "router_gate_sink": lambda: router_gate(True),
-         "router_gate_minimax": lambda: router_gate(False),
+         "router_gate_minimax": lambda: router_gate(False), "gates": gates,
          "decode_merge_here": lambda: decode_attention(False, merge_here=True), "rope_store": rope_store,
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "decode_early_kv": lambda: decode_attention(False, merge_here=True, early_kv=True),
