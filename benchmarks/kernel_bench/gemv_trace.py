@@ -3,7 +3,7 @@
     python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512/w8]
                                                 [--router-tile 1x2048] [--xpipe on|off|both]
                                                 [--trigger on|off|both] [--out trace.json]
-                                                [--gate-warps 1,4] [--down-ahead 2,1]
+                                                [--gate-warps 1,4]
 
 At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
 twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
@@ -34,9 +34,7 @@ weights are distinct (nothing stays in L2). `--tiles` times the chains with othe
 the two large GEMVs (the rule's by default; a tile whose BLOCK_K covers K takes the kernel's
 loop-free path, ONE_TILE), `--xpipe` with the activation tiles loaded one tile
 ahead (the kernel's default) or in the tile's own iteration. For the `moe` chain, `--gate-warps`
-and `--down-ahead` time each listed value of `kiln.kernels.moe_gate.DECODE_GATE_WARPS` (the
-decode gate's warps) and `kiln.kernels.moe_gemv.DOWN_SLOTS_AHEAD` (the down GEMV's slots in
-flight), every combination.
+times each listed value of `kiln.kernels.moe_gate.DECODE_GATE_WARPS` (the decode gate's warps).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ import torch
 import triton
 
 from benchmarks.kernel_bench.gemv import copy_bandwidth
-from kiln.kernels import moe_gate, moe_gemv
+from kiln.kernels import moe_gate
 from kiln.kernels.gemv import fma_tile, gemv, gemv_prenorm, prenorm_tile
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
@@ -198,7 +196,6 @@ def main() -> None:
                     help="the GEMV's activation tiles loaded one tile ahead (XPIPE, the default) or not")
     ap.add_argument("--trigger", choices=("on", "off", "both"), default="both", help="PDL's early trigger")
     ap.add_argument("--gate-warps", default="1", help="moe chain: DECODE_GATE_WARPS values, comma-separated")
-    ap.add_argument("--down-ahead", default="2", help="moe chain: DOWN_SLOTS_AHEAD values, comma-separated")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args()
     dev = "cuda"
@@ -212,11 +209,10 @@ def main() -> None:
             variants = [(t, x) for t in args.tiles.split(",")
                         for x in {"on": (True,), "off": (False,), "both": (True, False)}[args.xpipe]]
             if kind == "moe":  # --tiles and --xpipe do not apply; the MoE knobs do
-                variants = [(f"gate-warps {g}, down-ahead {a}", (int(g), int(a)))
-                            for g in args.gate_warps.split(",") for a in args.down_ahead.split(",")]
+                variants = [(f"gate-warps {g}", int(g)) for g in args.gate_warps.split(",")]
             for tname, xpipe in variants:
                 if kind == "moe":
-                    moe_gate.DECODE_GATE_WARPS, moe_gemv.DOWN_SLOTS_AHEAD = xpipe
+                    moe_gate.DECODE_GATE_WARPS = xpipe
                     chain = MoEChain(args.layers, dev, router_tile=args.router_tile)
                 else:
                     chain = Chain(kind, args.layers, tname, dev, router_tile=args.router_tile, xpipe=xpipe)

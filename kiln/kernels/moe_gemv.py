@@ -32,6 +32,11 @@ and weight tile at once ([KS, BLOCK_N, BLOCK_K], before the wait with the trigge
 slot ahead. Correct (CPU and GPU tests), slower: Inkling 1.266 against 1.214 ms. It took 80
 registers per thread against 64 (sm_90 compile), so 6 programs per SM instead of 8 and the 1024
 programs of a bench layer no longer fit at once.
+Tried and removed in the twenty-fifth pass (commit 983d60a): the down kernel keeping two slots'
+tiles in flight (same registers, neutral in the traced chain: -0.14 or +0.13 us a layer), and the
+gate/up kernel reducing each K tile into [BLOCK_N] sums instead of one [BLOCK_N, BLOCK_K]
+accumulator (64 registers against 88, yet the same 8.7 us spread of its 2048 programs and a
+stream 0.5 us longer).
 """
 
 from __future__ import annotations
@@ -56,14 +61,6 @@ GEMV_UP_TILE = (2, 1024, 4)
 GEMV_DOWN_TILE = (2, 512, 4)
 # Under the interpreter: small tiles, so that the tests' tiny shapes span several of them.
 GEMV_INTERPRETER_TILE = (4, 16, 1)
-# Slots whose tiles the down kernel keeps in flight ahead of the one it multiplies, where each slot
-# is one K tile (`_expert_down_gemv_kernel`'s AHEAD; elsewhere 1).
-DOWN_SLOTS_AHEAD = 2
-
-
-def down_slots_ahead(inter: int, block_k: int) -> int:
-    """The down kernel's AHEAD for an expert width `inter` on K tiles of `block_k`."""
-    return DOWN_SLOTS_AHEAD if inter <= block_k else 1
 
 
 def gemv_tiles(hidden: int, inter: int) -> tuple[dict, dict]:
@@ -86,13 +83,10 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
                            K: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     """act[s, cols] = silu(gate) * up of slot s = t*KS + j (program (s, n)), cols the n-th BLOCK_N
-    of I: two weight row blocks over all of K = H, CUDA-core products reduced per K tile into
-    [BLOCK_N] fp32 sums, the next tiles loaded while the current ones are multiplied (as
-    `kiln.kernels.gemv._gemv_fma_kernel`). Per-tile sums, not [BLOCK_N, BLOCK_K] accumulators
-    reduced once: on the bench tile those took 88 registers a thread against 64 (sm_90 compile),
-    5 resident programs per SM against 8, so a bench layer's 2048 programs ran in three waves
-    instead of two (twenty-fourth pass: spread over 8.9 us). TRACE: each program's timestamps go
-    to TR (`kiln.kernels.trace`; the prologue is the expert id's load)."""
+    of I: two weight row blocks over all of K = H, CUDA-core FMAs into [BLOCK_N, BLOCK_K] fp32
+    accumulators reduced once at the end, the next tiles loaded while the current ones are
+    multiplied (as `kiln.kernels.gemv._gemv_fma_kernel`). TRACE: each program's timestamps go to
+    TR (`kiln.kernels.trace`; the prologue is the expert id's load)."""
     if TRACE:
         t_start = global_time(0.0)
     wait_for_previous(PDL)
@@ -122,8 +116,8 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
         t_prologue = global_time(e.to(tl.float32))
     g = tl.load(g_ptrs, mask=n_ok & (rk < H), other=0.0)
     u = tl.load(g_ptrs + up_off, mask=n_ok & (rk < H), other=0.0)
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(BLOCK_K, H + BLOCK_K, BLOCK_K):
         # load tile k0 (masked off past H) while tile k0 - BLOCK_K is multiplied
         g_next = tl.load(g_ptrs + k0, mask=n_ok & (rk < H - k0), other=0.0)
@@ -131,10 +125,12 @@ def _expert_up_gemv_kernel(x_ptr, w13_ptr, sw13_ptr, ids_ptr, act_ptr, H, I,
         # x rounded to the weights' dtype first, as the grouped GEMM feeds it to tl.dot
         xk = tl.load(x_ptrs + (k0 - BLOCK_K), mask=rk < H - k0 + BLOCK_K, other=0.0)
         xk = xk.to(g.dtype).to(tl.float32)
-        acc_g += tl.sum(g.to(tl.float32) * xk, axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xk, axis=1)
+        acc_g += g.to(tl.float32) * xk
+        acc_u += u.to(tl.float32) * xk
         g = g_next
         u = u_next
+    acc_g = tl.sum(acc_g, axis=1)
+    acc_u = tl.sum(acc_u, axis=1)
     if TRACE:
         t_reduced = global_time(tl.sum(acc_g + acc_u, axis=0))
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32, as _gate_up_kernel
@@ -149,10 +145,10 @@ def _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_
                     J: tl.constexpr, K: tl.constexpr):
     """Pointers to the first [BLOCK_N, BLOCK_K] tile of token t's slot J down weight, addressed as
     `_down_kernel` does: routed w2[e] [H, I]; shared chunk c = J - K: columns c*I.. of sw2 [H, C*I].
-    Slots 0 and 1's ids may be read before the PDL wait, so from L2 (".cg": never a stale L1 line)."""
+    Slot 0's id may be read before the PDL wait, so from L2 (".cg": never a stale L1 line)."""
     if J < K:
-        if J < 2:
-            e = tl.load(ids_ptr + t * K + J, cache_modifier=".cg").to(tl.int64)
+        if J == 0:
+            e = tl.load(ids_ptr + t * K, cache_modifier=".cg").to(tl.int64)
         else:
             e = tl.load(ids_ptr + t * K + J).to(tl.int64)
         ptrs = w2_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wh + rk
@@ -168,7 +164,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
                              K: tl.constexpr, KS: tl.constexpr, NUM_SW: tl.constexpr,
                              SW_REP: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr,
-                             CKP: tl.constexpr, CCHUNK: tl.constexpr, TRACE: tl.constexpr, AHEAD: tl.constexpr):
+                             CKP: tl.constexpr, CCHUNK: tl.constexpr, TRACE: tl.constexpr):
     """out[t, rows] = sum over token t's KS slots of w_j * (down_j @ act[t*KS + j]) for the n-th
     BLOCK_N of H (program (n, t)): slots in `_sum_slots_kernel`'s order (routed in selection order,
     then shared chunks), summed in fp32 in registers and cast once.
@@ -185,14 +181,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
     CONV: the sum goes through token t's decode ShortConv (`kiln.kernels.shortconv`, as in
     `kiln.kernels.gemv`: Inkling's out_conv on the MoE output), its history loaded after the wait.
     TRACE: each program's timestamps go to TR (`kiln.kernels.trace`; the prologue's stamp is taken
-    once the conv history's loads are issued).
-
-    AHEAD == 2 (every slot one K tile: I <= BLOCK_K, the bench shapes): two slots' tiles are in
-    flight while one is multiplied, slot 1's loaded beside slot 0's (before the wait with the
-    trigger). With one tile ahead a bench layer's 1024 programs, all resident, kept ~2 MB of
-    weights in flight: about half of what the H200's bandwidth times its load latency needs
-    (twenty-fourth pass: 5.7 us a program for 3.95 us of bytes). AHEAD == 1: the loop over K
-    tiles above, one tile ahead across slots too."""
+    once the conv history's loads are issued)."""
     if TRACE:
         t_start = global_time(0.0)
     t = tl.program_id(1).to(tl.int64)
@@ -205,10 +194,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
         wait_for_previous(PDL)
     w_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh, 0, K)
     w = tl.load(w_ptrs, mask=row_ok & (rk < I), other=0.0)
-    if AHEAD == 2 and KS > 1:
-        w1 = tl.load(_down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh, stride_sh,
-                                     1, K), mask=row_ok & (rk < I), other=0.0)
-    if PDL == 2:  # the early trigger: the first tiles are under way before the wait
+    if PDL == 2:  # the early trigger: the first tile is under way before the wait
         wait_for_previous(PDL)
     if TRACE:
         t_waited = global_time(0.0)
@@ -226,11 +212,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
             w_next = tl.load(w_ptrs + k0, mask=row_ok & (rk < I - k0), other=0.0)
             acc += w.to(tl.float32) * tl.load(a_ptrs + (k0 - BLOCK_K)).to(tl.float32)
             w = w_next
-        if AHEAD == 2:  # w is slot j's only tile, w1 slot j + 1's: slot j + 2's starts now
-            if j + 2 < KS:
-                w_far = tl.load(_down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh,
-                                                stride_sh, j + 2, K), mask=row_ok & (rk < I), other=0.0)
-        elif j + 1 < KS:
+        if j + 1 < KS:
             # The next slot's stream starts before this slot's last tile is multiplied, so the
             # loads stay in flight across slots too.
             next_ptrs = _down_slot_ptrs(w2_ptr, sw2_ptr, ids_ptr, t, rows, rk, I, stride_we, stride_wh,
@@ -245,12 +227,7 @@ def _expert_down_gemv_kernel(act_ptr, w2_ptr, sw2_ptr, ids_ptr, topk_w_ptr, shar
             out += tl.sum(acc, axis=1) * tl.load(shared_w_ptr + t * NUM_SW + (j - K) // SW_REP)
         else:
             out += tl.sum(acc, axis=1)
-        if AHEAD == 2:
-            if j + 1 < KS:
-                w = w1
-            if j + 2 < KS:
-                w1 = w_far
-        elif j + 1 < KS:
+        if j + 1 < KS:
             w_ptrs = next_ptrs
             w = w_next
     if TRACE:
@@ -289,6 +266,5 @@ def experts_gemv(x, w13, w2, sw13, sw2, ids, topk_w, shared_w, out, k, ks_slots,
         act, w2, sw2, ids, topk_w, shared_w, out, H, inter, w2.stride(0), w2.stride(1), sw2.stride(0),
         **decode_conv_kernel_args(conv, out), **trace_args(down_trace, x, down_grid[0] * down_grid[1]), K=k,
         KS=ks_slots,
-        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, AHEAD=down_slots_ahead(inter, down["BLOCK_K"]), **down,
-        **pdl_launch(x.device))
+        NUM_SW=n_shared_w, SW_REP=sw_rep, HAS_SW=has_sw, **down, **pdl_launch(x.device))
     return out

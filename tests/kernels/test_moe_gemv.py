@@ -258,26 +258,6 @@ def test_grouped_conv_epilogue_is_experts_then_short_conv(device, dtype, case, k
 
 
 
-@pytest.mark.parametrize("device,dtype", GEMV_DTYPES)
-@pytest.mark.parametrize("E,k,S,shared_mult,shared_weighted", [(4, 1, 0, 1, False), (8, 3, 0, 1, False),
-                                                               (8, 2, 2, 1, True), (8, 2, 1, 2, False)])
-def test_down_slots_ahead_changes_no_bit(device, dtype, E, k, S, shared_mult, shared_weighted, monkeypatch):
-    """The down kernel with two slots' tiles in flight (`DOWN_SLOTS_AHEAD` 2, where each slot is
-    one K tile, as here) and with one: the same output bit for bit, over 2 to 8 slots."""
-    from kiln.kernels import moe_gemv
-
-    args, want = _one_token(device, dtype, E, k, S, shared_mult, shared_weighted, False, seed=11)
-    x, w13, w2, ids, w, shared = args
-    up, down = moe_gemv.gemv_tiles(x.shape[1], w2.shape[2])
-    assert moe_gemv.down_slots_ahead(w2.shape[2], down["BLOCK_K"]) == 2  # the case under test
-    got = {}
-    for ahead in (1, 2):
-        monkeypatch.setattr(moe_gemv, "DOWN_SLOTS_AHEAD", ahead)
-        got[ahead] = _km().fused_experts(x, w13, w2, ids, w, shared=shared)
-    assert torch.equal(got[1], got[2])
-    torch.testing.assert_close(got[2].float(), want.to(dtype).float(), **_tol(dtype))
-
-
 @pytest.mark.gpu
 def test_traced_expert_gemvs_are_bit_identical_and_their_times_ordered():
     """Both one-token expert GEMVs with `kiln.kernels.trace` buffers: the same output bit for bit,
