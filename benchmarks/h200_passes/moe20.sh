@@ -23,3 +23,17 @@ lane0_moe20a() {  # the MoE chain traced per change and at the start; both hybri
   step_table
   step gpu_tests ${T_TESTS:-200} python -m pytest -m gpu tests -q -rfE -p no:cacheprovider ${XDIST:-} --ignore tests/server
 }
+
+lane0_moe20b() {  # call 2 (carry scratch/base20, scratch/smol_a): park the GGUF's first half for call 3 (lane drafter19
+  # of drafter19.sh); Inkling K = 3 MTP rounds against plain decode at batch 1/8/32; both hybrids at batch 1 against the
+  # start again, alternated
+  mkdir -p /tmp/smol && cp scratch/smol_a/part1 /tmp/smol/part1 && ls -la /tmp/smol
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --batch-sizes 1,8,32"
+  step plain_rounds 70 $DECODE $SP --out "$R/json/plain_2.json"
+  step mtp3_rounds 90 $DECODE $SP --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/mtp3_2.json"
+  step INK_start2 60 python $BASE20/benchmarks/decode_batch.py $C --model-path $INK $P1B --out "$R/json/INK_start2.json"
+  step INK_new2 60 $DECODE --model-path $INK $P1B --out "$R/json/INK_new2.json"
+  step MM_start2 60 python $BASE20/benchmarks/decode_batch.py $C --model-path $MM $P1B --out "$R/json/MM_start2.json"
+  step MM_new2 60 $DECODE --model-path $MM $P1B --out "$R/json/MM_new2.json"
+  step_table
+}
