@@ -3,7 +3,8 @@
     python -m benchmarks.kernel_bench.gemv_trace [--layers 24] [--chains dense,o] [--tiles 2x1024,4x512/w8]
                                                 [--router-tile 1x2048] [--xpipe on|off|both]
                                                 [--trigger on|off|both] [--out trace.json]
-                                                [--gate-warps 1,4]
+                                                [--gate-warps 1,4] [--up-tiles rule,1x1024]
+                                                [--up-per-sm 0,4]
 
 At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
 twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
@@ -34,7 +35,9 @@ weights are distinct (nothing stays in L2). `--tiles` times the chains with othe
 the two large GEMVs (the rule's by default; a tile whose BLOCK_K covers K takes the kernel's
 loop-free path, ONE_TILE), `--xpipe` with the activation tiles loaded one tile
 ahead (the kernel's default) or in the tile's own iteration. For the `moe` chain, `--gate-warps`
-times each listed value of `kiln.kernels.moe_gate.DECODE_GATE_WARPS` (the decode gate's warps).
+times each listed value of `kiln.kernels.moe_gate.DECODE_GATE_WARPS` (the decode gate's warps),
+`--up-tiles` each gate/up tile (`kiln.kernels.moe_gemv.GEMV_UP_TILE`, as --tiles) and `--up-per-sm`
+each `kiln.kernels.moe_gemv.UP_PROGRAMS_PER_SM` (0: one tile per program), in every combination.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch
 import triton
 
 from benchmarks.kernel_bench.gemv import copy_bandwidth
-from kiln.kernels import moe_gate
+from kiln.kernels import moe_gate, moe_gemv
 from kiln.kernels.gemv import fma_tile, gemv, gemv_prenorm, prenorm_tile
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
@@ -196,6 +199,9 @@ def main() -> None:
                     help="the GEMV's activation tiles loaded one tile ahead (XPIPE, the default) or not")
     ap.add_argument("--trigger", choices=("on", "off", "both"), default="both", help="PDL's early trigger")
     ap.add_argument("--gate-warps", default="1", help="moe chain: DECODE_GATE_WARPS values, comma-separated")
+    ap.add_argument("--up-tiles", default="rule", help="moe chain: gate/up tiles BNxBK[/wWARPS] or 'rule'")
+    ap.add_argument("--up-per-sm", default=str(moe_gemv.UP_PROGRAMS_PER_SM),
+                    help="moe chain: UP_PROGRAMS_PER_SM values, comma-separated (0: one tile per program)")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args()
     dev = "cuda"
@@ -209,10 +215,18 @@ def main() -> None:
             variants = [(t, x) for t in args.tiles.split(",")
                         for x in {"on": (True,), "off": (False,), "both": (True, False)}[args.xpipe]]
             if kind == "moe":  # --tiles and --xpipe do not apply; the MoE knobs do
-                variants = [(f"gate-warps {g}", int(g)) for g in args.gate_warps.split(",")]
+                variants = [(f"gate-warps {g}, up tile {u}, up per SM {p}", (int(g), u, int(p)))
+                            for g in args.gate_warps.split(",") for u in args.up_tiles.split(",")
+                            for p in args.up_per_sm.split(",")]
+            rule_up = moe_gemv.GEMV_UP_TILE
             for tname, xpipe in variants:
                 if kind == "moe":
-                    moe_gate.DECODE_GATE_WARPS = xpipe
+                    moe_gate.DECODE_GATE_WARPS, up_tile, moe_gemv.UP_PROGRAMS_PER_SM = xpipe
+                    if up_tile == "rule":
+                        moe_gemv.GEMV_UP_TILE = rule_up
+                    else:
+                        t = tile_of(up_tile, {})
+                        moe_gemv.GEMV_UP_TILE = (t["BLOCK_N"], t["BLOCK_K"], t["num_warps"])
                     chain = MoEChain(args.layers, dev, router_tile=args.router_tile)
                 else:
                     chain = Chain(kind, args.layers, tname, dev, router_tile=args.router_tile, xpipe=xpipe)
