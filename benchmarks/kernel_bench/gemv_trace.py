@@ -4,7 +4,6 @@
                                                 [--router-tile 1x2048] [--xpipe on|off|both]
                                                 [--trigger on|off|both] [--out trace.json]
                                                 [--gate-warps 1,4] [--up-tiles rule,1x1024]
-                                                [--up-per-sm 0,4]
 
 At batch 1 the engine's dense GEMVs take ~4 us each beyond their bytes (docs/benchmarks.md,
 twenty-second pass), against ~1.4 us back to back with nothing depending on them. A profile
@@ -36,8 +35,8 @@ the two large GEMVs (the rule's by default; a tile whose BLOCK_K covers K takes 
 loop-free path, ONE_TILE), `--xpipe` with the activation tiles loaded one tile
 ahead (the kernel's default) or in the tile's own iteration. For the `moe` chain, `--gate-warps`
 times each listed value of `kiln.kernels.moe_gate.DECODE_GATE_WARPS` (the decode gate's warps),
-`--up-tiles` each gate/up tile (`kiln.kernels.moe_gemv.GEMV_UP_TILE`, as --tiles) and `--up-per-sm`
-each `kiln.kernels.moe_gemv.UP_PROGRAMS_PER_SM` (0: one tile per program), in every combination.
+and `--up-tiles` each gate/up tile (`kiln.kernels.moe_gemv.GEMV_UP_TILE`, as --tiles), in every
+combination.
 """
 
 from __future__ import annotations
@@ -200,8 +199,6 @@ def main() -> None:
     ap.add_argument("--trigger", choices=("on", "off", "both"), default="both", help="PDL's early trigger")
     ap.add_argument("--gate-warps", default="1", help="moe chain: DECODE_GATE_WARPS values, comma-separated")
     ap.add_argument("--up-tiles", default="rule", help="moe chain: gate/up tiles BNxBK[/wWARPS] or 'rule'")
-    ap.add_argument("--up-per-sm", default=str(moe_gemv.UP_PROGRAMS_PER_SM),
-                    help="moe chain: UP_PROGRAMS_PER_SM values, comma-separated (0: one tile per program)")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args()
     dev = "cuda"
@@ -215,13 +212,12 @@ def main() -> None:
             variants = [(t, x) for t in args.tiles.split(",")
                         for x in {"on": (True,), "off": (False,), "both": (True, False)}[args.xpipe]]
             if kind == "moe":  # --tiles and --xpipe do not apply; the MoE knobs do
-                variants = [(f"gate-warps {g}, up tile {u}, up per SM {p}", (int(g), u, int(p)))
-                            for g in args.gate_warps.split(",") for u in args.up_tiles.split(",")
-                            for p in args.up_per_sm.split(",")]
+                variants = [(f"gate-warps {g}, up tile {u}", (int(g), u))
+                            for g in args.gate_warps.split(",") for u in args.up_tiles.split(",")]
             rule_up = moe_gemv.GEMV_UP_TILE
             for tname, xpipe in variants:
                 if kind == "moe":
-                    moe_gate.DECODE_GATE_WARPS, up_tile, moe_gemv.UP_PROGRAMS_PER_SM = xpipe
+                    moe_gate.DECODE_GATE_WARPS, up_tile = xpipe
                     if up_tile == "rule":
                         moe_gemv.GEMV_UP_TILE = rule_up
                     else:
