@@ -50,3 +50,8 @@ PY
   step moe_tests 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_moe_gemv.py \
     tests/kernels/test_moe_kernels.py
 }
+
+lane0_moe21b() {  # call 2: the bytes a GEMV keeps in flight: register loads, Triton's pipelined loads (cp.async) and TMA
+  step stream 420 python -m benchmarks.kernel_bench.stream_gemv --layers 24 --shapes o,qkvr,up,8b \
+    --out "$R/json/stream.json"
+}
