@@ -48,8 +48,9 @@ def _log(msg: str) -> None:
 def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, chunk: int, summary: dict):
     """(prompts used, synthetic prompts, samples): the target writes up to `n_synth` prompts in
     chunks of `chunk` until `synth_seconds` have passed; then the built-in prompts and those are
-    continued in chunks of `chunk` until `gen_seconds` have passed (both counted from before the
-    engine starts; at least one chunk is continued whatever the clock)."""
+    continued in chunks of `chunk` while one as long as the last still ends within `gen_seconds`
+    (both counted from before the engine starts; at least one chunk is continued whatever the
+    clock)."""
     from kiln.spec_train.data import as_user_turns, base_prompts, continue_prompts, open_target, synthesize_prompts
 
     t0 = time.time()
@@ -67,13 +68,17 @@ def generate_data(cfg, n_synth: int, synth_seconds: float, gen_seconds: float, c
         summary.update(synthetic_asked=asked, synthetic_kept=len(synth), synth_s=round(time.time() - t1, 1))
         _log(f"{len(synth)} synthetic prompts of {asked} asked in {summary['synth_s']} s")
         prompts = base_prompts(cfg) + as_user_turns(synth)
-        used, samples, t2 = [], [], time.time()
+        used, samples, t2, last_s = [], [], time.time(), 0.0
         for i in range(0, len(prompts), chunk):
-            if used and time.time() - t0 > gen_seconds:  # at least one chunk, whatever the clock
+            # At least one chunk, whatever the clock; after it, a chunk starts only if one as long
+            # as the last still ends within the share (a chunk that ran past it left the twentieth
+            # session's training 30 s: docs/speculative.md).
+            if used and time.time() - t0 + last_s > gen_seconds:
                 break
-            part = prompts[i:i + chunk]
+            part, t_chunk = prompts[i:i + chunk], time.time()
             samples += continue_prompts(llm, cfg, part)
             used += part
+            last_s = time.time() - t_chunk
             n_out = sum(len(s.output_ids) for s in samples)
             _log(f"continued {len(used)} / {len(prompts)} prompts: {n_out} tokens, "
                  f"{n_out / (time.time() - t2):.0f} tok/s")

@@ -186,3 +186,34 @@ def test_train_mtp_on_cuda_then_serve(tmp_path):
     plain, _ = _acceptance(target, ps, spec=False, device="cuda", dtype="float32")
     trained, tau = _acceptance(out, ps, device="cuda", dtype="float32")
     assert trained == plain and tau > 1.2, tau
+
+
+def test_gpu_run_starts_a_data_chunk_only_if_it_can_end_within_the_share(monkeypatch):
+    """benchmarks/spec_train_gpu.py's data stage on a fake clock: after the first chunk, a chunk
+    starts only if one as long as the last ends within the share (chunks of 10, 30, 50 s against
+    100 s: the fourth would start at 90 s and is not run)."""
+    import contextlib
+    import dataclasses
+    import types
+
+    import benchmarks.spec_train_gpu as stg
+    from kiln.spec_train import data
+
+    now, durations, calls = [0.0], iter([10.0, 30.0, 50.0, 50.0, 50.0]), []
+
+    def continue_prompts(llm, cfg, part):
+        calls.append(list(part))
+        now[0] += next(durations)
+        return [types.SimpleNamespace(output_ids=[1, 2], prompt_ids=[3]) for _ in part]
+
+    monkeypatch.setattr(stg.time, "time", lambda: now[0])
+    monkeypatch.setattr(data, "open_target", lambda cfg: contextlib.nullcontext(None))
+    monkeypatch.setattr(data, "synthesize_prompts", lambda cfg, n, llm: [f"q{cfg.seed + i}" for i in range(n)])
+    monkeypatch.setattr(data, "base_prompts", lambda cfg: [])
+    monkeypatch.setattr(data, "as_user_turns", lambda ps: list(ps))
+    monkeypatch.setattr(data, "continue_prompts", continue_prompts)
+    cfg = dataclasses.make_dataclass("Cfg", [("seed", int, 0)])()  # synthesis replaces its seed
+    summary = {}
+    used, synth, samples = stg.generate_data(cfg, 10, 1.0, 100.0, 2, summary)
+    assert len(calls) == 3 and used == [p for c in calls for p in c] and len(samples) == 6
+    assert summary["prompts_used"] == 6 and summary["prompts_available"] == 10
