@@ -55,3 +55,15 @@ lane0_moe21b() {  # call 2: the bytes a GEMV keeps in flight: register loads, Tr
   step stream 420 python -m benchmarks.kernel_bench.stream_gemv --layers 24 --shapes o,qkvr,up,8b \
     --out "$R/json/stream.json"
 }
+
+lane0_moe21c() {  # call 3 (carry scratch/smol_a): park the GGUF's first half for call 4 (lane drafter19 of drafter19.sh,
+  # right after); Inkling K = 3 MTP rounds against plain decode at batch 1/8/32 (the twentieth session's log of them was lost)
+  mkdir -p /tmp/smol && cp scratch/smol_a/part1 /tmp/smol/part1 && ls -la /tmp/smol
+  local SP="--model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 32 --batch-sizes 1,8,32"
+  step plain_rounds 80 $DECODE $SP --out "$R/json/plain_3.json"
+  step mtp3_rounds 100 $DECODE $SP --speculative-algorithm mtp --speculative-num-steps 3 --out "$R/json/mtp3_3.json"
+  step_table
+}
+# call 4: BUDGET=560 T_TRAIN=585 TRAIN_ARGS="--synth-share 0.15 --gen-share 0.45 --reserve-s 125 --synthetic-prompts 12000
+#   --num-steps 1500 --b1-prompts 8" PHASE=drafter19 (carry .device_wheels, scratch/smol_b): SmolLM2's MTP drafter with
+#   the data stage's new stop rule (benchmarks/spec_train_gpu.py)
