@@ -67,3 +67,14 @@ lane0_moe21c() {  # call 3 (carry scratch/smol_a): park the GGUF's first half fo
 # call 4: BUDGET=560 T_TRAIN=585 TRAIN_ARGS="--synth-share 0.15 --gen-share 0.45 --reserve-s 125 --synthetic-prompts 12000
 #   --num-steps 1500 --b1-prompts 8" PHASE=drafter19 (carry .device_wheels, scratch/smol_b): SmolLM2's MTP drafter with
 #   the data stage's new stop rule (benchmarks/spec_train_gpu.py)
+
+lane0_moe21e() {  # call 5 (carry scratch/chunks): does offline generation slow down chunk by chunk (call 4's fourth
+  # data chunk took 100 s against 22)? SmolLM2's shape, dummy weights, prefix cache on / off. scratch/chunks/chunks.py
+  # was the first form of benchmarks/cache_fill.py (the same engine options and prompts).
+  step chunks_on 200 python scratch/chunks/chunks.py on 5
+  step chunks_off 160 python scratch/chunks/chunks.py off 4
+}
+
+lane0_moe21f() {  # call 6: the same with eviction in batches (kiln/engine/cache/manager.py: EVICT_MIN_SHARE)
+  step cache_fill 200 python benchmarks/cache_fill.py --chunks 5 --out "$R/json/cache_fill.json"
+}

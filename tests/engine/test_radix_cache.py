@@ -101,3 +101,25 @@ def test_random_operations_keep_invariants(seed):
         assert owned.isdisjoint(a.free_pages())
         assert len(owned) + a.num_free == a.capacity
         t.check({k: v for k, v in locks.items() if v})
+
+
+def test_a_full_cache_evicts_in_batches_not_a_tree_walk_per_page():
+    """Growing requests one page at a time against a pool full of cached prefixes: the manager
+    evicts at least EVICT_MIN_SHARE of the pool per walk of the tree (one walk per page made a full
+    cache's decode steps several times slower), least recently used first, and hands out every page."""
+    from kiln.engine.cache import manager as cm
+    from kiln.engine.cache.pools import ReqToTokenPool
+
+    a = PageAllocator(1025, PS)  # 1024 usable pages: 16 per eviction
+    t = RadixCache(a, PS)
+    for i in range(256):  # 256 cached sequences of 4 pages fill the pool
+        t.insert([i] * (4 * PS), a.alloc(4))
+    assert a.num_free == 0 and t.num_evictable == 1024
+    m = cm.CacheManager(a, ReqToTokenPool(4, 64, "cpu"), t)
+    walks, real = [], t.evict
+    t.evict = lambda n: (walks.append(n), real(n))[1]
+    got = [m._alloc(1) for _ in range(64)]
+    assert all(p is not None and len(p) == 1 for p in got)
+    assert walks == [16] * 4, walks
+    assert t.match_prefix([0] * (4 * PS))[0] == [] and len(t.match_prefix([255] * (4 * PS))[0]) == 4
+    assert cm.eviction_size(3, 100) == 3 and cm.eviction_size(40, 1024) == 40

@@ -35,6 +35,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Evicting walks the whole prefix tree (`RadixCache.evict` collects every unlocked leaf, then pops
+# a heap; `evict_window` sorts every node). Under decode each request grows one page at a time, so
+# with a full cache one scan per page cost a step ~5 ms per growing request at ~8K cached
+# sequences, and offline generation ran 2-6x slower once the pool had filled (docs/serving.md,
+# "Semantics worth knowing"). Each eviction therefore frees at least this share of its page space,
+# so one scan serves many allocations.
+EVICT_MIN_SHARE = 1 / 64
+
+
+def eviction_size(short: int, capacity: int) -> int:
+    """Pages to evict when an allocation is `short` pages short in a space of `capacity` pages."""
+    return max(short, int(capacity * EVICT_MIN_SHARE))
+
+
 @dataclass
 class WindowSpace:
     name: str
@@ -72,13 +86,13 @@ class CacheManager:
 
     def _alloc(self, n: int) -> Optional[list[int]]:
         if n > self.allocator.num_free and self.tree is not None:
-            self.tree.evict(n - self.allocator.num_free)
+            self.tree.evict(eviction_size(n - self.allocator.num_free, self.allocator.capacity))
         return self.allocator.alloc(n)
 
     def _alloc_win(self, c: str, n: int) -> Optional[list[int]]:
         a = self.windows[c].allocator
         if n > a.num_free and self.tree is not None:
-            self.tree.evict_window(c, n - a.num_free, self.win_refs[c])
+            self.tree.evict_window(c, eviction_size(n - a.num_free, a.capacity), self.win_refs[c])
             if n > a.num_free:  # dropping whole leaves frees windowed pages too
                 self.tree.evict(n - a.num_free)
         return a.alloc(n)

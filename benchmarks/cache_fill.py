@@ -1,0 +1,76 @@
+"""Offline generation in chunks until the prefix cache fills the pool: does throughput hold?
+
+    python benchmarks/cache_fill.py [--chunks 5] [--prompts 2048] [--new-tokens 200]
+                                    [--disable-radix-cache] [--mem-fraction-static 0.3]
+
+Every finished request leaves its tokens in the prefix cache, so a long offline run (the data
+stage of `spec_train_gpu.py`, an RL rollout loop) fills the pool after a few chunks, and from then
+on every page a running request grows must be evicted first. This runs SmolLM2-135M's shape with
+dummy weights (`--load-format dummy`, no download) on chunks of `--prompts` prompts (30 shared
+tokens, as a chat template's system turn, then 40 random ones), `--new-tokens` each with
+`ignore_eos`, and prints each chunk's time and tokens/s. docs/serving.md ("Semantics worth
+knowing") has the numbers before and after eviction in batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+                "rope_theta": 100000, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+                "torch_dtype": "bfloat16"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=2048, help="Prompts per chunk.")
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.3)
+    ap.add_argument("--max-running-requests", type=int, default=512)
+    ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--out", default=None, help="Write the chunks' times as JSON here.")
+    args = ap.parse_args()
+
+    from kiln.engine.request import SamplingParams
+    from kiln.offline import Engine
+
+    model = tempfile.mkdtemp(prefix="kiln-cache-fill-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(SMOLLM2_135M, f)
+    rng = random.Random(0)
+    vocab = SMOLLM2_135M["vocab_size"]
+    shared = [rng.randrange(3, vocab) for _ in range(30)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    opts = dict(device=args.device, load_format="dummy", skip_tokenizer_init=True, log_level="warning",
+                max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.max_running_requests,
+                mem_fraction_static=args.mem_fraction_static, disable_radix_cache=args.disable_radix_cache)
+    rows = []
+    cache = "off" if args.disable_radix_cache else "on"
+    with Engine(model_path=model, **opts) as llm:
+        for i in range(args.chunks):
+            prompts = [shared + [rng.randrange(3, vocab) for _ in range(40)] for _ in range(args.prompts)]
+            t = time.time()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            dt = time.time() - t
+            rows.append(dict(chunk=i, tokens=n, seconds=dt, tok_per_s=n / dt))
+            print(f"prefix cache {cache}, chunk {i}: {n} tokens in {dt:.1f} s ({n / dt:.0f} tokens/s)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
