@@ -19,7 +19,9 @@ in L2; each GEMV's x is the previous one's first K outputs) from a CUDA graph, w
 - `tma SxBNxBK`: the same with the tiles loaded through a TMA tensor descriptor (shared memory,
                  S stages);
 
-and prints per variant the time per GEMV, the bytes at the copy bandwidth and their share.
+and prints per variant the time per GEMV, the bytes at the copy bandwidth and their share. The
+answer on an H200 (docs/benchmarks.md, twenty-sixth pass): no; every kind pays about the same
+fixed ~1.6-2.5 us per GEMV beyond its bytes.
 Shapes: `o` 2048x2048 (Inkling's o_proj), `qkvr` 3584x2048, `up` 16384x2048 (the bytes of the MoE
 gate/up GEMV's 8 slots as one matrix), `8b` 4096x4096. Every variant's output is checked against
 fp32 matmul first.

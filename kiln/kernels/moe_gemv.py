@@ -44,7 +44,8 @@ kernel's programs took as long after their wait as before (5.5 us against 5.7: n
 trip per slot, then); the gate/up kernel grew from 88 to 128 registers, and its resident
 programs streamed at ~10 GB/s each, one 8 KB tile pair in flight: at 4 per SM 23.88 us a layer
 against 23.82 (untraced chain), Inkling 1.170 against 1.168 ms; with one tile per program 1.193.
-What bounds both is the bytes in flight per SM, which registers limit.
+Nor do deeper pipelines help: asynchronous copies (cp.async, TMA) streamed no faster than register
+loads (`benchmarks/kernel_bench/stream_gemv.py`); each launch pays ~1.6-2.5 us beyond its bytes.
 """
 
 from __future__ import annotations
