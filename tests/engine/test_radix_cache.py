@@ -109,6 +109,7 @@ def test_a_full_cache_evicts_in_batches_not_a_tree_walk_per_page():
     cache's decode steps several times slower), least recently used first, and hands out every page."""
     from kiln.engine.cache import manager as cm
     from kiln.engine.cache.pools import ReqToTokenPool
+    from kiln.engine.cache.radix import eviction_size
 
     a = PageAllocator(1025, PS)  # 1024 usable pages: 16 per eviction
     t = RadixCache(a, PS)
@@ -122,4 +123,4 @@ def test_a_full_cache_evicts_in_batches_not_a_tree_walk_per_page():
     assert all(p is not None and len(p) == 1 for p in got)
     assert walks == [16] * 4, walks
     assert t.match_prefix([0] * (4 * PS))[0] == [] and len(t.match_prefix([255] * (4 * PS))[0]) == 4
-    assert cm.eviction_size(3, 100) == 3 and cm.eviction_size(40, 1024) == 40
+    assert eviction_size(3, 100) == 3 and eviction_size(40, 1024) == 40

@@ -47,7 +47,7 @@ from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.cache.allocator import check_owners
 from kiln.engine.cache.hicache_config import HiCacheConfig, host_pages_sized, model_identity
 from kiln.engine.cache.host_pool import HostPool, device_spaces
-from kiln.engine.cache.radix import RadixCache, TreeNode
+from kiln.engine.cache.radix import RadixCache, TreeNode, eviction_size
 from kiln.engine.cache.storage import FileStorage, default_storage_dir, model_namespace, page_hash
 
 logger = logging.getLogger(__name__)
@@ -193,11 +193,11 @@ class HiCache:
     # ---- host allocation and eviction ----------------------------------------------------------
     def _alloc_host(self, space: str, n: int, exclude: Optional[TreeNode] = None) -> Optional[list[int]]:
         a = self.host.spaces[space].allocator
-        if n > a.num_free:
+        if n > a.num_free:  # in batches, as on the device: each eviction walks the whole tree
             if space == "main":
-                self.evict_host(n - a.num_free)
+                self.evict_host(eviction_size(n - a.num_free, a.capacity))
             else:
-                self.evict_host_window(space, n - a.num_free, exclude)
+                self.evict_host_window(space, eviction_size(n - a.num_free, a.capacity), exclude)
         return a.alloc(n)
 
     def _host_leaf(self, n: TreeNode) -> bool:

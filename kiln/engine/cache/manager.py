@@ -24,7 +24,7 @@ import torch
 
 from kiln.engine.cache.allocator import PageAllocator, check_owners
 from kiln.engine.cache.pools import ReqToTokenPool, write_pages
-from kiln.engine.cache.radix import RadixCache, TreeNode
+from kiln.engine.cache.radix import RadixCache, TreeNode, eviction_size
 from kiln.engine.request import Req
 
 if TYPE_CHECKING:
@@ -33,20 +33,6 @@ if TYPE_CHECKING:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# Evicting walks the whole prefix tree (`RadixCache.evict` collects every unlocked leaf, then pops
-# a heap; `evict_window` sorts every node). Under decode each request grows one page at a time, so
-# with a full cache one scan per page cost a step ~5 ms per growing request at ~8K cached
-# sequences, and offline generation ran 2-6x slower once the pool had filled (docs/serving.md,
-# "Semantics worth knowing"). Each eviction therefore frees at least this share of its page space,
-# so one scan serves many allocations.
-EVICT_MIN_SHARE = 1 / 64
-
-
-def eviction_size(short: int, capacity: int) -> int:
-    """Pages to evict when an allocation is `short` pages short in a space of `capacity` pages."""
-    return max(short, int(capacity * EVICT_MIN_SHARE))
 
 
 @dataclass

@@ -31,6 +31,21 @@ from typing import Optional, Protocol
 from kiln.engine.cache.allocator import PageAllocator
 
 
+# Evicting walks the whole prefix tree (`RadixCache.evict` collects every unlocked leaf, then
+# pops a heap; `evict_window` and HiCache's host evictions sort every node). Under decode each
+# request grows one page at a time, so with a full cache one walk per page cost a step ~5 ms per
+# growing request at ~8K cached sequences, and offline generation ran 2-6x slower once the pool
+# had filled (docs/serving.md, "Semantics worth knowing"). The cache's users therefore evict at
+# least this share of a page space at a time (`eviction_size`), so one walk serves many
+# allocations.
+EVICT_MIN_SHARE = 1 / 64
+
+
+def eviction_size(short: int, capacity: int) -> int:
+    """Pages to evict when an allocation is `short` pages short in a space of `capacity` pages."""
+    return max(short, int(capacity * EVICT_MIN_SHARE))
+
+
 class TreeNode:
     __slots__ = ("key", "pages", "win", "host", "host_win", "hashes", "on_disk", "hits",
                  "children", "parent", "lock_ref", "last_access")
