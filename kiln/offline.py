@@ -124,10 +124,20 @@ class Engine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(tracked), desc="Generating", unit="req")
+        # Requests leave `pending` as they finish (on_update runs under the core lock, on the
+        # thread that stepped the core), so each step checks completion in O(1): scanning every
+        # request's state per step cost ~1.5 ms at 2048 requests, beside GPU steps of ~10 ms.
+        pending = {id(t) for t in tracked}
+
+        def on_update(t: _Tracked) -> None:
+            if t.state.done:
+                pending.discard(id(t))
+
         for t in tracked:
+            t.on_update = on_update
             self._inbox.put(("add", t))
         try:
-            self._drive_until(lambda: all(t.state.done for t in tracked), bar, tracked)
+            self._drive_until(lambda: not pending, bar, lambda: len(tracked) - len(pending))
         except BaseException:
             self._abort(tracked)
             raise
@@ -307,7 +317,8 @@ class Engine:
         return t.state.to_output()
 
     # ---- driving the core (all under self._lock) -----------------------------------------
-    def _drive_until(self, cond: Callable[[], bool], bar: Any = None, tracked: Sequence[_Tracked] = ()) -> None:
+    def _drive_until(self, cond: Callable[[], bool], bar: Any = None,
+                     num_done: Callable[[], int] = lambda: 0) -> None:
         idle = 0
         while not cond():
             with self._lock:
@@ -316,7 +327,7 @@ class Engine:
                 stepped = self._step_locked()
             self._lock.yield_to_control()
             if bar is not None:  # updated on this thread only: tqdm is not thread-safe
-                bar.update(sum(t.state.done for t in tracked) - bar.n)
+                bar.update(num_done() - bar.n)
             if not stepped and getattr(self.core, "blocked", False):
                 time.sleep(0.01)  # paused / KV released: another thread resumes us
                 continue
