@@ -126,7 +126,8 @@ class Engine:
             bar = tqdm(total=len(tracked), desc="Generating", unit="req")
         # Requests leave `pending` as they finish (on_update runs under the core lock, on the
         # thread that stepped the core), so each step checks completion in O(1): scanning every
-        # request's state per step cost ~1.5 ms at 2048 requests, beside GPU steps of ~10 ms.
+        # request's state per step cost ~1.5 ms at 2048 requests on a 2-core CPU, beside GPU steps
+        # of ~10 ms for a small model at batch 512 (docs/serving.md, "Offline").
         pending = {id(t) for t in tracked}
 
         def on_update(t: _Tracked) -> None:
