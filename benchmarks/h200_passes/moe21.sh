@@ -1,8 +1,10 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # twenty-first session (2026-12-04): the batch-1 MoE's loads one step ahead (the down GEMV's act,
 # routing weight and expert id; the gate/up GEMV's x and the next tile's id) and the gate/up GEMV's
-# tiles several per program (UP_PROGRAMS_PER_SM). Each lane ran on the commit named in
-# docs/benchmarks.md (twenty-sixth pass).
+# tiles several per program (UP_PROGRAMS_PER_SM), both removed after call 1; GEMV streams with
+# deeper pipelines (call 2); the rounds and SmolLM2's drafter (calls 3-4); offline generation as
+# the prefix cache fills, before and after eviction in batches (calls 5-6). Each lane ran on the
+# commit named in docs/benchmarks.md (twenty-sixth pass).
 # shellcheck shell=bash
 
 # scratch/base21 = `git archive 9459c76 kiln benchmarks/*.py benchmarks/kernel_bench benchmarks/configs`
