@@ -31,7 +31,7 @@ SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
                 "torch_dtype": "bfloat16"}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=2048, help="Prompts per chunk.")
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--max-running-requests", type=int, default=512)
     ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--out", default=None, help="Write the chunks' times as JSON here.")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from kiln.engine.request import SamplingParams
     from kiln.offline import Engine
@@ -67,9 +67,11 @@ def main() -> None:
             dt = time.time() - t
             rows.append(dict(chunk=i, tokens=n, seconds=dt, tok_per_s=n / dt))
             print(f"prefix cache {cache}, chunk {i}: {n} tokens in {dt:.1f} s ({n / dt:.0f} tokens/s)", flush=True)
+    result = dict(args=vars(args), rows=rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

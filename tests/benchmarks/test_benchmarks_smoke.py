@@ -219,3 +219,16 @@ def test_round_host_cost_runs_steady_rounds_on_the_device_path(one_thread, capsy
     round_host_cost.main(["--steps", "5", "--ops"])
     out = capsys.readouterr().out
     assert "steady K = 3 rounds" in out and "spec._device_round" in out and "aten ops per round" in out
+
+
+def test_host_profile_and_cache_fill_quick(one_thread, capsys):
+    """benchmarks/host_profile.py and cache_fill.py on the CPU at tiny sizes: they run and report."""
+    import cache_fill
+    import host_profile
+
+    r = host_profile.main(["--prompts", "8", "--new-tokens", "3", "--max-running-requests", "4", "--rows", "3"])
+    assert r["wall_s"] > r["forward_s"] > 0 and r["host_us_per_request_step"] > 0
+    assert "per request and step" in capsys.readouterr().out
+    r = cache_fill.main(["--device", "cpu", "--chunks", "2", "--prompts", "3", "--new-tokens", "2",
+                         "--max-running-requests", "3"])
+    assert [row["tokens"] for row in r["rows"]] == [6, 6]
