@@ -37,3 +37,10 @@ lane0_moe20b() {  # call 2 (carry scratch/base20, scratch/smol_a): park the GGUF
   step MM_new2 60 $DECODE --model-path $MM $P1B --out "$R/json/MM_new2.json"
   step_table
 }
+# Calls 3 and 4 of that session (docs/speculative.md, "Again on the GPU, with the padded attention"; their
+# logs were lost with the session's machine):
+#   BUDGET=550 TRAIN_ARGS="--gen-share 0.3 --reserve-s 130 --b1-prompts 8" PHASE=drafter19   (carry .device_wheels,
+#     scratch/smol_b; lane drafter19 of drafter19.sh)
+#   python benchmarks/spec_train_gpu.py run --target /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/w3 \
+#     --export $OUT/export --budget-s 480 --synth-share 0.2 --gen-share 0.5 --reserve-s 75 --synthetic-prompts 12000 \
+#     --num-steps 2000
