@@ -5,8 +5,8 @@
 
 Every finished request leaves its tokens in the prefix cache, so a long offline run (the data
 stage of `spec_train_gpu.py`, an RL rollout loop) fills the pool after a few chunks, and from then
-on every page a running request grows must be evicted first. This runs SmolLM2-135M's shape with
-dummy weights (`--load-format dummy`, no download) on chunks of `--prompts` prompts (30 shared
+on every page a running request grows must be evicted first. This runs SmolLM2-135M's shape
+(`benchmarks/configs/smollm2-135m`, or `--model-path`) with dummy weights (`--load-format dummy`, no download) on chunks of `--prompts` prompts (30 shared
 tokens, as a chat template's system turn, then 40 random ones), `--new-tokens` each with
 `ignore_eos`, and prints each chunk's time and tokens/s. docs/serving.md ("Semantics worth
 knowing") has the numbers before and after eviction in batches.
@@ -19,20 +19,16 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
-                "rope_theta": 100000, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-                "torch_dtype": "bfloat16"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=os.path.join(common.CONFIGS_DIR, "smollm2-135m"),
+                    help="A config-only model directory or preset:ARCH/PRESET (dummy weights).")
     ap.add_argument("--chunks", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=2048, help="Prompts per chunk.")
     ap.add_argument("--new-tokens", type=int, default=200)
@@ -46,11 +42,9 @@ def main(argv=None) -> dict:
     from kiln.engine.request import SamplingParams
     from kiln.offline import Engine
 
-    model = tempfile.mkdtemp(prefix="kiln-cache-fill-")
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(SMOLLM2_135M, f)
+    model = common.resolve_model_path(args.model_path)
     rng = random.Random(0)
-    vocab = SMOLLM2_135M["vocab_size"]
+    vocab = common.model_config_of(model).vocab_size
     shared = [rng.randrange(3, vocab) for _ in range(30)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     opts = dict(device=args.device, load_format="dummy", skip_tokenizer_init=True, log_level="warning",

@@ -1,5 +1,6 @@
 """Where the scheduler's host time goes per request and step: cProfile of one offline batch on a
-model too small for its compute to matter (2 layers, 64 wide, dummy weights).
+model too small for its compute to matter (`benchmarks/configs/tiny-llama`: 2 layers, 64 wide,
+dummy weights; `--model-path` for another).
 
     python benchmarks/host_profile.py [--prompts 1024] [--new-tokens 32] [--max-running-requests 256]
                                       [--device cpu] [--sort tottime] [--rows 25]
@@ -14,24 +15,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import random
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 16, "max_position_embeddings": 4096, "tie_word_embeddings": True, "bos_token_id": 1,
-              "eos_token_id": 2}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=os.path.join(common.CONFIGS_DIR, "tiny-llama"),
+                    help="A config-only model directory or preset:ARCH/PRESET (dummy weights).")
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -44,11 +41,10 @@ def main(argv=None) -> dict:
     from kiln.engine.request import SamplingParams
     from kiln.offline import Engine
 
-    model = tempfile.mkdtemp(prefix="kiln-host-profile-")
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+    model = common.resolve_model_path(args.model_path)
+    vocab = common.model_config_of(model).vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(args.prompt_len)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
                for _ in range(args.prompts)]
     opts = dict(device=args.device, load_format="dummy", skip_tokenizer_init=True, log_level="warning",
                 max_running_requests=args.max_running_requests)
