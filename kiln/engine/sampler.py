@@ -128,37 +128,28 @@ class SamplingBatch:
     @classmethod
     def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
         """Gather the sampling state of `reqs` (in row order) into tensors on `device`. Each is a
-        `Req` or a view with the same fields the sampler reads (`params`, `generator`,
-        `prompt_ids`, `output_ids`, `num_output`, `eos_token_ids`; `spec.sampled_verify.RowView`).
+        `Req` or a view with the same fields the sampler reads (`sampling_row`, `params`, `generator`,
+        `prompt_ids`, `output_ids`, `num_output`; `spec.sampled_verify.RowView`).
 
         Token-id lists are left empty for rows whose penalties are neutral (they would be an
         identity anyway), so long prompts are not copied every step for nothing. A request with a
         seed but no generator yet gets one here, stored on the `Req` so it survives retraction.
         """
-        temps, top_ps, top_ks, min_ps, reps, freqs, press = [], [], [], [], [], [], []
-        gens, prompts, outputs, suppress, num_top, greedy = [], [], [], [], [], []
-        for req in reqs:
-            p = req.params
-            if req.generator is None and p.seed is not None:
-                req.generator = make_generator(p.seed, device)
-            temps.append(float(p.temperature))
-            top_ps.append(float(p.top_p))
-            top_ks.append(max(int(p.top_k), 0))
-            min_ps.append(float(p.min_p))
-            reps.append(float(p.repetition_penalty))
-            freqs.append(float(p.frequency_penalty))
-            press.append(float(p.presence_penalty))
-            gens.append(req.generator)
-            has_rep = p.repetition_penalty != 1.0
-            has_out = has_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            prompts.append(req.prompt_ids if has_rep else [])
-            outputs.append(req.output_ids if has_out else [])
-            if req.num_output < p.min_tokens:
-                suppress.append(list(req.eos_token_ids) + list(p.stop_token_ids))
-            else:
-                suppress.append([])
-            num_top.append(p.logprobs if p.logprobs is not None else -1)
-            greedy.append(p.greedy)
+        B = len(reqs)
+        # Columns of the requests' constant rows (`SamplingRow`, computed once per request).
+        (temps, top_ps, min_ps, reps, freqs, press, top_ks, greedy, num_top, need_prompt, need_output,
+         min_tokens, suppress_ids, seeded) = zip(*[r.sampling_row for r in reqs]) if B else ((),) * 14
+        if any(seeded):
+            for req in reqs:
+                if req.generator is None and req.params.seed is not None:
+                    req.generator = make_generator(req.params.seed, device)
+        gens = [req.generator for req in reqs]
+        # Id lists only where a penalty or min_tokens reads them (the shared empty lists are only read).
+        none: list[list[int]] = [[]] * B
+        prompts = [r.prompt_ids if n else [] for r, n in zip(reqs, need_prompt)] if any(need_prompt) else none
+        outputs = [r.output_ids if n else [] for r, n in zip(reqs, need_output)] if any(need_output) else none
+        suppress = ([list(ids) if r.num_output < m else [] for r, m, ids in zip(reqs, min_tokens, suppress_ids)]
+                    if any(min_tokens) else none)
 
         # One copy for the six float columns, one for top-k and the drawing rows, both from pinned
         # memory (see list_to_device).
@@ -167,7 +158,10 @@ class SamplingBatch:
         draw = [i for i, g in enumerate(greedy) if not g]
         segments = [top_ks, draw]
         for lists in (outputs, prompts, suppress):
-            segments += [[i for i, x in enumerate(lists) for _ in x], list(itertools.chain.from_iterable(lists))]
+            if lists is none:
+                segments += [[], []]
+            else:
+                segments += [[i for i, x in enumerate(lists) for _ in x], list(itertools.chain.from_iterable(lists))]
         ints = list_to_device(list(itertools.chain.from_iterable(segments)), torch.int64, device)
         parts, at = [], 0
         for seg in segments:
@@ -189,8 +183,8 @@ class SamplingBatch:
             prompt_token_ids=prompts,
             output_token_ids=outputs,
             suppress_ids=suppress,
-            num_top_logprobs=num_top,
-            greedy=greedy,
+            num_top_logprobs=list(num_top),
+            greedy=list(greedy),
         )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kiln.engine.request import Req, SamplingParams
+from kiln.engine.request import Req, SamplingParams, SamplingRow
 from kiln.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -376,8 +376,9 @@ def test_from_reqs_precopied_ids_match_the_in_call_path():
 
     def req(i, **kw):
         out = [4, 5, 5][:i]
-        return SimpleNamespace(params=SamplingParams(max_tokens=8, seed=10 + i, **kw), generator=None,
-                               prompt_ids=[1, 2, 3 + i], output_ids=out, num_output=len(out), eos_token_ids=(7,))
+        params = SamplingParams(max_tokens=8, seed=10 + i, **kw)
+        return SimpleNamespace(params=params, generator=None, sampling_row=SamplingRow.of(params, (7,)),
+                               prompt_ids=[1, 2, 3 + i], output_ids=out, num_output=len(out))
 
     reqs = [req(0, temperature=0.0), req(1, repetition_penalty=1.3, temperature=0.8),
             req(2, frequency_penalty=0.5, presence_penalty=0.2, temperature=0.7, min_tokens=5), req(3, top_k=1)]

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.request import SamplingParams
+from kiln.engine.request import SamplingParams, SamplingRow
 from kiln.engine.sampler import Sampler, SamplingBatch, processed_probs
 from kiln.engine.spec import sampled_verify as SV
 from kiln.engine.spec import verify as V_
@@ -70,7 +70,8 @@ def _ref_probs(logits: np.ndarray, output: list[int]) -> np.ndarray:
 
 def _req(params=PARAMS) -> SimpleNamespace:
     """What the engine's views read of a request (unseeded: the sampler's shared generator)."""
-    return SimpleNamespace(params=params, prompt_ids=[], output_ids=BASE_OUT, eos_token_ids=(), generator=None)
+    return SimpleNamespace(params=params, prompt_ids=[], output_ids=BASE_OUT, eos_token_ids=(), generator=None,
+                           sampling_row=SamplingRow.of(params, ()))
 
 
 def _views(drafts: torch.Tensor, params=PARAMS) -> list[RowView]:

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from kiln.engine.request import SamplingRow
 from kiln.engine.sampler import SampleOutput, SamplingBatch, attach_logprobs, make_generator, processed_probs
 from kiln.engine.spec.verify import verify_block, verify_tokenwise
 
@@ -45,11 +46,12 @@ class RowView:
     each would cost the host O(K x output length) per request per round for nothing when the
     penalties are off. `num_output` (min_tokens) needs no copy."""
 
-    __slots__ = ("params", "prompt_ids", "eos_token_ids", "generator", "_output", "_drafts")
+    __slots__ = ("params", "prompt_ids", "eos_token_ids", "generator", "sampling_row", "_output", "_drafts")
 
     def __init__(self, params, prompt_ids: list[int], output_ids: list[int], eos_token_ids: tuple, generator,
-                 drafts_before: list[int] = ()):
+                 drafts_before: list[int] = (), sampling_row: Optional[SamplingRow] = None):
         self.params, self.prompt_ids, self.eos_token_ids, self.generator = params, prompt_ids, eos_token_ids, generator
+        self.sampling_row = sampling_row or SamplingRow.of(params, eos_token_ids)
         self._output, self._drafts = output_ids, list(drafts_before)
 
     @property
@@ -66,7 +68,8 @@ def row_view(req, drafts_before: list[int], device) -> RowView:
     request's generator first when it has a seed (on the Req, not on the view)."""
     if req.generator is None and req.params.seed is not None:
         req.generator = make_generator(req.params.seed, device)
-    return RowView(req.params, req.prompt_ids, req.output_ids, req.eos_token_ids, req.generator, drafts_before)
+    return RowView(req.params, req.prompt_ids, req.output_ids, req.eos_token_ids, req.generator, drafts_before,
+                   req.sampling_row)
 
 
 def verify_views(req, drafts: list[int], device) -> list[RowView]:
