@@ -135,6 +135,7 @@ class RequestState:
         self.cached_tokens = 0
         self.cached_tokens_details: Optional[dict] = None  # by tier: device / host / disk
         self.error: Optional[str] = None
+        self.num_open = params.n  # sequences not finished yet (`done` is read for every output)
 
     def sub_rids(self) -> list[str]:
         return [sub_rid(self.rid, s.index) for s in self.seqs]
@@ -144,7 +145,7 @@ class RequestState:
 
     @property
     def done(self) -> bool:
-        return self.error is not None or all(s.finished for s in self.seqs)
+        return self.error is not None or self.num_open == 0
 
     def update(self, index: int, out: ReqOutput) -> Optional[SeqDelta]:
         """Apply one scheduler output for sequence `index`; None if it changes nothing."""
@@ -157,7 +158,12 @@ class RequestState:
             self.cached_tokens = out.cached_tokens
         if index == 0 and out.cached_tokens_details:
             self.cached_tokens_details = out.cached_tokens_details
-        return self.seqs[index].update(out)
+        seq = self.seqs[index]
+        was_open = not seq.finished
+        delta = seq.update(out)
+        if was_open and seq.finished:
+            self.num_open -= 1
+        return delta
 
     @property
     def completion_tokens(self) -> int:

@@ -155,13 +155,23 @@ class Scheduler:
         """Pick (req, start, end) token ranges to compute this step."""
         budget = self.config.max_prefill_tokens
         plan: list[tuple[Req, int, int]] = []
-        # 1. decodes, oldest first; retract the newest when pages run out
-        decodes = [r for r in self.running if r.remaining_prefill() == 1 and not self._stops_for_sure(r)]
+        # 1. decodes, oldest first; retract the newest when pages run out. One pass sorts the
+        # running requests (this runs for every running request every step: at hundreds of them
+        # the per-request Python work is a small model's step time, docs/serving.md "Host work").
+        decodes, prefilling = [], []
+        for r in self.running:
+            left = len(r.prompt_ids) + len(r.output_ids) - r.num_computed  # remaining_prefill()
+            if left == 1:
+                if not self._stops_for_sure(r):
+                    decodes.append(r)
+            elif left > 1:
+                prefilling.append(r)
         i = 0
+        grow, spec = self.cache.grow, self.spec
         while i < len(decodes):
             r = decodes[i]
-            end = r.seq_len + (self.spec.num_drafts(r) if self.spec else 0)  # + drafts to verify
-            if self.cache.grow(r, end):
+            end = r.seq_len + (spec.num_drafts(r) if spec else 0)  # + drafts to verify
+            if grow(r, end):
                 plan.append((r, r.num_computed, end))
                 budget -= end - r.num_computed
                 i += 1
@@ -177,10 +187,12 @@ class Scheduler:
             self._retract(victim)
             if victim in decodes[i:]:
                 decodes.remove(victim)
-        # 2. ongoing chunked prefills
-        for r in [r for r in self.running if r.remaining_prefill() > 1]:
+        # 2. ongoing chunked prefills (those the decodes did not retract)
+        for r in prefilling:
             if budget <= 0:
                 break
+            if r.status != ReqStatus.RUNNING:
+                continue
             n = self._chunk(r, budget, bool(plan))
             if n and self.cache.grow(r, r.num_computed + n):
                 plan.append((r, r.num_computed, r.num_computed + n))
@@ -191,13 +203,16 @@ class Scheduler:
             return self._schedule()
         # 3. admit new requests
         self._order_waiting()
+        reserved = None  # tokens the running requests still need (`_reserved_pages`), kept as they join
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             r = self.waiting[0]
             if r.output_ids and r.output_ids[-1] == PENDING:
                 break  # retracted while its last token was on the device: readmit after the commit
             self.cache.match(r, max_tokens=self._max_match(r))
             n = self._chunk(r, budget, bool(plan))
-            reserve = self._reserved_pages()
+            if reserved is None:
+                reserved = sum(self._reserved_tokens(x) for x in self.running)
+            reserve = cdiv(int(reserved), self.page_size) + len(self.running)
             total = cdiv(r.num_computed + n, self.page_size)
             need = total - len(r.pages)
             if n == 0 or need + reserve > self.cache.available_pages or not self.cache.assign_slot(r):
@@ -220,6 +235,7 @@ class Scheduler:
             if self.spec is not None:
                 self.spec.on_admit(r)
             self.running.append(r)
+            reserved += self._reserved_tokens(r)
             plan.append((r, r.num_computed, r.num_computed + n))
             budget -= n
         return plan
@@ -231,20 +247,20 @@ class Scheduler:
 
     def _reserved_pages(self) -> int:
         """Pages the running requests are expected to still need for their outputs."""
-        tokens = 0.0
-        for r in self.running:
-            left_prefill = r.remaining_prefill() - 1
-            left_out = r.params.max_tokens - len(r.output_ids)
-            tokens += max(left_prefill, 0) + left_out * self.new_token_ratio
-            if self.spec is not None:
-                # Beyond its committed tokens a request holds, at some point of a round, the
-                # positions its verify writes before rolling back (K), or those its drafter's pass
-                # writes (a block drafter's paged pass: its block, B - 1). Between steady rounds on
-                # the device it keeps up to 2K (`SpecDecoder._make_room`'s hold); those pages are
-                # already out of the pool's available count, so this reserve stays on the safe side.
-                T = r.seq_len
-                tokens += max(self.spec.num_steps, self.spec.drafter.pages_needed(T, self.spec.num_steps) - T)
-        return cdiv(int(tokens), self.page_size) + len(self.running)
+        return cdiv(int(sum(self._reserved_tokens(r) for r in self.running)), self.page_size) + len(self.running)
+
+    def _reserved_tokens(self, r: Req) -> float:
+        """Tokens one running request is expected to still need (`_reserved_pages`' terms)."""
+        tokens = max(r.remaining_prefill() - 1, 0) + (r.params.max_tokens - len(r.output_ids)) * self.new_token_ratio
+        if self.spec is not None:
+            # Beyond its committed tokens a request holds, at some point of a round, the
+            # positions its verify writes before rolling back (K), or those its drafter's pass
+            # writes (a block drafter's paged pass: its block, B - 1). Between steady rounds on
+            # the device it keeps up to 2K (`SpecDecoder._make_room`'s hold); those pages are
+            # already out of the pool's available count, so this reserve stays on the safe side.
+            T = r.seq_len
+            tokens += max(self.spec.num_steps, self.spec.drafter.pages_needed(T, self.spec.num_steps) - T)
+        return tokens
 
     def _chunk(self, r: Req, budget: int, batch_nonempty: bool) -> int:
         """How many of the request's remaining tokens to compute now."""
@@ -312,9 +328,27 @@ class Scheduler:
         draft_at, draft_src = [], []  # rows whose draft token is still on the device (speculation)
         row = 0
         row_starts = []
+        ps, windows = self.page_size, self.cache.windows
         for r, start, end in plan:
             seq_len = r.seq_len
             row_starts.append(row)
+            if end == seq_len == start + 1 and r.prompt_logprobs is None:
+                # A plain decode row (most rows of most steps): the general path below, unrolled.
+                out = r.output_ids
+                t = out[-1] if out else r.prompt_ids[-1]
+                ids.append(t)
+                if t == PENDING:
+                    pending_at.append(row)
+                    pending_src.append(self.pending.rows[r.rid])
+                pos.append(start)
+                locs.append(r.pages[start // ps] * ps + start % ps)
+                for c in windows:
+                    win_locs[c].append(r.win_pages[c][start // ps] * ps + start % ps)
+                sample_reqs.append(r)
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(row)
+                row += 1
+                continue
             if end <= seq_len:
                 ids.extend(r.token_ids(start, end))
             else:  # a speculative round: the last token, then the drafts to verify
@@ -376,7 +410,8 @@ class Scheduler:
                 # concurrent requests with the same prefix (n > 1, shared system prompts) reuse
                 # them; decode pages are cached when the request ends.
                 self.cache.cache(r)
-            self.cache.trim(r)  # windowed state that fell out of every query's reach
+            if windows:
+                self.cache.trim(r)  # windowed state that fell out of every query's reach
         return logits, sample_reqs, sample_rows, prompt_lp
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, items) -> None:
@@ -411,12 +446,13 @@ class Scheduler:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
         tokens, lps, top_ids, top_lps = sampled.fetch()
+        finished = ReqStatus.FINISHED
         for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):
-            if r.finished:  # aborted while its token was on the device
+            if r.status is finished:  # aborted while its token was on the device
                 continue
             assert r.output_ids[-1] == PENDING, f"{r.rid}: no placeholder for the sampled token"
             r.output_ids[-1] = t
-            reason = self._accept_token(r, t, self._logprob_entry(r, i, lps, top_ids, top_lps))
+            reason = self._accept_token(r, t, None if lps is None else self._logprob_entry(r, i, lps, top_ids, top_lps))
             if reason is not None:
                 self._end(r, reason)
             self.outbox.append(self._output(r, 1))
@@ -460,16 +496,17 @@ class Scheduler:
         r.finish_reason = reason
 
     def _output(self, r: Req, num_new: int) -> ReqOutput:
-        new = r.output_ids[len(r.output_ids) - num_new:] if num_new else []
-        out = ReqOutput(rid=r.rid, new_token_ids=new, finished=r.finished,
+        n_out = len(r.output_ids)
+        finished = r.status is ReqStatus.FINISHED
+        out = ReqOutput(rid=r.rid, new_token_ids=r.output_ids[n_out - num_new:] if num_new else [], finished=finished,
                         finish_reason=r.finish_reason.value if r.finish_reason else None,
                         prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
-                        cached_tokens_details=r.cached_tiers or None, completion_tokens=len(r.output_ids))
-        if r.finish_reason == FinishReason.STOP and r.output_ids:
+                        cached_tokens_details=r.cached_tiers or None, completion_tokens=n_out)
+        if r.finish_reason == FinishReason.STOP and n_out:
             out.matched_stop = r.output_ids[-1]
         if r.params.logprobs is not None and num_new:
             out.new_logprobs = r.output_logprobs[-num_new:]
-        if r.finished:
+        if finished:
             out.routed_experts = r.routed_experts
         if r.prompt_logprobs is not None and len(r.output_ids) == num_new and num_new:
             out.prompt_logprobs = r.prompt_logprobs
