@@ -140,6 +140,9 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
         with no_dummy_init():
             core = EngineCore(config)
         load_hf_weights(core, hf_model)
+    from kiln.engine.core import freeze_startup_heap
+
+    freeze_startup_heap()  # as the server's scheduler process does (release_memory undoes it)
     log(f"Kiln core ready in {time.perf_counter() - t0:.1f}s "
         f"(KV pool {core.info.max_total_tokens} tokens, device {config.resolved_device()}, "
         f"dtype {config.resolved_dtype()})")
@@ -148,7 +151,9 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
 
 def release_memory() -> None:
     """After `del core` (or any large object): collect cycles and give cached device memory back,
-    so the next engine starts with the GPU free."""
+    so the next engine starts with the GPU free (build_core froze the heap: unfrozen first, or
+    the dropped core's reference cycles would outlive it)."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import queue
@@ -113,6 +114,9 @@ class Engine:
         self._driver: Optional[threading.Thread] = None
         self._closed = False
         self._ids = itertools.count()
+        from kiln.engine.core import freeze_startup_heap
+
+        freeze_startup_heap()  # collections stop walking the model and libraries (undone in shutdown)
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None, return_routed_experts: bool = False,
@@ -277,6 +281,7 @@ class Engine:
         close = getattr(self.core, "shutdown", None)
         if callable(close):
             close()
+        gc.unfreeze()  # what freeze_startup_heap froze can be collected again (cycles included)
 
     def __enter__(self) -> "Engine":
         return self
