@@ -3,7 +3,7 @@ model too small for its compute to matter (`benchmarks/configs/tiny-llama`: 2 la
 dummy weights; `--model-path` for another).
 
     python benchmarks/host_profile.py [--prompts 1024] [--new-tokens 32] [--max-running-requests 256]
-                                      [--device cpu] [--sort tottime] [--rows 25]
+                                      [--device cpu] [--sort tottime] [--rows 25] [--repeats 3]
 
 A small model at a large batch (SmolLM2 at 512 requests in `spec_train_gpu.py`, RL rollouts)
 steps the GPU in a few ms, so the host's Python work per running request and step (scheduling,
@@ -36,6 +36,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative)")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs; the one with the least host time counts")
     args = ap.parse_args(argv)
 
     from kiln.engine.request import SamplingParams
@@ -64,10 +65,15 @@ def main(argv=None) -> dict:
                 spent[0] += time.perf_counter() - t0
 
         runner.forward = timed
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t
+        runs = []  # (host s, wall s, forward s): the least host time of the runs (this CPU is shared)
+        for _ in range(args.repeats):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            runs.append((wall - spent[0], wall, spent[0]))
         runner.forward = real
+        _, wall, forward = min(runs)
         prof = cProfile.Profile()
         prof.enable()
         llm.generate(prompts, params, use_tqdm=False)
@@ -75,10 +81,10 @@ def main(argv=None) -> dict:
     stats = pstats.Stats(prof)
     request_steps = args.prompts * args.new_tokens
     print(f"{args.prompts} prompts x {args.new_tokens} tokens, at most {args.max_running_requests} running: "
-          f"{wall:.2f} s, the model's forward {spent[0]:.2f} s; the rest {(wall - spent[0]) / request_steps * 1e6:.1f} "
-          f"us per request and step (unprofiled). The profile of a second run:")
+          f"{wall:.2f} s, the model's forward {forward:.2f} s; the rest {(wall - forward) / request_steps * 1e6:.1f} "
+          f"us per request and step (unprofiled, least of {args.repeats} runs). The profile of another run:")
     stats.sort_stats(args.sort).print_stats(args.rows)
-    return dict(wall_s=wall, forward_s=spent[0], host_us_per_request_step=(wall - spent[0]) / request_steps * 1e6)
+    return dict(wall_s=wall, forward_s=forward, host_us_per_request_step=(wall - forward) / request_steps * 1e6)
 
 
 if __name__ == "__main__":
