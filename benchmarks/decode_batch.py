@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--disable-cuda-graph.")
     p.add_argument("--host-profile", action="store_true",
                    help="After the GPU profile window, profile the host (cProfile) over as many steps.")
+    p.add_argument("--host-rows", type=int, default=15, help="With --host-profile: functions listed.")
     p.add_argument("--host-phases", action="store_true",
                    help="Time the host phases of --profile-steps steady decode steps, unprofiled (host_phases.py).")
     p.add_argument("--sync-audit", action="store_true",
@@ -240,7 +241,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
         if host_from is not None and steps - host_from >= args.profile_steps:
             host_prof.disable()
             host_from = None
-            print_host_profile(host_prof, args.profile_steps)
+            print_host_profile(host_prof, args.profile_steps, args.host_rows)
         if args.time_limit and now - start > args.time_limit and core.has_work():
             for i in range(bs):
                 core.abort(f"b{bs}-{i}")

@@ -44,3 +44,13 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
               f"decode {r.get('decode_tok_s') or float('nan'):9.0f} tok/s idle {r.get('gpu_idle_frac')}")
 PY
 }
+
+lane0_host22p() {  # call 2: where batch 512's host time goes now (cProfile over 20 steps); the same steps with
+  # the garbage collector off (what collections still cost after the freeze)
+  step smol_hprof 90 $DECODE $SMOL_RUN --batch-sizes 512 --profile --host-profile --host-rows 40 --out "$R/json/smol_hprof.json"
+  step smol_nogc 90 python -c "import gc, runpy, sys; gc.disable(); sys.argv = ['decode_batch.py'] + sys.argv[1:]; \
+runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_nogc.json"
+  step smol_new3 90 $DECODE $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_new3.json"
+  step_rows
+  step gpu_tests 240 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 tests/engine tests/test_offline.py
+}
