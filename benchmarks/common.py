@@ -140,9 +140,9 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
         with no_dummy_init():
             core = EngineCore(config)
         load_hf_weights(core, hf_model)
-    from kiln.engine.core import freeze_startup_heap
+    from kiln.engine.gc_tuning import tune_gc
 
-    freeze_startup_heap()  # as the server's scheduler process does (release_memory undoes it)
+    tune_gc()  # as the server's scheduler process does (release_memory unfreezes)
     log(f"Kiln core ready in {time.perf_counter() - t0:.1f}s "
         f"(KV pool {core.info.max_total_tokens} tokens, device {config.resolved_device()}, "
         f"dtype {config.resolved_dtype()})")

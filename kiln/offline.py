@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import queue
@@ -22,6 +21,7 @@ import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from kiln.config import EngineConfig
+from kiln.engine.gc_tuning import restore_gc, tune_gc
 from kiln.engine.frontend import RequestError, RequestState, expand_request, parse_sub_rid, validate_request
 from kiln.engine.io import GenerateReq
 from kiln.engine.outputs import CompletionOutput, RequestOutput
@@ -114,9 +114,7 @@ class Engine:
         self._driver: Optional[threading.Thread] = None
         self._closed = False
         self._ids = itertools.count()
-        from kiln.engine.core import freeze_startup_heap
-
-        freeze_startup_heap()  # collections stop walking the model and libraries (undone in shutdown)
+        self._gc_before = tune_gc()  # collections stop walking the model and libraries (undone in shutdown)
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None, return_routed_experts: bool = False,
@@ -281,7 +279,9 @@ class Engine:
         close = getattr(self.core, "shutdown", None)
         if callable(close):
             close()
-        gc.unfreeze()  # what freeze_startup_heap froze can be collected again (cycles included)
+        if getattr(self, "_gc_before", None) is not None:
+            restore_gc(self._gc_before)  # what tune_gc froze can be collected again (cycles included)
+            self._gc_before = None
 
     def __enter__(self) -> "Engine":
         return self

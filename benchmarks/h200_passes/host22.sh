@@ -54,3 +54,19 @@ runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN 
   step_rows
   step gpu_tests 240 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 tests/engine tests/test_offline.py
 }
+
+lane0_host22c() {  # call 3: with the collector tuned (kiln.engine.gc_tuning) and the decodes' page-table writes
+  # batched: SmolLM2's shape this tree / start / this tree with the collector off, alternated; batch 512 profiled;
+  # nano-vllm's workload at the Qwen3-0.6B shape, this tree and the start; the engine's GPU tests
+  step smol_new1 90 $DECODE $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_new1.json"
+  step smol_old1 90 python $BASE22/benchmarks/decode_batch.py $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_old1.json"
+  step smol_nogc 90 python -c "import gc, runpy, sys; gc.disable(); sys.argv = ['decode_batch.py'] + sys.argv[1:]; \
+runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_nogc.json"
+  step smol_new2 90 $DECODE $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_new2.json"
+  step smol_old2 90 python $BASE22/benchmarks/decode_batch.py $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_old2.json"
+  step_rows
+  step smol_prof 60 $DECODE $SMOL_RUN --batch-sizes 512 --profile --host-phases --out "$R/json/smolprof_new.json"
+  step qwen_new 120 python benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_new.json"
+  step qwen_old 120 python $BASE22/benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_old.json"
+  step gpu_tests 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 tests/engine tests/test_offline.py
+}

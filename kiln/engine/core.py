@@ -6,7 +6,6 @@ token ids in and gives token ids out; tokenization and detokenization live elsew
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -38,19 +37,6 @@ class ModelInfo:
     context_length: int
     eos_token_ids: list[int]
     max_total_tokens: int = 0
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now out of the garbage collector's reach (`gc.freeze`).
-
-    An engine's heap after startup (torch, the model's modules, the tokenizer, the server's
-    libraries) is hundreds of thousands of objects that live as long as the process, and every
-    full collection walks them all: ~90 ms per collection on a 2-core CPU, triggered every few
-    hundred steps by the requests' own allocations, and a stall of the scheduler (so of the GPU)
-    each time. Frozen, a full collection walks only what was made since (7 ms there; vLLM freezes
-    its startup heap the same way). Frozen objects are still freed by reference counting; only
-    reference cycles among them wait for `gc.unfreeze` (the offline `Engine`'s shutdown)."""
-    gc.freeze()
 
 
 class EngineCore:

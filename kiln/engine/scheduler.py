@@ -26,7 +26,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
-from kiln.engine.cache.pools import position_slots
+from kiln.engine.cache.pools import position_slots, write_pages_batched
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
@@ -168,10 +168,15 @@ class Scheduler:
                 prefilling.append(r)
         i = 0
         grow, spec = self.cache.grow, self.spec
+        # The decodes' new pages reach the page tables in one copy after the loop: each is a
+        # distinct planned request growing past what it held, so the writes never overlap (a
+        # retraction's own writes go to a victim outside the plan, and slots are reassigned only
+        # by admissions, after the flush).
+        table_writes: list = []
         while i < len(decodes):
             r = decodes[i]
             end = r.seq_len + (spec.num_drafts(r) if spec else 0)  # + drafts to verify
-            if grow(r, end):
+            if grow(r, end, table_writes):
                 plan.append((r, r.num_computed, end))
                 budget -= end - r.num_computed
                 i += 1
@@ -187,6 +192,7 @@ class Scheduler:
             self._retract(victim)
             if victim in decodes[i:]:
                 decodes.remove(victim)
+        write_pages_batched(table_writes, self.page_size)
         # 2. ongoing chunked prefills (those the decodes did not retract)
         for r in prefilling:
             if budget <= 0:

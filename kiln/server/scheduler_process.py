@@ -60,11 +60,12 @@ def run_scheduler(config: EngineConfig, recv_addr: str, send_addr: str, ready_pi
         send.connect(send_addr)
     try:
         from kiln.dist.init import init_tensor_parallel
-        from kiln.engine.core import EngineCore, freeze_startup_heap
+        from kiln.engine.core import EngineCore
+        from kiln.engine.gc_tuning import tune_gc
 
         pc = init_tensor_parallel(tp_rank, config.tp_size, tp_init_method, config.resolved_device())
         core = EngineCore(config, pc=pc)
-        freeze_startup_heap()
+        tune_gc()  # for the process's life
     except BaseException as e:  # noqa: BLE001 - report every startup failure to the parent
         ready_pipe.send(("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}"))
         ready_pipe.close()

@@ -104,7 +104,7 @@ def test_requests_short_of_pages_for_their_block_draft_on_the_padded_pass(tmp_pa
     core = spec_core(target, 3, kernel_backend="triton", **kw)
     spec, cache = core.scheduler.spec, core.scheduler.cache
     grow, make_room, short = cache.grow, spec._make_room, [False]
-    cache.grow = lambda r, n: not (short[0] and n > r.seq_len) and grow(r, n)
+    cache.grow = lambda r, n, *writes: not (short[0] and n > r.seq_len) and grow(r, n, *writes)
 
     ks = []  # drafts granted to each request ready to decode
 

@@ -1,4 +1,4 @@
-"""`write_pages`: the page-table rows the scheduler writes as requests grow, against the obvious
+"""`write_pages` (and `write_pages_batched`): the page-table rows the scheduler writes as requests grow, against the obvious
 per-position loop (runs split by skipped window pages, pages clipped at the table's width)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kiln.engine.cache.pools import position_slots, write_pages
+from kiln.engine.cache.pools import position_slots, write_pages, write_pages_batched
 
 
 def reference(table: torch.Tensor, slot: int, first: int, pages: list, ps: int) -> None:
@@ -52,6 +52,46 @@ def test_write_pages_on_cuda_equals_the_position_loop():
         write_pages(got, slot, first, pages, 16)
         reference(want, slot, first, pages, 16)
     assert torch.equal(got.cpu(), want)
+
+
+def _disjoint_writes(rng, tables, ps):
+    """Writes to distinct (table, slot) rows, as the scheduler batches them (one per request)."""
+    writes = []
+    for table in tables:
+        for slot in rng.sample(range(table.shape[0]), k=table.shape[0] - 1):
+            first = rng.randint(0, table.shape[1] // ps + 1)
+            writes.append((table, slot, first, [None if rng.random() < 0.3 else rng.randint(0, 50)
+                                                for _ in range(rng.randint(0, 4))]))
+    rng.shuffle(writes)
+    return writes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_write_pages_batched_equals_one_write_pages_each(seed):
+    rng = random.Random(seed)
+    ps = rng.choice([1, 4, 16])
+    tables = [torch.full((5, rng.randint(ps, 12 * ps)), -1, dtype=torch.int64) for _ in range(2)]
+    want = [t.clone() for t in tables]
+    writes = _disjoint_writes(rng, tables, ps)
+    write_pages_batched(writes, ps)
+    for table, slot, first, pages in writes:
+        write_pages(want[[id(t) for t in tables].index(id(table))], slot, first, pages, ps)
+    for got, ref in zip(tables, want):
+        assert torch.equal(got, ref)
+    write_pages_batched([], ps)  # nothing to write: no copy
+
+
+@pytest.mark.gpu
+def test_write_pages_batched_on_cuda_equals_one_write_pages_each():
+    rng = random.Random(3)
+    tables = [torch.full((6, 300), -1, dtype=torch.int64, device="cuda") for _ in range(2)]
+    want = [t.clone() for t in tables]
+    writes = _disjoint_writes(rng, tables, 16)
+    write_pages_batched(writes, 16)
+    for table, slot, first, pages in writes:
+        write_pages(want[[id(t) for t in tables].index(id(table))], slot, first, pages, 16)
+    for got, ref in zip(tables, want):
+        assert torch.equal(got.cpu(), ref.cpu())
 
 
 @pytest.mark.parametrize("seed", range(4))

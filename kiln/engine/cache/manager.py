@@ -226,9 +226,12 @@ class CacheManager:
         if self.hicache is not None:
             self.hicache.on_idle()
 
-    def grow(self, req: Req, num_tokens: int) -> bool:
+    def grow(self, req: Req, num_tokens: int, table_writes: Optional[list] = None) -> bool:
         """Make sure pages of every component cover positions [0, num_tokens). False (nothing
-        taken) if memory is short even after evicting from the prefix cache."""
+        taken) if memory is short even after evicting from the prefix cache.
+
+        `table_writes`: a list that collects the page-table writes instead of making them now
+        (`write_pages_batched` applies them, before any forward reads the tables)."""
         need = cdiv(num_tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -248,9 +251,14 @@ class CacheManager:
             for c, pages in got.items():
                 self.windows[c].allocator.free([p for p in pages if p is not None])
             return False
-        self.req_to_token.write_pages(req.slot, len(req.pages), new, self.page_size)
+        writes = [(self.req_to_token.table, req.slot, len(req.pages), new)]
+        writes += [(self.windows[c].table, req.slot, len(req.pages), pages) for c, pages in got.items()]
+        if table_writes is None:
+            for table, slot, first, pages in writes:
+                write_pages(table, slot, first, pages, self.page_size)
+        else:
+            table_writes += writes
         for c, pages in got.items():
-            write_pages(self.windows[c].table, req.slot, len(req.pages), pages, self.page_size)
             req.win_pages[c].extend(pages)
         req.pages.extend(new)
         return True
