@@ -8,6 +8,7 @@ The trainer builds the same object for packed sequences with `prefix_len == 0` a
 
 from __future__ import annotations
 
+import array
 import enum
 import itertools
 from dataclasses import dataclass, field
@@ -117,9 +118,37 @@ def int64_to_device(lists: dict[str, list[int]], device) -> dict[str, torch.Tens
     return dict(zip(names, dev.split(sizes)))
 
 
+# dtypes whose Python lists convert through the `array` module (C loops: ~16 ns an element against
+# torch.tensor's ~55 on a 2-core CPU; a step at batch 512 converts several thousand).
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+
+
 def host_tensor(data: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A (nested) Python list as a host tensor to copy to `device`: made in pinned memory at once
-    when `device` is CUDA, so that a non-blocking copy from it does not wait for the work queued
-    on the stream (a pageable copy can wait for the forward the scheduler has just queued,
-    serialising the scheduler with the GPU) and no separate `pin_memory` copy is needed."""
-    return torch.tensor(data, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+    """A Python list (flat, or rows of equal length) as a host tensor to copy to `device`, in
+    pinned memory when `device` is CUDA, so that a non-blocking copy from it does not wait for the
+    work queued on the stream (a pageable copy can wait for the forward the scheduler has just
+    queued, serialising the scheduler with the GPU). Equal to `torch.tensor(data, dtype=dtype)`."""
+    pin = torch.device(device).type == "cuda"
+    flat = _as_array(data, dtype)
+    if flat is None:  # deeper nesting, ragged rows, or values the array module does not take
+        return torch.tensor(data, dtype=dtype, pin_memory=pin)
+    shape = (len(data), len(data[0])) if data and isinstance(data[0], (list, tuple)) else (len(data),)
+    t = torch.frombuffer(flat, dtype=dtype).view(shape) if len(flat) else torch.empty(shape, dtype=dtype)
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t)
+    return t.clone()  # its own memory, not the array's
+
+
+def _as_array(data: list, dtype: torch.dtype) -> Optional[array.array]:
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not isinstance(data, list):
+        return None
+    try:
+        if data and isinstance(data[0], (list, tuple)):
+            width = len(data[0])
+            if any(not isinstance(r, (list, tuple)) or len(r) != width for r in data):
+                return None
+            return array.array(code, itertools.chain.from_iterable(data))
+        return array.array(code, data)
+    except (TypeError, OverflowError):  # bools, nested lists, ints beyond int64, ...
+        return None

@@ -452,16 +452,20 @@ class Scheduler:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
         tokens, lps, top_ids, top_lps = sampled.fetch()
-        finished = ReqStatus.FINISHED
-        for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):
+        finished, outbox, accepted = ReqStatus.FINISHED, self.outbox, 0
+        for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):  # `_accept_token` inlined: once per request
             if r.status is finished:  # aborted while its token was on the device
                 continue
             assert r.output_ids[-1] == PENDING, f"{r.rid}: no placeholder for the sampled token"
             r.output_ids[-1] = t
-            reason = self._accept_token(r, t, None if lps is None else self._logprob_entry(r, i, lps, top_ids, top_lps))
+            accepted += 1
+            if lps is not None and r.params.logprobs is not None:
+                r.output_logprobs.append(self._logprob_entry(r, i, lps, top_ids, top_lps))
+            reason = self._check_finish(r, t)
             if reason is not None:
                 self._end(r, reason)
-            self.outbox.append(self._output(r, 1))
+            outbox.append(self._output(r, 1))
+        self.stats_counters.generation_tokens_total += accepted
 
     @staticmethod
     def _logprob_entry(r: Req, i: int, lps, top_ids, top_lps):

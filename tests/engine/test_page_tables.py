@@ -120,3 +120,22 @@ def test_chain_slots_map_missing_pages_to_the_scratch_slot():
         want = [0 if p < 0 or p // ps >= len(view) or view[p // ps] is None else view[p // ps] * ps + p % ps
                 for p in range(start, end)]
         assert _slots_or_scratch(view, start, end, ps) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool])
+def test_host_tensor_equals_torch_tensor(dtype):
+    from kiln.engine.batch import host_tensor
+
+    rng = random.Random(0)
+    cases = [[], [rng.randint(-2**40, 2**40) if dtype == torch.int64 else rng.randint(-999, 999) for _ in range(37)],
+             [[rng.random() * 8, rng.randint(0, 5)] for _ in range(4)], [(1, 2, 3), (4, 5, 6)],
+             [[1, 2], [3]] if dtype == torch.bool else [[]], [True, False, 3], [1.5, -2.25] if dtype.is_floating_point else [7]]
+    for data in cases:
+        try:
+            want = torch.tensor(data, dtype=dtype)
+        except (ValueError, TypeError):
+            continue  # ragged: torch.tensor refuses it, and so does host_tensor
+        got = host_tensor(data, dtype, "cpu")
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), data
+    with pytest.raises((ValueError, TypeError)):
+        host_tensor([[1, 2], [3]], dtype, "cpu")  # ragged rows go to torch.tensor, which refuses them
