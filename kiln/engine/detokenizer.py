@@ -36,6 +36,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        # A fast tokenizer's Rust decoder, called directly: what transformers' decode returns
+        # with clean_up_tokenization_spaces=False, without its Python layers (1.9 against 5.1 us a
+        # call on a 2-core CPU; two calls per token per sequence, for every running sequence).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if _fast_decode_ok(tokenizer) else None
         self.stop: list[str] = [s for s in params.stop if s]
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -69,6 +73,8 @@ class IncrementalDetokenizer:
 
     # ---- decoding -------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
@@ -129,3 +135,16 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta
+
+
+def _fast_decode_ok(tokenizer: Any) -> bool:
+    """True when `tokenizer.decode` is transformers' own decode of a fast tokenizer (not overridden
+    by a subclass that post-processes the text), so its Rust backend gives the same text."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    decode = getattr(type(tokenizer), "decode", None)
+    owner = next((c for c in type(tokenizer).__mro__ if "decode" in vars(c)), None)
+    return (getattr(tokenizer, "backend_tokenizer", None) is not None and decode is not None and owner is not None
+            and owner.__module__.startswith("transformers.") and issubclass(type(tokenizer), PreTrainedTokenizerBase))

@@ -129,6 +129,16 @@ class ReqOutput:
     # Speculative decoding: this request's acceptance so far (None without speculation).
     spec: Optional[SpecCounts] = None
 
+    def __reduce__(self):
+        # Pickled as the positional field values: the scheduler process sends one per running
+        # request per step, and a dataclass's default pickling (a state dict each) took 0.86 ms to
+        # dump and 1.2 ms to load at 512 requests on a 2-core CPU, against 0.29 / 0.26 this way.
+        # Every field, in declaration order (tests/engine/test_io_pickle.py checks it).
+        return (ReqOutput, (self.rid, self.new_token_ids, self.finished, self.finish_reason, self.matched_stop,
+                            self.prompt_tokens, self.cached_tokens, self.cached_tokens_details,
+                            self.completion_tokens, self.new_logprobs, self.prompt_logprobs, self.error,
+                            self.routed_experts, self.spec))
+
 
 @dataclass
 class BatchOutput:

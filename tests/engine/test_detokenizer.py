@@ -102,3 +102,47 @@ def test_hidden_stop_token(tok):
     d = IncrementalDetokenizer(tok, [], SamplingParams())
     assert d.add(ids[:-1]) + d.add(ids[-1:], finished=True, hidden=[7]) == "abc"
     assert d.token_ids == ids + [7]
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_rust_decoder_gives_transformers_text(tok, skip_special):
+    """The detokenizer calls a fast tokenizer's Rust decoder directly; on random id streams (special
+    tokens and split multi-byte characters included) every delta equals transformers' decode path."""
+    import random
+
+    from kiln.engine.detokenizer import _fast_decode_ok
+
+    assert _fast_decode_ok(tok)
+    rng = random.Random(0)
+    specials = sorted(tok.all_special_ids)
+    utf8 = tok.encode("日本語 👩‍👩‍👧 ∑ café", add_special_tokens=False)
+    for trial in range(20):
+        ids = [rng.choice(specials) if rng.random() < 0.05 else rng.choice(utf8) if rng.random() < 0.3
+               else rng.randrange(tok.vocab_size) for _ in range(60)]
+        params = SamplingParams(skip_special_tokens=skip_special, stop=["ab"] if trial % 2 else [])
+        fast, fast_deltas = stream(tok, ids, params, prompt=[5, 6, 7], chunk=1 + trial % 3)
+        assert fast._backend is not None
+
+        class Plain:  # the same tokenizer without the Rust shortcut
+            def decode(self, *a, **k):
+                return tok.decode(*a, **k)
+
+        slow = IncrementalDetokenizer(Plain(), [5, 6, 7], params)
+        assert slow._backend is None
+        slow_deltas = [slow.add(ids[i:i + 1 + trial % 3], finished=i + 1 + trial % 3 >= len(ids))
+                       for i in range(0, len(ids), 1 + trial % 3)]
+        assert fast_deltas == slow_deltas and fast.text == slow.text and fast.token_ids == slow.token_ids
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
+    from kiln.engine.detokenizer import _fast_decode_ok
+
+    class Custom(type(tok)):
+        def decode(self, *a, **k):
+            return super().decode(*a, **k).upper()
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(tok.__dict__)
+    assert not _fast_decode_ok(custom)
+    d = IncrementalDetokenizer(custom, [], SamplingParams())
+    assert d._backend is None and d.add(tok.encode("hello", add_special_tokens=False), finished=True) == "HELLO"
