@@ -70,3 +70,21 @@ runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN 
   step qwen_old 120 python $BASE22/benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_old.json"
   step gpu_tests 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 tests/engine tests/test_offline.py
 }
+
+lane0_host22d() {  # call 4: everything of the session (host_tensor through the array module, _commit's count,
+  # ReqOutput's pickling, the Rust decoder) against the start: SmolLM2's shape alternated, the collector off once,
+  # batch 512's host phases; offline generation as the prefix cache fills (cache_fill.py); nano-vllm's workload
+  # at the Qwen3-0.6B shape (the start first, so that this tree does not pay the Triton compiles alone)
+  step smol_new1 90 $DECODE $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_new1.json"
+  step smol_old1 90 python $BASE22/benchmarks/decode_batch.py $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_old1.json"
+  step smol_new2 90 $DECODE $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_new2.json"
+  step smol_old2 90 python $BASE22/benchmarks/decode_batch.py $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_old2.json"
+  step smol_nogc 90 python -c "import gc, runpy, sys; gc.disable(); sys.argv = ['decode_batch.py'] + sys.argv[1:]; \
+runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN --batch-sizes 64,256,512 --out "$R/json/smol_nogc.json"
+  step_rows
+  step smol_prof 60 $DECODE $SMOL_RUN --batch-sizes 512 --profile --host-phases --out "$R/json/smolprof_new.json"
+  step fill_new 100 python benchmarks/cache_fill.py --chunks 3 --out "$R/json/fill_new.json"
+  step fill_old 100 python $BASE22/benchmarks/cache_fill.py --chunks 3 --out "$R/json/fill_old.json"
+  step qwen_old 100 python $BASE22/benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_old.json"
+  step qwen_new 100 python benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_new.json"
+}
