@@ -157,7 +157,7 @@ class Scheduler:
         plan: list[tuple[Req, int, int]] = []
         # 1. decodes, oldest first; retract the newest when pages run out. One pass sorts the
         # running requests (this runs for every running request every step: at hundreds of them
-        # the per-request Python work is a small model's step time, docs/serving.md "Host work").
+        # the per-request Python work is a small model's step time, docs/architecture.md "Host work per step").
         decodes, prefilling = [], []
         for r in self.running:
             left = len(r.prompt_ids) + len(r.output_ids) - r.num_computed  # remaining_prefill()
