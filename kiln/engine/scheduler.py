@@ -159,10 +159,14 @@ class Scheduler:
         # running requests (this runs for every running request every step: at hundreds of them
         # the per-request Python work is a small model's step time, docs/architecture.md "Host work per step").
         decodes, prefilling = [], []
+        ctx = self.context_length
         for r in self.running:
-            left = len(r.prompt_ids) + len(r.output_ids) - r.num_computed  # remaining_prefill()
+            out = r.output_ids
+            seq_len = len(r.prompt_ids) + len(out)
+            left = seq_len - r.num_computed  # remaining_prefill()
             if left == 1:
-                if not self._stops_for_sure(r):
+                # no step for a request whose token still on the device is its last by length
+                if not (out and out[-1] == PENDING and (len(out) >= r.params.max_tokens or seq_len >= ctx)):
                     decodes.append(r)
             elif left > 1:
                 prefilling.append(r)
@@ -245,11 +249,6 @@ class Scheduler:
             plan.append((r, r.num_computed, r.num_computed + n))
             budget -= n
         return plan
-
-    def _stops_for_sure(self, r: Req) -> bool:
-        """A request whose token on the device is its last one by length: no step for it."""
-        return bool(r.output_ids) and r.output_ids[-1] == PENDING and (
-            len(r.output_ids) >= r.params.max_tokens or r.seq_len >= self.context_length)
 
     def _reserved_pages(self) -> int:
         """Pages the running requests are expected to still need for their outputs."""

@@ -232,7 +232,7 @@ class CacheManager:
 
         `table_writes`: a list that collects the page-table writes instead of making them now
         (`write_pages_batched` applies them, before any forward reads the tables)."""
-        need = cdiv(num_tokens, self.page_size) - len(req.pages)
+        need = -(-num_tokens // self.page_size) - len(req.pages)  # cdiv, inline: called per decode per step
         if need <= 0:
             return True
         got: dict[str, list[int]] = {}
