@@ -21,8 +21,8 @@ import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from kiln.config import EngineConfig
-from kiln.engine.gc_tuning import restore_gc, tune_gc
 from kiln.engine.frontend import RequestError, RequestState, expand_request, parse_sub_rid, validate_request
+from kiln.engine.gc_tuning import restore_gc, tune_gc
 from kiln.engine.io import GenerateReq
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.request import SamplingParams

@@ -137,14 +137,20 @@ class IncrementalDetokenizer:
         return delta
 
 
+# Where transformers defines the decode path of a fast tokenizer: the Rust decoder plus an optional
+# clean-up (v5 `TokenizersBackend`, v4 `PreTrainedTokenizerFast`).
+_PLAIN_DECODE_MODULES = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
+                         "transformers.tokenization_utils_fast")
+
+
 def _fast_decode_ok(tokenizer: Any) -> bool:
-    """True when `tokenizer.decode` is transformers' own decode of a fast tokenizer (not overridden
-    by a subclass that post-processes the text), so its Rust backend gives the same text."""
-    try:
-        from transformers import PreTrainedTokenizerBase
-    except ImportError:
-        return False
-    decode = getattr(type(tokenizer), "decode", None)
-    owner = next((c for c in type(tokenizer).__mro__ if "decode" in vars(c)), None)
-    return (getattr(tokenizer, "backend_tokenizer", None) is not None and decode is not None and owner is not None
-            and owner.__module__.startswith("transformers.") and issubclass(type(tokenizer), PreTrainedTokenizerBase))
+    """True when `tokenizer.decode` is transformers' own decode of a fast tokenizer (neither
+    `decode` nor `_decode` overridden by a class that post-processes the text), so its Rust
+    backend gives the same text with clean_up_tokenization_spaces=False."""
+
+    def owner(name: str) -> Optional[str]:
+        cls = next((c for c in type(tokenizer).__mro__ if name in vars(c)), None)
+        return cls.__module__ if cls is not None else None
+
+    return (getattr(tokenizer, "backend_tokenizer", None) is not None
+            and owner("decode") in _PLAIN_DECODE_MODULES and owner("_decode") in _PLAIN_DECODE_MODULES)

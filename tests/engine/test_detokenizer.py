@@ -134,13 +134,12 @@ def test_rust_decoder_gives_transformers_text(tok, skip_special):
         assert fast_deltas == slow_deltas and fast.text == slow.text and fast.token_ids == slow.token_ids
 
 
-def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
+@pytest.mark.parametrize("method", ["decode", "_decode"])
+def test_a_tokenizer_with_its_own_decode_keeps_it(tok, method):
     from kiln.engine.detokenizer import _fast_decode_ok
 
-    class Custom(type(tok)):
-        def decode(self, *a, **k):
-            return super().decode(*a, **k).upper()
-
+    base = getattr(type(tok), method)
+    Custom = type("Custom", (type(tok),), {method: lambda self, *a, **k: base(self, *a, **k).upper()})
     custom = Custom.__new__(Custom)
     custom.__dict__.update(tok.__dict__)
     assert not _fast_decode_ok(custom)
