@@ -1,7 +1,7 @@
 """Offline generation in chunks until the prefix cache fills the pool: does throughput hold?
 
     python benchmarks/cache_fill.py [--chunks 5] [--prompts 2048] [--new-tokens 200]
-                                    [--disable-radix-cache] [--mem-fraction-static 0.3]
+                                    [--disable-radix-cache] [--mem-fraction-static 0.3] [--tokenizer-path DIR]
 
 Every finished request leaves its tokens in the prefix cache, so a long offline run (the data
 stage of `spec_train_gpu.py`, an RL rollout loop) fills the pool after a few chunks, and from then
@@ -36,6 +36,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--mem-fraction-static", type=float, default=0.3)
     ap.add_argument("--max-running-requests", type=int, default=512)
     ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--tokenizer-path", default=None,
+                    help="Detokenize the outputs with this tokenizer (text, as an RL rollout returns it); default: ids only.")
     ap.add_argument("--out", default=None, help="Write the chunks' times as JSON here.")
     args = ap.parse_args(argv)
 
@@ -47,7 +49,8 @@ def main(argv=None) -> dict:
     vocab = common.model_config_of(model).vocab_size
     shared = [rng.randrange(3, vocab) for _ in range(30)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    opts = dict(device=args.device, load_format="dummy", skip_tokenizer_init=True, log_level="warning",
+    text = dict(tokenizer_path=args.tokenizer_path) if args.tokenizer_path else dict(skip_tokenizer_init=True)
+    opts = dict(device=args.device, load_format="dummy", log_level="warning", **text,
                 max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.max_running_requests,
                 mem_fraction_static=args.mem_fraction_static, disable_radix_cache=args.disable_radix_cache)
     rows = []
@@ -58,6 +61,8 @@ def main(argv=None) -> dict:
             t = time.time()
             outs = llm.generate(prompts, params, use_tqdm=False)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
+            if args.tokenizer_path:
+                assert all(o.outputs[0].text for o in outs), "detokenized outputs are empty"
             dt = time.time() - t
             rows.append(dict(chunk=i, tokens=n, seconds=dt, tok_per_s=n / dt))
             print(f"prefix cache {cache}, chunk {i}: {n} tokens in {dt:.1f} s ({n / dt:.0f} tokens/s)", flush=True)

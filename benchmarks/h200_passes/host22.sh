@@ -88,3 +88,9 @@ runpy.run_path('benchmarks/decode_batch.py', run_name='__main__')" $C $SMOL_RUN 
   step qwen_old 100 python $BASE22/benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_old.json"
   step qwen_new 100 python benchmarks/offline_throughput.py $C --model-path $QWEN --no-hf --num-runs 2 --out "$R/json/qwen_new.json"
 }
+
+lane0_host22e() {  # call 6 (carry scratch/smol_tok: SmolLM2's tokenizer files, and scratch/base22 with this
+  # cache_fill.py copied in): offline generation with the outputs detokenized, as an RL rollout gets them
+  step text_new 100 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new.json"
+  step text_old 100 python $BASE22/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old.json"
+}
