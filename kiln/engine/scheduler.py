@@ -26,17 +26,16 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
-from kiln.engine.cache.pools import position_slots, write_pages_batched
+from kiln.engine.cache.pools import write_pages_batched
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
 from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator, select_rows
 from kiln.engine.spec.speculative import make_spec_decoder
+from kiln.engine.step_inputs import PENDING, StepInputs
 
 logger = logging.getLogger(__name__)
 
-# An output token sampled on the device but not yet read back (overlap scheduling).
-PENDING = -1
 
 
 class Scheduler:
@@ -222,7 +221,7 @@ class Scheduler:
             n = self._chunk(r, budget, bool(plan))
             if reserved is None:
                 reserved = sum(self._reserved_tokens(x) for x in self.running)
-            reserve = cdiv(int(reserved), self.page_size) + len(self.running)
+            reserve = self._reserved_pages(reserved)
             total = cdiv(r.num_computed + n, self.page_size)
             need = total - len(r.pages)
             if n == 0 or need + reserve > self.cache.available_pages or not self.cache.assign_slot(r):
@@ -250,9 +249,12 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _reserved_pages(self) -> int:
-        """Pages the running requests are expected to still need for their outputs."""
-        return cdiv(int(sum(self._reserved_tokens(r) for r in self.running)), self.page_size) + len(self.running)
+    def _reserved_pages(self, tokens: Optional[float] = None) -> int:
+        """Pages the running requests are expected to still need for their outputs; `tokens`:
+        the sum of their `_reserved_tokens`, when the caller keeps it."""
+        if tokens is None:
+            tokens = sum(self._reserved_tokens(r) for r in self.running)
+        return cdiv(int(tokens), self.page_size) + len(self.running)
 
     def _reserved_tokens(self, r: Req) -> float:
         """Tokens one running request is expected to still need (`_reserved_pages`' terms)."""
@@ -326,88 +328,34 @@ class Scheduler:
         """Build the batch of `plan` and queue its forward. Returns (logits, requests that sample,
         their logit rows, prompt-logprob work)."""
         dev = self.runner.device
-        ids, pos, locs, logit_rows = [], [], [], []
-        win_locs: dict[str, list[int]] = {c: [] for c in self.cache.windows}
-        sample_reqs, sample_rows, prompt_lp = [], [], []
-        pending_at, pending_src = [], []  # rows whose input token is still on the device
-        draft_at, draft_src = [], []  # rows whose draft token is still on the device (speculation)
-        row = 0
-        row_starts = []
-        ps, windows = self.page_size, self.cache.windows
-        for r, start, end in plan:
-            seq_len = r.seq_len
-            row_starts.append(row)
-            if end == seq_len == start + 1 and r.prompt_logprobs is None:
-                # A plain decode row (most rows of most steps): the general path below, unrolled.
-                out = r.output_ids
-                t = out[-1] if out else r.prompt_ids[-1]
-                ids.append(t)
-                if t == PENDING:
-                    pending_at.append(row)
-                    pending_src.append(self.pending.rows[r.rid])
-                pos.append(start)
-                locs.append(r.pages[start // ps] * ps + start % ps)
-                for c in windows:
-                    win_locs[c].append(r.win_pages[c][start // ps] * ps + start % ps)
-                sample_reqs.append(r)
-                sample_rows.append(len(logit_rows))
-                logit_rows.append(row)
-                row += 1
-                continue
-            if end <= seq_len:
-                ids.extend(r.token_ids(start, end))
-            else:  # a speculative round: the last token, then the drafts to verify
-                drafts, src_row = self.spec.draft_ids(r, end - seq_len)
-                ids.extend(r.token_ids(start, seq_len) + drafts)
-                if src_row is not None:
-                    k = self.spec.flight.tokens.shape[1]
-                    draft_at.extend(range(row + seq_len - start, row + end - start))
-                    draft_src.extend(range(src_row * k, src_row * k + end - seq_len))
-            if end <= seq_len and ids[-1] == PENDING:
-                pending_at.append(row + end - 1 - start)
-                pending_src.append(self.pending.rows[r.rid])
-            pos.extend(range(start, end))
-            locs.extend(position_slots(r.pages, start, end, self.page_size))
-            for c in self.cache.windows:
-                win_locs[c].extend(position_slots(r.win_pages[c], start, end, self.page_size))
-            want_prompt_lp = r.prompt_logprobs is not None and r.prompt_logprobs_done < len(r.prompt_ids) - 1
-            if want_prompt_lp:
-                lo = max(start, r.prompt_logprobs_done)
-                hi = min(end, len(r.prompt_ids) - 1)
-                if hi > lo:
-                    prompt_lp.append((r, lo, len(logit_rows)))
-                    logit_rows.extend(range(row + lo - start, row + hi - start))
-            if end >= seq_len:  # samples: the last token's row (and every draft's row)
-                sample_reqs.append(r)
-                sample_rows.append(len(logit_rows))
-                logit_rows.extend(range(row + seq_len - 1 - start, row + end - start))
-            row += end - start
+        windows = self.cache.windows
+        x = StepInputs.build(plan, self.page_size, windows, self.pending.rows if self.pending else None, self.spec)
         mode = ForwardMode.DECODE if all(e - s == 1 for _, s, e in plan) else ForwardMode.EXTEND
         slots = [r.slot for r, _, _ in plan]
         prefix_lens, extend_lens = [s for _, s, _ in plan], [e - s for _, s, e in plan]
         meta = ForwardBatch.length_lists(prefix_lens, extend_lens) if self.runner.needs_device_metadata else {}
-        t = int64_to_device({"ids": ids, "pos": pos, "logits": logit_rows, "slots": slots, "locs": locs,
-                             "pend_at": pending_at, "pend_src": pending_src, "draft_at": draft_at, "draft_src": draft_src,
-                             **{f"win:{c}": v for c, v in win_locs.items()}, **meta}, dev)
+        t = int64_to_device({"ids": x.ids, "pos": x.pos, "logits": x.logit_rows, "slots": slots, "locs": x.locs,
+                             "pend_at": x.pending_at, "pend_src": x.pending_src, "draft_at": x.draft_at,
+                             "draft_src": x.draft_src, **{f"win:{c}": v for c, v in x.win_locs.items()}, **meta}, dev)
         input_ids = t["ids"]
-        if pending_at:  # the previous step's tokens, read on the device (no host round trip)
+        if x.pending_at:  # the previous step's tokens, read on the device (no host round trip)
             input_ids = input_ids.index_copy(0, t["pend_at"], self.pending.out.token_ids[t["pend_src"]])
-        if draft_at:  # the last drafter pass's tokens, read on the device too
+        if x.draft_at:  # the last drafter pass's tokens, read on the device too
             input_ids = input_ids.index_copy(0, t["draft_at"], self.spec.flight.tokens.view(-1)[t["draft_src"]])
         batch = ForwardBatch(
             mode=mode, input_ids=input_ids, positions=t["pos"],
             prefix_lens=prefix_lens, extend_lens=extend_lens,
             logits_indices=t["logits"], req_slots=t["slots"], out_cache_loc=t["locs"],
-            win_out_locs={c: t[f"win:{c}"] for c in win_locs})
+            win_out_locs={c: t[f"win:{c}"] for c in x.win_locs})
         batch.extras["req_slots_cpu"] = slots
         if meta:
             batch.set_device_metadata(t)
         logits = self.runner.forward(batch)
         if self.spec is not None:  # the SpecDecoder commits, caches and trims after verifying
-            self._last_forward = (batch, row_starts)
+            self._last_forward = (batch, x.row_starts)
             for r, start, end in plan:
                 r.num_computed = min(end, r.seq_len)  # the drafts' positions are not committed yet
-            return logits, sample_reqs, sample_rows, prompt_lp
+            return logits, x.sample_reqs, x.sample_rows, x.prompt_lp
         for r, start, end in plan:
             r.num_computed = end
             if end - start > 1:
@@ -417,7 +365,7 @@ class Scheduler:
                 self.cache.cache(r)
             if windows:
                 self.cache.trim(r)  # windowed state that fell out of every query's reach
-        return logits, sample_reqs, sample_rows, prompt_lp
+        return logits, x.sample_reqs, x.sample_rows, x.prompt_lp
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, items) -> None:
         for r, lo, first_row in items:
@@ -451,20 +399,16 @@ class Scheduler:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
         tokens, lps, top_ids, top_lps = sampled.fetch()
-        finished, outbox, accepted = ReqStatus.FINISHED, self.outbox, 0
-        for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):  # `_accept_token` inlined: once per request
+        finished = ReqStatus.FINISHED
+        for i, (r, t) in enumerate(zip(sampled.reqs, tokens)):
             if r.status is finished:  # aborted while its token was on the device
                 continue
             assert r.output_ids[-1] == PENDING, f"{r.rid}: no placeholder for the sampled token"
             r.output_ids[-1] = t
-            accepted += 1
-            if lps is not None and r.params.logprobs is not None:
-                r.output_logprobs.append(self._logprob_entry(r, i, lps, top_ids, top_lps))
-            reason = self._check_finish(r, t)
+            reason = self._accept_token(r, t, None if lps is None else self._logprob_entry(r, i, lps, top_ids, top_lps))
             if reason is not None:
                 self._end(r, reason)
-            outbox.append(self._output(r, 1))
-        self.stats_counters.generation_tokens_total += accepted
+            self.outbox.append(self._output(r, 1))
 
     @staticmethod
     def _logprob_entry(r: Req, i: int, lps, top_ids, top_lps):
