@@ -43,22 +43,12 @@ def write_pages(table: torch.Tensor, slot: int, first_page_index: int, pages: li
     round, so the entries are built in Python and land with one host-to-device copy per run of
     consecutive pages (one run unless a window space skipped pages): a few CUDA calls instead of
     the two dozen small ops that building them as tensors takes."""
-    limit = table.shape[1]
-    run_start, values = None, []
-    runs = []  # (first position, slot values)
-    for i, p in enumerate(pages):
-        pos = (first_page_index + i) * page_size
-        if p is None or pos >= limit:
-            if values:
-                runs.append((run_start, values))
-            run_start, values = None, []
-            continue
-        if run_start is None:
-            run_start = pos
-        n = min(page_size, limit - pos)
-        values.extend(range(p * page_size, p * page_size + n))
-    if values:
-        runs.append((run_start, values))
+    runs: list[tuple[int, list[int]]] = []  # (first position, slot values)
+    for pos, first_slot, n in _page_spans(first_page_index, pages, page_size, table.shape[1]):
+        if runs and runs[-1][0] + len(runs[-1][1]) == pos:
+            runs[-1][1].extend(range(first_slot, first_slot + n))
+        else:
+            runs.append((pos, list(range(first_slot, first_slot + n))))
     for start, vals in runs:
         table[slot, start:start + len(vals)].copy_(host_tensor(vals, torch.int64, table.device), non_blocking=True)
 
@@ -79,17 +69,23 @@ def write_pages_batched(writes: list[tuple[torch.Tensor, int, int, list]], page_
             entry = by_table[id(table)] = (table, [], [])
         _, idx, vals = entry
         width = table.shape[1]
-        for i, p in enumerate(pages):
-            pos = (first_page_index + i) * page_size
-            if p is None or pos >= width:
-                continue
-            n = min(page_size, width - pos)
+        for pos, first_slot, n in _page_spans(first_page_index, pages, page_size, width):
             idx.extend(range(slot * width + pos, slot * width + pos + n))
-            vals.extend(range(p * page_size, p * page_size + n))
+            vals.extend(range(first_slot, first_slot + n))
     for table, idx, vals in by_table.values():
         if idx:
             both = host_tensor(idx + vals, torch.int64, table.device).to(table.device, non_blocking=True)
             table.view(-1).index_copy_(0, both[:len(idx)], both[len(idx):])
+
+
+def _page_spans(first_page_index: int, pages: list, page_size: int, width: int):
+    """(position, first token slot, length) of each page of `pages` (page i at logical index
+    first_page_index + i) inside a table row of `width` positions; None pages are skipped and the
+    last page is clipped at the row's end."""
+    for i, p in enumerate(pages):
+        pos = (first_page_index + i) * page_size
+        if p is not None and pos < width:
+            yield pos, p * page_size, min(page_size, width - pos)
 
 
 def position_slots(pages: list, start: int, end: int, page_size: int) -> list[int]:
