@@ -133,10 +133,9 @@ def host_tensor(data: list, dtype: torch.dtype, device) -> torch.Tensor:
     if flat is None:  # deeper nesting, ragged rows, or values the array module does not take
         return torch.tensor(data, dtype=dtype, pin_memory=pin)
     shape = (len(data), len(data[0])) if data and isinstance(data[0], (list, tuple)) else (len(data),)
+    # frombuffer keeps the array alive and shares its memory (no copy); nothing else holds it
     t = torch.frombuffer(flat, dtype=dtype).view(shape) if len(flat) else torch.empty(shape, dtype=dtype)
-    if pin:
-        return torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t)
-    return t.clone()  # its own memory, not the array's
+    return torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t) if pin else t
 
 
 def _as_array(data: list, dtype: torch.dtype) -> Optional[array.array]:
