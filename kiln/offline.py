@@ -79,7 +79,7 @@ class _Tracked:
         self.state = state
         self.reqs = reqs
         self.on_update = on_update
-        self.text_deltas: list[str] = []  # for streaming callers
+        self.text_deltas: Optional[list[str]] = None  # a list for streaming callers only
 
 
 class Engine:
@@ -182,6 +182,7 @@ class Engine:
         (t,) = self._prepare(prompt if isinstance(prompt, str) else [prompt], sampling_params, False)
         if t.state.params.n != 1:
             raise ValueError("generate_stream streams one sequence; use n=1 or generate().")
+        t.text_deltas = []
         self._inbox.put(("add", t))
         try:
             while True:
@@ -360,7 +361,7 @@ class Engine:
                 continue  # e.g. the abort notice of a sequence already cut at a stop string
             t, index = entry
             delta = t.state.update(index, out)
-            if delta is not None and delta.text:
+            if t.text_deltas is not None and delta is not None and delta.text:
                 t.text_deltas.append(delta.text)
             seq = t.state.seqs[index]
             if seq.needs_abort:

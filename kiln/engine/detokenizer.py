@@ -12,6 +12,7 @@ stop string is held back, so no fragment of a stop string is ever emitted.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 from kiln.engine.request import SamplingParams
@@ -31,26 +32,40 @@ class IncrementalDetokenizer:
     `stopped` is True, `matched_stop` holds it, `text` is cut before it (after it with
     `include_stop_str_in_output`) and later tokens are ignored. `token_ids` are the output tokens
     consumed up to and including the one that completed the stop string.
+
+    The text is kept as the chunks already returned plus a short pending tail (what a stop string
+    could still start in), so a token costs the same at the 10,000th as at the first: appending to
+    one growing string copied it every token.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        # A fast tokenizer's Rust decoder, called directly: what transformers' decode returns
-        # with clean_up_tokenization_spaces=False, without its Python layers (1.9 against 5.1 us a
-        # call on a 2-core CPU; two calls per token per sequence, for every running sequence).
-        self._backend = getattr(tokenizer, "backend_tokenizer", None) if _fast_decode_ok(tokenizer) else None
+        # A fast tokenizer's Rust decoder, called directly: what transformers' decode returns with
+        # clean_up_tokenization_spaces=False, without its Python layers (1.9 against 5.1 us a call
+        # on a 2-core CPU; two calls per token, for every running sequence).
+        self._backend = tokenizer.backend_tokenizer if _fast_decode_ok(tokenizer) else None
+        if self._backend is not None:
+            self._decode = functools.partial(self._backend.decode, skip_special_tokens=self.skip_special_tokens)
+        else:
+            self._decode = functools.partial(tokenizer.decode, skip_special_tokens=self.skip_special_tokens,
+                                             clean_up_tokenization_spaces=False)
         self.stop: list[str] = [s for s in params.stop if s]
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = list(prompt_ids[-INITIAL_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""  # output text so far (cut at the stop string once stopped)
+        self._emitted: list[str] = []  # text already returned, in chunks
+        self._pending = ""  # text after it: held back while it could start a stop string
         self.token_ids: list[int] = []
         self.stopped = False
         self.matched_stop: Optional[str] = None
-        self._emitted = 0  # characters of `text` already returned
+
+    @property
+    def text(self) -> str:
+        """The output text so far (cut at the stop string once stopped)."""
+        return "".join(self._emitted) + self._pending
 
     # ---- public ---------------------------------------------------------------------------
     def add(self, token_ids: Sequence[int], finished: bool = False, hidden: Sequence[int] = ()) -> str:
@@ -60,24 +75,21 @@ class IncrementalDetokenizer:
         `hidden`: tokens that count as output but add no text (a stop token id when the stop is
         not to be included in the output).
         """
-        for tid in token_ids:
-            if self.stopped:
-                break
-            self.token_ids.append(tid)
-            self._append_text(self._decode_next(tid))
         if not self.stopped:
-            self.token_ids.extend(hidden)
-            if finished:
-                self._append_text(self._flush_pending())
+            for tid in token_ids:
+                self.token_ids.append(tid)
+                delta = self._decode_next(tid)
+                if delta:
+                    self._append_text(delta)
+                    if self.stopped:
+                        break
+            else:
+                self.token_ids.extend(hidden)
+                if finished:
+                    self._append_text(self._flush_pending())
         return self._take(final=finished or self.stopped)
 
     # ---- decoding -------------------------------------------------------------------------
-    def _decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
     def _decode_next(self, tid: int) -> str:
         self._ids.append(tid)
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
@@ -100,40 +112,49 @@ class IncrementalDetokenizer:
     def _append_text(self, delta: str) -> None:
         if not delta:
             return
-        old_len = len(self.text)
-        self.text += delta
+        old_len = len(self._pending)
+        self._pending += delta
         if self.stop:
             self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> None:
-        # Text before `start` was already searched; a match must end in the new text.
+        # A match must end in the new text, and cannot start before the pending text: `_take`
+        # holds back the longest suffix that could begin a stop string, so text already
+        # returned never starts one. Text before `start` was already searched.
         start = max(0, old_len - self._max_stop_len + 1)
         best: Optional[tuple[int, str]] = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self._pending.find(s, start)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return
         i, s = best
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self._pending = self._pending[: i + len(s)] if self.include_stop else self._pending[:i]
         self.stopped = True
         self.matched_stop = s
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the text that is a proper prefix of a stop string (it
+        lies within the pending text, for the reason in `_check_stop`)."""
         hold = 0
+        text = self._pending
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
                     hold = k
                     break
         return hold
 
     def _take(self, final: bool) -> str:
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._held_back())
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+        hold = 0 if final or not self.stop else self._held_back()
+        pending = self._pending
+        if hold:
+            delta, self._pending = pending[:-hold], pending[-hold:]
+        else:
+            delta, self._pending = pending, ""
+        if delta:
+            self._emitted.append(delta)
         return delta
 
 

@@ -79,7 +79,7 @@ class SequenceState:
     hide_ids: frozenset  # stop token ids whose text is not shown when they end the sequence
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    text: str = ""
+    _text_parts: list[str] = field(default_factory=list, repr=False)
     finished: bool = False
     finish_reason: Optional[str] = None
     matched_stop: Union[str, int, None] = None
@@ -88,33 +88,51 @@ class SequenceState:
     spec: Any = None  # SpecCounts: speculative decoding's acceptance for this sequence
 
     def update(self, out: ReqOutput) -> Optional[SeqDelta]:
+        # Runs once per running sequence per step (512 times a step at batch 512), so it keeps
+        # to plain attribute reads; the output's lists are fresh per step and not copied.
         if self.finished:
             return None  # tokens generated after a stop string are dropped
-        if getattr(out, "spec", None) is not None:
+        if out.spec is not None:
             self.spec = out.spec
-        new_ids, new_lps = list(out.new_token_ids), list(out.new_logprobs)
-        if getattr(out, "routed_experts", None) is not None:
+        if out.routed_experts is not None:
             self.routed_experts = out.routed_experts
-        if self.detok is None:
+        new_ids, new_lps = out.new_token_ids, out.new_logprobs
+        detok = self.detok
+        if detok is None:
             text = ""
         else:
-            hidden: list[int] = []
+            hidden: Sequence[int] = ()
+            shown = new_ids
             if (out.finished and out.finish_reason == "stop" and new_ids and new_ids[-1] in self.hide_ids
                     and not self.params.include_stop_str_in_output):
-                hidden = [new_ids[-1]]
-            before = len(self.detok.token_ids)
-            text = self.detok.add(new_ids[: len(new_ids) - len(hidden)], finished=out.finished, hidden=hidden)
-            consumed = len(self.detok.token_ids) - before
-            new_ids, new_lps = new_ids[:consumed], new_lps[:consumed]
+                hidden, shown = new_ids[-1:], new_ids[:-1]
+            before = len(detok.token_ids)
+            text = detok.add(shown, finished=out.finished, hidden=hidden)
+            consumed = len(detok.token_ids) - before
+            if consumed < len(new_ids):  # a stop string ended the sequence inside these tokens
+                new_ids, new_lps = new_ids[:consumed], new_lps[:consumed]
         self.token_ids += new_ids
-        self.logprobs += new_lps
-        self.text += text
-        if self.detok is not None and self.detok.stopped:
-            self.finished, self.finish_reason, self.matched_stop = True, "stop", self.detok.matched_stop
+        if new_lps:
+            self.logprobs += new_lps
+        if text:
+            self._text_parts.append(text)
+        if detok is not None and detok.stopped:
+            self.finished, self.finish_reason, self.matched_stop = True, "stop", detok.matched_stop
             self.needs_abort = not out.finished
         elif out.finished:
             self.finished, self.finish_reason, self.matched_stop = True, out.finish_reason, out.matched_stop
         return SeqDelta(self.index, text, new_ids, new_lps, self.finished, self.finish_reason, self.matched_stop)
+
+    @property
+    def text(self) -> str:
+        """The text so far (cut at a stop string): kept in chunks, joined when read."""
+        if len(self._text_parts) > 1:
+            self._text_parts[:] = ["".join(self._text_parts)]
+        return self._text_parts[0] if self._text_parts else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text_parts = [value] if value else []
 
 
 class RequestState:
