@@ -51,7 +51,8 @@ from common import (add_bench_args, add_engine_args, fmt_bytes, hardware_descrip
 
 DEFAULT_MODEL = "preset:inkling/bench"
 COLUMNS = ["phase", "steps", "rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s",
-           "sync_s", "sync_size", "kl_first", "grad_norm", "peak_mem_GB"]
+           "sync_s", "sync_size", "release_s", "resume_s", "freed_GB", "kl_first", "grad_norm", "peak_mem_GB"]
+RELEASE_TAGS = ["kv_cache", "weights"]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -74,6 +75,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "0 = the whole batch at once. The trainer's reference MoE keeps large activations: "
                         "Inkling bench needs 8 (of 32) on an H200.")
     p.add_argument("--no-full", action="store_true", help="Skip the full-weights phase.")
+    p.add_argument("--release-memory", action="store_true",
+                   help="As the colocated loop on CUDA: release the engine's KV pools and weights after the "
+                        "rollout and resume them before the sync (timed as release_s / resume_s).")
     args = p.parse_args(argv)
     if args.quick:  # CPU smoke run
         args.model_path = "preset:inkling/tiny" if args.model_path == DEFAULT_MODEL else args.model_path
@@ -202,6 +206,20 @@ def train(trainer: Any, samples: list[dict], args: argparse.Namespace, step: int
             "loss": loss_sum, "grad_norm": float(stats["grad_norm"])}
 
 
+def release(engine: Any, device: str) -> dict:
+    """Release the engine's memory as the colocated loop does; time it and count what left the GPU."""
+    synchronize(device)
+    cuda = str(device).startswith("cuda")
+    before = torch.cuda.memory_allocated() if cuda else 0
+    t0 = time.perf_counter()
+    engine.release_memory_occupation(RELEASE_TAGS)
+    synchronize(device)
+    out = {"release_s": time.perf_counter() - t0}
+    if cuda:
+        out["freed_GB"] = (before - torch.cuda.memory_allocated()) / 1e9
+    return out
+
+
 def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], args: argparse.Namespace,
               routed: bool, device: str, step0: int) -> tuple[dict, list[dict]]:
     from kiln.rl.sync import sync_full, sync_lora
@@ -218,7 +236,14 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
         n_tok = sum(len(s["output_ids"]) for s in samples)
         m = {"phase": phase, "step": i + 1, "rollout_s": t_roll, "rollout_tokens": n_tok,
              "rollout_tok_s": n_tok / max(t_roll, 1e-9)}
+        if args.release_memory:
+            m.update(release(engine, device))
         m.update(train(trainer, samples, args, step, routed, device))
+        if args.release_memory:
+            t0 = time.perf_counter()
+            engine.resume_memory_occupation(RELEASE_TAGS)  # CUDA graphs are captured again here
+            synchronize(device)
+            m["resume_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         info = sync_lora(trainer, engine, "policy") if phase == "lora" else sync_full(trainer, engine)
         engine.flush_cache()
@@ -230,8 +255,10 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
             f"({fmt_bytes(m['sync_bytes'])}), kl {m['kl']:.3g}")
     timed = steps[1:] or steps
     row = {"phase": phase, "steps": len(timed)}
-    for k in ("rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s", "sync_s", "grad_norm"):
-        row[k] = median(s[k] for s in timed)
+    for k in ("rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s", "sync_s", "grad_norm",
+              "release_s", "resume_s", "freed_GB"):
+        if k in timed[0]:
+            row[k] = median(s[k] for s in timed)
     row["sync_bytes"] = timed[-1]["sync_bytes"]
     row["sync_size"] = fmt_bytes(row["sync_bytes"])
     row["kl_first"] = steps[0]["kl"]

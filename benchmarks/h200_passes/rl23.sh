@@ -1,0 +1,24 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twenty-third session (2026-12-04): the colocated engine's memory release on CUDA (never run on a
+# GPU before), the GRPO step's parts on the fast engine (docs/rl.md's H200 table was measured on
+# the reference path), and the detokenizer's per-token work (text kept in chunks). The detokenizer
+# lane compares this tree with the session's start, carried as scratch/base23 = `git archive
+# b2ba361 kiln benchmarks/*.py benchmarks/kernel_bench benchmarks/configs`.
+# shellcheck shell=bash
+
+BASE23=scratch/base23
+RL_SHAPE="--model-path preset:inkling/bench --prompts 8 --samples 4 --prompt-len 256 --max-new-tokens 128 --micro-batch 8"
+
+lane0_rl23a() {  # call 1: release / resume on CUDA (GPU tests), then one GRPO step's parts on Inkling bench
+  # with the engine's memory released around training, full weights then LoRA rank 16
+  step release_tests 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/engine/test_memory_release.py
+  step rl_bench 420 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE --steps 3 --lora-rank 16 \
+    --release-memory --out "$R/json/rl_bench.json"
+}
+
+lane0_rl23b() {  # call 2 (carry scratch/smol_tok: SmolLM2's tokenizer files, and scratch/base23): offline generation
+  # with the outputs detokenized, this tree and the start, alternated; then every GPU test
+  step text_new1 100 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new1.json"
+  step text_old1 100 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old1.json"
+  step gpu_tests 330 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 6 tests --ignore tests/server
+}

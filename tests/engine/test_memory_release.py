@@ -1,0 +1,71 @@
+"""GPU: the colocated engine's memory release on CUDA, where it really gives memory back.
+
+`release_memory_occupation(["kv_cache", "weights"])` must free the state pools and the weights
+(parameters to CPU), and `resume_memory_occupation` must bring back an engine whose CUDA graphs,
+kernels and caches see the new allocations: the same greedy tokens as before, and a weight update
+made after the cycle reaching every kernel exactly as in an engine that never released. The CPU
+tests (`tests/rl/test_colocate_release.py`) cannot see either: there the weights never move.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.rl.sync import checkpoint_views
+from tests.engine.test_hybrid_engine import make_core, prompts
+from tests.engine.test_kernel_path import greedy
+
+pytestmark = pytest.mark.gpu
+
+TAGS = ["kv_cache", "weights"]
+
+
+def _perturbed(core) -> list[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor plus seeded noise (10% of its spread), on the CPU."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for name, t in checkpoint_views(core.runner.model):
+        c = t.detach().float().cpu()
+        if c.is_floating_point() and c.numel() > 1:
+            c = c + 0.1 * c.std() * torch.randn(c.shape, generator=g)
+        out.append((name, c.to(t.dtype)))
+    return out
+
+
+def test_release_frees_the_gpu_and_resume_serves_the_same_and_new_weights(arch_dir):
+    reqs = prompts(4, seed=3, lo=20, hi=60)
+    kw = dict(page_size=4, chunked_prefill_size=32, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = make_core(arch_dir, **kw)
+    assert core.runner.graphs is not None and core.runner.graphs.graphs
+    before, rows_before = greedy(core, reqs, max_tokens=10)
+
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    info = core.release_memory_occupation(TAGS)
+    freed = allocated - torch.cuda.memory_allocated()
+    assert info["kv_cache_bytes"] > 0 and info["weights_on_cpu"]
+    assert all(p.device.type == "cpu" for p in core.runner.model.parameters())
+    # Nothing else kept the GPU copies alive (a cache of a weight, a graph's pool).
+    assert freed >= weight_bytes + info["kv_cache_bytes"], (freed, weight_bytes, info)
+
+    core.resume_memory_occupation(TAGS)
+    assert not core.runner.kv_released and not core.runner.weights_released
+    assert core.runner.graphs is not None and core.runner.graphs.graphs  # captured again
+    after, rows_after = greedy(core, reqs, max_tokens=10)
+    assert after == before
+    for rid in before:
+        torch.testing.assert_close(torch.stack(rows_after[rid]), torch.stack(rows_before[rid]), atol=1e-5, rtol=1e-5)
+
+    # The trainer's sync after the cycle: the same update in an engine that never released.
+    new = _perturbed(core)
+    core.update_weights_from_tensor(new)
+    updated, rows_updated = greedy(core, reqs, max_tokens=10)
+    fresh = make_core(arch_dir, **kw)
+    fresh.update_weights_from_tensor(new)
+    want, rows_want = greedy(fresh, reqs, max_tokens=10)
+    assert updated == want
+    assert updated != before  # the update changed what the engine computes
+    for rid in want:
+        torch.testing.assert_close(torch.stack(rows_updated[rid]), torch.stack(rows_want[rid]), atol=1e-5, rtol=1e-5)
