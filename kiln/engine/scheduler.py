@@ -157,15 +157,18 @@ class Scheduler:
         # 1. decodes, oldest first; retract the newest when pages run out. One pass sorts the
         # running requests (this runs for every running request every step: at hundreds of them
         # the per-request Python work is a small model's step time, docs/architecture.md "Host work per step").
-        decodes, prefilling = [], []
+        decodes, prefilling, finishing = [], [], []
         ctx = self.context_length
         for r in self.running:
             out = r.output_ids
             seq_len = len(r.prompt_ids) + len(out)
             left = seq_len - r.num_computed  # remaining_prefill()
             if left == 1:
-                # no step for a request whose token still on the device is its last by length
-                if not (out and out[-1] == PENDING and (len(out) >= r.params.max_tokens or seq_len >= ctx)):
+                # No step for a request whose token still on the device is its last by length: it
+                # finishes at this step's commit, which gives its pages back.
+                if out and out[-1] == PENDING and (len(out) >= r.params.max_tokens or seq_len >= ctx):
+                    finishing.append(r)
+                else:
                     decodes.append(r)
             elif left > 1:
                 prefilling.append(r)
@@ -186,9 +189,9 @@ class Scheduler:
                 continue
             if self.spec is not None and self.spec.drop_drafts(r):
                 continue  # verify nothing this round rather than retract someone
-            victim = self._pick_victim(exclude=[p[0] for p in plan] + [r])
+            victim = self._pick_victim(exclude=[p[0] for p in plan] + [r] + finishing)
             if victim is None:
-                if not plan:  # alone and still out of pages: nothing can ever free memory for it
+                if not plan and not finishing:  # alone and out of pages: nothing can ever free memory for it
                     self.running.remove(r)
                     self._fail(r, "the KV pool is too small for this request; raise --max-total-tokens")
                 break
@@ -206,8 +209,11 @@ class Scheduler:
             if n and self.cache.grow(r, r.num_computed + n):
                 plan.append((r, r.num_computed, r.num_computed + n))
                 budget -= n
-        if not plan and len(self.running) > 1:
+        if not plan and len(self.running) > 1 and not finishing:
             # Prefilling requests hold pages but none can grow: free the newest to break the tie.
+            # (Not while some request finishes at the commit: its pages come back then. Retracting
+            # there once took every request that ended on the same step but one, and lost their
+            # routed experts, since a request's routing is read through the slot it gave up.)
             self._retract(self.running[-1])
             return self._schedule()
         # 3. admit new requests
@@ -296,6 +302,10 @@ class Scheduler:
     def _retract(self, r: Req) -> None:
         """Preempt: drop the request's pages (computed ones stay in the prefix cache) and queue it
         to recompute prompt + output so far."""
+        if r.return_routed_experts and r.slot != -1:
+            # Its routing so far, read while it still has a slot: if the token still on the device
+            # ends it at the commit, `_end` returns this (a readmitted request reads its own).
+            r.routed_experts = self.runner.routing.gather(self.cache.req_to_token.table[r.slot], r.num_computed)
         self.running.remove(r)
         self.cache.release(r)
         r.status = ReqStatus.WAITING
