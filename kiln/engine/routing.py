@@ -9,25 +9,61 @@ reads its rows back through its request-to-token row.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
 
 class RoutingCapture:
+    """Host buffer [slots, MoE layers, k] of the expert ids each KV slot's token was routed to.
+
+    On CUDA a forward's ids reach the host by an asynchronous copy into pinned memory, applied to
+    the buffer once it has landed: a blocking copy after every forward made each decode step wait
+    for the device, which undid overlap scheduling whenever routing was captured (RL rollouts of
+    MoE models). `gather` waits only for copies that write the slots it reads.
+    """
+
     def __init__(self, num_slots: int, num_moe_layers: int, top_k: int):
         self.num_moe_layers = num_moe_layers
         self.top_k = top_k
         self.buffer = torch.full((num_slots, num_moe_layers, top_k), -1, dtype=torch.int32)
+        self._in_flight: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []  # (ids, slots, copied)
 
-    def record(self, routed: dict, out_cache_loc: torch.Tensor) -> None:
+    def record(self, routed: dict, out_cache_loc: torch.Tensor, slots: Optional[list] = None) -> None:
+        """Store a forward's ids under its tokens' slots (`slots`: the same as `out_cache_loc`, from
+        the host, so that no device value is read here)."""
         if not routed:
             return
-        ids = torch.stack([routed[i] for i in range(self.num_moe_layers)], dim=1)  # [T, L, k]
-        self.buffer[out_cache_loc.cpu()] = ids.to("cpu", torch.int32)
+        ids = torch.stack([routed[i] for i in range(self.num_moe_layers)], dim=1).to(torch.int32)  # [T, L, k]
+        slots_t = torch.tensor(slots, dtype=torch.long) if slots is not None else out_cache_loc.cpu()
+        if not ids.is_cuda:
+            self.buffer[slots_t] = ids
+            return
+        host_ids = torch.empty(ids.shape, dtype=torch.int32, pin_memory=True)
+        host_ids.copy_(ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._in_flight.append((host_ids, slots_t, copied))
+        self._apply(wait_for=None)
+
+    def _apply(self, wait_for: Optional[torch.Tensor]) -> None:
+        """Write the copies that have landed into the buffer, in forward order (a later forward's
+        ids win a reused slot); wait for a pending one only if it writes one of `wait_for`'s slots
+        (or a later one does)."""
+        while self._in_flight:
+            host_ids, slots, copied = self._in_flight[0]
+            if not copied.query():
+                if wait_for is None or not any(bool(torch.isin(s, wait_for).any()) for _, s, _ in self._in_flight):
+                    return
+                copied.synchronize()
+            self.buffer[slots] = host_ids
+            self._in_flight.pop(0)
 
     def gather(self, req_to_token_row: torch.Tensor, num_tokens: int) -> np.ndarray:
         """int32 [num_tokens, num_moe_layers, top_k] for positions 0..num_tokens-1."""
         slots = req_to_token_row[:num_tokens].cpu()
+        self._apply(wait_for=slots)
         return self.buffer[slots].numpy().copy()
 
 

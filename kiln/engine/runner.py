@@ -240,7 +240,8 @@ class ModelRunner:
             logits = self._forward_eager(batch)
             self.load_gate.wait_all()  # buffers the forward did not touch (the drafter may read them)
         if self.routing is not None:
-            self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc)
+            self.routing.record(batch.extras.get("routed_experts"), batch.out_cache_loc,
+                                batch.extras.get("out_cache_loc_cpu"))
         return logits
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:

@@ -358,6 +358,7 @@ class Scheduler:
             logits_indices=t["logits"], req_slots=t["slots"], out_cache_loc=t["locs"],
             win_out_locs={c: t[f"win:{c}"] for c in x.win_locs})
         batch.extras["req_slots_cpu"] = slots
+        batch.extras["out_cache_loc_cpu"] = x.locs  # routing capture files ids under these (no device read)
         if meta:
             batch.set_device_metadata(t)
         logits = self.runner.forward(batch)

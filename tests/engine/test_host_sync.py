@@ -89,3 +89,51 @@ def test_speculative_rounds_do_not_wait_for_the_gpu_between_verify_and_draft(tmp
     assert len(rounds) - before == 10 and set(rounds[before:]) == {3}, rounds
     while core.has_work():
         core.step()
+
+
+@pytest.mark.parametrize("arch", ["inkling", "minimax_m3"])
+def test_routing_capture_does_not_wait_for_the_gpu(arch, tmp_path):
+    # RL rollouts of MoE models capture every token's routed experts. Their copy to the host is
+    # asynchronous (`RoutingCapture`): a blocking one after each forward made every decode step
+    # wait for the device. The ids returned equal those of the same run without overlap.
+    import json
+
+    from tests.engine.test_hybrid_engine import ARCHS
+
+    (tmp_path / "config.json").write_text(json.dumps(ARCHS[arch]))
+    reqs = prompts(5, seed=4, lo=20, hi=60)
+
+    def run(overlap: bool, audit_steps: int = 0):
+        core = make_core(str(tmp_path), device="cuda", page_size=4, cuda_graph_max_bs=16, dtype="float32",
+                         enable_return_routed_experts=True, disable_overlap_schedule=not overlap)
+        core.scheduler.check_after_step = False
+        for i, ids in enumerate(reqs):  # different lengths: some finish inside the audited steps
+            params = SamplingParams(max_tokens=14 + 2 * i, ignore_eos=True, temperature=0.0)
+            core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params, return_routed_experts=True))
+        routed, started, audit = {}, set(), None
+
+        def collect(outs):
+            for o in outs:
+                started.add(o.rid)
+                if o.finished:
+                    routed[o.rid] = o.routed_experts
+
+        while len(started) < len(reqs):
+            collect(core.step())
+        for _ in range(3):
+            collect(core.step())
+        if audit_steps:
+            with HostSyncAudit(frames=6) as audit:
+                for _ in range(audit_steps):
+                    collect(core.step())
+        while core.has_work():
+            collect(core.step())
+        return routed, audit
+
+    routed, audit = run(overlap=True, audit_steps=12)
+    assert audit.count == 0, audit.report()
+    want, _ = run(overlap=False)
+    assert routed.keys() == want.keys() == {f"r{i}" for i in range(len(reqs))}
+    for rid, ids in want.items():
+        got = routed[rid]
+        assert got is not None and got.shape == ids.shape and (got >= 0).all() and (got == ids).all(), rid
