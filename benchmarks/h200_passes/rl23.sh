@@ -22,3 +22,14 @@ lane0_rl23b() {  # call 2 (carry scratch/smol_tok: SmolLM2's tokenizer files, an
   step text_old1 100 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old1.json"
   step gpu_tests 330 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 6 tests --ignore tests/server
 }
+
+lane0_rl23c() {  # call 2: the GPU tests of the routing and release changes; Inkling bench decode at batch 64 with
+  # routing capture on: this tree (asynchronous copy) against the start (a blocking copy per forward), and off
+  step gpu_tests 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/engine/test_memory_release.py \
+    tests/engine/test_host_sync.py tests/engine/test_overlap.py
+  local run="--model-path $INK --batch-sizes 64 --input-len 1024 --output-len 128 --cuda-graph-max-bs 64"
+  step routed_new 110 $DECODE $run --enable-return-routed-experts --out "$R/json/routed_new.json"
+  step routed_old 110 python $BASE23/benchmarks/decode_batch.py $C $run --enable-return-routed-experts --out "$R/json/routed_old.json"
+  step plain_new 110 $DECODE $run --out "$R/json/plain_new.json"
+  step_rows
+}
