@@ -4,7 +4,7 @@ MoE layers record the ids they used in `batch.extras["routed_experts"][moe_index
 After each forward the runner copies them to a host buffer indexed by the tokens' main-space
 slots (SGLang's design), so the ids survive chunked prefill, decode, prefix-cache hits (the slot
 still holds the cached token) and retraction (recomputed rows are rewritten). A finished request
-reads its rows back through its request-to-token row.
+reads its rows back through the slots of its pages.
 """
 
 from __future__ import annotations
@@ -60,11 +60,13 @@ class RoutingCapture:
             self.buffer[slots] = host_ids
             self._in_flight.pop(0)
 
-    def gather(self, req_to_token_row: torch.Tensor, num_tokens: int) -> np.ndarray:
-        """int32 [num_tokens, num_moe_layers, top_k] for positions 0..num_tokens-1."""
-        slots = req_to_token_row[:num_tokens].cpu()
-        self._apply(wait_for=slots)
-        return self.buffer[slots].numpy().copy()
+    def gather(self, slots: list[int]) -> np.ndarray:
+        """int32 [len(slots), num_moe_layers, top_k]: the ids filed under these slots (a request's
+        positions 0..n-1, from the host copy of its pages: reading its device page-table row
+        would wait for the GPU)."""
+        slots_t = torch.as_tensor(slots, dtype=torch.long)
+        self._apply(wait_for=slots_t)
+        return self.buffer[slots_t].numpy().copy()
 
 
 def moe_shape(model: torch.nn.Module) -> tuple[int, int]:
