@@ -33,3 +33,10 @@ lane0_rl23c() {  # call 2: the GPU tests of the routing and release changes; Ink
   step plain_new 110 $DECODE $run --out "$R/json/plain_new.json"
   step_rows
 }
+
+lane0_rl23d() {  # call 3: the routing test again (its sync at a request's end removed), then one GRPO step's parts
+  # on Inkling bench with the engine's memory released around training, full weights then LoRA rank 16
+  step routing_test 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/engine/test_host_sync.py -k routing
+  step rl_bench 450 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE --steps 3 --lora-rank 16 \
+    --release-memory --out "$R/json/rl_bench.json"
+}
