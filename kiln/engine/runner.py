@@ -16,6 +16,7 @@ from kiln.engine.cache.layer_gate import LayerGate
 from kiln.engine.cuda_graph import MAX_VERIFY_TOKENS, CudaGraphRunner
 from kiln.engine.cache.pools import KVPool, MergedStatePool, ReqToTokenPool, TokenStatePool
 from kiln.engine.paged_backend import PagedBackend
+from kiln.engine.pinned_weights import PinnedWeights
 from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
 from kiln.kernels import interpreting, kernels_supported
@@ -315,18 +316,21 @@ class ModelRunner:
         return getattr(self, "_weights_on_cpu", False)
 
     def release_weights(self) -> None:
-        """Move the parameters and buffers to CPU (CUDA only; on CPU there is nothing to free)."""
+        """Move the parameters and buffers to pinned host memory (CUDA only; on CPU there is
+        nothing to free)."""
         if self.device.type == "cuda" and not self.weights_released:
-            self.model.to("cpu")
-            if self.draft_model is not None:  # a DFlash drafter is not part of the model
-                self.draft_model.to("cpu")
+            if getattr(self, "_pinned", None) is None:
+                self._pinned = PinnedWeights()
+            self._pinned.offload(self._weight_modules())
             self._weights_on_cpu = True
             torch.cuda.empty_cache()
 
+    def _weight_modules(self) -> list:
+        # a DFlash drafter is not part of the model
+        return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+
     def resume_weights(self) -> None:
         if self.weights_released:
-            self.model.to(self.device)
-            if self.draft_model is not None:
-                self.draft_model.to(self.device)
+            self._pinned.restore(self._weight_modules(), self.device)
             self._weights_on_cpu = False
             self._recapture_graphs()

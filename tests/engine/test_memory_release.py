@@ -69,3 +69,28 @@ def test_release_frees_the_gpu_and_resume_serves_the_same_and_new_weights(arch_d
     assert updated != before  # the update changed what the engine computes
     for rid in want:
         torch.testing.assert_close(torch.stack(rows_updated[rid]), torch.stack(rows_want[rid]), atol=1e-5, rtol=1e-5)
+
+
+def test_pinned_weights_keep_ties_and_reuse_their_host_memory():
+    from kiln.engine.pinned_weights import PinnedWeights
+
+    emb = torch.nn.Embedding(10, 4).cuda()
+    head = torch.nn.Linear(4, 10, bias=False).cuda()
+    head.weight = emb.weight  # tied: one Parameter in two modules
+    norm = torch.nn.BatchNorm1d(4).cuda()  # buffers too
+    mods = [torch.nn.ModuleList([emb, head]), norm]
+    want = {k: v.clone() for k, v in {"w": emb.weight, "mean": norm.running_mean}.items()}
+    store = PinnedWeights()
+    moved = store.offload(mods)
+    assert moved == (40 + 4 + 4 + 4 + 4) * 4 + 8  # the tied weight once; the int64 step counter
+    assert emb.weight.device.type == "cpu" and emb.weight.is_pinned() and head.weight is emb.weight
+    assert norm.running_mean.device.type == "cpu"
+    first = emb.weight.data_ptr()
+    store.restore(mods, torch.device("cuda"))
+    assert emb.weight.is_cuda and head.weight is emb.weight and norm.running_mean.is_cuda
+    assert torch.equal(emb.weight, want["w"]) and torch.equal(norm.running_mean, want["mean"])
+    with torch.no_grad():
+        emb.weight.add_(1)  # a sync while on the device reaches the next offload
+    store.offload(mods)
+    assert emb.weight.data_ptr() == first  # the same pinned tensor, not a new allocation
+    assert torch.equal(emb.weight, want["w"].cpu() + 1)
