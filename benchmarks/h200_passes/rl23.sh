@@ -40,3 +40,13 @@ lane0_rl23d() {  # call 3: the routing test again (its sync at a request's end r
   step rl_bench 450 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE --steps 3 --lora-rank 16 \
     --release-memory --out "$R/json/rl_bench.json"
 }
+
+lane0_rl23e() {  # call 4 (carry scratch/smol_tok and scratch/base23): weights released to pinned host memory: the
+  # release tests, then the GRPO step's full-weights phase with release; offline generation with text, this tree
+  # and the start (the detokenizer's text kept in chunks)
+  step release_tests 100 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/engine/test_memory_release.py
+  step rl_bench 200 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE --steps 3 --lora-rank 0 \
+    --release-memory --out "$R/json/rl_pinned.json"
+  step text_new1 90 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new1.json"
+  step text_old1 90 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old1.json"
+}
