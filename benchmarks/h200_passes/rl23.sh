@@ -50,3 +50,12 @@ lane0_rl23e() {  # call 4 (carry scratch/smol_tok and scratch/base23): weights r
   step text_new1 90 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new1.json"
   step text_old1 90 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old1.json"
 }
+
+lane0_rl23f() {  # call 5 (carry scratch/smol_tok and scratch/base23): offline generation with text alternated, the
+  # start first (call 4 ran this tree first, on a fresh machine), then every GPU test
+  step text_old2 80 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old2.json"
+  step text_new2 80 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new2.json"
+  step text_old3 80 python $BASE23/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_old3.json"
+  step text_new3 80 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new3.json"
+  step gpu_tests 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 6 tests --ignore tests/server
+}
