@@ -232,3 +232,12 @@ def test_host_profile_and_cache_fill_quick(one_thread, capsys):
     r = cache_fill.main(["--device", "cpu", "--chunks", "2", "--prompts", "3", "--new-tokens", "2",
                          "--max-running-requests", "3"])
     assert [row["tokens"] for row in r["rows"]] == [6, 6]
+
+
+def test_detokenize_quick(capsys):
+    """benchmarks/detokenize.py at a tiny size: every sequence's text equals the decode of its ids."""
+    import detokenize
+
+    r = detokenize.main(["--batch", "4", "--tokens", "30", "--stop", "--repeats", "1"])
+    assert r["us_per_token"] > 0
+    assert "text equals the decode of the ids: True" in capsys.readouterr().out

@@ -211,3 +211,20 @@ def test_a_decode_short_of_pages_waits_for_a_request_ending_at_the_commit(tmp_pa
     overlap = run(make_core(d, **kw), reqs, overlap=True, params=params)
     assert overlap[2] == {"r0": ("length", 30), "r1": ("length", 10)}
     _compare(run(make_core(d, **kw), reqs, overlap=False, params=params), overlap)
+
+
+def test_a_thousand_requests_ending_on_one_step():
+    # The retraction of finishing requests recursed once per request: with ~1000 of them ending on
+    # one step (offline generation at --max-running-requests 1024 on CUDA) it raised RecursionError.
+    import os
+
+    from kiln.offline import Engine
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "tiny-llama")
+    with Engine(model_path=tiny, load_format="dummy", skip_tokenizer_init=True, max_running_requests=1200,
+                max_total_tokens=65536, log_level="warning") as llm:
+        llm.core.scheduler.overlap = True
+        res = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 1100, SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert [len(r.outputs[0].token_ids) for r in res] == [4] * 1100
+        assert llm.stats().num_retractions_total == 0
