@@ -14,6 +14,9 @@ Each step of a phase:
     sync      full phase: sync_full (every weight, bucketed, in place in the engine)
               LoRA phase: sync_lora (the adapter only; the engine merges it)
 
+`--release-memory` adds the colocated loop's release of the engine's state pools and weights after
+the rollout and their resume before the sync (`release_s`, `resume_s`, `freed_GB`).
+
 Phase "full" trains every parameter; phase "lora" then calls `trainer.enable_lora(--lora-rank)`
 and repeats. Each phase runs --steps steps; the first is warm-up and the table reports the median
 of steps 2..N (one step: that step). `kl_first` is the train-rollout KL (k3, Miles' definition)
