@@ -59,3 +59,10 @@ lane0_rl23f() {  # call 5 (carry scratch/smol_tok and scratch/base23): offline g
   step text_new3 80 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok --out "$R/json/text_new3.json"
   step gpu_tests 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 6 tests --ignore tests/server
 }
+
+lane0_rl23g() {  # call 6 (carry scratch/base23): the trainer's recompute and backward on one micro-batch of 8 samples
+  # (Inkling bench, routing replay): the experts loop sorted by expert against the start's scatter per expert; a profile
+  local args="--dtype bfloat16 --device cuda $C --samples 8 --prompt-len 256 --new-tokens 128 --repeats 3"
+  step trainer_old 100 python $BASE23/benchmarks/trainer_profile.py $args
+  step trainer_new 140 python benchmarks/trainer_profile.py $args --profile --rows 30
+}

@@ -77,19 +77,28 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     (x's dtype by default; pass torch.float32 to keep adding in fp32, e.g. shared experts).
     The k slots of a token are summed in selection order, so the result is deterministic.
     `act` computes the fp32 activation product (a layer passes the Triton kernel on CUDA).
+
+    The (token, slot) pairs are sorted by expert once (stable: within an expert, in slot order)
+    and put back in slot order with one gather, so an expert's rows reach its GEMMs as a slice
+    and the loop reads the expert counts with one host synchronisation. (The trainer runs this
+    under autograd: a scatter into the whole [T * k, H] buffer per expert had copied it E times.)
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
-    flat_w = topk_weights.reshape(-1).float()
-    token = torch.arange(t, device=x.device).repeat_interleave(k)
-    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(flat_ids).tolist():
-        sel = (flat_ids == e).nonzero().squeeze(1)
-        a = act(F.linear(x[token[sel]], w13[e]))
-        y = F.linear(a.to(w2.dtype), w2[e]).float()
-        slots = slots.index_put((sel,), y * flat_w[sel, None])
-    out = slots.view(t, k, -1).sum(dim=1)
-    return out.to(out_dtype or x.dtype)
+    order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    # x's row per slot, then the permutation: its backward sums a token's k slots in slot order
+    # (a gather of x[order // k] would add them with atomics on CUDA, in no fixed order)
+    rows = x.repeat_interleave(k, dim=0)[order]
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            a = act(F.linear(rows[start:start + n], w13[e]))
+            outs.append(F.linear(a.to(w2.dtype), w2[e]).float())
+            start += n
+    y = torch.cat(outs) * topk_weights.reshape(-1).float()[order, None]
+    slots = y[torch.argsort(order)]  # back to slot order
+    return slots.view(t, k, -1).sum(dim=1).to(out_dtype or x.dtype)
 
 
 def shared_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -43,3 +43,12 @@ def test_rl_step_tiny_cpu(tmp_path):
     assert 0 < rows["lora"]["sync_bytes"] < rows["full"]["sync_bytes"] / 10  # the adapter only
     saved = json.loads(out.read_text())
     assert [r["phase"] for r in saved["rows"]] == ["full", "lora"]
+
+
+def test_trainer_profile_quick(capsys):
+    """benchmarks/trainer_profile.py on the CPU (tiny Inkling, routing replay): it times and profiles."""
+    import trainer_profile
+
+    r = trainer_profile.main(["--quick", "--profile", "--rows", "3"])
+    assert r["recompute_s"] > 0 and r["backward_s"] > 0 and r["tokens"] == 2 * 24
+    assert "Self CPU" in capsys.readouterr().out
