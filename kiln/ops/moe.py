@@ -90,11 +90,15 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     # x's row per slot, then the permutation: its backward sums a token's k slots in slot order
     # (a gather of x[order // k] would add them with atomics on CUDA, in no fixed order)
     rows = x.repeat_interleave(k, dim=0)[order]
+    # Per-expert views from one unbind: its backward stacks the experts' gradients once, where
+    # indexing w13[e] in the loop made each expert's backward a zero-filled full-size gradient
+    # added into the parameter's (E times the stacked weights' bytes).
+    w13s, w2s = w13.unbind(0), w2.unbind(0)
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            a = act(F.linear(rows[start:start + n], w13[e]))
-            outs.append(F.linear(a.to(w2.dtype), w2[e]).float())
+            a = act(F.linear(rows[start:start + n], w13s[e]))
+            outs.append(F.linear(a.to(w2.dtype), w2s[e]).float())
             start += n
     y = torch.cat(outs) * topk_weights.reshape(-1).float()[order, None]
     slots = y[torch.argsort(order)]  # back to slot order
