@@ -15,7 +15,8 @@ Each step of a phase:
               LoRA phase: sync_lora (the adapter only; the engine merges it)
 
 `--release-memory` adds the colocated loop's release of the engine's state pools and weights after
-the rollout and their resume before the sync (`release_s`, `resume_s`, `freed_GB`).
+the rollout and their resume before the sync (`release_s`, `resume_s`; `freed_GB` from the
+device's allocated bytes, `pools_GB` the state pools' share as the engine reports it).
 
 Phase "full" trains every parameter; phase "lora" then calls `trainer.enable_lora(--lora-rank)`
 and repeats. Each phase runs --steps steps; the first is warm-up and the table reports the median
@@ -54,7 +55,7 @@ from common import (add_bench_args, add_engine_args, fmt_bytes, hardware_descrip
 
 DEFAULT_MODEL = "preset:inkling/bench"
 COLUMNS = ["phase", "steps", "rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s",
-           "sync_s", "sync_size", "release_s", "resume_s", "freed_GB", "kl_first", "grad_norm", "peak_mem_GB"]
+           "sync_s", "sync_size", "release_s", "resume_s", "freed_GB", "pools_GB", "kl_first", "grad_norm", "peak_mem_GB"]
 RELEASE_TAGS = ["kv_cache", "weights"]
 
 
@@ -215,9 +216,9 @@ def release(engine: Any, device: str) -> dict:
     cuda = str(device).startswith("cuda")
     before = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
-    engine.release_memory_occupation(RELEASE_TAGS)
+    info = engine.release_memory_occupation(RELEASE_TAGS)
     synchronize(device)
-    out = {"release_s": time.perf_counter() - t0}
+    out = {"release_s": time.perf_counter() - t0, "pools_GB": info.get("kv_cache_bytes", 0) / 1e9}
     if cuda:
         out["freed_GB"] = (before - torch.cuda.memory_allocated()) / 1e9
     return out
@@ -259,7 +260,7 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
     timed = steps[1:] or steps
     row = {"phase": phase, "steps": len(timed)}
     for k in ("rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s", "sync_s", "grad_norm",
-              "release_s", "resume_s", "freed_GB"):
+              "release_s", "resume_s", "freed_GB", "pools_GB"):
         if k in timed[0]:
             row[k] = median(s[k] for s in timed)
     row["sync_bytes"] = timed[-1]["sync_bytes"]

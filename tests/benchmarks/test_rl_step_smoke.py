@@ -22,7 +22,8 @@ def test_rl_step_tiny_cpu(tmp_path):
     try:
         res = rl_step.main(["--model-path", "preset:inkling/tiny", "--device", "cpu", "--prompts", "2",
                             "--samples", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--steps", "2",
-                            "--lora-rank", "4", "--micro-batch", "3", "--threads", "1", "--out", str(out)])
+                            "--lora-rank", "4", "--micro-batch", "3", "--threads", "1", "--release-memory",
+                            "--out", str(out)])
     finally:
         torch.set_num_threads(before)
     rows = {r["phase"]: r for r in res["rows"]}
@@ -36,6 +37,7 @@ def test_rl_step_tiny_cpu(tmp_path):
         for k in ("rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s", "sync_s"):
             assert math.isfinite(s[k]) and s[k] > 0, (k, s)
         assert math.isfinite(s["kl"]) and s["kl"] >= 0
+        assert s["release_s"] >= 0 and s["resume_s"] >= 0 and s["pools_GB"] > 0  # released around training
     # Same weights, same fp32 numerics on the CPU: the first recompute matches the rollout.
     assert rows["full"]["kl_first"] < 1e-4
     # Every weight in fp32 (plus the few persistent buffers, e.g. router biases).
