@@ -97,7 +97,8 @@ def test_overlap_retraction(arch_dir):
 
 def _routed_run(core, reqs, overlap: bool, max_tokens: int, before_commit=None):
     """Greedy, fixed-length requests with routing capture: ({rid: tokens}, {rid: routed rows}).
-    `before_commit(core, steps)` runs after each step's schedule and forward, before its commit."""
+    `before_commit(core, steps)` runs between steps: with overlap, step N's tokens are still on
+    the device then, and step N + 1 commits them."""
     core.scheduler.overlap = overlap
     for i, ids in enumerate(reqs):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
