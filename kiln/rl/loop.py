@@ -323,16 +323,28 @@ def build(cfg: RLConfig, dp: Any = None) -> tuple[Any, Any, Optional[str], bool]
     else:
         from kiln.offline import Engine
 
-        engine_opts = dict(cfg.engine)
-        engine_opts.setdefault("seed", cfg.seed)
-        engine_opts.setdefault("log_level", "warning")
-        if moe and cfg.routing_replay:
-            engine_opts["enable_return_routed_experts"] = True
-        engine = ColocatedRollout(Engine(cfg.model_path, **engine_opts))
+        engine = ColocatedRollout(Engine(cfg.model_path, **colocated_engine_options(cfg, moe)))
     lora = None
     if cfg.lora_rank > 0:
         lora = LORA_NAME
     return trainer, engine, lora, moe and cfg.routing_replay
+
+
+def colocated_engine_options(cfg: RLConfig, moe: bool) -> dict:
+    """The colocated `Engine`'s options: `cfg.engine`, plus defaults for what the loop needs.
+
+    `max_running_requests` defaults to one step's sequences (prompts x samples), the most the
+    loop ever runs at once: the engine's per-request state (sliding-window and convolution spaces
+    hold a full window for each of them) and its CUDA graphs (captured up to that batch, again
+    after every memory release) are then sized for the rollout, not for the serving default of 256.
+    """
+    opts = dict(cfg.engine)
+    opts.setdefault("seed", cfg.seed)
+    opts.setdefault("log_level", "warning")
+    opts.setdefault("max_running_requests", cfg.prompts_per_step * cfg.samples_per_prompt)
+    if moe and cfg.routing_replay:
+        opts["enable_return_routed_experts"] = True
+    return opts
 
 
 def trainer_device(cfg: RLConfig, dp: Any = None) -> str:

@@ -115,3 +115,15 @@ def test_config_file_and_overrides(tmp_path):
     with pytest.raises(ValueError):
         RLConfig.from_file(str(p), ["--no-such-key", "1"])
     assert rl_loop._rollout_seed(cfg, 1, 0) != rl_loop._rollout_seed(cfg, 0, cfg.prompts_per_step - 1)
+
+
+def test_colocated_engine_is_sized_for_one_steps_sequences():
+    from kiln.rl.config import RLConfig
+
+    cfg = RLConfig(prompts_per_step=3, samples_per_prompt=5, seed=7)
+    opts = rl_loop.colocated_engine_options(cfg, moe=True)
+    assert opts["max_running_requests"] == 15 and opts["seed"] == 7
+    assert opts["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in rl_loop.colocated_engine_options(cfg, moe=False)
+    mine = RLConfig(prompts_per_step=3, samples_per_prompt=5, engine={"max_running_requests": 64})
+    assert rl_loop.colocated_engine_options(mine, moe=False)["max_running_requests"] == 64  # the user's wins
