@@ -14,6 +14,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kiln.engine.cache.pools import position_slots
+
 
 class RoutingCapture:
     """Host buffer [slots, MoE layers, k] of the expert ids each KV slot's token was routed to.
@@ -24,10 +26,11 @@ class RoutingCapture:
     MoE models). `gather` waits only for copies that write the slots it reads.
     """
 
-    def __init__(self, num_slots: int, num_moe_layers: int, top_k: int):
+    def __init__(self, num_pages: int, page_size: int, num_moe_layers: int, top_k: int):
+        self.page_size = page_size
         self.num_moe_layers = num_moe_layers
         self.top_k = top_k
-        self.buffer = torch.full((num_slots, num_moe_layers, top_k), -1, dtype=torch.int32)
+        self.buffer = torch.full((num_pages * page_size, num_moe_layers, top_k), -1, dtype=torch.int32)
         self._in_flight: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []  # (ids, slots, copied)
 
     def record(self, routed: dict, out_cache_loc: torch.Tensor, slots: Optional[list] = None) -> None:
@@ -61,12 +64,15 @@ class RoutingCapture:
             self._in_flight.pop(0)
 
     def gather(self, slots: list[int]) -> np.ndarray:
-        """int32 [len(slots), num_moe_layers, top_k]: the ids filed under these slots (a request's
-        positions 0..n-1, from the host copy of its pages: reading its device page-table row
-        would wait for the GPU)."""
+        """int32 [len(slots), num_moe_layers, top_k]: the ids filed under these slots."""
         slots_t = torch.as_tensor(slots, dtype=torch.long)
         self._apply(wait_for=slots_t)
         return self.buffer[slots_t].numpy().copy()
+
+    def of_request(self, pages: list[int], num_tokens: int) -> np.ndarray:
+        """The ids of a request's positions 0..num_tokens-1, through the host copy of its pages
+        (reading its device page-table row would wait for the GPU)."""
+        return self.gather(position_slots(pages, 0, num_tokens, self.page_size))
 
 
 def moe_shape(model: torch.nn.Module) -> tuple[int, int]:

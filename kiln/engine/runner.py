@@ -72,7 +72,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         num_moe, top_k = moe_shape(self.model)
         self.has_moe = num_moe > 0
-        self.routing = RoutingCapture(self.num_pages * self.page_size, num_moe, top_k) \
+        self.routing = RoutingCapture(self.num_pages, self.page_size, num_moe, top_k) \
             if config.enable_return_routed_experts and num_moe else None
         self.graphs = None
         if self._want_graphs():

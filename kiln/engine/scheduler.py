@@ -26,7 +26,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
-from kiln.engine.cache.pools import position_slots, write_pages_batched
+from kiln.engine.cache.pools import write_pages_batched
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
@@ -210,10 +210,8 @@ class Scheduler:
                 plan.append((r, r.num_computed, r.num_computed + n))
                 budget -= n
         if not plan and len(self.running) > 1 and not finishing:
-            # Prefilling requests hold pages but none can grow: free the newest to break the tie.
-            # (Not while some request finishes at the commit: its pages come back then. Retracting
-            # there once took every request that ended on the same step but one, and lost their
-            # routed experts, since a request's routing is read through the slot it gave up.)
+            # Prefilling requests hold pages but none can grow: free the newest to break the tie
+            # (unless some request finishes at the commit, which gives its pages back).
             self._retract(self.running[-1])
             return self._schedule()
         # 3. admit new requests
@@ -305,7 +303,7 @@ class Scheduler:
         if r.return_routed_experts and r.slot != -1:
             # Its routing so far, read while it still has a slot: if the token still on the device
             # ends it at the commit, `_end` returns this (a readmitted request reads its own).
-            r.routed_experts = self._routing_of(r, r.num_computed)
+            r.routed_experts = self.runner.routing.of_request(r.pages, r.num_computed)
         self.running.remove(r)
         self.cache.release(r)
         r.status = ReqStatus.WAITING
@@ -440,14 +438,10 @@ class Scheduler:
     def _end(self, r: Req, reason: FinishReason) -> None:
         """Finish a request that stopped: routed experts read back, pages released."""
         if r.return_routed_experts and r.slot != -1:
-            r.routed_experts = self._routing_of(r, r.seq_len - 1)
+            r.routed_experts = self.runner.routing.of_request(r.pages, r.seq_len - 1)
         (self.running if r.status == ReqStatus.RUNNING else self.waiting).remove(r)
         self._finish(r, reason)
         self.cache.release(r)
-
-    def _routing_of(self, r: Req, num_tokens: int):
-        """The routed expert ids of the request's positions 0..num_tokens-1 (it holds their pages)."""
-        return self.runner.routing.gather(position_slots(r.pages, 0, num_tokens, self.page_size))
 
     def _check_finish(self, r: Req, t: int) -> Optional[FinishReason]:
         p = r.params

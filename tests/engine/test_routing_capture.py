@@ -29,7 +29,7 @@ def _in_flight(cap: RoutingCapture, slots: list[int], value: int) -> FakeEvent:
 
 
 def test_copies_land_in_order_and_gather_waits_only_for_its_slots():
-    cap = RoutingCapture(num_slots=16, num_moe_layers=2, top_k=2)
+    cap = RoutingCapture(num_pages=4, page_size=4, num_moe_layers=2, top_k=2)
     first, second = _in_flight(cap, [1, 2], 7), _in_flight(cap, [2, 3], 9)  # slot 2 reused: 9 wins
     cap._apply(wait_for=None)
     assert len(cap._in_flight) == 2 and (cap.buffer[1] == -1).all()  # nothing landed yet
@@ -43,7 +43,7 @@ def test_copies_land_in_order_and_gather_waits_only_for_its_slots():
 
 
 def test_gather_waits_when_only_a_later_copy_writes_its_slots():
-    cap = RoutingCapture(num_slots=8, num_moe_layers=1, top_k=1)
+    cap = RoutingCapture(num_pages=2, page_size=4, num_moe_layers=1, top_k=1)
     first, second = _in_flight(cap, [0], 1), _in_flight(cap, [5], 2)
     got = cap.gather([5])
     assert first.waited == 1 and second.waited == 1 and got[0, 0, 0] == 2
