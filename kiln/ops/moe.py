@@ -87,8 +87,9 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    # x's row per slot, then the permutation: its backward sums a token's k slots in slot order
-    # (a gather of x[order // k] would add them with atomics on CUDA, in no fixed order)
+    # x's row per slot, then the permutation (each row once): the repeat's backward adds a
+    # token's k slot gradients in slot order, not in whatever order an index with repeated rows
+    # accumulates them.
     rows = x.repeat_interleave(k, dim=0)[order]
     # Per-expert views from one unbind: its backward stacks the experts' gradients once, where
     # indexing w13[e] in the loop made each expert's backward a zero-filled full-size gradient

@@ -15,7 +15,7 @@ import torch
 from kiln.engine.host_sync_audit import HostSyncAudit
 from kiln.engine.io import GenerateReq
 from kiln.engine.request import SamplingParams
-from tests.engine.test_hybrid_engine import make_core, prompts
+from tests.engine.test_hybrid_engine import make_core, model_dir, prompts  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -91,20 +91,14 @@ def test_speculative_rounds_do_not_wait_for_the_gpu_between_verify_and_draft(tmp
         core.step()
 
 
-@pytest.mark.parametrize("arch", ["inkling", "minimax_m3"])
-def test_routing_capture_does_not_wait_for_the_gpu(arch, tmp_path):
-    # RL rollouts of MoE models capture every token's routed experts. Their copy to the host is
-    # asynchronous (`RoutingCapture`): a blocking one after each forward made every decode step
-    # wait for the device. The ids returned equal those of the same run without overlap.
-    import json
-
-    from tests.engine.test_hybrid_engine import ARCHS
-
-    (tmp_path / "config.json").write_text(json.dumps(ARCHS[arch]))
+def test_routing_capture_does_not_wait_for_the_gpu(model_dir):
+    # RL rollouts of MoE models (both hybrids) capture every token's routed experts. Their copy to
+    # the host is asynchronous (`RoutingCapture`): a blocking one after each forward made every
+    # decode step wait for the device. The ids returned equal those of the same run without overlap.
     reqs = prompts(5, seed=4, lo=20, hi=60)
 
     def run(overlap: bool, audit_steps: int = 0):
-        core = make_core(str(tmp_path), device="cuda", page_size=4, cuda_graph_max_bs=16, dtype="float32",
+        core = make_core(model_dir, device="cuda", page_size=4, cuda_graph_max_bs=16, dtype="float32",
                          enable_return_routed_experts=True, disable_overlap_schedule=not overlap)
         core.scheduler.check_after_step = False
         for i, ids in enumerate(reqs):  # different lengths: some finish inside the audited steps
