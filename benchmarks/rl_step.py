@@ -56,7 +56,6 @@ from common import (add_bench_args, add_engine_args, fmt_bytes, hardware_descrip
 DEFAULT_MODEL = "preset:inkling/bench"
 COLUMNS = ["phase", "steps", "rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s",
            "sync_s", "sync_size", "release_s", "resume_s", "freed_GB", "pools_GB", "kl_first", "grad_norm", "peak_mem_GB"]
-RELEASE_TAGS = ["kv_cache", "weights"]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -216,7 +215,7 @@ def release(engine: Any, device: str) -> dict:
     cuda = str(device).startswith("cuda")
     before = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
-    info = engine.release_memory_occupation(RELEASE_TAGS)
+    info = engine.release_memory_occupation()  # every tag: the pools and the weights
     synchronize(device)
     out = {"release_s": time.perf_counter() - t0, "pools_GB": info.get("kv_cache_bytes", 0) / 1e9}
     if cuda:
@@ -245,7 +244,7 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
         m.update(train(trainer, samples, args, step, routed, device))
         if args.release_memory:
             t0 = time.perf_counter()
-            engine.resume_memory_occupation(RELEASE_TAGS)  # CUDA graphs are captured again here
+            engine.resume_memory_occupation()  # CUDA graphs are captured again here
             synchronize(device)
             m["resume_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

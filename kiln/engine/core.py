@@ -202,7 +202,7 @@ class EngineCore:
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
         """Free device memory by tag: "kv_cache" (the state pools; the prefix cache is flushed
-        first and no request may hold pages), "weights" (parameters to CPU; a no-op on CPU)."""
+        first and no request may hold pages), "weights" (parameters to pinned host memory; a no-op on CPU)."""
         tags = _check_tags(tags)
         extra: dict = {}
         if "kv_cache" in tags and not self.runner.kv_released:

@@ -55,7 +55,8 @@ class ColocatedRollout:
 
     def release_memory(self) -> dict:
         """Free the engine's KV cache (the pools; the prefix cache is flushed) and move its weights
-        to CPU (CUDA only), so the trainer can use the memory. Returns the engine's report."""
+        to pinned host memory (CUDA only), so the trainer can use the memory. Returns the engine's
+        report."""
         return self.engine.release_memory_occupation(list(MEMORY_TAGS))
 
     def resume_memory(self) -> None:
