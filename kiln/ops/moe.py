@@ -7,6 +7,7 @@ at the end (MODELS.md 2.3, 3.2).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -104,6 +105,65 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     y = torch.cat(outs) * topk_weights.reshape(-1).float()[order, None]
     slots = y[torch.argsort(order)]  # back to slot order
     return slots.view(t, k, -1).sum(dim=1).to(out_dtype or x.dtype)
+
+
+def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                    act: Callable[[torch.Tensor], torch.Tensor] = swiglu_act) -> torch.Tensor:
+    """`experts_ref` with each projection as one grouped GEMM (`torch._grouped_mm`) over the
+    expert-sorted rows: the same arguments, sorting, fp32 weighted sum and slot order.
+
+    Two GEMM launches per layer instead of two per expert, autograd included (its backward is
+    grouped too), and no host synchronisation (the group offsets stay on the device). This is what
+    the trainer's recompute and backward run; `grouped_mm_supported` says where it applies.
+    """
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    ends = torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0).to(torch.int32)
+    rows = x.repeat_interleave(k, dim=0)[order]  # as in experts_ref: x's gradient in slot order
+    a = act(torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends))
+    y = torch._grouped_mm(a.to(w2.dtype), w2.transpose(1, 2), offs=ends).float()
+    y = y * topk_weights.reshape(-1).float()[order, None]
+    slots = y[torch.argsort(order)]
+    return slots.view(t, k, -1).sum(dim=1).to(out_dtype or x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    # torch's grouped GEMM is a private op whose coverage varies by version, device and dtype
+    # (torch 2.13's CPU build has it with a backward); one tiny forward and backward says.
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(16, 8, device=device_type, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        ends = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
+        y = torch._grouped_mm(a, b, offs=ends)
+        y.backward(torch.ones_like(y))
+        return bool((y == 8).all()) and b.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `experts_grouped` runs here: torch has a grouped GEMM for this device and dtype,
+    and every row the GEMMs read or write is a multiple of 16 bytes (the op's stride rule)."""
+    if x.dtype != w13.dtype or w13.dtype != w2.dtype or x.device != w13.device:
+        return False
+    size = w13.element_size()
+    if any(n * size % 16 for n in (x.shape[-1], w13.shape[1], w2.shape[2])):
+        return False
+    return _grouped_mm_works(x.device.type, x.dtype)
+
+
+def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                   act: Callable[[torch.Tensor], torch.Tensor] = swiglu_act) -> torch.Tensor:
+    """The routed experts in PyTorch ops (the path without the fused kernels: CPU, autograd):
+    `experts_grouped` where `grouped_mm_supported`, else the per-expert loop of `experts_ref`."""
+    fn = experts_grouped if grouped_mm_supported(x, w13, w2) else experts_ref
+    return fn(x, w13, w2, topk_ids, topk_weights, out_dtype, act)
 
 
 def shared_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

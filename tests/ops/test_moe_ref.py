@@ -1,12 +1,15 @@
-"""`experts_ref` under autograd (the RL trainer's MoE): its output and every gradient equal a
-per-token oracle's, with experts that get no token, one token, and many."""
+"""`experts_ref` and `experts_grouped` under autograd (the RL trainer's MoE): their output and every
+gradient equal a per-token oracle's, with experts that get no token, one token, and many; the
+grouped form runs only where torch's grouped GEMM does, and the dispatch falls back elsewhere."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.moe import experts_ref
+from kiln.ops import moe as ref_ops
+from kiln.ops.moe import experts_grouped, experts_ref, grouped_mm_supported, routed_experts
 
 
 def _oracle(x, w13, w2, ids, w):
@@ -22,7 +25,8 @@ def _oracle(x, w13, w2, ids, w):
     return torch.stack(rows)
 
 
-def test_experts_ref_output_and_gradients_equal_the_per_token_oracle():
+@pytest.mark.parametrize("experts", [experts_ref, experts_grouped])
+def test_experts_output_and_gradients_equal_the_per_token_oracle(experts):
     g = torch.Generator().manual_seed(0)
     T, E, K, H, I = 23, 7, 2, 8, 4
     x, w13, w2 = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
@@ -30,7 +34,7 @@ def test_experts_ref_output_and_gradients_equal_the_per_token_oracle():
     ids[0, 0] = 5 if 5 not in ids[0] else ids[0, 0]
     w = torch.rand(T, K, generator=g)
     grads = []
-    for fn in (experts_ref, _oracle):
+    for fn in (experts, _oracle):
         leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2, w)]
         y = fn(leaves[0], leaves[1], leaves[2], ids, leaves[3]).float() if fn is _oracle else \
             fn(leaves[0], leaves[1], leaves[2], ids, leaves[3], torch.float32)
@@ -39,3 +43,58 @@ def test_experts_ref_output_and_gradients_equal_the_per_token_oracle():
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert (grads[0][2][E - 1] == 0).all() and (grads[0][3][E - 1] == 0).all()  # the idle expert's gradients
+
+
+def _problem(T=40, E=9, K=3, H=16, I=8, dtype=torch.float32, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 4
+    ids = torch.stack([torch.randperm(E - 2, generator=g)[:K] for _ in range(T)])  # two idle experts
+    w = torch.rand(T, K, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (x, w13, w2)] + [ids.to(device), w.to(device)]
+
+
+def _run(fn, x, w13, w2, ids, w):
+    leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2, w)]
+    y = fn(leaves[0], leaves[1], leaves[2], ids, leaves[3], torch.float32)
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def test_grouped_experts_equal_the_loop_in_fp32_and_bf16():
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        prob = _problem(dtype=dtype)
+        assert grouped_mm_supported(*prob[:3]), "this torch's CPU build has a grouped GEMM"
+        for got, want in zip(_run(experts_grouped, *prob), _run(experts_ref, *prob)):
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_grouped_gemm_needs_rows_of_16_bytes_and_one_dtype():
+    x, w13, w2, ids, w = _problem(H=16, I=6)  # fp32 rows of 24 bytes in w2
+    assert not grouped_mm_supported(x, w13, w2)
+    assert not grouped_mm_supported(x.double(), w13, w2)
+    # The dispatch falls back to the loop there, and gives the loop's result.
+    for got, want in zip(_run(routed_experts, x, w13, w2, ids, w), _run(experts_ref, x, w13, w2, ids, w)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_dispatch_takes_the_grouped_gemm_where_supported(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ref_ops, "experts_grouped", lambda *a: calls.append("grouped") or experts_grouped(*a))
+    monkeypatch.setattr(ref_ops, "experts_ref", lambda *a: calls.append("loop") or experts_ref(*a))
+    x, w13, w2, ids, w = _problem()
+    ref_ops.routed_experts(x, w13, w2, ids, w)
+    ref_ops.routed_experts(x[:, :6], w13[:, :, :6], w2[:, :6], ids, w)  # hidden 6: 24-byte rows
+    assert calls == ["grouped", "loop"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_experts_on_cuda_equal_the_loop(dtype):
+    prob = _problem(T=300, E=16, K=4, H=256, I=128, dtype=dtype, device="cuda")
+    if not grouped_mm_supported(*prob[:3]):
+        pytest.skip(f"this torch has no CUDA grouped GEMM for {dtype}")  # the loop then runs
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, want in zip(_run(experts_grouped, *prob), _run(experts_ref, *prob)):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
