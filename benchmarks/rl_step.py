@@ -15,7 +15,8 @@ Each step of a phase:
               LoRA phase: sync_lora (the adapter only; the engine merges it)
 
 `--release-memory` adds the colocated loop's release of the engine's state pools and weights after
-the rollout and their resume before the sync (`release_s`, `resume_s`; `freed_GB` from the
+the rollout and their resume before the sync (`release_s`, `resume_s` = `resume_weights_s`, the
+weights' copy back, + `resume_pools_s`, the pools and the CUDA graphs' capture; `freed_GB` from the
 device's allocated bytes, `pools_GB` the state pools' share as the engine reports it).
 
 Phase "full" trains every parameter; phase "lora" then calls `trainer.enable_lora(--lora-rank)`
@@ -55,7 +56,8 @@ from common import (add_bench_args, add_engine_args, fmt_bytes, hardware_descrip
 
 DEFAULT_MODEL = "preset:inkling/bench"
 COLUMNS = ["phase", "steps", "rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s",
-           "sync_s", "sync_size", "release_s", "resume_s", "freed_GB", "pools_GB", "kl_first", "grad_norm", "peak_mem_GB"]
+           "sync_s", "sync_size", "release_s", "resume_s", "resume_weights_s", "resume_pools_s", "freed_GB",
+           "pools_GB", "kl_first", "grad_norm", "peak_mem_GB"]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -243,10 +245,16 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
             m.update(release(engine, device))
         m.update(train(trainer, samples, args, step, routed, device))
         if args.release_memory:
+            # In two calls, as one would run them: the weights' copy back, then the pools (zeroed)
+            # and the CUDA graphs' capture, which waits for both.
             t0 = time.perf_counter()
-            engine.resume_memory_occupation()  # CUDA graphs are captured again here
+            engine.resume_memory_occupation(["weights"])
             synchronize(device)
-            m["resume_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            engine.resume_memory_occupation(["kv_cache"])
+            synchronize(device)
+            m.update(resume_s=time.perf_counter() - t0, resume_weights_s=t1 - t0,
+                     resume_pools_s=time.perf_counter() - t1)
         t0 = time.perf_counter()
         info = sync_lora(trainer, engine, "policy") if phase == "lora" else sync_full(trainer, engine)
         engine.flush_cache()
@@ -259,7 +267,7 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
     timed = steps[1:] or steps
     row = {"phase": phase, "steps": len(timed)}
     for k in ("rollout_s", "rollout_tok_s", "recompute_s", "backward_step_s", "train_s", "sync_s", "grad_norm",
-              "release_s", "resume_s", "freed_GB", "pools_GB"):
+              "release_s", "resume_s", "resume_weights_s", "resume_pools_s", "freed_GB", "pools_GB"):
         if k in timed[0]:
             row[k] = median(s[k] for s in timed)
     row["sync_bytes"] = timed[-1]["sync_bytes"]

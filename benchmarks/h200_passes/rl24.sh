@@ -1,0 +1,21 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twenty-fourth session (2026-12-04): the RL trainer's MoE as grouped GEMMs (torch._grouped_mm)
+# against the per-expert loop, and the colocated resume split into the weights' copy and the
+# pools + CUDA graphs. The loop's two forms are carried as trees: scratch/base23u = `git archive
+# 027ba1a kiln benchmarks/*.py benchmarks/kernel_bench benchmarks/configs` (sorted by expert,
+# w13[e] indexed per expert) and scratch/base24 = the same of 00045d8 (views from one unbind).
+# shellcheck shell=bash
+
+RL_SHAPE24="--model-path preset:inkling/bench --prompts 8 --samples 4 --prompt-len 256 --max-new-tokens 128 --micro-batch 8"
+TRAINER24="--dtype bfloat16 --device cuda --dummy-init auto --samples 8 --prompt-len 256 --new-tokens 128 --repeats 3"
+
+lane0_rl24a() {  # call 1 (carry scratch/base23u, scratch/base24): the grouped experts' GPU tests; the trainer's
+  # recompute + backward of one micro-batch: sorted loop, unbind loop, grouped; a profile; the GRPO step
+  step grouped_tests 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ops/test_moe_ref.py
+  step trainer_sorted 90 python scratch/base23u/benchmarks/trainer_profile.py $TRAINER24
+  step trainer_unbind 90 python scratch/base24/benchmarks/trainer_profile.py $TRAINER24
+  step trainer_grouped 90 python benchmarks/trainer_profile.py $TRAINER24
+  step trainer_grouped_prof 120 python benchmarks/trainer_profile.py $TRAINER24 --profile --rows 30
+  step rl_bench 330 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE24 --steps 3 \
+    --lora-rank 16 --release-memory --out "$R/json/rl_bench.json"
+}
