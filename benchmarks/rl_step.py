@@ -64,7 +64,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     add_bench_args(p)
-    p.set_defaults(model_path=DEFAULT_MODEL)
+    p.set_defaults(model_path=DEFAULT_MODEL, max_running_requests=None)
     p.add_argument("--trainer-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="PolicyTrainer parameter dtype (auto: the engine's; AdamW states follow it).")
     p.add_argument("--prompts", type=int, default=8)
@@ -89,6 +89,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.device = "cpu" if args.device == "auto" else args.device
         args.prompts, args.samples, args.prompt_len, args.max_new_tokens = 2, 2, 16, 8
         args.steps = min(args.steps, 2)
+    if args.max_running_requests is None:  # as the RL loop's colocated engine (colocated_engine_options)
+        args.max_running_requests = args.prompts * args.samples
     if args.max_total_tokens is None:  # KV pool: the whole rollout twice over, not 85% of the GPU
         need = args.prompts * args.samples * (args.prompt_len + args.max_new_tokens)
         args.max_total_tokens = max(2 * need, 4096)

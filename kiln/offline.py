@@ -232,6 +232,12 @@ class Engine:
         with self._lock.control():
             return self.core.update_weights_from_tensor(named_tensors, flush_cache=flush_cache)
 
+    def update_weights_from_model(self, model: Any, flush_cache: bool = True) -> int:
+        """Copy a colocated Kiln model's weights (same definition, unsharded) into the engine's,
+        tensor for tensor; returns the bytes written (`EngineCore.update_weights_from_model`)."""
+        with self._lock.control():
+            return self.core.update_weights_from_model(model, flush_cache=flush_cache)
+
     def update_weights_from_disk(self, model_path: str, flush_cache: bool = True) -> int:
         """Load a checkpoint of the same architecture into the live weights; returns tensors read."""
         with self._lock.control():

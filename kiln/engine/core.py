@@ -152,6 +152,23 @@ class EngineCore:
         self._after_weight_update(flush_cache)
         return len(named)
 
+    def update_weights_from_model(self, model: torch.nn.Module, flush_cache: bool = True) -> int:
+        """Copy a colocated Kiln model's weights (the trainer's: the same model definition,
+        unsharded) into the live weights, tensor for tensor; returns the bytes written. Raises
+        `WeightLayoutMismatch` (a ValueError) before copying anything if the two hold different
+        tensors; `update_weights_from_tensor` takes checkpoint names instead. A LoRA adapter merged
+        before is dropped, as with a checkpoint load."""
+        from kiln.engine.model_copy import copy_weights
+
+        self._require_idle("update_weights_from_model")
+        if self.runner.weights_released:
+            raise RuntimeError("update_weights_from_model: the weights are released; call "
+                               "resume_memory_occupation(['weights']) first")
+        nbytes = copy_weights(self.runner.model, model)
+        self._lora_base, self._lora_name = {}, None
+        self._after_weight_update(flush_cache)
+        return nbytes
+
     def update_weights_from_disk(self, model_path: str, flush_cache: bool = True) -> int:
         """Load every tensor of a checkpoint (same architecture and shapes) into the live weights;
         returns how many tensors were read. A LoRA adapter merged before is dropped."""

@@ -5,8 +5,9 @@
   Views, not copies, where the model allows it (Llama family, Inkling, MiniMax-M3 all do), so a
   bucketed sync holds at most one bucket of extra memory. The engine's `load_weights` accepts
   every name it yields. LoRA parameters (`*.lora_*`) are never yielded.
-- `sync_full(trainer, engine)`: every weight, in buckets of `bucket_bytes`, through
-  `update_weights_from_tensor` (in place in the engine; the engine flushes its prefix cache).
+- `sync_full(trainer, engine)`: every weight, in place in the engine (which flushes its prefix
+  cache): copied model to model when both are in this process with one layout
+  (`update_weights_from_model`), else in buckets of `bucket_bytes` through `update_weights_from_tensor`.
 - `sync_lora(trainer, engine, name)`: only the adapter tensors (PEFT names); the engine merges them
   into its weights from a kept copy of the base (`EngineCore.load_lora_adapter`).
 
@@ -73,10 +74,24 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
 
 @torch.no_grad()
 def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> dict[str, float]:
-    """Push every trainer weight into the engine, `bucket_bytes` at a time.
+    """Push every trainer weight into the engine.
 
-    Returns {"seconds", "bytes", "tensors", "buckets"}. The engine must be idle (no requests)."""
+    Colocated with an unsharded trainer, the engine copies the trainer model's tensors directly
+    (`update_weights_from_model`: one copy per stacked tensor, no checkpoint split); otherwise
+    checkpoint tensors go `bucket_bytes` at a time through `update_weights_from_tensor`.
+    Returns {"seconds", "bytes", "tensors", "buckets"} (buckets 0: the direct copy). The engine
+    must be idle (no requests)."""
+    from kiln.engine.model_copy import WeightLayoutMismatch
+
     t0 = time.perf_counter()
+    direct = getattr(engine, "update_weights_from_model", None)
+    if direct is not None and not getattr(trainer, "sharded", False):
+        try:
+            nbytes = direct(trainer.model)
+            tensors = sum(1 for n in trainer.model.state_dict() if not _is_lora(n))
+            return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": tensors, "buckets": 0}
+        except WeightLayoutMismatch:
+            pass  # e.g. an engine with tensor parallelism: the checkpoint names below map any layout
     total, tensors, buckets = 0, 0, 0
     for bucket in weight_buckets(trainer.named_weights_for_sync(), bucket_bytes):
         engine.update_weights_from_tensor(bucket)

@@ -1,7 +1,7 @@
 """GPU: the colocated engine's memory release on CUDA, where it really gives memory back.
 
 `release_memory_occupation(["kv_cache", "weights"])` must free the state pools and the weights
-(parameters to CPU), and `resume_memory_occupation` must bring back an engine whose CUDA graphs,
+(parameters to pinned host memory), and `resume_memory_occupation` must bring back an engine whose CUDA graphs,
 kernels and caches see the new allocations: the same greedy tokens as before, and a weight update
 made after the cycle reaching every kernel exactly as in an engine that never released. The CPU
 tests (`tests/rl/test_colocate_release.py`) cannot see either: there the weights never move.
@@ -94,3 +94,26 @@ def test_pinned_weights_keep_ties_and_reuse_their_host_memory():
     store.offload(mods)
     assert emb.weight.data_ptr() == first  # the same pinned tensor, not a new allocation
     assert torch.equal(emb.weight, want["w"].cpu() + 1)
+
+
+def test_model_to_model_sync_waits_for_the_weights_and_reaches_the_graphs(arch_dir):
+    """`update_weights_from_model` (sync_full's colocated path): refused while the weights are
+    released; after the resume, the same tokens as the checkpoint-name path in another engine."""
+    reqs = prompts(4, seed=5, lo=20, hi=60)
+    kw = dict(page_size=4, chunked_prefill_size=32, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core, source = make_core(arch_dir, **kw), make_core(arch_dir, **kw)
+    before, _ = greedy(core, reqs, max_tokens=10)
+    source.update_weights_from_tensor(_perturbed(source))  # the "trainer" model: new weights
+    want, rows_want = greedy(source, reqs, max_tokens=10)
+    assert want != before
+
+    core.release_memory_occupation(TAGS)
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+        core.update_weights_from_model(source.runner.model)
+    core.resume_memory_occupation(TAGS)
+    nbytes = core.update_weights_from_model(source.runner.model)
+    assert nbytes >= sum(p.numel() * p.element_size() for p in core.runner.model.parameters())  # + buffers
+    got, rows_got = greedy(core, reqs, max_tokens=10)
+    assert got == want
+    for rid in want:
+        torch.testing.assert_close(torch.stack(rows_got[rid]), torch.stack(rows_want[rid]), atol=1e-5, rtol=1e-5)

@@ -3,8 +3,8 @@
 1. The trainer recomputes the engine's rollout logprobs: k3 train-rollout KL <= 1e-6 (SmolLM2,
    tiny Inkling, tiny MiniMax-M3; MoE models with routing replay, which is never worse than
    without it).
-2. After a full weight sync (bucketed, in place) the engine samples from the trainer's new
-   weights, and its prefix cache was flushed.
+2. After a full weight sync (model to model, or checkpoint tensors in buckets; in place) the
+   engine samples from the trainer's new weights, and its prefix cache was flushed.
 3. After an adapter-only LoRA sync (merged in the engine) the same holds; unloading restores the
    original logprobs.
 4. Adapters round-trip through PEFT's file format with PEFT's names.
@@ -115,7 +115,16 @@ def test_trainer_recomputes_rollout_logprobs(world):
         assert kl_free >= kl
 
 
-def test_full_sync_makes_engine_match_trainer(world):
+class _CheckpointNamesOnly:
+    """An engine seen through `update_weights_from_tensor` alone (as across processes): sync_full
+    then sends checkpoint tensors in buckets instead of copying model to model."""
+
+    def __init__(self, llm: Engine):
+        self.update_weights_from_tensor = llm.update_weights_from_tensor
+
+
+@pytest.mark.parametrize("path", ["direct", "buckets"])
+def test_full_sync_makes_engine_match_trainer(world, path):
     samples = world.rollout()
     assert world.llm.core.cache.used_tokens() > 0  # the prefix cache holds the prompts
     before = [t.detach() for t in world.trainer.sequence_logprobs(samples)]
@@ -124,8 +133,10 @@ def test_full_sync_makes_engine_match_trainer(world):
         after = world.trainer.sequence_logprobs(samples)
     moved = float((torch.cat(after) - torch.cat(before)).abs().mean())
     assert moved > 1e-3, "the optimizer step should change the policy"
-    stats = sync_full(world.trainer, world.llm, bucket_bytes=4 * 1024**2)
-    print(f"\n[{world.arch}] full sync: {stats['bytes'] / 1e6:.1f} MB in {stats['buckets']} buckets, "
+    target = world.llm if path == "direct" else _CheckpointNamesOnly(world.llm)
+    stats = sync_full(world.trainer, target, bucket_bytes=4 * 1024**2)
+    assert (stats["buckets"] == 0) == (path == "direct")
+    print(f"\n[{world.arch}] full sync ({path}): {stats['bytes'] / 1e6:.1f} MB in {stats['buckets']} buckets, "
           f"{stats['seconds'] * 1e3:.0f} ms; policy moved {moved:.3e}")
     assert world.llm.core.cache.used_tokens() == 0  # flushed: its KV came from the old weights
     fresh = world.rollout(seed=1)
