@@ -19,3 +19,14 @@ lane0_rl24a() {  # call 1 (carry scratch/base23u, scratch/base24): the grouped e
   step rl_bench 330 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE24 --steps 3 \
     --lora-rank 16 --release-memory --out "$R/json/rl_bench.json"
 }
+
+lane0_rl24b() {  # call 2: every GPU test; the GRPO step with the loop's max_running_requests (32) and the direct
+  # full sync; the trainer at 16 and 32 samples a micro-batch; the step with micro-batches of 32
+  step gpu_tests 330 python -m pytest -m gpu -q -rfE -p no:cacheprovider -n 6 tests --ignore tests/server
+  step rl_bench 200 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE24 --steps 3 \
+    --lora-rank 16 --release-memory --out "$R/json/rl_bench.json"
+  step trainer16 60 python benchmarks/trainer_profile.py ${TRAINER24/--samples 8/--samples 16}
+  step trainer32 60 python benchmarks/trainer_profile.py ${TRAINER24/--samples 8/--samples 32}
+  step rl_mb32 120 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 32} \
+    --steps 2 --lora-rank 0 --release-memory --out "$R/json/rl_mb32.json"
+}
