@@ -248,6 +248,12 @@ class Engine:
         with self._lock.control():
             self.core.load_lora_adapter(name, adapter)
 
+    def load_lora_from_model(self, name: str, model: Any) -> None:
+        """Merge a colocated LoRA model's adapter (the trainer's) by stacked tensor
+        (`EngineCore.load_lora_from_model`)."""
+        with self._lock.control():
+            self.core.load_lora_from_model(name, model)
+
     def unload_lora_adapter(self, name: str) -> None:
         """Restore the base weights."""
         with self._lock.control():

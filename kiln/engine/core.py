@@ -65,6 +65,7 @@ class EngineCore:
             eos_token_ids=list(eos), max_total_tokens=allocator.capacity * config.page_size)
         self.scheduler = Scheduler(config, self.runner, self.cache, self.info.eos_token_ids,
                                    self.info.context_length, mc.vocab_size)
+        self._forget_lora_base()  # no adapter merged
 
     def add_request(self, req: GenerateReq) -> None:
         self.scheduler.add_request(req)
@@ -165,7 +166,7 @@ class EngineCore:
             raise RuntimeError("update_weights_from_model: the weights are released; call "
                                "resume_memory_occupation(['weights']) first")
         nbytes = copy_weights(self.runner.model, model)
-        self._lora_base, self._lora_name = {}, None
+        self._forget_lora_base()
         self._after_weight_update(flush_cache)
         return nbytes
 
@@ -191,7 +192,7 @@ class EngineCore:
                 yield item
 
         self.runner.model.load_weights(counted(), strict=True)
-        self._lora_base, self._lora_name = {}, None
+        self._forget_lora_base()
         self._after_weight_update(flush_cache)
         return count[0]
 
@@ -270,19 +271,55 @@ class EngineCore:
         self._lora_name = name
         self._after_weight_update()
 
+    def load_lora_from_model(self, name: str, model: torch.nn.Module) -> None:
+        """`load_lora_adapter` from a colocated LoRA model (`kiln.rl.lora`: the trainer's, same
+        model definition, unsharded): scaling * B @ A per stacked tensor (q/k/v, gate/up, the
+        experts) added to this engine's base in fp32, instead of per checkpoint tensor; the same
+        merge, and the same rules (one adapter at a time; unload restores the base). Raises
+        `WeightLayoutMismatch` (a ValueError) before changing anything if the adapted tensors are
+        not this model's by name and shape."""
+        from kiln.engine.model_copy import WeightLayoutMismatch
+        from kiln.rl.lora import adapted_tensors, lora_delta
+
+        self._require_idle("load_lora_from_model")
+        if self.runner.weights_released:
+            raise RuntimeError("load_lora_from_model: the weights are released; call "
+                               "resume_memory_occupation(['weights']) first")
+        ours, names = dict(self.runner.model.named_parameters()), adapted_tensors(model)
+        for n in names:
+            if n not in ours or ours[n].shape != model.get_parameter(n).shape:
+                raise WeightLayoutMismatch(f"adapted tensor {n!r} is not one of this model's (name or shape)")
+        self._restore_lora_base()
+        with torch.no_grad():
+            for n in names:
+                p = ours[n]
+                self._lora_base_params[n] = base = p.detach().clone()
+                p.copy_((base.float() + lora_delta(model, n).to(p.device)).to(p.dtype))
+        self._lora_name = name
+        self._after_weight_update()
+
     def unload_lora_adapter(self, name: str) -> None:
         """Restore the base weights under adapter `name`."""
         self._require_idle("unload_lora_adapter")
-        if getattr(self, "_lora_name", None) != name:
+        if self._lora_name != name:
             raise KeyError(f"LoRA adapter {name!r} is not loaded")
         self._restore_lora_base()
         self._after_weight_update()
 
     def _restore_lora_base(self) -> None:
-        base = getattr(self, "_lora_base", None)
-        if base:
-            self.runner.update_weights(base.items())
-        self._lora_base, self._lora_name = {}, None
+        # The base of the merged tensors: by checkpoint name (load_lora_adapter) or by in-memory
+        # name (load_lora_from_model).
+        if self._lora_base:
+            self.runner.update_weights(self._lora_base.items())
+        params = dict(self.runner.model.named_parameters())
+        with torch.no_grad():
+            for n, t in self._lora_base_params.items():
+                params[n].copy_(t)
+        self._forget_lora_base()
+
+    def _forget_lora_base(self) -> None:
+        """New full weights replace the base a merged adapter would be undone to."""
+        self._lora_base, self._lora_base_params, self._lora_name = {}, {}, None
 
 
 def _check_tags(tags: Optional[list[str]]) -> list[str]:

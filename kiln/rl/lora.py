@@ -272,6 +272,26 @@ def load_adapter(model: nn.Module, path_or_state) -> None:
         raise KeyError(f"adapter tensors with no LoRA module here: {sorted(unused)[:4]}")
 
 
+def adapted_tensors(model: nn.Module) -> list[str]:
+    """In-memory names of the tensors a LoRA model's adapter changes: each stacked tensor once
+    (`...qkv_proj.weight`, `...experts.w13`), where PEFT names one per projection and expert."""
+    out = []
+    for name, mod in _lora_modules(model):
+        out += [f"{name}.w13", f"{name}.w2"] if isinstance(mod, Experts) else [f"{name}.weight"]
+    return out
+
+
+@torch.no_grad()
+def lora_delta(model: nn.Module, tensor: str) -> torch.Tensor:
+    """scaling * B @ A in fp32 for one of `adapted_tensors(model)` (batched over experts): the
+    stacked form of `merged_delta`, whose per-projection deltas are its row blocks."""
+    module, kind = tensor.rsplit(".", 1)
+    mod = model.get_submodule(module)
+    suffix = {"w13": "13", "w2": "2"}.get(kind, "")
+    a, b = getattr(mod, f"lora_A{suffix}").float(), getattr(mod, f"lora_B{suffix}").float()
+    return mod.lora_scaling * (torch.bmm(b, a) if suffix else b @ a)
+
+
 def merged_delta(state: dict[str, torch.Tensor], scaling: float,
                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """{on-disk weight name: scaling * B @ A} for a PEFT state dict (fp32 by default)."""

@@ -8,8 +8,9 @@
 - `sync_full(trainer, engine)`: every weight, in place in the engine (which flushes its prefix
   cache): copied model to model when both are in this process with one layout
   (`update_weights_from_model`), else in buckets of `bucket_bytes` through `update_weights_from_tensor`.
-- `sync_lora(trainer, engine, name)`: only the adapter tensors (PEFT names); the engine merges them
-  into its weights from a kept copy of the base (`EngineCore.load_lora_adapter`).
+- `sync_lora(trainer, engine, name)`: only the adapter; the engine merges it into its weights from a
+  kept copy of the base (`load_lora_from_model` colocated: one delta per stacked tensor; else
+  PEFT tensors through `EngineCore.load_lora_adapter`, one per projection and expert).
 
 `engine` is a `kiln.offline.Engine` or an `EngineCore` (both have the two methods). Colocated,
 single process: tensors move by reference/copy, no serialisation. Cross-process transports (CUDA
@@ -79,8 +80,8 @@ def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> d
     Colocated with an unsharded trainer, the engine copies the trainer model's tensors directly
     (`update_weights_from_model`: one copy per stacked tensor, no checkpoint split); otherwise
     checkpoint tensors go `bucket_bytes` at a time through `update_weights_from_tensor`.
-    Returns {"seconds", "bytes", "tensors", "buckets"} (buckets 0: the direct copy). The engine
-    must be idle (no requests)."""
+    Returns {"seconds", "bytes", "tensors", "buckets", "path"} (path "model" or "checkpoint";
+    buckets 0 on the model path). The engine must be idle (no requests)."""
     from kiln.engine.model_copy import WeightLayoutMismatch
 
     t0 = time.perf_counter()
@@ -89,7 +90,8 @@ def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> d
         try:
             nbytes = direct(trainer.model)
             tensors = sum(1 for n in trainer.model.state_dict() if not _is_lora(n))
-            return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": tensors, "buckets": 0}
+            return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": tensors, "buckets": 0,
+                    "path": "model"}
         except WeightLayoutMismatch:
             pass  # e.g. an engine with tensor parallelism: the checkpoint names below map any layout
     total, tensors, buckets = 0, 0, 0
@@ -98,21 +100,34 @@ def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> d
         total += sum(t.numel() * t.element_size() for _, t in bucket)
         tensors += len(bucket)
         buckets += 1
-    return {"seconds": time.perf_counter() - t0, "bytes": total, "tensors": tensors, "buckets": buckets}
+    return {"seconds": time.perf_counter() - t0, "bytes": total, "tensors": tensors, "buckets": buckets,
+            "path": "checkpoint"}
 
 
 @torch.no_grad()
 def sync_lora(trainer: Any, engine: Any, name: str = "policy") -> dict[str, float]:
-    """Send only the trainer's LoRA adapter (PEFT names + config) to the engine, which merges it
-    into its weights under adapter `name` (replacing an earlier version of the same adapter).
+    """Send only the trainer's LoRA adapter to the engine, which merges it into its weights under
+    adapter `name` (replacing an earlier version of the same adapter): colocated with an unsharded
+    trainer, from the trainer's model by stacked tensor (`load_lora_from_model`), else as PEFT
+    tensors and config (`load_lora_adapter`).
 
-    Returns {"seconds", "bytes", "tensors"}."""
-    from kiln.rl.lora import adapter_config, lora_state_dict
+    Returns {"seconds", "bytes", "tensors", "path"} ("model" or "checkpoint")."""
+    from kiln.engine.model_copy import WeightLayoutMismatch
+    from kiln.rl.lora import adapter_config, lora_parameters, lora_state_dict
 
     if not hasattr(trainer.model, "lora_targets"):
         raise ValueError("sync_lora: the trainer has no LoRA adapter (call trainer.enable_lora first)")
     t0 = time.perf_counter()
+    direct = getattr(engine, "load_lora_from_model", None)
+    if direct is not None and not getattr(trainer, "sharded", False):
+        try:
+            direct(name, trainer.model)
+            params = lora_parameters(trainer.model)
+            return {"seconds": time.perf_counter() - t0, "tensors": len(params),
+                    "bytes": sum(p.numel() * p.element_size() for p in params), "path": "model"}
+        except WeightLayoutMismatch:
+            pass  # another layout: PEFT tensors below, merged by checkpoint name
     state = lora_state_dict(trainer.model)
     engine.load_lora_adapter(name, {"state_dict": state, "config": adapter_config(trainer.model)})
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": len(state)}
+    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": len(state), "path": "checkpoint"}

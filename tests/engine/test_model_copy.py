@@ -57,3 +57,31 @@ def test_tied_tensors_are_copied_once():
     pairs = matched_weights(dst, src)
     assert len({d.data_ptr() for d, _ in pairs}) == len(pairs)
     assert len(pairs) == len(dst.state_dict()) - 1
+
+
+def test_engine_takes_a_model_or_its_adapter_only_with_the_weights_resident(arch_dir):
+    """The engine's two model-to-model paths refuse while the weights are released (CUDA only in
+    real use: here the flag is set by hand), and reject another layout before changing anything."""
+    from kiln.rl.lora import apply_lora
+    from tests.engine.test_hybrid_engine import make_core
+
+    core, other = make_core(arch_dir), make_core(arch_dir)
+    before = _state(core.runner.model)
+    core.runner._weights_on_cpu = True
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+        core.update_weights_from_model(other.runner.model)
+    apply_lora(other.runner.model, rank=2, alpha=4.0, seed=0)
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+        core.load_lora_from_model("a", other.runner.model)
+    core.runner._weights_on_cpu = False
+    small = make_core(arch_dir)
+    w = small.runner.model.lm_head.weight
+    small.runner.model.lm_head.weight = torch.nn.Parameter(w.detach()[:-1].clone())  # one row short
+    apply_lora(small.runner.model, rank=2, alpha=4.0, target_modules=("lm_head",), seed=0)
+    with pytest.raises(WeightLayoutMismatch):
+        core.load_lora_from_model("a", small.runner.model)
+    after = _state(core.runner.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    core.load_lora_from_model("a", other.runner.model)
+    core.unload_lora_adapter("a")
+    assert all(torch.equal(before[n], t) for n, t in _state(core.runner.model).items())

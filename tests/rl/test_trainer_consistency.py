@@ -5,8 +5,8 @@
    without it).
 2. After a full weight sync (model to model, or checkpoint tensors in buckets; in place) the
    engine samples from the trainer's new weights, and its prefix cache was flushed.
-3. After an adapter-only LoRA sync (merged in the engine) the same holds; unloading restores the
-   original logprobs.
+3. After an adapter-only LoRA sync (merged in the engine, from PEFT tensors or from the trainer's
+   model, to the same weights) the same holds; unloading restores the original logprobs.
 4. Adapters round-trip through PEFT's file format with PEFT's names.
 
 Metrics are those of Miles (`train_rollout_kl`, `train_rollout_logprob_abs_diff`): with
@@ -116,14 +116,16 @@ def test_trainer_recomputes_rollout_logprobs(world):
 
 
 class _CheckpointNamesOnly:
-    """An engine seen through `update_weights_from_tensor` alone (as across processes): sync_full
-    then sends checkpoint tensors in buckets instead of copying model to model."""
+    """An engine seen through its checkpoint-name methods alone (as across processes): sync_full
+    then sends checkpoint tensors in buckets, and sync_lora PEFT tensors, instead of going model
+    to model."""
 
     def __init__(self, llm: Engine):
         self.update_weights_from_tensor = llm.update_weights_from_tensor
+        self.load_lora_adapter = llm.load_lora_adapter
 
 
-@pytest.mark.parametrize("path", ["direct", "buckets"])
+@pytest.mark.parametrize("path", ["model", "checkpoint"])
 def test_full_sync_makes_engine_match_trainer(world, path):
     samples = world.rollout()
     assert world.llm.core.cache.used_tokens() > 0  # the prefix cache holds the prompts
@@ -133,9 +135,9 @@ def test_full_sync_makes_engine_match_trainer(world, path):
         after = world.trainer.sequence_logprobs(samples)
     moved = float((torch.cat(after) - torch.cat(before)).abs().mean())
     assert moved > 1e-3, "the optimizer step should change the policy"
-    target = world.llm if path == "direct" else _CheckpointNamesOnly(world.llm)
+    target = world.llm if path == "model" else _CheckpointNamesOnly(world.llm)
     stats = sync_full(world.trainer, target, bucket_bytes=4 * 1024**2)
-    assert (stats["buckets"] == 0) == (path == "direct")
+    assert stats["path"] == path and (stats["buckets"] == 0) == (path == "model")
     print(f"\n[{world.arch}] full sync ({path}): {stats['bytes'] / 1e6:.1f} MB in {stats['buckets']} buckets, "
           f"{stats['seconds'] * 1e3:.0f} ms; policy moved {moved:.3e}")
     assert world.llm.core.cache.used_tokens() == 0  # flushed: its KV came from the old weights
@@ -153,7 +155,8 @@ def test_lora_sync_and_unload(world):
         lora_lps = world.trainer.sequence_logprobs(base_samples)
     moved, _ = mismatch(lora_lps, [s["logprobs"] for s in base_samples])
     assert moved > 1e-6, "the LoRA step should change the policy"
-    stats = sync_lora(world.trainer, world.llm, "policy")
+    stats = sync_lora(world.trainer, _CheckpointNamesOnly(world.llm), "policy")
+    assert stats["path"] == "checkpoint"
     full = sum(t.numel() * t.element_size() for _, t in world.trainer.named_weights_for_sync())
     print(f"\n[{world.arch}] LoRA sync: {stats['bytes'] / 1e6:.2f} MB ({stats['tensors']} tensors) "
           f"vs {full / 1e6:.1f} MB full, {stats['seconds'] * 1e3:.0f} ms")
@@ -162,6 +165,13 @@ def test_lora_sync_and_unload(world):
     kl, diff = score(world.trainer, fresh)
     print(f"[{world.arch}] after LoRA sync: k3 KL = {kl:.3e}, mean |diff| = {diff:.3e}")
     assert kl <= KL_MAX and diff < 1e-4
+    # The same adapter from the trainer's model, by stacked tensor: the same merged weights (the
+    # engine restores the base first).
+    params = dict(world.llm.core.runner.model.named_parameters())
+    by_checkpoint = {n: p.detach().clone() for n, p in params.items()}
+    assert sync_lora(world.trainer, world.llm, "policy")["path"] == "model"
+    for n, p in params.items():
+        torch.testing.assert_close(p, by_checkpoint[n], atol=1e-6, rtol=1e-6, msg=n)
     # A second version of the same adapter replaces the first (base restored, then merged).
     perturb(world.trainer, fresh)
     sync_lora(world.trainer, world.llm, "policy")
