@@ -30,3 +30,13 @@ lane0_rl24b() {  # call 2: every GPU test; the GRPO step with the loop's max_run
   step rl_mb32 120 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 32} \
     --steps 2 --lora-rank 0 --release-memory --out "$R/json/rl_mb32.json"
 }
+
+lane0_rl24c() {  # call 3: the GPU tests of this session's paths (skips reported); the GRPO step with the LoRA sync
+  # from the trainer's model; the full-weights step in micro-batches of 16
+  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/ops/test_moe_ref.py \
+    tests/engine/test_memory_release.py tests/engine/test_model_copy.py
+  step rl_bench 200 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE24 --steps 3 \
+    --lora-rank 16 --release-memory --out "$R/json/rl_bench.json"
+  step rl_mb16 150 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 16} \
+    --steps 3 --lora-rank 0 --release-memory --out "$R/json/rl_mb16.json"
+}
