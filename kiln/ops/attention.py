@@ -168,18 +168,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     """Causal attention inside each of several whole sequences packed along dim 0 (positions
     restart at 0 at every sequence start); rel: [T, Hq, R] or None.
 
-    On a GPU, without `rel` and without autograd (the trainers' hidden-state and reference
-    passes), the sequences run together, padded to the longest, when the padded scores take at
-    most PADDED_SCORES elements: a drafter's training data holds thousands of short sequences,
-    and one batched einsum replaces their small launches (on an H200 the loop held the SmolLM2
-    hidden-state pass to ~17K tokens/s). Under autograd the loop stays unless `pad_under_grad`:
-    the padded scores kept for the backward would grow a policy trainer's memory (the MTP trainer's
-    few layers ask for it). On a CPU the loop is faster (4.5x on 16 sequences of 90-384 tokens:
-    the padding is compute there). Same math per row."""
+    On a GPU the sequences can run together, padded to the longest (`uses_padding`): the
+    trainers' passes hold many sequences, and one batched einsum replaces their small launches
+    (on an H200 the loop held the SmolLM2 hidden-state pass to ~17K tokens/s and left the policy
+    trainer's Inkling micro-batch waiting on the host). `pad_under_grad` pads under autograd
+    whatever the lengths (the MTP trainer's few layers). On a CPU the loop is faster (4.5x on 16
+    sequences of 90-384 tokens: the padding is compute there). Same math per row."""
     lens = [int(n) for n in seq_lens]
-    if (len(lens) > 1 and rel is None and q.device.type != "cpu" and (pad_under_grad or not torch.is_grad_enabled())
-            and len(lens) * max(lens) ** 2 * q.shape[1] <= PADDED_SCORES):
-        return _padded_packed_attention(q, k, v, lens, scale, sliding_window, key_gap)
+    if uses_padding(lens, q.shape[1], q.device.type, torch.is_grad_enabled() and not pad_under_grad):
+        return _padded_packed_attention(q, k, v, lens, scale, sliding_window, key_gap, rel)
     out = torch.empty_like(q)
     start = 0
     for n in lens:
@@ -193,13 +190,30 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 
 # Largest fp32 score tensor [B, Hq, L, L] the padded path may build (1 GiB).
 PADDED_SCORES = 2 ** 28
+# Under autograd, how much more the padded path may keep than the loop (the backward keeps the
+# probabilities: B * L^2 per head padded, sum n^2 in the loop).
+MAX_PADDING_UNDER_GRAD = 1.5
+
+
+def uses_padding(lens: list[int], heads: int, device_type: str, keeps_memory: bool) -> bool:
+    """Whether `packed_attention` runs its sequences padded together: on a GPU, for several
+    sequences whose padded scores fit PADDED_SCORES; and when autograd keeps them
+    (`keeps_memory`), only if they are at most MAX_PADDING_UNDER_GRAD times what the loop keeps,
+    so that a policy trainer's memory does not grow with uneven lengths."""
+    if len(lens) < 2 or device_type == "cpu":
+        return False
+    padded = len(lens) * max(lens) ** 2
+    if padded * heads > PADDED_SCORES:
+        return False
+    return not keeps_memory or padded <= MAX_PADDING_UNDER_GRAD * sum(n * n for n in lens)
 
 
 def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,
-                             sliding_window: Optional[int], key_gap: int) -> torch.Tensor:
-    """`packed_attention` without rel, every sequence at once: rows gathered into [B, L, H, D]
-    (padding repeats row 0), the visibility rule of `_attend` on positions 0..L-1 (the same for
-    every sequence, since positions restart at 0), keys past a sequence's end masked."""
+                             sliding_window: Optional[int], key_gap: int,
+                             rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`packed_attention` with every sequence at once: rows gathered into [B, L, H, D] (padding
+    repeats row 0), the visibility rule of `_attend` and `rel_bias` on positions 0..L-1 (the
+    same for every sequence, since positions restart at 0), keys past a sequence's end masked."""
     dev, b, L = q.device, len(lens), max(lens)
     n_t = torch.tensor(lens, device=dev)
     starts = torch.cumsum(n_t, 0) - n_t
@@ -211,6 +225,9 @@ def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     qf = q.float()[idx].view(b, L, hkv, group, d)
     kf, vf = k.float()[idx], v.float()[idx]  # [B, L, Hkv, D]
     scores = torch.einsum("blhgd,bmhd->bhglm", qf, kf) * scale
+    if rel is not None:  # [B, L, Hq, L]; head h = g_kv * group + g, as in _attend
+        bias = _padded_rel_bias(rel[idx], pos)
+        scores = scores + bias.view(b, L, hkv, group, L).permute(0, 2, 3, 1, 4)
     dist = pos[:, None] - pos[None, :]
     visible = dist >= 0
     if sliding_window is not None:
@@ -223,3 +240,12 @@ def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.einsum("bhglm,bmhd->blhgd", torch.softmax(scores, dim=-1), vf)
     return out.reshape(b, L, hq, d)[valid].to(q.dtype)
+
+
+def _padded_rel_bias(rel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`rel_bias` for B sequences at positions 0..L-1 each: rel [B, L, Hq, R] -> [B, L, Hq, L]."""
+    b, n, hq, r = rel.shape
+    dist = pos[:, None] - pos[None, :]  # [L, L]
+    near = (dist >= 0) & (dist < r)
+    idx = dist.clamp(0, r - 1)[None, :, None, :].expand(b, n, hq, n)
+    return torch.where(near[None, :, None, :], rel.float().gather(3, idx), 0.0)

@@ -18,18 +18,22 @@ import torch
 def _history_buffer(x: torch.Tensor, seq_lens: Sequence[int], k: int,
                     prev: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Interleave each sequence's K-1 inputs of history before its tokens:
-    buf = [hist_0; x_0; hist_1; x_1; ...] in fp32. Returns (buf, seq index of every token)."""
-    c = x.shape[1]
-    xf = x.float()
-    parts, start = [], 0
-    for b, n in enumerate(seq_lens):
-        hist = prev[b].float() if prev is not None else xf.new_zeros(k - 1, c)
-        parts += [hist, xf[start:start + n]]
-        start += n
-    assert start == x.shape[0], f"seq_lens sum to {start}, x has {x.shape[0]} rows"
-    seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens), device=x.device),
-                                           torch.tensor(list(seq_lens), device=x.device))
-    return torch.cat(parts), seq_of_token
+    buf = [hist_0; x_0; hist_1; x_1; ...] in fp32. Returns (buf, seq index of every token).
+
+    Built with two row copies whatever the number of sequences (a trainer's micro-batch packs
+    many: one slice and concatenation per sequence made its launches wait on the host)."""
+    c, t, b = x.shape[1], x.shape[0], len(seq_lens)
+    lens = torch.tensor(list(seq_lens), device=x.device)
+    assert int(lens.sum()) == t, f"seq_lens sum to {int(lens.sum())}, x has {t} rows"
+    seq_of_token = torch.repeat_interleave(torch.arange(b, device=x.device), lens)
+    # Token i of the batch, in sequence s, sits at row i + (s + 1)(K-1): after s + 1 histories.
+    rows = torch.arange(t, device=x.device) + (seq_of_token + 1) * (k - 1)
+    buf = x.new_zeros(t + b * (k - 1), c, dtype=torch.float32).index_copy(0, rows, x.float())
+    if prev is not None:  # sequence s's history rows start at its first token's start + s(K-1)
+        first = torch.cumsum(lens, 0) - lens + torch.arange(b, device=x.device) * (k - 1)
+        hist = (first[:, None] + torch.arange(k - 1, device=x.device)[None, :]).reshape(-1)
+        buf = buf.index_copy(0, hist, prev.float().reshape(-1, c))
+    return buf, seq_of_token
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, seq_lens: Sequence[int],

@@ -83,18 +83,42 @@ def _attention_and_grads(fn, q, k, v):
     return [t.detach().cpu() for t in (out, qq.grad, kk.grad, vv.grad)]
 
 
-@pytest.mark.parametrize("window,gap", [(None, 0), (4, 0), (None, 3), (6, 2)])
-def test_padded_packed_attention_equals_the_per_sequence_loop(window, gap):
+@pytest.mark.parametrize("window,gap,with_rel", [(None, 0, False), (4, 0, False), (None, 3, False), (6, 2, False),
+                                                  (None, 0, True), (4, 0, True), (6, 2, True)])
+def test_padded_packed_attention_equals_the_per_sequence_loop(window, gap, with_rel):
     """All sequences in one einsum against the per-sequence loop (what packed_attention runs on a
-    CPU): outputs and gradients, GQA, a 1-token sequence, windows and the MTP key gap."""
+    CPU): outputs and gradients (rel's too), GQA, a 1-token sequence, windows, the MTP key gap and
+    Inkling's relative bias (R = 5: shorter than some sequences, longer than others)."""
     from kiln.ops.attention import _padded_packed_attention
 
     lens, (q, k, v) = _packed_inputs()
-    padded = _attention_and_grads(lambda *t: _padded_packed_attention(*t, lens, 0.3, window, gap), q, k, v)
-    loop = _attention_and_grads(lambda *t: packed_attention(*t, lens, 0.3, window, key_gap=gap), q, k, v)
+    rel = torch.randn(sum(lens), q.shape[1], 5, generator=torch.Generator().manual_seed(4)) if with_rel else None
+
+    def run(fn):
+        r = None if rel is None else rel.clone().requires_grad_(True)
+        out = _attention_and_grads(lambda *t: fn(*t, r), q, k, v)
+        return out + ([] if r is None else [r.grad])
+
+    padded = run(lambda q_, k_, v_, r: _padded_packed_attention(q_, k_, v_, lens, 0.3, window, gap, r))
+    loop = run(lambda q_, k_, v_, r: packed_attention(q_, k_, v_, lens, 0.3, window, r, key_gap=gap))
+    assert len(padded) == (5 if with_rel else 4)
     for got, want in zip(padded, loop):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # both fp32 inside
+
+
+def test_padding_is_chosen_on_a_gpu_and_bounded_under_autograd():
+    from kiln.ops.attention import MAX_PADDING_UNDER_GRAD, PADDED_SCORES, uses_padding
+
+    even, uneven = [300] * 8, [300] + [100] * 7  # padded 8 * 300^2 against 9e4 + 7e4
+    assert not uses_padding(even, 16, "cpu", False)  # the loop is faster on a CPU
+    assert not uses_padding([300], 16, "cuda", False)  # one sequence: nothing to batch
+    assert uses_padding(even, 16, "cuda", False) and uses_padding(uneven, 16, "cuda", False)
+    assert uses_padding(even, 16, "cuda", True)  # equal lengths keep what the loop keeps
+    assert 8 * 300 ** 2 > MAX_PADDING_UNDER_GRAD * (300 ** 2 + 7 * 100 ** 2)
+    assert not uses_padding(uneven, 16, "cuda", True)  # the padding would grow the trainer's memory
+    big = int((PADDED_SCORES / 16 / 8) ** 0.5) + 1
+    assert not uses_padding([big] * 8, 16, "cuda", False)  # past the scores' cap
 
 
 @pytest.mark.gpu
@@ -111,7 +135,7 @@ def test_packed_attention_on_cuda_takes_the_padded_path_without_autograd(monkeyp
     assert calls == [1]  # the CPU run took the loop
     torch.testing.assert_close(cuda, cpu, atol=1e-4, rtol=1e-4)  # TF32 may be on
     A.packed_attention(q.cuda().requires_grad_(True), k.cuda(), v.cuda(), lens, 0.3, 4, key_gap=2)
-    assert calls == [1]  # under autograd: the loop (its memory) ...
+    assert calls == [1]  # under autograd with uneven lengths: the loop (its memory) ...
     padded = _attention_and_grads(lambda *t: A.packed_attention(*t, lens, 0.3, 4, key_gap=2, pad_under_grad=True),
                                   q.cuda(), k.cuda(), v.cuda())
     assert calls == [1, 1]  # ... unless asked (the MTP trainer)
