@@ -40,3 +40,17 @@ lane0_rl24c() {  # call 3: the GPU tests of this session's paths (skips reported
   step rl_mb16 150 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 16} \
     --steps 3 --lora-rank 0 --release-memory --out "$R/json/rl_mb16.json"
 }
+
+lane0_rl24d() {  # call 4 (carry scratch/base24b = git archive of the rl24c commit): the trainer's sequences batched
+  # (padded attention with the relative bias, ShortConv history in two copies) against one launch set per
+  # sequence; a profile; the GRPO step at micro-batches of 8 (full, LoRA) and 16 (full)
+  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/ops tests/models tests/rl
+  step trainer_before 60 python scratch/base24b/benchmarks/trainer_profile.py $TRAINER24
+  step trainer_after 60 python benchmarks/trainer_profile.py $TRAINER24
+  step trainer_before16 60 python scratch/base24b/benchmarks/trainer_profile.py ${TRAINER24/--samples 8/--samples 16}
+  step trainer_after16 60 python benchmarks/trainer_profile.py ${TRAINER24/--samples 8/--samples 16} --profile --rows 25
+  step rl_bench 200 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C $RL_SHAPE24 --steps 3 \
+    --lora-rank 16 --release-memory --out "$R/json/rl_bench.json"
+  step rl_mb16 120 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 16} \
+    --steps 3 --lora-rank 0 --release-memory --out "$R/json/rl_mb16.json"
+}
