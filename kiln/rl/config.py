@@ -53,6 +53,8 @@ class RLConfig:
     dynamic_sampling: bool = opt(False, "Drop groups whose rewards are all equal (zero advantage; DAPO).")
     routing_replay: bool = opt(True, "MoE: the trainer replays the experts the engine routed (R3).")
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0 disables).")
+    micro_batch_size: int = opt(0, "Samples per recompute + backward, accumulated into the step's one optimizer "
+                                   "step (less activation memory); 0: all of them (each FSDP rank's share) at once.")
     trainer_device: str = opt("auto", "Where the trainer runs: 'auto' (cuda if available, else cpu), 'cpu', "
                               "'cuda', 'cuda:N'. Under torchrun each rank uses cuda:LOCAL_RANK (auto) or this.")
     num_gpus: int = opt(1, "Trainer GPUs. > 1: `kiln rl` re-launches itself under torchrun with one FSDP2 rank "

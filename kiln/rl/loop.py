@@ -152,14 +152,19 @@ def rollout_and_score(cfg: RLConfig, step: int, engine: Any, iterator: Any, rewa
 
 
 def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: torch.Tensor, loss_cfg: Any,
-                   temperature: float, replay: bool, dp: Any = None) -> tuple[dict, bool]:
+                   temperature: float, replay: bool, dp: Any = None, micro_batch: int = 0) -> tuple[dict, bool]:
     """The trainer side of a step, on every rank: recompute the logprobs (and the entropy) of the
     samples, the policy loss with TIS against the rollout logprobs, one optimizer step.
 
     One process: all samples. Under FSDP (`dp`, kiln.rl.fsdp) each rank recomputes its contiguous
-    share and scales its loss so that FSDP's gradient average equals the single-process gradient;
-    the detached logprobs are all-gathered so that every metric is over the whole batch, exactly as
-    in one process. Returns (metrics, whether an optimizer step was taken)."""
+    share. `micro_batch` > 0 recomputes and back-propagates that many samples at a time and steps
+    once after the last (gradient accumulation: activations of one micro-batch alive at a time).
+    Each part's loss is scaled by its share of the whole batch's denominator (tokens for
+    token-mean, rows for sequence-mean; times the ranks under FSDP, whose gradient average divides
+    by them), so the summed gradient is the whole batch's. The detached logprobs are all-gathered
+    so that every metric is over the whole batch, exactly as in one process. Returns (metrics,
+    whether an optimizer step was taken)."""
+    from kiln.rl.fsdp import loss_scale
     from kiln.rl.loss import masked_aggregate, mismatch_metrics, policy_loss
 
     n = len(samples)
@@ -169,15 +174,36 @@ def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: t
         mine = shard_range(n, dp.rank, dp.world_size)
     else:
         mine = range(n)
-    local = [samples[i] for i in mine]
+    world = 1 if dp is None else dp.world_size
     want_entropy_grad = loss_cfg.entropy_coef != 0
-    logps, ents = trainer.sequence_logprobs_and_entropy(local, temperature, replay, entropy_grad=want_entropy_grad)
     width = max(1, max(len(s["output_ids"]) for s in samples))
     rollout_all = _pad([torch.tensor(s["rollout_logp"], dtype=torch.float32) for s in samples], width)
     mask_all = _pad([torch.ones(len(s["output_ids"])) for s in samples], width)
     train_mask_all = mask_all * keep[:, None].float()
-    lp_rows = [t.detach().float().cpu() for t in logps]
-    ent_rows = [t.detach().float().cpu() for t in ents]
+    # No sample with a nonzero advantage (e.g. every group all-wrong): no gradient signal, so skip
+    # the optimizer step and the sync (AdamW momentum alone would still move the weights). Every
+    # rank holds the whole batch, so every rank takes the same decision; the recompute then only
+    # measures (no graph).
+    signal = bool(train_mask_all.sum() > 0) and bool((adv[keep] != 0).any())
+    global_den = train_mask_all.sum() if loss_cfg.loss_agg == "token" else n  # "sequence": rows
+    size = micro_batch if micro_batch > 0 else max(len(mine), 1)
+    lp_rows: list[torch.Tensor] = []
+    ent_rows: list[torch.Tensor] = []
+    for lo in range(mine.start, mine.stop, size):
+        sl = slice(lo, min(lo + size, mine.stop))
+        with torch.set_grad_enabled(signal):
+            logps, ents = trainer.sequence_logprobs_and_entropy(samples[sl], temperature, replay,
+                                                                entropy_grad=want_entropy_grad and signal)
+        lp_rows += [t.detach().float().cpu() for t in logps]
+        ent_rows += [t.detach().float().cpu() for t in ents]
+        if signal:
+            logp = _pad_grad(list(logps), width)
+            dev = logp.device
+            loss, _ = policy_loss(logp, logp.detach(), rollout_all[sl].to(dev), adv[sl].to(dev),
+                                  train_mask_all[sl].to(dev), loss_cfg,
+                                  entropy=_pad_grad(list(ents), width) if want_entropy_grad else None)
+            local_den = train_mask_all[sl].sum() if loss_cfg.loss_agg == "token" else sl.stop - sl.start
+            (loss * loss_scale(local_den, global_den, world)).backward()
     if dp is not None:  # every rank gets every sample's logprobs / entropies, in sample order
         import torch.distributed as dist
 
@@ -189,34 +215,14 @@ def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: t
     m: dict = {k: _f(v) for k, v in mismatch_metrics(old_all, rollout_all, mask_all).items()}
     # Mean per-token entropy of softmax(logits / T) on every sampled token, before the update.
     m["entropy"] = _f(masked_aggregate(ent_all, mask_all, "token"))
-
-    # No sample with a nonzero advantage (e.g. every group all-wrong): no gradient signal, so skip
-    # the optimizer step and the sync (AdamW momentum alone would still move the weights). Every
-    # rank holds the whole batch, so every rank takes the same decision.
-    if not (train_mask_all.sum() > 0 and bool((adv[keep] != 0).any())):
+    if not signal:
         m["loss"] = 0.0
         return m, False
-    sl = slice(mine.start, mine.stop)
-    logp = _pad_grad(list(logps), width)
-    dev = logp.device
-    ent_grad = _pad_grad(list(ents), width) if want_entropy_grad else None
-    loss, lm = policy_loss(logp, logp.detach(), rollout_all[sl].to(dev), adv[sl].to(dev),
-                           train_mask_all[sl].to(dev), loss_cfg, entropy=ent_grad)
-    if dp is not None:
-        from kiln.rl.fsdp import loss_scale
-
-        if loss_cfg.loss_agg == "token":
-            local_den, global_den = train_mask_all[sl].sum(), train_mask_all.sum()
-        else:  # "sequence": the mean over rows of per-row means
-            local_den, global_den = len(mine), n
-        loss = loss * loss_scale(local_den, global_den, dp.world_size)
-        # The loss metrics over the whole batch (logp == old_logp before the step, as above).
-        full_loss, lm = policy_loss(old_all, old_all, rollout_all, adv, train_mask_all, loss_cfg,
-                                    entropy=ent_all if want_entropy_grad else None)
-        m["loss"] = _f(full_loss)
-    else:
-        m["loss"] = _f(loss)
-    stats = trainer.step(loss)
+    # The loss and its metrics over the whole batch (logp == old_logp before the step).
+    full_loss, lm = policy_loss(old_all, old_all, rollout_all, adv, train_mask_all, loss_cfg,
+                                entropy=ent_all if want_entropy_grad else None)
+    m["loss"] = _f(full_loss)
+    stats = trainer.step()  # the gradients are accumulated above
     m.update({k: _f(v) for k, v in lm.items() if k not in ("loss", "entropy")})
     if isinstance(stats, dict):
         m.update({k: _f(v) for k, v in stats.items()})
@@ -253,7 +259,7 @@ def grpo_step(cfg: RLConfig, step: int, engine: Any, trainer: Any, iterator: Any
     # 3. Train: one recompute (with grad); old_logp is its detached copy.
     t1 = time.perf_counter()
     tm, updated = train_on_batch(trainer, samples, adv, keep, loss_cfg, cfg.temperature,
-                                 cfg.routing_replay and routed, dp)
+                                 cfg.routing_replay and routed, dp, cfg.micro_batch_size)
     m.update(tm)
     t_train = time.perf_counter() - t1
 

@@ -211,10 +211,11 @@ class PolicyTrainer:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def step(self, loss: torch.Tensor) -> dict[str, float]:
-        """backward, clip the grad norm to `max_grad_norm`, AdamW step, zero grads.
-        Returns {"grad_norm", "lr"}."""
-        loss.backward()
+    def step(self, loss: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """backward (unless `loss` is None: gradients accumulated by the caller), clip the grad
+        norm to `max_grad_norm`, AdamW step, zero grads. Returns {"grad_norm", "lr"}."""
+        if loss is not None:
+            loss.backward()
         params = self.trainable_parameters()
         if self.sharded:  # DTensor grad shards (+ replicated scalars): kiln.rl.fsdp's reduction
             from kiln.rl.fsdp import clip_grad_norm, reduce_replicated_grads

@@ -1,0 +1,46 @@
+"""Gradient accumulation in the GRPO step (`train_on_batch(..., micro_batch=k)`): recomputing and
+back-propagating k samples at a time, then one optimizer step, gives the step of the whole batch
+at once (weights and metrics), for token- and sequence-mean losses and with the entropy term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.rl.loop import train_on_batch
+from kiln.rl.loss import LossConfig
+from tests.rl.tiny import fixed_batch, tiny_trainer, write_tiny_llama
+
+
+def _step(model_dir, loss_cfg, micro_batch):
+    torch.manual_seed(0)
+    # Adam's eps = 1 makes the update ~proportional to the gradient (see tests/rl/fsdp_worker.py).
+    trainer = tiny_trainer(model_dir, lr=0.5, eps=1.0)
+    samples, adv, keep = fixed_batch(n_groups=3, group=3)
+    m, updated = train_on_batch(trainer, samples, adv, keep, loss_cfg, 1.0, False, None, micro_batch)
+    assert updated
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, m
+
+
+@pytest.mark.parametrize("loss_cfg", [LossConfig(), LossConfig(loss_agg="sequence"),
+                                      LossConfig(entropy_coef=0.01)], ids=["token", "sequence", "entropy"])
+def test_micro_batches_give_the_whole_batch_step(tmp_path, loss_cfg):
+    d = write_tiny_llama(str(tmp_path / "m"))
+    whole, m_whole = _step(d, loss_cfg, 0)
+    for k in (2, 4):  # 9 samples: uneven parts, the last group (dropped by keep) split across parts
+        parts, m_parts = _step(d, loss_cfg, k)
+        moved = max((whole[n] - parts[n]).abs().max().item() for n in whole)
+        assert moved < 1e-5, (k, moved)
+        for key in ("loss", "train_rollout_kl", "entropy", "grad_norm", "clip_frac"):
+            assert m_parts[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-6), (k, key)
+
+
+def test_a_wrong_part_scale_moves_the_weights(tmp_path, monkeypatch):
+    """The check above can fail: dropping the parts' scaling changes the step."""
+    import kiln.rl.fsdp as fsdp
+
+    d = write_tiny_llama(str(tmp_path / "m"))
+    whole, _ = _step(d, LossConfig(), 0)
+    monkeypatch.setattr(fsdp, "loss_scale", lambda local, glob, world: 1.0)
+    parts, _ = _step(d, LossConfig(), 2)
+    assert max((whole[n] - parts[n]).abs().max().item() for n in whole) > 1e-3
