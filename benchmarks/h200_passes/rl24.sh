@@ -54,3 +54,16 @@ lane0_rl24d() {  # call 4 (carry scratch/base24b = git archive of the rl24c comm
   step rl_mb16 120 python benchmarks/rl_step.py --dtype bfloat16 --device cuda $C ${RL_SHAPE24/--micro-batch 8/--micro-batch 16} \
     --steps 3 --lora-rank 0 --release-memory --out "$R/json/rl_mb16.json"
 }
+
+lane0_rl24e() {  # call 5: `kiln rl` itself on CUDA (never run there before): the Inkling `small` preset with random
+  # weights and a pseudo-random reward (benchmarks/timing_reward.py), full weights and LoRA, micro-batches of 8;
+  # then every GPU test
+  local d=/tmp/inkling-small
+  step init_model 120 python -m kiln init-model --arch inkling --preset small --out $d
+  local rl="python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 --micro-batch-size 8 \
+    --reward benchmarks/timing_reward.py:reward --progress false"
+  step rl_full 150 $rl --out-dir "$R/json/rl_full"
+  step rl_lora 150 $rl --lora-rank 16 --lr 5e-4 --out-dir "$R/json/rl_lora"
+  for run in rl_full rl_lora; do echo "== $run"; cat "$R/json/$run/metrics.jsonl"; rm -rf "$R/json/$run"/ckpt-*; done
+  step gpu_tests 330 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+}
