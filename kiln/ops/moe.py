@@ -135,15 +135,20 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     # (torch 2.13's CPU build has it with a backward); one tiny forward and backward says.
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        a = torch.ones(16, 8, device=device_type, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        ends = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
-        y = torch._grouped_mm(a, b, offs=ends)
-        y.backward(torch.ones_like(y))
-        return bool((y == 8).all()) and b.grad is not None
+    try:  # with autograd on whatever the caller's mode: the first caller may be an engine's forward
+        with torch.inference_mode(False), torch.enable_grad():
+            return _grouped_mm_probe(device_type, dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
+    a = torch.ones(16, 8, device=device_type, dtype=dtype, requires_grad=True)
+    b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+    ends = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
+    y = torch._grouped_mm(a, b, offs=ends)
+    y.backward(torch.ones_like(y))
+    return bool((y == 8).all()) and b.grad is not None
 
 
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

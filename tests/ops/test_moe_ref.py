@@ -69,6 +69,20 @@ def test_grouped_experts_equal_the_loop_in_fp32_and_bf16():
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_the_support_probe_answers_the_same_from_an_engine_forward():
+    """The probe runs once per device and dtype and is cached: a first caller under
+    inference_mode (the engine's forward on the CPU) must not record 'unsupported' for the
+    trainer that comes after it in the same process."""
+    ref_ops._grouped_mm_works.cache_clear()
+    try:
+        with torch.inference_mode():
+            x, w13, w2, _, _ = _problem()
+            first = grouped_mm_supported(x, w13, w2)
+        assert first and grouped_mm_supported(*_problem()[:3])
+    finally:
+        ref_ops._grouped_mm_works.cache_clear()
+
+
 def test_grouped_gemm_needs_rows_of_16_bytes_and_one_dtype():
     x, w13, w2, ids, w = _problem(H=16, I=6)  # fp32 rows of 24 bytes in w2
     assert not grouped_mm_supported(x, w13, w2)
