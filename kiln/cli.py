@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiny: CPU tests; small: CPU demos; bench: one H200 (see docs/models.md).")
     init.add_argument("--out", required=True, help="Output directory (created; earlier weights replaced).")
     init.add_argument("--seed", type=int, default=0, help="Seed of the random weights.")
+    init.add_argument("--tokenizer-path", default=None,
+                      help="Directory with SmolLM2's tokenizer files (default: the embedded model's).")
     init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="Weight dtype (default: float32 for tiny/small, bfloat16 for bench).")
     weights = init.add_mutually_exclusive_group()
@@ -95,7 +97,7 @@ def _init_model(args: argparse.Namespace) -> None:
 
     with_weights = DEFAULT_WITH_WEIGHTS[args.preset] if args.with_weights is None else args.with_weights
     config = init_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype,
-                        with_weights=with_weights)
+                        with_weights=with_weights, tokenizer_path=args.tokenizer_path)
     what = "weights, config and tokenizer" if with_weights else \
         "config and tokenizer, no weights (serve with --load-format dummy)"
     print(f"kiln init-model: wrote {args.arch} {args.preset} ({describe(config)}) to {args.out}: {what}")

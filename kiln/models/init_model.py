@@ -111,14 +111,20 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def build_tokenizer():
-    """SmolLM2's tokenizer (from the embedded model's cache) with the MODELS.md 6 tokens and the
-    chat template."""
+def build_tokenizer(base: Optional[str] = None):
+    """SmolLM2's tokenizer (from the embedded model's cache, or the tokenizer directory `base`)
+    with the MODELS.md 6 tokens and the chat template."""
     from transformers import AddedToken, AutoTokenizer
 
     from kiln.loader import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(None).model_dir, local_files_only=True)
+    if base is None:
+        try:
+            base = resolve_model(None).model_dir
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e} For kiln init-model, --tokenizer-path DIR (a directory with "
+                                    "SmolLM2's tokenizer.json) works too.") from e
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
     missing = [t for t in TEXT_MARKERS if t not in tok.get_vocab()]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in missing])
     if IMAGE_TOKEN not in tok.get_vocab():
@@ -131,12 +137,14 @@ def build_tokenizer():
 
 
 def init_model(arch: str, preset: str, out_dir: str, seed: int = 0, dtype: Optional[str] = None,
-               with_weights: Optional[bool] = None, max_shard_bytes: int = SHARD_BYTES) -> dict:
+               with_weights: Optional[bool] = None, max_shard_bytes: int = SHARD_BYTES,
+               tokenizer_path: Optional[str] = None) -> dict:
     """Write a checkpoint directory for `PRESETS[arch][preset]`; return its config.json dict.
 
     `dtype`: weight dtype (default float32 for tiny/small, bfloat16 for bench). `with_weights`
     None: the preset's default (tiny/small yes; bench no: config + tokenizer only, serve it with
-    `--load-format dummy`).
+    `--load-format dummy`). `tokenizer_path`: the base tokenizer's directory (default: the
+    embedded SmolLM2's; a machine without it, such as an offline GPU host, passes its files).
     """
     config = get_preset(arch, preset)
     dtype = dtype or DEFAULT_DTYPE[preset]
@@ -148,7 +156,7 @@ def init_model(arch: str, preset: str, out_dir: str, seed: int = 0, dtype: Optio
     if os.path.exists(os.path.join(out_dir, "config.json")):
         os.remove(os.path.join(out_dir, "config.json"))  # rewritten last, once everything else is
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(tokenizer_path)
     vocab = round_vocab(len(tok))
     if vocab != config["vocab_size"]:  # the preset assumes SmolLM2's vocab; follow the tokenizer
         config["vocab_size"] = vocab

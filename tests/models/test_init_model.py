@@ -254,3 +254,24 @@ def test_inkling_loader_ignores_runtime_buffers(tmp_path):
     with pytest.raises(KeyError, match="selection_counter"):
         model.load_weights([(name, torch.ones(1, dtype=torch.int32))], strict=False)
     assert int(dict(model.named_buffers())[name]) == 0
+
+
+def test_tokenizer_from_a_directory_and_the_error_without_one(tmp_path, monkeypatch):
+    """An offline host without the embedded model passes SmolLM2's tokenizer files; without
+    either, the error names both fixes."""
+    import kiln.loader as loader
+
+    tok_dir = str(tmp_path / "tok")
+    load_tokenizer(resolve_model(None).model_dir).save_pretrained(tok_dir)
+    want = init_model("inkling", "tiny", str(tmp_path / "a"), with_weights=False)
+
+    def missing(path=None, *a, **k):
+        raise FileNotFoundError("The embedded default model is missing. Install it with `pip install ...`.")
+
+    monkeypatch.setattr(loader, "resolve_model", missing)
+    with pytest.raises(FileNotFoundError, match="--tokenizer-path"):
+        init_model("inkling", "tiny", str(tmp_path / "b"), with_weights=False)
+    got = init_model("inkling", "tiny", str(tmp_path / "c"), with_weights=False, tokenizer_path=tok_dir)
+    assert got == want
+    with open(os.path.join(tmp_path / "a", "tokenizer.json")) as a, open(os.path.join(tmp_path / "c", "tokenizer.json")) as c:
+        assert json.load(a) == json.load(c)
