@@ -55,11 +55,12 @@ lane0_rl24d() {  # call 4 (carry scratch/base24b = git archive of the rl24c comm
     --steps 3 --lora-rank 0 --release-memory --out "$R/json/rl_mb16.json"
 }
 
-lane0_rl24e() {  # call 5: `kiln rl` itself on CUDA (never run there before): the Inkling `small` preset with random
-  # weights and a pseudo-random reward (benchmarks/timing_reward.py), full weights and LoRA, micro-batches of 8;
-  # then every GPU test
+lane0_rl24e() {  # call 5 (carry scratch/smol_tok = SmolLM2's tokenizer files): `kiln rl` itself on CUDA (never run
+  # there before): the Inkling `small` preset with random weights and a pseudo-random reward
+  # (benchmarks/timing_reward.py), full weights and LoRA, micro-batches of 8; then every GPU test.
+  # Call 5 ran this without --tokenizer-path (not in the tree yet): init-model found no tokenizer on the host
   local d=/tmp/inkling-small
-  step init_model 120 python -m kiln init-model --arch inkling --preset small --out $d
+  step init_model 120 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
   local rl="python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 --micro-batch-size 8 \
     --reward benchmarks/timing_reward.py:reward --progress false"
   step rl_full 150 $rl --out-dir "$R/json/rl_full"
