@@ -200,7 +200,7 @@ class Experts(nn.Module):
         if _use_kernels(x, self.w13, self.w2, topk_weights):
             out = _kernel_ops().fused_experts(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
         else:
-            out = ref_ops.routed_experts(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
+            out = ref_ops.experts_torch(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
         if self.reduce_output:
             out = self.pc.all_reduce(out)
         return out.to(out_dtype or x.dtype)

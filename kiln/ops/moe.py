@@ -162,7 +162,7 @@ def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
     return _grouped_mm_works(x.device.type, x.dtype)
 
 
-def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
                    act: Callable[[torch.Tensor], torch.Tensor] = swiglu_act) -> torch.Tensor:
     """The routed experts in PyTorch ops (the path without the fused kernels: CPU, autograd):

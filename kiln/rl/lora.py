@@ -96,7 +96,7 @@ class LoRAExpertsMixin:
         s = self.lora_scaling
         w13 = self.w13 + s * torch.bmm(self.lora_B13, self.lora_A13)
         w2 = self.w2 + s * torch.bmm(self.lora_B2, self.lora_A2)
-        out = ref_ops.routed_experts(x, w13, w2, topk_ids, topk_weights, torch.float32, act=swiglu)
+        out = ref_ops.experts_torch(x, w13, w2, topk_ids, topk_weights, torch.float32, act=swiglu)
         if self.reduce_output:
             out = self.pc.all_reduce(out)
         return out.to(out_dtype or x.dtype)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops import moe as ref_ops
-from kiln.ops.moe import experts_grouped, experts_ref, grouped_mm_supported, routed_experts
+from kiln.ops.moe import experts_grouped, experts_ref, experts_torch, grouped_mm_supported
 
 
 def _oracle(x, w13, w2, ids, w):
@@ -88,7 +88,7 @@ def test_grouped_gemm_needs_rows_of_16_bytes_and_one_dtype():
     assert not grouped_mm_supported(x, w13, w2)
     assert not grouped_mm_supported(x.double(), w13, w2)
     # The dispatch falls back to the loop there, and gives the loop's result.
-    for got, want in zip(_run(routed_experts, x, w13, w2, ids, w), _run(experts_ref, x, w13, w2, ids, w)):
+    for got, want in zip(_run(experts_torch, x, w13, w2, ids, w), _run(experts_ref, x, w13, w2, ids, w)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
@@ -97,8 +97,8 @@ def test_dispatch_takes_the_grouped_gemm_where_supported(monkeypatch):
     monkeypatch.setattr(ref_ops, "experts_grouped", lambda *a: calls.append("grouped") or experts_grouped(*a))
     monkeypatch.setattr(ref_ops, "experts_ref", lambda *a: calls.append("loop") or experts_ref(*a))
     x, w13, w2, ids, w = _problem()
-    ref_ops.routed_experts(x, w13, w2, ids, w)
-    ref_ops.routed_experts(x[:, :6], w13[:, :, :6], w2[:, :6], ids, w)  # hidden 6: 24-byte rows
+    ref_ops.experts_torch(x, w13, w2, ids, w)
+    ref_ops.experts_torch(x[:, :6], w13[:, :, :6], w2[:, :6], ids, w)  # hidden 6: 24-byte rows
     assert calls == ["grouped", "loop"]
 
 
