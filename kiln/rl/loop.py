@@ -151,14 +151,28 @@ def rollout_and_score(cfg: RLConfig, step: int, engine: Any, iterator: Any, rewa
     return samples, adv, keep, m
 
 
+def micro_batches(mine: range, size: int, n: int, world: int) -> list[slice]:
+    """This rank's samples `mine` (of `n` over `world` ranks) in parts of at most `size` (0: one
+    part). Every rank makes as many parts as the smallest share needs: FSDP reduces the gradients
+    at each backward, a collective every rank must join, so with uneven shares a part of the
+    larger ones holds one sample more than `size`. The parts are as even as can be."""
+    if size <= 0 or not len(mine):
+        return [slice(mine.start, mine.stop)]
+    smallest = n // world  # kiln.rl.fsdp.shard_range: the shares differ by at most one
+    count = max(1, -(-max(smallest, 1) // size))
+    bounds = [mine.start + len(mine) * i // count for i in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: torch.Tensor, loss_cfg: Any,
                    temperature: float, replay: bool, dp: Any = None, micro_batch: int = 0) -> tuple[dict, bool]:
     """The trainer side of a step, on every rank: recompute the logprobs (and the entropy) of the
     samples, the policy loss with TIS against the rollout logprobs, one optimizer step.
 
     One process: all samples. Under FSDP (`dp`, kiln.rl.fsdp) each rank recomputes its contiguous
-    share. `micro_batch` > 0 recomputes and back-propagates that many samples at a time and steps
-    once after the last (gradient accumulation: activations of one micro-batch alive at a time).
+    share. `micro_batch` > 0 recomputes and back-propagates at most that many samples at a time
+    (`micro_batches`) and steps once after the last (gradient accumulation: the activations of one
+    micro-batch alive at a time).
     Each part's loss is scaled by its share of the whole batch's denominator (tokens for
     token-mean, rows for sequence-mean; times the ranks under FSDP, whose gradient average divides
     by them), so the summed gradient is the whole batch's. The detached logprobs are all-gathered
@@ -186,11 +200,9 @@ def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: t
     # measures (no graph).
     signal = bool(train_mask_all.sum() > 0) and bool((adv[keep] != 0).any())
     global_den = train_mask_all.sum() if loss_cfg.loss_agg == "token" else n  # "sequence": rows
-    size = micro_batch if micro_batch > 0 else max(len(mine), 1)
     lp_rows: list[torch.Tensor] = []
     ent_rows: list[torch.Tensor] = []
-    for lo in range(mine.start, mine.stop, size):
-        sl = slice(lo, min(lo + size, mine.stop))
+    for sl in micro_batches(mine, micro_batch, n, world):
         with torch.set_grad_enabled(signal):
             logps, ents = trainer.sequence_logprobs_and_entropy(samples[sl], temperature, replay,
                                                                 entropy_grad=want_entropy_grad and signal)

@@ -1,7 +1,7 @@
 """Two GRPO training steps on the fixed tiny batch, in one process or as one rank of an FSDP2
 group (run under torchrun). Used by tests/rl/test_fsdp.py:
 
-    python tests/rl/fsdp_worker.py MODEL_DIR OUT.pt full|lora [DTYPE]                    # one process
+    python tests/rl/fsdp_worker.py MODEL_DIR OUT.pt full|lora|micro [DTYPE]              # one process
     python -m torch.distributed.run --nproc-per-node 2 tests/rl/fsdp_worker.py ...  # FSDP2, gloo
 
 Writes (rank 0) {"weights": whole weights + adapter after both steps, "metrics": [m1, m2]}.
@@ -35,13 +35,15 @@ def main(model_dir: str, out: str, mode: str, dtype: str = "float32") -> None:
         trainer.enable_lora(rank=4, alpha=8, seed=0)
     if dp is not None:
         trainer.shard()
-    samples, adv, keep = fixed_batch()
-    m1, up1 = train_on_batch(trainer, samples, adv, keep, LossConfig(), 1.0, False, dp)
+    # "micro": 9 samples (shares of 5 and 4 under two ranks) in micro-batches of at most 2.
+    samples, adv, keep = fixed_batch(n_groups=3, group=3) if mode == "micro" else fixed_batch()
+    micro = 2 if mode == "micro" else 0
+    m1, up1 = train_on_batch(trainer, samples, adv, keep, LossConfig(), 1.0, False, dp, micro)
     opt_file = f"{out}.opt{rank}"
     torch.save(trainer.optimizer.state_dict(), opt_file)
     trainer._build_optimizer()
     trainer.optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
-    m2, up2 = train_on_batch(trainer, samples, adv, keep, LossConfig(loss_agg="sequence"), 1.0, False, dp)
+    m2, up2 = train_on_batch(trainer, samples, adv, keep, LossConfig(loss_agg="sequence"), 1.0, False, dp, micro)
     assert up1 and up2
     with trainer.gathered():
         if rank == 0:

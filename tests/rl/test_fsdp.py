@@ -5,7 +5,9 @@ Checks the whole sharded path: fully_shard per decoder layer + root (tied embedd
 each rank recomputing its share of the samples with the loss scaled for FSDP's gradient average
 (token-mean in step 1, sequence-mean in step 2), clip_grad_norm_ over DTensor grads, AdamW on the
 shards, the optimizer state saved and reloaded per rank between the steps, and the
-DTensor.full_tensor() gather that the weight sync and checkpoints use."""
+DTensor.full_tensor() gather that the weight sync and checkpoints use. "micro" does the same with
+gradient accumulation over uneven shares (5 and 4 samples in micro-batches of at most 2: every
+rank must run as many backwards, since FSDP reduces the gradients at each)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _run(cmd: list[str]) -> None:
                     f"\n--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[:6000]}")
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("mode", ["full", "lora", "micro"])
 def test_fsdp2_two_ranks_match_one_process(tmp_path, mode):
     model = write_tiny_llama(str(tmp_path / "model"))
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")

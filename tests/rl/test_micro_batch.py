@@ -44,3 +44,19 @@ def test_a_wrong_part_scale_moves_the_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(fsdp, "loss_scale", lambda local, glob, world: 1.0)
     parts, _ = _step(d, LossConfig(), 2)
     assert max((whole[n] - parts[n]).abs().max().item() for n in whole) > 1e-3
+
+
+def test_micro_batches_are_even_and_the_same_count_on_every_rank():
+    from kiln.rl.fsdp import shard_range
+    from kiln.rl.loop import micro_batches
+
+    assert micro_batches(range(9), 0, 9, 1) == [slice(0, 9)]
+    assert [s.stop - s.start for s in micro_batches(range(9), 4, 9, 1)] == [3, 3, 3]
+    for n, world, size in ((9, 2, 2), (10, 3, 2), (7, 2, 1), (64, 4, 5)):
+        parts = [micro_batches(shard_range(n, r, world), size, n, world) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1, (n, world, size, parts)  # one backward count
+        for r, p in enumerate(parts):
+            mine = shard_range(n, r, world)
+            assert p[0].start == mine.start and p[-1].stop == mine.stop
+            assert all(a.stop == b.start for a, b in zip(p, p[1:]))
+            assert all(1 <= s.stop - s.start <= size + 1 for s in p)
