@@ -203,9 +203,14 @@ def train_on_batch(trainer: Any, samples: list[dict], adv: torch.Tensor, keep: t
     lp_rows: list[torch.Tensor] = []
     ent_rows: list[torch.Tensor] = []
     for sl in micro_batches(mine, micro_batch, n, world):
-        with torch.set_grad_enabled(signal):
-            logps, ents = trainer.sequence_logprobs_and_entropy(samples[sl], temperature, replay,
-                                                                entropy_grad=want_entropy_grad and signal)
+        try:
+            with torch.set_grad_enabled(signal):
+                logps, ents = trainer.sequence_logprobs_and_entropy(samples[sl], temperature, replay,
+                                                                    entropy_grad=want_entropy_grad and signal)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(
+                f"the trainer ran out of memory recomputing {sl.stop - sl.start} samples at once; train in "
+                f"smaller parts with micro_batch_size (--micro-batch-size, now {micro_batch}): {e}") from e
         lp_rows += [t.detach().float().cpu() for t in logps]
         ent_rows += [t.detach().float().cpu() for t in ents]
         if signal:

@@ -60,3 +60,16 @@ def test_micro_batches_are_even_and_the_same_count_on_every_rank():
             assert p[0].start == mine.start and p[-1].stop == mine.stop
             assert all(a.stop == b.start for a, b in zip(p, p[1:]))
             assert all(1 <= s.stop - s.start <= size + 1 for s in p)
+
+
+def test_out_of_memory_names_the_micro_batch_option(tmp_path, monkeypatch):
+    d = write_tiny_llama(str(tmp_path / "m"))
+    trainer = tiny_trainer(d)
+    samples, adv, keep = fixed_batch()
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 576.00 MiB.")
+
+    monkeypatch.setattr(trainer, "sequence_logprobs_and_entropy", oom)
+    with pytest.raises(torch.OutOfMemoryError, match="micro-batch-size.*576"):
+        train_on_batch(trainer, samples, adv, keep, LossConfig(), 1.0, False)
