@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 import common  # noqa: F401  (puts the repository root on sys.path)
-from common import add_bench_args, add_engine_args, log, median, resolve_dummy_init, setup, synchronize
+from common import (add_bench_args, add_engine_args, log, median, resolve_dummy_init, save_json, setup,
+                    synchronize)
 from rl_step import dummy_init, is_moe
 
 
@@ -93,7 +94,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             once()
         key = "self_cuda_time_total" if str(device).startswith("cuda") else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
-    return {"recompute_s": rec, "backward_s": bwd, "tokens": tokens}
+    result = {"recompute_s": rec, "backward_s": bwd, "tokens": tokens, "samples": args.samples,
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats}
+    save_json(args.out, [result], {"benchmark": "trainer_profile", "model_path": config.model_path,
+                                   "device": str(device), "dtype": str(dtype), "routing_replay": routed})
+    return result
 
 
 if __name__ == "__main__":

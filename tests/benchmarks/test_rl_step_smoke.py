@@ -47,10 +47,16 @@ def test_rl_step_tiny_cpu(tmp_path):
     assert [r["phase"] for r in saved["rows"]] == ["full", "lora"]
 
 
-def test_trainer_profile_quick(capsys):
-    """benchmarks/trainer_profile.py on the CPU (tiny Inkling, routing replay): it times and profiles."""
+def test_trainer_profile_quick(capsys, tmp_path):
+    """benchmarks/trainer_profile.py on the CPU (tiny Inkling, routing replay): it times, profiles
+    and writes its row to --out."""
+    import json
+
     import trainer_profile
 
-    r = trainer_profile.main(["--quick", "--profile", "--rows", "3"])
+    out = tmp_path / "tp.json"
+    r = trainer_profile.main(["--quick", "--profile", "--rows", "3", "--out", str(out)])
     assert r["recompute_s"] > 0 and r["backward_s"] > 0 and r["tokens"] == 2 * 24
     assert "Self CPU" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == [r] and saved["meta"]["routing_replay"] is True
