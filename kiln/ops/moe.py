@@ -8,10 +8,13 @@ at the end (MODELS.md 2.3, 3.2).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 def topk_lower_id(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,27 +87,42 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     and the loop reads the expert counts with one host synchronisation. (The trainer runs this
     under autograd: a scatter into the whole [T * k, H] buffer per expert had copied it E times.)
     """
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    # x's row per slot, then the permutation (each row once): the repeat's backward adds a
-    # token's k slot gradients in slot order, not in whatever order an index with repeated rows
-    # accumulates them.
-    rows = x.repeat_interleave(k, dim=0)[order]
+    rows, order, counts = _slots_by_expert(x, topk_ids, w13.shape[0])
     # Per-expert views from one unbind: its backward stacks the experts' gradients once, where
     # indexing w13[e] in the loop made each expert's backward a zero-filled full-size gradient
     # added into the parameter's (E times the stacked weights' bytes).
     w13s, w2s = w13.unbind(0), w2.unbind(0)
     outs, start = [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):
         if n:
             a = act(F.linear(rows[start:start + n], w13s[e]))
             outs.append(F.linear(a.to(w2.dtype), w2s[e]).float())
             start += n
-    y = torch.cat(outs) * topk_weights.reshape(-1).float()[order, None]
+    return _weighted_slot_sum(torch.cat(outs), order, topk_weights, out_dtype or x.dtype)
+
+
+def _slots_by_expert(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x's row per (token, slot) pair sorted by expert (stable: within an expert, in slot order),
+    the sorting permutation, the pairs per expert [E])."""
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert
+    # x's row per slot, then the permutation (each row once): the repeat's backward adds a
+    # token's k slot gradients in slot order, not in whatever order an index with repeated rows
+    # accumulates them.
+    rows = x.repeat_interleave(k, dim=0)[order]
+    return rows, order, torch.bincount(flat_ids, minlength=num_experts)
+
+
+def _weighted_slot_sum(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """The experts' fp32 rows `y` (in `_slots_by_expert` order) times their routing weights, put
+    back in slot order and summed over each token's k slots (in selection order), cast once."""
+    t, k = topk_weights.shape
+    y = y * topk_weights.reshape(-1).float()[order, None]
     slots = y[torch.argsort(order)]  # back to slot order
-    return slots.view(t, k, -1).sum(dim=1).to(out_dtype or x.dtype)
+    return slots.view(t, k, -1).sum(dim=1).to(out_dtype)
 
 
 def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -117,38 +135,33 @@ def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     grouped too), and no host synchronisation (the group offsets stay on the device). This is what
     the trainer's recompute and backward run; `grouped_mm_supported` says where it applies.
     """
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    ends = torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0).to(torch.int32)
-    rows = x.repeat_interleave(k, dim=0)[order]  # as in experts_ref: x's gradient in slot order
+    rows, order, counts = _slots_by_expert(x, topk_ids, w13.shape[0])
+    ends = torch.cumsum(counts, 0).to(torch.int32)
     a = act(torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends))
     y = torch._grouped_mm(a.to(w2.dtype), w2.transpose(1, 2), offs=ends).float()
-    y = y * topk_weights.reshape(-1).float()[order, None]
-    slots = y[torch.argsort(order)]
-    return slots.view(t, k, -1).sum(dim=1).to(out_dtype or x.dtype)
+    return _weighted_slot_sum(y, order, topk_weights, out_dtype or x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    # torch's grouped GEMM is a private op whose coverage varies by version, device and dtype
-    # (torch 2.13's CPU build has it with a backward); one tiny forward and backward says.
+    """One tiny grouped GEMM, forward and backward, with autograd on whatever the caller's mode
+    (the first caller may be an engine's forward): torch's grouped GEMM is a private op whose
+    coverage varies by version, device and dtype (torch 2.13's CPU build and 2.11's sm_90 build
+    have it in bf16 and fp32). Where it fails, the reason is logged once and the loop runs."""
     if not hasattr(torch, "_grouped_mm"):
+        logger.info("torch %s has no _grouped_mm: the routed experts run per expert", torch.__version__)
         return False
-    try:  # with autograd on whatever the caller's mode: the first caller may be an engine's forward
+    try:
         with torch.inference_mode(False), torch.enable_grad():
-            return _grouped_mm_probe(device_type, dtype)
-    except (RuntimeError, NotImplementedError, TypeError):
+            a = torch.ones(16, 8, device=device_type, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+            y = torch._grouped_mm(a, b, offs=torch.tensor([8, 16], device=device_type, dtype=torch.int32))
+            y.backward(torch.ones_like(y))
+    except (RuntimeError, NotImplementedError) as e:  # what torch raises for an unsupported device / dtype
+        logger.info("no grouped GEMM on %s in %s (%s): the routed experts run per expert", device_type, dtype, e)
         return False
-
-
-def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
-    a = torch.ones(16, 8, device=device_type, dtype=dtype, requires_grad=True)
-    b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-    ends = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
-    y = torch._grouped_mm(a, b, offs=ends)
-    y.backward(torch.ones_like(y))
-    return bool((y == 8).all()) and b.grad is not None
+    assert bool((y == 8).all()) and b.grad is not None, "torch._grouped_mm gave a wrong result"
+    return True
 
 
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -106,9 +106,11 @@ def test_dispatch_takes_the_grouped_gemm_where_supported(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_experts_on_cuda_equal_the_loop(dtype):
+    """On Hopper the grouped GEMM runs in both dtypes (torch 2.11 on the H200: measured); on
+    other GPUs `experts_torch` may fall back to the loop. Either way it equals the loop."""
     prob = _problem(T=300, E=16, K=4, H=256, I=128, dtype=dtype, device="cuda")
-    if not grouped_mm_supported(*prob[:3]):
-        pytest.skip(f"this torch has no CUDA grouped GEMM for {dtype}")  # the loop then runs
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert grouped_mm_supported(*prob[:3])
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    for got, want in zip(_run(experts_grouped, *prob), _run(experts_ref, *prob)):
+    for got, want in zip(_run(experts_torch, *prob), _run(experts_ref, *prob)):
         torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
