@@ -226,7 +226,7 @@ def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kf, vf = k.float()[idx], v.float()[idx]  # [B, L, Hkv, D]
     scores = torch.einsum("blhgd,bmhd->bhglm", qf, kf) * scale
     if rel is not None:  # [B, L, Hq, L]; head h = g_kv * group + g, as in _attend
-        bias = _padded_rel_bias(rel[idx], pos)
+        bias = rel_bias(rel[idx].flatten(0, 1), pos.repeat(b), pos)  # every sequence at 0..L-1
         scores = scores + bias.view(b, L, hkv, group, L).permute(0, 2, 3, 1, 4)
     dist = pos[:, None] - pos[None, :]
     visible = dist >= 0
@@ -241,11 +241,3 @@ def _padded_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out = torch.einsum("bhglm,bmhd->blhgd", torch.softmax(scores, dim=-1), vf)
     return out.reshape(b, L, hq, d)[valid].to(q.dtype)
 
-
-def _padded_rel_bias(rel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """`rel_bias` for B sequences at positions 0..L-1 each: rel [B, L, Hq, R] -> [B, L, Hq, L]."""
-    b, n, hq, r = rel.shape
-    dist = pos[:, None] - pos[None, :]  # [L, L]
-    near = (dist >= 0) & (dist < r)
-    idx = dist.clamp(0, r - 1)[None, :, None, :].expand(b, n, hq, n)
-    return torch.where(near[None, :, None, :], rel.float().gather(3, idx), 0.0)
