@@ -311,10 +311,11 @@ class EngineCore:
         # name (load_lora_from_model).
         if self._lora_base:
             self.runner.update_weights(self._lora_base.items())
-        params = dict(self.runner.model.named_parameters())
-        with torch.no_grad():
-            for n, t in self._lora_base_params.items():
-                params[n].copy_(t)
+        if self._lora_base_params:
+            params = dict(self.runner.model.named_parameters())
+            with torch.no_grad():
+                for n, t in self._lora_base_params.items():
+                    params[n].copy_(t)
         self._forget_lora_base()
 
     def _forget_lora_base(self) -> None:

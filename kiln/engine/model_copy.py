@@ -11,17 +11,15 @@ class WeightLayoutMismatch(ValueError):
     """The two models do not hold the same tensors (names or shapes): use the checkpoint-name path."""
 
 
-def _is_lora(name: str) -> bool:
-    return name.rsplit(".", 1)[-1].startswith("lora_")  # kiln.rl.lora's lora_A, lora_B13, ...
-
-
 def matched_weights(dst: torch.nn.Module, src: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(dst tensor, src tensor) for every parameter and persistent buffer of `dst`, matched by name.
 
     `src` may carry LoRA tensors (`lora_*`), which are left out, and other dtypes or devices
     (the copy casts). Raises WeightLayoutMismatch when a name is missing on either side or a shape
     differs (a sharded model, another architecture or size). Tied tensors are listed once."""
-    theirs = {n: t for n, t in src.state_dict(keep_vars=True).items() if not _is_lora(n)}
+    from kiln.rl.lora import is_lora_name  # the adapter's naming is the trainer's
+
+    theirs = {n: t for n, t in src.state_dict(keep_vars=True).items() if not is_lora_name(n)}
     ours = dst.state_dict(keep_vars=True)
     if set(ours) != set(theirs):
         missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))

@@ -164,8 +164,13 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float = 32.0,
     return names
 
 
+def is_lora_name(name: str) -> bool:
+    """Whether a parameter name is an adapter's (`lora_A`, `lora_B13`, ... on a module or the model)."""
+    return ".lora_" in name or name.startswith("lora_")
+
+
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for n, p in model.named_parameters() if ".lora_" in n or n.startswith("lora_")]
+    return [p for n, p in model.named_parameters() if is_lora_name(n)]
 
 
 # ---- PEFT naming ---------------------------------------------------------------------------

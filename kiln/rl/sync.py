@@ -24,11 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kiln.rl.lora import is_lora_name
 from kiln.server.client import buckets as weight_buckets
-
-
-def _is_lora(name: str) -> bool:
-    return ".lora_" in name
 
 
 def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -44,7 +41,7 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
         from kiln.models.inkling_weights import _disk_items
 
         for name, t in _disk_items(model):
-            if not _is_lora(name):
+            if not is_lora_name(name):
                 yield name, t.detach()
         return
     done: set[str] = set()
@@ -56,7 +53,7 @@ def checkpoint_views(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # state_dict: parameters and persistent buffers (MiniMax's router correction bias).
     for name, t in model.state_dict(keep_vars=True).items():
-        if name in done or _is_lora(name) or (tied and name == "lm_head.weight"):
+        if name in done or is_lora_name(name) or (tied and name == "lm_head.weight"):
             continue
         t = t.detach()
         disk = shift_mtp(name, +1)  # MTP layer k is mtp.{k-1} in memory, mtp.{k} on disk
@@ -89,7 +86,7 @@ def sync_full(trainer: Any, engine: Any, bucket_bytes: int = 512 * 1024**2) -> d
     if direct is not None and not getattr(trainer, "sharded", False):
         try:
             nbytes = direct(trainer.model)
-            tensors = sum(1 for n in trainer.model.state_dict() if not _is_lora(n))
+            tensors = sum(1 for n in trainer.model.state_dict() if not is_lora_name(n))
             return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "tensors": tensors, "buckets": 0,
                     "path": "model"}
         except WeightLayoutMismatch:
