@@ -106,11 +106,11 @@ class CudaGraphRunner:
         return b
 
     @torch.inference_mode()
-    def capture(self, capturer: Optional["GraphCapturer"] = None) -> None:
+    def capture(self, capturer: Optional["GraphCapturer"] = None, warmups: int = 2) -> None:
         """Capture every (shape, size), the most tokens first (later captures reuse the first
-        one's pool). `capturer` defaults to CUDA graphs; tests pass one that re-runs the forward
-        on replay."""
-        capturer = capturer or CudaGraphCapturer(self.device)
+        one's pool). `capturer` defaults to CUDA graphs with `warmups` eager runs before each
+        capture; tests pass one that re-runs the forward on replay."""
+        capturer = capturer or CudaGraphCapturer(self.device, warmups)
         for q in sorted(self.tokens_per_seq, key=lambda q: -q * self.sizes_of[q][-1]):
             for bs in reversed(self.sizes_of[q]):
                 batch = self._batch(bs, q)
@@ -185,21 +185,26 @@ class GraphCapturer(Protocol):
 
 
 class CudaGraphCapturer:
-    """`torch.cuda.CUDAGraph` capture on a side stream, all graphs in one memory pool."""
+    """`torch.cuda.CUDAGraph` capture on a side stream, all graphs in one memory pool.
 
-    def __init__(self, device: torch.device):
+    `warmups` eager runs precede each capture, so that first-use work (Triton's compiles and
+    autotuning, cuBLAS handles, tensors a module caches) happens outside it. A recapture of
+    shapes that already ran (after a memory release) needs none: that work is done, and the
+    warm-ups were two thirds of a resume's capture time."""
+
+    def __init__(self, device: torch.device, warmups: int = 2):
+        assert warmups >= 0, warmups
         self.device = device
+        self.warmups = warmups
         self.stream = torch.cuda.Stream(device)
         self.pool = None
         torch.cuda.synchronize(device)
         self.free_before = torch.cuda.mem_get_info(device)[0]
 
     def capture(self, fn):
-        # Warm up outside the capture: Triton compiles on first use, and the allocator settles
-        # its blocks.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for _ in range(2):
+            for _ in range(self.warmups):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()

@@ -306,10 +306,11 @@ class ModelRunner:
 
     def _recapture_graphs(self) -> None:
         """Graphs hold the addresses of the pools and weights they were captured with: after a
-        release + resume those are new allocations, so the graphs are captured again."""
+        release + resume those are new allocations, so the graphs are captured again, without
+        warm-ups: every shape ran at the first capture."""
         if self.graphs is not None and not self.kv_released and not self.weights_released:
             self.graphs = self._new_graphs()
-            self.graphs.capture()
+            self.graphs.capture(warmups=0)
 
     @property
     def weights_released(self) -> bool:

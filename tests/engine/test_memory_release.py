@@ -50,9 +50,15 @@ def test_release_frees_the_gpu_and_resume_serves_the_same_and_new_weights(arch_d
     # Nothing else kept the GPU copies alive (a cache of a weight, a graph's pool).
     assert freed >= weight_bytes + info["kv_cache_bytes"], (freed, weight_bytes, info)
 
+    # The recapture runs each graph's forward once, inside its capture: no eager warm-ups.
+    forwards = []
+    eager = core.runner._forward_eager
+    core.runner._forward_eager = lambda batch: forwards.append(batch.batch_size) or eager(batch)
     core.resume_memory_occupation(TAGS)
+    del core.runner._forward_eager
     assert not core.runner.kv_released and not core.runner.weights_released
     assert core.runner.graphs is not None and core.runner.graphs.graphs  # captured again
+    assert len(forwards) == len(core.runner.graphs.graphs), forwards
     after, rows_after = greedy(core, reqs, max_tokens=10)
     assert after == before
     for rid in before:

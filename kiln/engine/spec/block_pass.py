@@ -116,8 +116,9 @@ class PagedBlockPass:
 
     @torch.inference_mode()
     def capture(self, capturer=None) -> None:
-        """Capture every batch size, largest first (one memory pool)."""
-        capturer = capturer or CudaGraphCapturer(self.owner.runner.device)
+        """Capture every batch size, largest first (one memory pool); a recapture (after a
+        memory release) without warm-ups, as `CudaGraphRunner` does."""
+        capturer = capturer or CudaGraphCapturer(self.owner.runner.device, warmups=0 if self.graphs else 2)
         self.graphs = {}
         for buf in self._buffers():
             buf.zero_()  # warm-up and capture run on padding requests (scratch slot 0)

@@ -81,8 +81,9 @@ class MTPChainGraph:
 
     @torch.inference_mode()
     def capture(self, capturer=None) -> None:
-        """Capture every batch size, largest first (one memory pool)."""
-        capturer = capturer or CudaGraphCapturer(self.drafter.runner.device)
+        """Capture every batch size, largest first (one memory pool); a recapture (after a
+        memory release) without warm-ups, as `CudaGraphRunner` does."""
+        capturer = capturer or CudaGraphCapturer(self.drafter.runner.device, warmups=0 if self.graphs else 2)
         self.graphs = {}
         for bs in reversed(self.sizes):
             replay, logits = capturer.capture(lambda bs=bs: self._chain(bs))
