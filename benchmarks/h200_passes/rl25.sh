@@ -1,0 +1,23 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twenty-fifth session (2026-12-04): the resume's recapture without warm-ups, and `kiln rl` itself on
+# CUDA. The start's tree is carried as scratch/base25 = `git archive 1c5837d kiln benchmarks/*.py
+# benchmarks/kernel_bench benchmarks/configs`.
+# shellcheck shell=bash
+
+RL_SHAPE25="--dtype bfloat16 --device cuda --dummy-init auto --model-path preset:inkling/bench --prompts 8 --samples 4 \
+  --prompt-len 256 --max-new-tokens 128 --micro-batch 16 --steps 3 --lora-rank 0 --release-memory"
+
+lane0_rl25a() {  # call 1 (carry scratch/base25, scratch/smol_tok = SmolLM2's tokenizer files): the GRPO step's resume,
+  # recapture with and without warm-ups (this tree against the start); then `kiln rl` on CUDA (never run there
+  # before): the Inkling `small` preset with random weights and a pseudo-random reward (benchmarks/timing_reward.py),
+  # full weights and LoRA, micro-batches of 8
+  step rl_new 120 python benchmarks/rl_step.py $RL_SHAPE25 --out "$R/json/rl_new.json"
+  step rl_base 120 python scratch/base25/benchmarks/rl_step.py $RL_SHAPE25 --out "$R/json/rl_base.json"
+  local d=/tmp/inkling-small
+  step init_model 60 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
+  local rl="python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 --micro-batch-size 8 \
+    --reward benchmarks/timing_reward.py:reward --progress false"
+  step rl_full 130 $rl --out-dir "$R/json/rl_full"
+  step rl_lora 130 $rl --lora-rank 16 --lr 5e-4 --out-dir "$R/json/rl_lora"
+  for run in rl_full rl_lora; do echo "== $run"; cat "$R/json/$run/metrics.jsonl"; rm -rf "$R/json/$run"/ckpt-*; done
+}
