@@ -25,18 +25,21 @@ of steps 2..N (one step: that step). `kl_first` is the train-rollout KL (k3, Mil
 of the phase's first recompute: with identical weights it measures the engine-vs-trainer
 numerics alone. Peak memory is the device's max allocated bytes during the phase.
 
-Trainer precision: `--trainer-dtype auto` = the engine's dtype (bf16 on CUDA): bf16 parameters,
-gradients and AdamW states, no fp32 master copy. Fine for timing (a 1e-6 step mostly rounds away
-in bf16, so do not read the KL of later steps as a training signal); `--trainer-dtype float32`
-for fp32 training (twice the trainer memory).
+Trainer precision: `--trainer-dtype auto` = the engine's dtype (bf16 on CUDA), as `kiln rl` runs
+it: bf16 weights and gradients, AdamW over fp32 master copies (kiln.rl.optimizer).
+`--no-master-weights` steps the bf16 weights directly with bf16 moments (the twenty-ninth pass and
+before: half the optimizer memory, but a 1e-6 step mostly rounds away, so the later steps' KL is
+no training signal); `--trainer-dtype float32` for fp32 weights.
 
     python benchmarks/rl_step.py --device cuda                     # preset:inkling/bench, bf16
     python benchmarks/rl_step.py --model-path preset:inkling/small --device cuda
     python benchmarks/rl_step.py --quick                           # CPU smoke: preset:inkling/tiny
 
-Memory (Inkling bench, 5.76 B parameters, bf16): engine 11.5 GB + trainer 11.5 + grads 11.5 +
-AdamW 23 GB ~ 58 GB plus activations and the KV pool (sized to the rollout by default,
---max-total-tokens overrides); `--model-path preset:inkling/small` if that does not fit.
+Memory (Inkling bench, 5.76 B parameters, bf16): engine 11.5 GB (released to host memory during
+training with --release-memory) + trainer 11.5 + grads 11.5 + fp32 masters 23 + AdamW moments 46
+~ 92 GB plus activations and the KV pool (sized to the rollout by default, --max-total-tokens
+overrides); without master weights 11.5 + 11.5 + 23; `--model-path preset:inkling/small` if that
+does not fit.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=3, help="Steps per phase; the first is warm-up.")
     p.add_argument("--lora-rank", type=int, default=16, help="0 skips the LoRA phase.")
+    p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="A bf16 trainer's AdamW steps fp32 master copies (as kiln rl does).")
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--micro-batch", type=int, default=0,
@@ -280,6 +285,12 @@ def run_phase(phase: str, engine: Any, trainer: Any, prompts: list[list[int]], a
     return row, steps
 
 
+def _optimizer_note(masters: bool, trainer_dtype: torch.dtype) -> str:
+    if masters:
+        return " over fp32 masters"
+    return "" if trainer_dtype == torch.float32 else ", no fp32 master"
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     from kiln.offline import Engine
     from kiln.rl.sync import sync_full
@@ -304,10 +315,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         log(f"engine ready in {t_engine:.1f}s")
         t1 = time.perf_counter()
         trainer = PolicyTrainer(config.model_path, device=device, dtype=trainer_dtype, lr=args.lr,
-                                load_format="dummy", seed=config.seed)
+                                load_format="dummy", seed=config.seed, master_weights=args.master_weights)
         t_trainer = time.perf_counter() - t1
     log(f"trainer ready in {t_trainer:.1f}s")
     meta_extra: dict = {"engine_build_s": t_engine, "trainer_build_s": t_trainer, "trainer_dtype": str(trainer_dtype),
+                        "master_weights": bool(trainer.optimizer.masters),
                         "dummy_init": init_kind, "routing_replay": routed, "prompts": args.prompts,
                         "samples": args.samples, "prompt_len": args.prompt_len,
                         "max_new_tokens": args.max_new_tokens, "steps": args.steps, "lora_rank": args.lora_rank,
@@ -339,7 +351,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         engine.shutdown()
     meta = run_meta("rl_step", argv, hardware, config, dtype, device, per_step=steps, **meta_extra)
     header = [f"# {config.model_path.rstrip('/').rsplit('/', 1)[-1]}: {meta_extra['num_params'] / 1e9:.3f} B params, "
-              f"engine {dtype}, trainer {trainer_dtype} (AdamW, no fp32 master), "
+              f"engine {dtype}, trainer {trainer_dtype} "
+              f"(AdamW{_optimizer_note(meta_extra['master_weights'], trainer_dtype)}), "
               f"{args.prompts} prompts x {args.samples} samples, prompt {args.prompt_len}, "
               f"new {args.max_new_tokens}; median of steps 2..{args.steps}",
               f"# build: engine {t_engine:.1f}s, trainer {t_trainer:.1f}s; weights identical at start: "

@@ -57,6 +57,13 @@ class RLConfig:
                                    "step (less activation memory); 0: all of them (each FSDP rank's share) at once.")
     trainer_device: str = opt("auto", "Where the trainer runs: 'auto' (cuda if available, else cpu), 'cpu', "
                               "'cuda', 'cuda:N'. Under torchrun each rank uses cuda:LOCAL_RANK (auto) or this.")
+    trainer_dtype: str = opt("auto", "The trainer's weights and compute: 'auto' is the colocated engine's dtype "
+                             "(engine.dtype; its auto is bf16 on CUDA, fp32 on CPU), with rollout_urls bf16 on a "
+                             "CUDA trainer and fp32 on a CPU one. bf16 / fp16 step through fp32 master weights "
+                             "(master_weights).", ["auto", "float32", "bfloat16", "float16"])
+    master_weights: bool = opt(True, "A bf16 / fp16 trainer's AdamW updates fp32 master copies of the weights "
+                               "(kiln.rl.optimizer); false updates the low-precision weights directly, where "
+                               "updates below half a bf16 ulp (lr 1e-6 on most weights) round away.")
     num_gpus: int = opt(1, "Trainer GPUs. > 1: `kiln rl` re-launches itself under torchrun with one FSDP2 rank "
                         "per GPU (rank 0 also runs the rollouts). Ignored inside torchrun.")
     launcher: str = opt("local", "'local': this process (or torchrun ranks, see num_gpus). 'ray': a Ray placement "

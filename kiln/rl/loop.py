@@ -380,9 +380,22 @@ def trainer_device(cfg: RLConfig, dp: Any = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def trainer_dtype(cfg: RLConfig, device: str) -> torch.dtype:
+    """The trainer's dtype: `cfg.trainer_dtype`, whose 'auto' follows the colocated engine's dtype
+    (so that a weight sync copies bf16 into bf16 and the recompute sees the rollout's weights),
+    and whose engine 'auto' is bf16 on CUDA, fp32 on CPU."""
+    name = cfg.trainer_dtype
+    if name == "auto" and not cfg.rollout_urls:
+        name = cfg.engine.get("dtype", "auto")
+    if name == "auto":
+        name = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    return getattr(torch, name)
+
+
 def _make_trainer(cls: Any, cfg: RLConfig, dp: Any = None) -> Any:
+    device = trainer_device(cfg, dp)
     trainer = cls(cfg.model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
-                  device=trainer_device(cfg, dp))
+                  device=device, dtype=trainer_dtype(cfg, device), master_weights=cfg.master_weights)
     if cfg.lora_rank > 0:
         trainer.enable_lora(cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
     return trainer

@@ -25,6 +25,7 @@ from kiln.dist.parallel import SINGLE
 from kiln.loader import ModelSource, cast_parameters, init_dummy_weights, iter_weights, resolve_model
 from kiln.models.reference import packed_batch
 from kiln.models.registry import get_model_class, parse_model_config
+from kiln.rl.optimizer import MixedPrecisionAdamW
 from kiln.rl.sync import checkpoint_views
 
 
@@ -73,11 +74,15 @@ class PolicyTrainer:
                  device: str = "cpu", dtype: torch.dtype = torch.float32, lr: float = 1e-6,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, max_grad_norm: float = 1.0, max_positions: Optional[int] = None,
-                 load_format: str = "auto", seed: int = 0, logits_chunk: int = 1024):
+                 load_format: str = "auto", seed: int = 0, logits_chunk: int = 1024,
+                 master_weights: bool = True):
         """`load_format="dummy"` (benchmarks, config-only dirs): no checkpoint read; the weights are
         `kiln.loader.init_dummy_weights(model, seed)`, the engine's dummy init, so a trainer and an
         engine built with the same seed and dtype start from the same tensors. `logits_chunk`: rows
-        of [rows, vocab] logits computed at a time in the recompute (bounds its peak memory)."""
+        of [rows, vocab] logits computed at a time in the recompute (bounds its peak memory).
+        `master_weights`: a bf16 / fp16 trainer steps through fp32 master copies
+        (`kiln.rl.optimizer.MixedPrecisionAdamW`); False updates the low-precision weights directly,
+        where small updates round away."""
         source = source or resolve_model(model_path, load_format)
         self.source = source
         self.device = torch.device(device)
@@ -97,6 +102,7 @@ class PolicyTrainer:
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.max_grad_norm = max_grad_norm
         self.logits_chunk = logits_chunk
+        self.master_weights = master_weights
         self.sharded = False  # FSDP2 (see shard)
         self.replicated: list[torch.nn.Parameter] = []  # params FSDP cannot shard (0-dim)
         self._build_optimizer()
@@ -107,8 +113,12 @@ class PolicyTrainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.lr, betas=self.betas,
-                                           eps=self.eps, weight_decay=self.weight_decay)
+        # fused: one kernel for the whole update, no full-size temporaries (foreach's sqrt of the
+        # second moments is a copy of them); DTensor shards keep the default
+        fused = True if self.device.type == "cuda" and not self.sharded else None
+        self.optimizer = MixedPrecisionAdamW(self.trainable_parameters(), self.master_weights, lr=self.lr,
+                                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                             fused=fused)
 
     def enable_lora(self, rank: int = 16, alpha: float = 32.0, target_modules: Optional[Sequence[str]] = None,
                     seed: Optional[int] = None) -> list[str]:
@@ -216,12 +226,13 @@ class PolicyTrainer:
         norm to `max_grad_norm`, AdamW step, zero grads. Returns {"grad_norm", "lr"}."""
         if loss is not None:
             loss.backward()
-        params = self.trainable_parameters()
         if self.sharded:  # DTensor grad shards (+ replicated scalars): kiln.rl.fsdp's reduction
             from kiln.rl.fsdp import clip_grad_norm, reduce_replicated_grads
 
             world = torch.distributed.get_world_size()
             reduce_replicated_grads([p for p in self.replicated if p.requires_grad], world)
+        params = self.optimizer.grads_to_masters()  # what AdamW steps: fp32 masters and fp32 params
+        if self.sharded:
             norm = clip_grad_norm(params, self.max_grad_norm)
         elif self.max_grad_norm:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
