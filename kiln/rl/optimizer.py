@@ -29,7 +29,11 @@ class MixedPrecisionAdamW:
     """AdamW over `params`, through fp32 masters for those not in fp32 (unless `master_weights`
     is False). The optimizer calls a trainer makes: `grads_to_masters()` after the backward (it
     returns the tensors whose gradients to clip), `step()`, `zero_grad()`, `param_groups` (the
-    learning rate), `state_dict()` / `load_state_dict()` (moments and masters, for checkpoints)."""
+    learning rate), `state_dict()` / `load_state_dict()` (moments and masters, for checkpoints).
+
+    Once built, the masters are the weights' source of truth: a weight written into the model
+    afterwards is overwritten at the next step, so load weights before building it (the trainer
+    builds it on first use)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], master_weights: bool = True, **adamw: Any):
         params = list(params)

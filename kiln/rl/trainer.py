@@ -113,12 +113,21 @@ class PolicyTrainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> None:
-        # fused: one kernel for the whole update, no full-size temporaries (foreach's sqrt of the
-        # second moments is a copy of them); DTensor shards keep the default
-        fused = True if self.device.type == "cuda" and not self.sharded else None
-        self.optimizer = MixedPrecisionAdamW(self.trainable_parameters(), self.master_weights, lr=self.lr,
-                                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                                             fused=fused)
+        self._optimizer = None  # built on first use (`optimizer`)
+
+    @property
+    def optimizer(self) -> MixedPrecisionAdamW:
+        """AdamW over the trainable parameters, built on first use: after `enable_lora` and `shard`
+        have settled what trains, so that a bf16 trainer's fp32 masters (4 bytes a parameter,
+        made when it is built) are only ever made for the adapters, or for this rank's shards."""
+        if self._optimizer is None:
+            # fused: one kernel for the whole update, no full-size temporaries (foreach's sqrt of
+            # the second moments is a copy of them); DTensor shards keep the default
+            fused = True if self.device.type == "cuda" and not self.sharded else None
+            self._optimizer = MixedPrecisionAdamW(self.trainable_parameters(), self.master_weights, lr=self.lr,
+                                                  betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                                  fused=fused)
+        return self._optimizer
 
     def enable_lora(self, rank: int = 16, alpha: float = 32.0, target_modules: Optional[Sequence[str]] = None,
                     seed: Optional[int] = None) -> list[str]:
