@@ -49,6 +49,21 @@ hybrids_b1() {  # hybrids_b1 TAG LIMIT [FLAGS...]: Inkling and MiniMax-M3 bench 
     --cuda-graph-max-bs 8 "$@" --out "$R/json/minimax_b1$tag.json"
 }
 
+kiln_rl_small() {  # kiln_rl_small RUN [FLAGS]...: `kiln rl` on the Inkling `small` preset with random weights and a
+  # pseudo-random reward (benchmarks/timing_reward.py), 4 steps of 8 prompts x 4 samples in micro-batches of 8; each RUN
+  # is "name[:flags]" (flags comma-separated); prints each run's metrics.jsonl. Needs scratch/smol_tok carried.
+  local d=/tmp/inkling-small run name flags
+  [ -d $d ] || step init_model 60 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
+  for run in "$@"; do
+    name=${run%%:*}; flags=""; [ "$run" != "$name" ] && flags=${run#*:}
+    step "$name" 130 python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 \
+      --micro-batch-size 8 --reward benchmarks/timing_reward.py:reward --progress false ${flags//,/ } --out-dir "$R/json/$name"
+  done
+  for run in "$@"; do
+    name=${run%%:*}; echo "== $name"; cat "$R/json/$name/metrics.jsonl"; rm -rf "$R/json/$name"/ckpt-*
+  done
+}
+
 # The lane functions, one file per group of passes.
 for pass_file in benchmarks/h200_passes/*.sh; do source "$pass_file"; done
 

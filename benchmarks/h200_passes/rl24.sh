@@ -59,12 +59,6 @@ lane0_rl24e() {  # call 5 (carry scratch/smol_tok = SmolLM2's tokenizer files): 
   # there before): the Inkling `small` preset with random weights and a pseudo-random reward
   # (benchmarks/timing_reward.py), full weights and LoRA, micro-batches of 8; then every GPU test.
   # Call 5 ran this without --tokenizer-path (not in the tree yet): init-model found no tokenizer on the host
-  local d=/tmp/inkling-small
-  step init_model 120 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
-  local rl="python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 --micro-batch-size 8 \
-    --reward benchmarks/timing_reward.py:reward --progress false"
-  step rl_full 150 $rl --out-dir "$R/json/rl_full"
-  step rl_lora 150 $rl --lora-rank 16 --lr 5e-4 --out-dir "$R/json/rl_lora"
-  for run in rl_full rl_lora; do echo "== $run"; cat "$R/json/$run/metrics.jsonl"; rm -rf "$R/json/$run"/ckpt-*; done
+  kiln_rl_small rl_full rl_lora:--lora-rank,16,--lr,5e-4  # (the helper since the twenty-fifth session; limits were 120/150/150 s)
   step gpu_tests 330 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
 }

@@ -13,13 +13,7 @@ lane0_rl25a() {  # call 1 (carry scratch/base25, scratch/smol_tok = SmolLM2's to
   # full weights and LoRA, micro-batches of 8
   step rl_new 120 python benchmarks/rl_step.py $RL_SHAPE25 --out "$R/json/rl_new.json"
   step rl_base 120 python scratch/base25/benchmarks/rl_step.py $RL_SHAPE25 --out "$R/json/rl_base.json"
-  local d=/tmp/inkling-small
-  step init_model 60 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
-  local rl="python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 --micro-batch-size 8 \
-    --reward benchmarks/timing_reward.py:reward --progress false"
-  step rl_full 130 $rl --out-dir "$R/json/rl_full"
-  step rl_lora 130 $rl --lora-rank 16 --lr 5e-4 --out-dir "$R/json/rl_lora"
-  for run in rl_full rl_lora; do echo "== $run"; cat "$R/json/$run/metrics.jsonl"; rm -rf "$R/json/$run"/ckpt-*; done
+  kiln_rl_small rl_full rl_lora:--lora-rank,16,--lr,5e-4  # (run as these commands, inline, before the helper existed)
 }
 
 lane0_rl25b() {  # call 2 (carry scratch/smol_tok): the GRPO step with the bf16 trainer's fp32 master weights (kiln rl's
@@ -28,9 +22,5 @@ lane0_rl25b() {  # call 2 (carry scratch/smol_tok): the GRPO step with the bf16 
   local shape=${RL_SHAPE25/--micro-batch 16/--micro-batch 8}
   step rl_masters 200 python benchmarks/rl_step.py ${shape/--lora-rank 0/--lora-rank 16} --out "$R/json/rl_masters.json"
   step rl_nomaster 120 python benchmarks/rl_step.py $shape --no-master-weights --out "$R/json/rl_nomaster.json"
-  local d=/tmp/inkling-small
-  step init_model 60 python -m kiln init-model --arch inkling --preset small --out $d --tokenizer-path scratch/smol_tok
-  step rl_full 130 python -m kiln rl --model-path $d --num-steps 4 --prompts-per-step 8 --samples-per-prompt 4 \
-    --micro-batch-size 8 --reward benchmarks/timing_reward.py:reward --progress false --out-dir "$R/json/rl_full"
-  echo "== rl_full"; cat "$R/json/rl_full/metrics.jsonl"; rm -rf "$R/json/rl_full"/ckpt-*
+  kiln_rl_small rl_full
 }
