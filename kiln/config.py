@@ -154,11 +154,12 @@ class EngineConfig:
     speculative_algorithm: Optional[str] = opt(
         None, "Draft tokens and verify them in one target forward per decode round: 'mtp' drafts with "
         "the checkpoint's MTP layers (Inkling, or Llama with num_mtp_layers), 'dflash' with a block drafter "
-        "from --speculative-draft-model-path, 'dspark' with the block drafter in a MiniMax-M3 checkpoint. "
-        "Turns overlap scheduling and CUDA graphs off.", ["mtp", "dflash", "dspark"])
+        "from --speculative-draft-model-path, 'dspark' with the block drafter in a MiniMax-M3 checkpoint, "
+        "'ngram' by copying what followed an earlier occurrence of the sequence's last tokens (prompt "
+        "lookup, no draft model). Turns overlap scheduling off.", ["mtp", "dflash", "dspark", "ngram"])
     speculative_num_steps: Optional[int] = opt(
         None, "Draft length K per round (mtp: at most the checkpoint's MTP layers, default all of them; "
-        "dflash/dspark: at most block_size - 1, default block_size - 1).")
+        "dflash/dspark: at most block_size - 1, default block_size - 1; ngram: default 4).")
     speculative_use_rejection_sampling: bool = opt(
         False, "Sampled requests (temperature > 0): draw each draft from the drafter's processed "
         "distribution q and verify by token-wise rejection sampling (accept with min(1, p/q), resample "
@@ -166,6 +167,11 @@ class EngineConfig:
     speculative_use_block_verification: bool = opt(
         False, "Like --speculative-use-rejection-sampling, but verify the draft block jointly (Sun et al., "
         "block verification): exact, and never fewer accepted tokens in expectation.")
+    speculative_ngram_min_match_window_size: int = opt(
+        1, "ngram: the shortest suffix of the sequence that must have occurred before to draft.")
+    speculative_ngram_max_match_window_size: int = opt(
+        12, "ngram: the longest suffix compared; of the earlier occurrences, the one matching most "
+        "tokens (then the latest) gives the drafts.")
     speculative_draft_model_path: Optional[str] = opt(
         None, "dflash: directory of the drafter (config.json with model_type 'dflash' + safetensors).")
     speculative_token_map: Optional[str] = opt(

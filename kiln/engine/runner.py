@@ -61,6 +61,10 @@ class ModelRunner:
                 config, source, self.model, self.context_length, self.device, self.dtype)
             self.capture_layers = tuple(self.draft_model.config.target_layer_ids)
             draft_specs = [draft_kv_spec(self.draft_model)]
+        elif config.speculative_algorithm == "ngram":  # drafts from the request's own tokens: no state
+            from kiln.engine.spec.ngram_drafter import resolve_ngram_steps
+
+            self.spec_steps = resolve_ngram_steps(config)
         if config.speculative_draft_model_path and config.speculative_algorithm != "dflash":
             raise ValueError("--speculative-draft-model-path is only read with --speculative-algorithm dflash")
         self.specs = (self.model.state_specs(num_mtp=num_mtp) if num_mtp else self.model.state_specs()) + draft_specs

@@ -61,6 +61,31 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     assert fed, "no MTP pass was fed by its verify on the device"
 
 
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_ngram_rounds_with_graphs_equal_plain(arch, tmp_path):
+    # Prompt lookup (k = 3) on the GPU: with graphs the drafter keeps a batch's rounds uniform
+    # (`NgramDrafter.uniform`), so verifies replay from the uniform-extend graph. Greedy output
+    # equals plain greedy decoding, with acceptances (echoed prompts) and rejections.
+    import json
+
+    from tests.engine.test_ngram import echo_prompts, ngram_core, copy_core
+    from tests.engine.test_speculative import SPEC_ARCHS, run_plain, run_spec
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    reqs = echo_prompts(str(tmp_path), 2, seed=9, max_tokens=16, **kw)
+    core = ngram_core(str(tmp_path), 3, **kw)
+    assert core.scheduler.spec.drafter.uniform and {q for q, _ in core.runner.graphs.graphs} == {1, 4}
+    replays = []
+    replay = core.runner.graphs.replay
+    core.runner.graphs.replay = lambda batch: (replays.append(batch.num_tokens), replay(batch))[1]
+    res, _, _ = run_spec(core, reqs, max_tokens=16)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(copy_core(str(tmp_path), **kw), reqs, max_tokens=16)
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < 3 * counts.verify_steps
+    assert any(n % 4 == 0 and n > 4 for n in replays), replays  # verifies of several requests on a graph
+
+
 @pytest.mark.parametrize("name", ["llama", "minimax_m3"])  # DFlash, DSpark
 def test_block_drafter_pass_replays_from_graphs(name, tmp_path_factory):
     # Block drafter rounds (k = 3) on the GPU: the block pass replays from its CUDA graphs

@@ -22,8 +22,8 @@ d_1..d_k from the previous step's pass):
      verify-time inputs of the accepted positions, already in place;
   4. the drafter pass (`drafter.run`): catch up the drafter's state over the newly committed
      tokens and draft the next round's tokens. The drafter is `MTPDrafter` (mtp: one batch per
-     MTP layer) or `BlockDraftRunner` (dflash, dspark: one block forward for all ready requests);
-     the contract is in `kiln.engine.spec.drafter`.
+     MTP layer), `BlockDraftRunner` (dflash, dspark: one block forward for all ready requests) or
+     `NgramDrafter` (ngram: prompt lookup on the host); the contract is in `kiln.engine.spec.drafter`.
 Prefill chunks go through the same step: their rows feed the drafter, and a request whose prompt
 is done gets its first drafts right away. The prefix cache only takes pages whose state is
 complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cached pages stay exact.
@@ -312,4 +312,11 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
         if runner.graphs is not None and drafter.paged is not None:  # CUDA graphs on: the block pass too
             drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
         return SpecDecoder(scheduler, drafter)
-    raise ValueError(f"--speculative-algorithm {algo!r} is not one of mtp, dflash, dspark")
+    if algo == "ngram":
+        from kiln.engine.spec.ngram_drafter import NgramDrafter
+
+        cfg = scheduler.config
+        return SpecDecoder(scheduler, NgramDrafter(runner.spec_steps, cfg.speculative_ngram_min_match_window_size,
+                                                   cfg.speculative_ngram_max_match_window_size,
+                                                   uniform=runner.graphs is not None))
+    raise ValueError(f"--speculative-algorithm {algo!r} is not one of mtp, dflash, dspark, ngram")
