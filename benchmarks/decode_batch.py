@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None,
                    help="With --profile: write the profile window's timeline (Chrome trace, .json.gz) to this "
                         "path and print its GPU gaps and the host's waits per step.")
+    p.add_argument("--ngram-always-draft", action="store_true",
+                   help="With --speculative-algorithm ngram: every decode round verifies K drafts, guesses "
+                        "(`NgramIndex.fallback`) when nothing matches, so that random weights time full rounds "
+                        "(their outputs rarely repeat the prompt).")
     p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
@@ -78,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs warmed at capture).")
     common.add_bench_args(p)
     return p
+
+
+def always_draft(core) -> None:
+    """`--ngram-always-draft`: every ready request's ngram pass drafts K (`NgramIndex.fallback` when
+    nothing matches): the round's time without depending on what random weights generate."""
+    spec = core.scheduler.spec
+    if spec is None or core.config.speculative_algorithm != "ngram":
+        raise SystemExit("--ngram-always-draft needs --speculative-algorithm ngram")
+    drafter = spec.drafter
+    run = drafter.run
+
+    def run_always(reqs, num_drafts):
+        run(reqs, num_drafts)
+        for r in reqs:
+            k = num_drafts.get(r.rid, 0)
+            if k and not r.spec.num_drafts:
+                r.spec.drafts = r.spec.index.fallback(k)
+
+    drafter.run = run_always
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -289,6 +312,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.count_experts and not config.disable_cuda_graph:
         raise SystemExit("--count-experts needs --disable-cuda-graph: a replayed CUDA graph runs no forward hooks")
     core = common.build_core(config, dummy_init=common.resolve_dummy_init(args.dummy_init, device))
+    if args.ngram_always_draft:
+        always_draft(core)
     spread = None
     if args.count_experts:
         from expert_spread import ExpertSpread

@@ -137,6 +137,25 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
     assert json.loads(out.read_text())["meta"]["benchmark"] == "decode_batch"
 
 
+def test_decode_batch_times_full_ngram_rounds_on_random_weights(tiny_dir, one_thread, monkeypatch):
+    """`--ngram-always-draft`: every decode round verifies K drafts even though random weights
+    rarely repeat their prompt (guesses from `NgramIndex.fallback`), so `round_ms` is the time of
+    a full round."""
+    from kiln.engine.spec.ngram_drafter import NgramIndex
+
+    guesses = []
+    fallback = NgramIndex.fallback
+    monkeypatch.setattr(NgramIndex, "fallback", lambda self, k: (guesses.append(k), fallback(self, k))[1])
+    args = ["--model-path", tiny_dir, "--device", "cpu", "--threads", "1", "--batch-sizes", "2", "--input-len", "24",
+            "--output-len", "9", "--speculative-algorithm", "ngram", "--speculative-num-steps", "3"]
+    with pytest.raises(SystemExit, match="needs --speculative-algorithm ngram"):
+        decode_batch.main(args[:-4] + ["--ngram-always-draft"])
+    row = decode_batch.main(args + ["--ngram-always-draft"])["rows"][0]
+    # 8 decoded tokens per request: a round every step, each emitting 1 to 4 of them
+    assert row["accept_len"] is not None and 1.0 <= row["accept_len"] <= 4.0 and _positive(row["round_ms"])
+    assert guesses and set(guesses) == {3}
+
+
 def test_gpu_idle_fraction_union():
     """The idle fraction counts overlapping GPU intervals once; per-kernel totals add up."""
     class Ev:
@@ -238,6 +257,7 @@ def test_detokenize_quick(capsys):
     """benchmarks/detokenize.py at a tiny size: every sequence's text equals the decode of its ids."""
     import detokenize
 
-    r = detokenize.main(["--batch", "4", "--tokens", "30", "--stop", "--repeats", "1"])
-    assert r["us_per_token"] > 0
-    assert "text equals the decode of the ids: True" in capsys.readouterr().out
+    for flags in (["--stop"], ["--no-stream"]):
+        r = detokenize.main(["--batch", "4", "--tokens", "30", "--repeats", "1"] + flags)
+        assert r["us_per_token"] > 0 and r["stream"] == (flags == ["--stop"])
+        assert "text equals the decode of the ids: True" in capsys.readouterr().out

@@ -1,0 +1,26 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twenty-sixth session (2026-12-04): prompt lookup (`--speculative-algorithm ngram`) on the GPU. Its
+# rounds are a verify forward and nothing else (no drafter weights, no draft pass), so they bound what
+# speculation can gain on this engine; `--ngram-always-draft` makes random weights verify K drafts every
+# round. MTP K = 3 rounds and plain decode in the same call, for the speedup at the acceptance lengths
+# measured on SmolLM2 (docs/speculative.md, "Prompt lookup").
+# shellcheck shell=bash
+
+NGRAM26="--input-len 1024 --output-len 64 --cuda-graph-max-bs 32"
+
+lane0_ngram26() {  # call 1: Inkling bench at batch 1/8/32, plain, ngram K = 3 / 4 / 8 and MTP K = 3; the 8B at batch
+  # 1, plain and ngram K = 3 / 4
+  local b="--batch-sizes 1,8,32" ng="--speculative-algorithm ngram --ngram-always-draft"
+  step ink_plain 120 $DECODE --model-path $INK $NGRAM26 $b --out "$R/json/ink_plain.json"
+  step ink_ngram3 150 $DECODE --model-path $INK $NGRAM26 $b $ng --speculative-num-steps 3 --out "$R/json/ink_ngram3.json"
+  step ink_ngram4 150 $DECODE --model-path $INK $NGRAM26 $b $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4.json"
+  step ink_ngram8 120 $DECODE --model-path $INK $NGRAM26 --batch-sizes 1 $ng --speculative-num-steps 8 \
+    --out "$R/json/ink_ngram8.json"
+  step ink_mtp3 150 $DECODE --model-path $INK $NGRAM26 $b --speculative-algorithm mtp --speculative-num-steps 3 \
+    --out "$R/json/ink_mtp3.json"
+  step l8_plain 90 $DECODE --model-path benchmarks/configs/llama-3.1-8b $NGRAM26 --batch-sizes 1 --out "$R/json/l8_plain.json"
+  for k in 3 4; do
+    step l8_ngram$k 90 $DECODE --model-path benchmarks/configs/llama-3.1-8b $NGRAM26 --batch-sizes 1 $ng \
+      --speculative-num-steps $k --out "$R/json/l8_ngram$k.json"
+  done
+}
