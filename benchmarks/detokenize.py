@@ -1,7 +1,7 @@
 """The API side's work per generated token: `RequestState.update` (incremental detokenization,
 stop strings, token and logprob bookkeeping) for a batch of sequences, one token per step.
 
-    python benchmarks/detokenize.py [--batch 512] [--tokens 100] [--stop] [--tokenizer-path DIR] [--profile]
+    python benchmarks/detokenize.py [--batch 512] [--tokens 100] [--stop] [--no-stream] [--tokenizer-path DIR] [--profile]
 
 The server's TokenizerManager runs this for every running sequence every step, and the offline
 `Engine` runs it on the thread that steps the scheduler, so at batch 512 a few us a token is a
@@ -30,6 +30,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=512, help="Sequences updated per step.")
     ap.add_argument("--tokens", type=int, default=100, help="Tokens per sequence (steps).")
     ap.add_argument("--stop", action="store_true", help="Two stop strings that never match.")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="Sequences nobody streams (offline generate, non-streamed HTTP): without stop strings "
+                         "their text is decoded once, at the end.")
     ap.add_argument("--tokenizer-path", default=None, help="Default: the embedded SmolLM2's tokenizer.")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="Print a cProfile of one more run.")
@@ -50,7 +53,8 @@ def main(argv=None) -> dict:
     params = SamplingParams(max_tokens=args.tokens, stop=["<never>", "zzzq"] if args.stop else [])
 
     def run() -> tuple[float, list]:
-        states = [RequestState(f"r{b}", None, ids[:20], params, tok) for b in range(args.batch)]
+        states = [RequestState(f"r{b}", None, ids[:20], params, tok, stream=not args.no_stream)
+                  for b in range(args.batch)]
         t0 = time.perf_counter()
         for i in range(args.tokens):
             last = i == args.tokens - 1
@@ -61,7 +65,8 @@ def main(argv=None) -> dict:
 
     us, states = min((run() for _ in range(args.repeats)), key=lambda r: r[0])
     same = all(st.seqs[0].text == tok.decode(s, skip_special_tokens=True) for st, s in zip(states, streams))
-    print(f"batch {args.batch} x {args.tokens} tokens, stop strings {args.stop}: {us:.2f} us per token "
+    print(f"batch {args.batch} x {args.tokens} tokens, stop strings {args.stop}, streamed {not args.no_stream}: "
+          f"{us:.2f} us per token "
           f"(least of {args.repeats}); text equals the decode of the ids: {same}")
     if args.profile:
         import cProfile
@@ -72,7 +77,8 @@ def main(argv=None) -> dict:
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     if not same:
         raise SystemExit("a sequence's text differs from the decode of its ids")
-    return {"us_per_token": us, "batch": args.batch, "tokens": args.tokens, "stop": args.stop}
+    return {"us_per_token": us, "batch": args.batch, "tokens": args.tokens, "stop": args.stop,
+            "stream": not args.no_stream}
 
 
 if __name__ == "__main__":

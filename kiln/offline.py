@@ -179,7 +179,7 @@ class Engine:
     def generate_stream(self, prompt: Union[str, list[int]], sampling_params: Optional[SamplingParams] = None
                         ) -> Iterator[str]:
         """Yield the text of one prompt (n == 1) as it is generated."""
-        (t,) = self._prepare(prompt if isinstance(prompt, str) else [prompt], sampling_params, False)
+        (t,) = self._prepare(prompt if isinstance(prompt, str) else [prompt], sampling_params, False, stream=True)
         if t.state.params.n != 1:
             raise ValueError("generate_stream streams one sequence; use n=1 or generate().")
         t.text_deltas = []
@@ -303,8 +303,10 @@ class Engine:
         self.shutdown()
 
     # ---- preparing requests --------------------------------------------------------------
-    def _prepare(self, prompts: Prompts, sampling_params: ParamsArg, return_routed_experts: bool) -> list[_Tracked]:
-        """Tokenize and validate everything first, so a bad prompt queues nothing."""
+    def _prepare(self, prompts: Prompts, sampling_params: ParamsArg, return_routed_experts: bool,
+                 stream: bool = False) -> list[_Tracked]:
+        """Tokenize and validate everything first, so a bad prompt queues nothing. Text is decoded as
+        it is generated only for `stream` (generate_stream); otherwise once, at the end."""
         if self._closed:
             raise RuntimeError("This Engine was shut down; create a new one.")
         batch = _as_batch(prompts)
@@ -325,7 +327,7 @@ class Engine:
                 text, ids = None, list(prompt)
             validate_request(ids, params, self.info.vocab_size, self.info.context_length, self.config.max_logprobs)
             rid = f"offline-{next(self._ids)}"
-            state = RequestState(rid, text, ids, params, self.tokenizer, self.info.eos_token_ids)
+            state = RequestState(rid, text, ids, params, self.tokenizer, self.info.eos_token_ids, stream=stream)
             tracked.append(_Tracked(state, expand_request(rid, ids, params, return_routed_experts)))
         return tracked
 

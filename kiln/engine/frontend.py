@@ -139,14 +139,17 @@ class RequestState:
     """All sequences of one request, plus what the scheduler reports once (usage, prompt logprobs)."""
 
     def __init__(self, rid: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Any, eos_token_ids: Sequence[int] = ()):
+                 tokenizer: Any, eos_token_ids: Sequence[int] = (), stream: bool = True):
+        """`stream`: the caller reads text as it is generated. When it does not, sequences without
+        stop strings decode their text once, at the end (`IncrementalDetokenizer`'s `defer`)."""
         self.rid = rid
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
         hide = frozenset(params.stop_token_ids) | frozenset(eos_token_ids)
         self.seqs = [
-            SequenceState(i, params, IncrementalDetokenizer(tokenizer, prompt_ids, params) if tokenizer else None, hide)
+            SequenceState(i, params, IncrementalDetokenizer(tokenizer, prompt_ids, params, defer=not stream)
+                          if tokenizer else None, hide)
             for i in range(params.n)
         ]
         self.prompt_logprobs: Optional[list] = None

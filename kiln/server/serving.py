@@ -51,8 +51,9 @@ class Serving:
 
     # ---- submitting ----------------------------------------------------------------------
     def _submit_all(self, prompts: list[tuple[Optional[str], list[int]]], params: Any,
-                    rid: Optional[str] = None, routed: bool = False) -> list[RequestHandle]:
-        """Validate every prompt, then submit them sharing one queue."""
+                    rid: Optional[str] = None, routed: bool = False, stream: bool = True) -> list[RequestHandle]:
+        """Validate every prompt, then submit them sharing one queue. `stream`: the response sends
+        text as it is generated (else it is decoded once per sequence, at the end)."""
         queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
         try:
@@ -60,7 +61,7 @@ class Serving:
                 self.tm.validate(ids, params)
             for i, (text, ids) in enumerate(prompts):
                 sub = None if rid is None else (rid if len(prompts) == 1 else f"{rid}_{i}")
-                handles.append(self.tm.submit(ids, params, text, sub, routed, queue))
+                handles.append(self.tm.submit(ids, params, text, sub, routed, queue, stream=stream))
             return handles
         except EngineDeadError as e:
             raise APIError(str(e), status=503, type="service_unavailable") from e
@@ -121,7 +122,7 @@ class Serving:
         make_parser = self._output_parser(req, ids)
         if make_parser is not None and set(make_parser().tags()) & self._special_tokens():
             params.skip_special_tokens = False  # the parsers must see their tags in the text
-        (handle,) = self._submit_all([(None, ids)], params)
+        (handle,) = self._submit_all([(None, ids)], params, stream=bool(req.stream))
         rid, created = f"chatcmpl-{handle.state.rid}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name}
         if req.stream:
@@ -204,7 +205,7 @@ class Serving:
         if req.max_tokens is None:
             req.max_tokens = max(1, self.tm.info.context_length - max(len(ids) for _, ids in prompts))
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        handles = self._submit_all(prompts, params)
+        handles = self._submit_all(prompts, params, stream=bool(req.stream))
         n, created = params.n, int(time.time())
         rid = f"cmpl-{handles[0].state.rid}"
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
@@ -240,7 +241,7 @@ class Serving:
                                 "text" if req.text is not None else "input_ids")
         batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
         params = req.to_sampling_params()
-        handles = self._submit_all(prompts, params, req.rid, req.return_routed_experts)
+        handles = self._submit_all(prompts, params, req.rid, req.return_routed_experts, stream=bool(req.stream))
         start = time.time()
         if req.stream:
             def chunks(i: int, d: SeqDelta):

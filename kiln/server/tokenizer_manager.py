@@ -126,16 +126,17 @@ class TokenizerManager:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: Optional[str] = None,
                rid: Optional[str] = None, return_routed_experts: bool = False,
-               queue: Optional[asyncio.Queue] = None) -> RequestHandle:
+               queue: Optional[asyncio.Queue] = None, stream: bool = True) -> RequestHandle:
         """Validate, expand n and send to the engine. Raises ValueError before sending anything.
-        Validate every prompt of a batch with `validate` first, so a bad one queues nothing."""
+        Validate every prompt of a batch with `validate` first, so a bad one queues nothing.
+        `stream`: the caller reads text as it is generated (else it is decoded once, at the end)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         self.validate(prompt_ids, params)
         rid = rid or self.new_rid()
         if rid in self.handles:
             raise RequestError(f"Request id {rid!r} is already running; use a unique rid.")
-        state = RequestState(rid, prompt, prompt_ids, params, self.tokenizer, self.info.eos_token_ids)
+        state = RequestState(rid, prompt, prompt_ids, params, self.tokenizer, self.info.eos_token_ids, stream=stream)
         handle = RequestHandle(state, queue if queue is not None else asyncio.Queue())
         self.handles[rid] = handle
         for req in expand_request(rid, prompt_ids, params, return_routed_experts):

@@ -234,3 +234,54 @@ def test_matches_the_reference_on_random_streams(tok):
             i += n
         assert (fast.text, fast.token_ids, fast.stopped, fast.matched_stop) == \
             (ref.text, ref.token_ids, ref.stopped, ref.matched_stop), (trial, stops)
+
+
+def test_deferred_text_equals_the_stream_on_random_streams(tok):
+    """A sequence nobody streams (`defer`) decodes once at the end: no text before it finishes,
+    then exactly the text (and token ids) the incremental windows give, on random streams with
+    split multi-byte characters, invalid bytes, special tokens and hidden ids."""
+    import random
+
+    rng = random.Random(2)
+    utf8 = tok.encode("日本語 👩‍👩‍👧 ∑ café the theme then", add_special_tokens=False)
+    specials = sorted(tok.all_special_ids)
+    replaced = 0
+    for trial in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.03 else rng.choice(utf8) if rng.random() < 0.5
+               else rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 80))]
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.7)
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 8))]
+        deferred, ref = IncrementalDetokenizer(tok, prompt, params, defer=True), ReferenceDetokenizer(tok, prompt, params)
+        assert deferred.defer
+        i, got, want = 0, [], []
+        while i < len(ids):
+            n = rng.randrange(1, 5)
+            last = i + n >= len(ids)
+            hidden = [7] if last and rng.random() < 0.3 else []
+            got.append(deferred.add(ids[i:i + n], last, hidden))
+            want.append(ref.add(ids[i:i + n], last, hidden))
+            i += n
+        assert all(g == "" for g in got[:-1]), trial
+        assert got[-1] == "".join(want) == ref.text == deferred.text, trial
+        assert deferred.token_ids == ref.token_ids, trial
+        replaced += "\ufffd" in ref.text
+    assert replaced > 10, "no stream had replacement characters"
+
+
+def test_deferred_text_joins_a_character_split_by_skipped_tokens(tok):
+    """The one difference (module docstring): a character whose bytes are split by 6 tokens that
+    decode to nothing. A stream has shown replacement characters; the deferred text is the decode."""
+    ids = tok.encode("世", add_special_tokens=False)
+    split = ids[:1] + [tok.eos_token_id] * 6 + ids[1:]
+    streamed = IncrementalDetokenizer(tok, [], SamplingParams())
+    deltas = [streamed.add([t]) for t in split[:-1]] + [streamed.add(split[-1:], finished=True)]
+    assert "\ufffd" in "".join(deltas)
+    deferred = IncrementalDetokenizer(tok, [], SamplingParams(), defer=True)
+    assert deferred.add(split, finished=True) == "世" == tok.decode(split, skip_special_tokens=True)
+
+
+def test_stop_strings_are_never_deferred(tok):
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["x"]), defer=True)
+    assert not d.defer
+    ids = tok.encode("a b x c", add_special_tokens=False)
+    assert d.add(ids, finished=True) == "a b " and d.matched_stop == "x"

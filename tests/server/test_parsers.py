@@ -302,8 +302,8 @@ class FakeTokenizerManager:
     def validate(self, prompt_ids, params) -> None:
         pass
 
-    def submit(self, prompt_ids, params, prompt=None, rid=None, routed=False, queue=None):
-        state = RequestState(rid or uuid.uuid4().hex, prompt, prompt_ids, params, tokenizer=None)
+    def submit(self, prompt_ids, params, prompt=None, rid=None, routed=False, queue=None, stream=True):
+        state = RequestState(rid or uuid.uuid4().hex, prompt, prompt_ids, params, tokenizer=None, stream=stream)
         return RequestHandle(state, queue if queue is not None else asyncio.Queue())
 
     async def stream(self, handles, is_disconnected=None):
