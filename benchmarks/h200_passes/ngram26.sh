@@ -24,3 +24,15 @@ lane0_ngram26() {  # call 1: Inkling bench at batch 1/8/32, plain, ngram K = 3 /
       --speculative-num-steps $k --out "$R/json/l8_ngram$k.json"
   done
 }
+
+lane0_detok26() {  # call 2 (carry scratch/base26 = `git archive 2072b9f kiln benchmarks/*.py benchmarks/kernel_bench
+  # benchmarks/configs`, the session's start, and scratch/smol_tok): offline generation with text (cache_fill with
+  # SmolLM2's tokenizer, batch 512), which now decodes each sequence's text once at the end, against the start
+  # (two Rust decodes per token), alternated
+  for r in 1 2; do
+    step fill_new_$r 150 python benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok \
+      --out "$R/json/fill_new_$r.json"
+    step fill_base_$r 150 python scratch/base26/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok \
+      --out "$R/json/fill_base_$r.json"
+  done
+}

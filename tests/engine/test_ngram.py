@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from kiln.engine.spec.ngram_drafter import MAX_CANDIDATES, NgramDrafter, NgramIndex
+from kiln.engine.spec.ngram_drafter import FALLBACK_SCAN, MAX_CANDIDATES, NgramDrafter, NgramIndex
 from tests.engine.test_hybrid_engine import assert_reference, make_core, prompts
 from tests.engine.test_speculative import SPEC_ARCHS, assert_abort_frees_every_page, copy_drafter, run_plain, run_spec
 
@@ -83,6 +83,9 @@ def test_fallback_copies_after_the_last_token_or_repeats_it():
     alone = NgramIndex(3, 4)
     alone.extend([1, 2, 3])
     assert alone.fallback(2) == [3, 3]
+    far = NgramIndex(3, 4)  # the last token's only earlier occurrence is beyond the scan
+    far.extend([5, 6] + list(range(100, 100 + FALLBACK_SCAN)) + [5])
+    assert far.fallback(2) == [5, 5]
 
 
 class _Req:

@@ -39,6 +39,9 @@ from kiln.engine.spec.drafter import DraftState
 # sequences (a token that occurs thousands of times) at the cost of sometimes missing a longer
 # but older match.
 MAX_CANDIDATES = 32
+# How far back a request without a match looks for its last token (`NgramIndex.fallback`): its
+# drafts are guesses, and a scan of a long context per round would cost more than they are worth.
+FALLBACK_SCAN = 256
 DEFAULT_NUM_STEPS = 4
 
 
@@ -113,10 +116,10 @@ class NgramIndex:
 
     def fallback(self, k: int) -> list[int]:
         """k guesses for a sequence without a match: what followed the latest earlier occurrence of
-        its last token, else that token repeated."""
+        its last token among the last FALLBACK_SCAN, else that token repeated."""
         toks = self.tokens
         last = toks[-1]
-        for e in range(len(toks) - 1, 0, -1):  # e: an end whose last token is `last`
+        for e in range(len(toks) - 1, max(len(toks) - FALLBACK_SCAN, 0), -1):  # an end whose last token is `last`
             if toks[e - 1] == last:
                 return self.continuation(e, k)
         return [last] * k
@@ -172,6 +175,7 @@ class NgramDrafter:
                 continue
             index = state.index
             T = r.seq_len
+            assert len(index.tokens) <= T, "the index holds committed tokens only"
             if len(index.tokens) < T:
                 index.extend(r.token_ids(len(index.tokens), T))
             state.drafts = index.propose(k)
