@@ -27,8 +27,9 @@ import torch
 from kiln.engine.request import SamplingParams
 from kiln.models.reference import packed_batch
 from tests.engine.test_hybrid_engine import INKLING, MINIMAX, assert_reference, make_core, prompts
-from tests.engine.test_speculative import (assert_abort_frees_every_page, assert_logits_match, prefix_hit_prompts,
-                                           run_plain, run_spec)
+from tests.engine.test_speculative import (assert_abort_frees_every_page, assert_logits_match,
+                                           assert_seeded_output_alone_equals_batched, prefix_hit_prompts, run_plain,
+                                           run_spec)
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
@@ -362,15 +363,8 @@ def test_bad_flags_have_clear_errors(tmp_path):
 def test_seeded_sampling_is_reproducible_whatever_is_batched(target):
     # Sampled requests verify by sampling every row from the target (greedy drafts act as point
     # masses): the same seed gives the same output alone or next to another request.
-    ps = prompts(2, seed=29)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
-    outs = []
-    for n in (1, 2):
-        core = spec_core(target, 3, page_size=4)
-        res, _, _ = run_spec(core, ps[:n], params=params)
-        outs.append(res["r0"][1])
-        assert_reference(core, res)
-    assert outs[0] == outs[1]
+    assert_seeded_output_alone_equals_batched(lambda: spec_core(target, 3, page_size=4), prompts(2, seed=29), params)
 
 
 @pytest.mark.parametrize("method", ["tokenwise", "block"])

@@ -19,7 +19,8 @@ import torch
 from kiln.engine.request import SamplingParams
 from kiln.engine.spec.ngram_drafter import FALLBACK_SCAN, MAX_CANDIDATES, NgramDrafter, NgramIndex
 from tests.engine.test_hybrid_engine import assert_reference, make_core, prompts
-from tests.engine.test_speculative import SPEC_ARCHS, assert_abort_frees_every_page, copy_drafter, run_plain, run_spec
+from tests.engine.test_speculative import (SPEC_ARCHS, assert_abort_frees_every_page,
+                                           assert_seeded_output_alone_equals_batched, copy_drafter, run_plain, run_spec)
 
 
 # ---- the match ----------------------------------------------------------------------------
@@ -201,15 +202,9 @@ def test_prefix_hits_with_ngram(model_dir):
 def test_seeded_sampling_with_ngram_is_reproducible(model_dir):
     # Sampled requests verify ngram drafts as point masses (exact); the same seed gives the same
     # output whatever else is batched.
-    ps = echo_prompts(model_dir, 1, seed=37, max_tokens=16, page_size=4)
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
-    outs = []
-    for n in (1, 2):
-        core = ngram_core(model_dir, 3, page_size=4)
-        res, _, _ = run_spec(core, ps[:n], params=params)
-        outs.append(res["r0"][1])
-        assert_reference(core, res)
-    assert outs[0] == outs[1]
+    assert_seeded_output_alone_equals_batched(lambda: ngram_core(model_dir, 3, page_size=4),
+                                              echo_prompts(model_dir, 1, seed=37, max_tokens=16, page_size=4), params)
 
 
 def test_abort_during_ngram_rounds_frees_everything(model_dir):

@@ -322,11 +322,18 @@ def test_abort_during_speculation_frees_everything(model_dir):
 def test_seeded_sampling_is_exact_in_form_and_reproducible(model_dir):
     # Sampled requests verify by sampling every row from the target (drafts as point masses):
     # the same seed gives the same output, whatever else is batched.
-    ps = prompts(2, seed=18)
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    assert_seeded_output_alone_equals_batched(lambda: spec_core(model_dir, 3, alpha=0.01, page_size=4),
+                                              prompts(2, seed=18), params)
+
+
+def assert_seeded_output_alone_equals_batched(make_core, ps, params) -> None:
+    """A seeded request's output is the same alone (ps[:1]) as next to another one (ps[:2]), each on a
+    fresh core from `make_core()`, and every emitted token's logits equal a fresh prefill (shared by
+    the drafters' tests)."""
     outs = []
     for n in (1, 2):
-        core = spec_core(model_dir, 3, alpha=0.01, page_size=4)
+        core = make_core()
         res, _, _ = run_spec(core, ps[:n], params=params)
         outs.append(res["r0"][1])
         assert_reference(core, res)

@@ -62,3 +62,20 @@ def test_a_bf16_run_trains_through_masters(tiny_model, tmp_path, lora_rank):
         assert all(".lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     assert any(m.get("grad_norm", 0) > 0 for m in ms)
     assert not os.path.exists(os.path.join(str(tmp_path / "run"), "ckpt-2"))
+
+
+def test_rollouts_with_prompt_lookup_keep_the_trainers_logprobs(tiny_model, tmp_path):
+    """Rollouts may speculate (`--engine.speculative_algorithm ngram`): sampled requests verify
+    drafts as point masses, so the tokens are the target's draws and each one's logprob is the one
+    the trainer recomputes (fp32 on the CPU: ~1e-6), with the experts the verify rows routed
+    replayed. The random tiny model repeats itself rarely enough that its drafts are rejected
+    here; rounds with accepted drafts are checked row by row in tests/engine/test_ngram.py."""
+    cfg = _cfg(tiny_model, str(tmp_path / "run"), num_steps=2, max_new_tokens=48, temperature=0.3, save_every=0,
+               save_final=False,
+               engine={**ENGINE, "speculative_algorithm": "ngram", "speculative_num_steps": 3})
+    ms = run_grpo(cfg)
+    _, engine = run_grpo.last
+    spec = engine.stats().spec
+    assert spec.verify_steps > 0, spec  # rounds ran (and rolled back their rejected rows)
+    for m in ms:
+        assert m["train_rollout_logprob_abs_diff"] <= 1e-4, m

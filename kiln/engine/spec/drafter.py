@@ -1,8 +1,8 @@
 """The contract between `SpecDecoder` (the speculative round) and a drafter.
 
 A drafter is chosen by `--speculative-algorithm`: `MTPDrafter` (mtp), `BlockDraftRunner`
-(dflash, dspark) or `NgramDrafter` (ngram). Per step, after the target forward over the step's mixed batch, `SpecDecoder`
-calls, in this order:
+(dflash, dspark) or `NgramDrafter` (ngram). Per step, after the target forward over the step's
+mixed batch, `SpecDecoder` calls, in this order:
 
   1. `on_forward(batch)`: before verification, with every row of the forward (prefill chunks and
      verify rows, committed or not). A drafter whose per-token state lives in the engine's page
