@@ -261,3 +261,16 @@ def test_detokenize_quick(capsys):
         r = detokenize.main(["--batch", "4", "--tokens", "30", "--repeats", "1"] + flags)
         assert r["us_per_token"] > 0 and r["stream"] == (flags == ["--stop"])
         assert "text equals the decode of the ids: True" in capsys.readouterr().out
+
+
+def test_ngram_siblings_replay_counts_forwards():
+    """benchmarks/ngram_siblings.py's replay: a sample that a finished sibling already wrote is
+    drafted from it in full rounds; a sibling in step is never ahead of it; from its own text
+    alone, one token per forward when nothing repeats."""
+    from ngram_siblings import replay
+
+    prompt, out = [1, 2, 3], list(range(10, 27))  # 17 tokens, none repeating the prompt
+    assert replay(prompt, out, [], k=4, lo=1, hi=12) == 17
+    assert replay(prompt, out, [out], k=4, lo=1, hi=12) == 17
+    # after the prefill's first token, rounds of 4 accepted drafts + 1: 16 tokens in 4 forwards
+    assert replay(prompt, out, [out], k=4, lo=1, hi=12, finished=True) == 1 + 4

@@ -221,3 +221,23 @@ def test_bad_ngram_flags_have_clear_errors(model_dir, tmp_path):
         make_core(model_dir, speculative_algorithm="ngram", speculative_token_map=str(tmp_path / "map.pt"))
     with pytest.raises(ValueError, match="at least 1"):
         make_core(model_dir, speculative_algorithm="ngram", speculative_num_steps=0)
+
+
+def test_matching_another_sequences_suffix():
+    """`match(query)`: the longest, then latest, occurrence of the query's suffix in this index
+    (how benchmarks/ngram_siblings.py looks in a sibling sample's text)."""
+    rng = random.Random(5)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 5])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        query = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        index = NgramIndex(2, 6)
+        index.extend(seq)
+        e, n = index.match(query)
+        # brute force: every end e' < len(seq) whose 2 tokens before it equal the query's last 2
+        ends = [x for x in range(2, len(seq)) if len(query) >= 2 and seq[x - 2:x] == query[-2:]][-MAX_CANDIDATES:]
+        lengths = {x: max(m for m in range(2, 7) if m <= x and m <= len(query) and seq[x - m:x] == query[-m:])
+                   for x in ends}
+        want_n = max(lengths.values(), default=0)
+        want_e = max((x for x in ends if lengths[x] == want_n), default=-1)
+        assert (e, n) == (want_e, want_n), (seq, query)

@@ -80,19 +80,22 @@ class NgramIndex:
         for e in range(max(first, n), len(toks)):
             self.ends.setdefault(tuple(toks[e - n:e]), []).append(e)
 
-    def match(self) -> tuple[int, int]:
+    def match(self, query: Optional[list[int]] = None) -> tuple[int, int]:
         """(end e, match length n) of the longest, then latest, earlier occurrence of the sequence's
-        suffix; (-1, 0) when its last `min_n` tokens never occurred before."""
-        toks, T = self.tokens, len(self.tokens)
-        if T <= self.min_n:
+        suffix; (-1, 0) when its last `min_n` tokens never occurred before. `query`: match the
+        suffix of these tokens instead (another sequence's), against every indexed end."""
+        toks = self.tokens
+        q = toks if query is None else query
+        T = len(q)
+        if T < self.min_n:
             return -1, 0
-        cands = self.ends.get(tuple(toks[T - self.min_n:]))
+        cands = self.ends.get(tuple(q[T - self.min_n:]))
         if not cands:
             return -1, 0
         best_e, best_n = -1, 0
         for e in reversed(cands[-MAX_CANDIDATES:]):
             n = self.min_n
-            while n < self.max_n and e - n - 1 >= 0 and toks[e - n - 1] == toks[T - n - 1]:
+            while n < self.max_n and e - n - 1 >= 0 and n < T and toks[e - n - 1] == q[T - n - 1]:
                 n += 1
             if n > best_n:
                 best_e, best_n = e, n
