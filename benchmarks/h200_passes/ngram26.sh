@@ -1,9 +1,11 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # twenty-sixth session (2026-12-04; not run in it, no device was lent): prompt lookup
 # (`--speculative-algorithm ngram`) on the GPU. Its rounds are a verify forward and nothing else (no
-# drafter weights, no draft pass), so they bound what speculation can gain on this engine; `--ngram-always-draft` makes random weights verify K drafts every
-# round. MTP K = 3 rounds and plain decode in the same call, for the speedup at the acceptance lengths
-# measured on SmolLM2 (docs/speculative.md, "Prompt lookup").
+# drafter weights, no draft pass), so they bound what speculation can gain on this engine;
+# `--ngram-always-draft` makes random weights verify K drafts every round. MTP K = 3 rounds and plain
+# decode in the same call, for the speedup at the acceptance lengths measured on SmolLM2
+# (docs/speculative.md, "Prompt lookup"). Also: offline generation with its text decoded once per
+# sequence (detok26), and seeded sampling's counter-based noise (noise26).
 # shellcheck shell=bash
 
 NGRAM26="--input-len 1024 --output-len 64 --cuda-graph-max-bs 32"
@@ -42,4 +44,12 @@ lane0_detok26() {  # call 3 (carry scratch/base26 = `git archive 2072b9f kiln be
     step fill_base_$r 150 python scratch/base26/benchmarks/cache_fill.py --chunks 2 --tokenizer-path scratch/smol_tok \
       --out "$R/json/fill_base_$r.json"
   done
+}
+
+lane0_noise26() {  # call 4: seeded sampling noise, a torch generator per row
+  # against the counter-based streams in one op (benchmarks/sampling_noise.py, through the sampler's call), and the
+  # GPU tests of the session's new parts (the streams on CPU and CUDA alike; ngram rounds on graphs)
+  step noise 120 python benchmarks/sampling_noise.py --device cuda --batch-sizes 8,64,256,512
+  step gpu_tests 300 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_seeded_noise.py \
+    tests/engine/test_cuda_graph.py tests/kernels/test_sampling_kernels.py tests/engine/test_sampler.py
 }

@@ -182,7 +182,8 @@ class Req:
     cached_tiers: dict = field(default_factory=dict)  # those tokens by tier: device / host / disk
     match_tiers: dict = field(default_factory=dict)  # the latest prefix match, by tier (CacheManager)
     num_retractions: int = 0
-    # Sampling state, kept across retraction so seeded streams stay reproducible.
+    # A seeded request's draws (`kiln.engine.seeded_noise.SeededStream`), kept across retraction so
+    # seeded streams stay reproducible.
     generator: object = None
     # Logprob results accumulated until sent
     output_logprobs: list = field(default_factory=list)  # per output token: (logprob, top list)

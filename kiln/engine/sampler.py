@@ -21,11 +21,12 @@ Order of operations, per row:
    kept set never depends on the batch.
 
 Sampling is an exponential race: with `e ~ Exp(1)^V`, `argmax(probs / e)` is an exact draw from
-`probs`. A row with its own generator draws its `e` as `torch.empty(V).exponential_(generator=g)`
-on the logits' device, exactly once per step, so a seeded stream is the same whatever else is in
-the batch, wherever the row sits, and whether the request was retracted and recomputed (the
-generator lives on the `Req`). Rows without a generator draw from the sampler's shared generator.
-Greedy rows draw nothing.
+`probs`. A seeded request's rows draw their `e` from its `SeededStream` (`kiln.engine.seeded_noise`:
+values hashed from the seed and the draw index, every seeded row of the batch in one op), exactly
+once per step, so a seeded stream is the same whatever else is in the batch, wherever the row sits,
+whether the request was retracted and recomputed (the stream lives on the `Req`), and on the CPU
+or CUDA. Rows without one draw from the sampler's shared generator; a caller may also pass a torch
+generator per row (one draw each). Greedy rows draw nothing.
 
 Logprobs are those of the *raw* model distribution: `log_softmax(logits / T)` of the logits
 before penalties, suppression and filtering, with T = temperature and T = 0 treated as 1. This is
@@ -35,7 +36,7 @@ columns); nothing is computed when no row asks.
 
 `processed_probs` gives the distribution each row actually samples from (one-hot for greedy rows);
 the sampler and speculative decoding use the same steps. Exact speculative verification also draws
-its drafts with `Sampler.draw` (the same race, the same per-row generators) and its acceptance
+its drafts with `Sampler.draw` (the same race, the same per-row streams) and its acceptance
 uniforms with `Sampler.uniforms`.
 
 Which code runs where:
@@ -61,8 +62,10 @@ from typing import Optional
 
 import torch
 
+from kiln.engine import seeded_noise
 from kiln.engine.batch import host_tensor
 from kiln.engine.request import Req
+from kiln.engine.seeded_noise import SeededStream
 from kiln.kernels import kernels_supported
 
 
@@ -92,7 +95,8 @@ def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def make_generator(seed: int, device) -> torch.Generator:
-    """A torch generator on `device` seeded with `seed` (one per seeded request)."""
+    """A torch generator on `device` seeded with `seed` (the sampler's shared one; seeded requests
+    draw from a `SeededStream`)."""
     g = torch.Generator(device=torch.device(device))
     g.manual_seed(seed)
     return g
@@ -109,7 +113,7 @@ class SamplingBatch:
     repetition_penalties: torch.Tensor  # [B] float32, 1 = off
     frequency_penalties: torch.Tensor  # [B] float32, 0 = off
     presence_penalties: torch.Tensor  # [B] float32, 0 = off
-    generators: list[Optional[torch.Generator]]  # None = the sampler's shared generator
+    generators: list  # per row: a SeededStream, a torch.Generator, or None (the sampler's shared generator)
     prompt_token_ids: list[list[int]]  # repetition penalty only
     output_token_ids: list[list[int]]  # all three penalties
     suppress_ids: list[list[int]]  # masked to -inf
@@ -133,7 +137,7 @@ class SamplingBatch:
 
         Token-id lists are left empty for rows whose penalties are neutral (they would be an
         identity anyway), so long prompts are not copied every step for nothing. A request with a
-        seed but no generator yet gets one here, stored on the `Req` so it survives retraction.
+        seed but no stream yet gets one here, stored on the `Req` so it survives retraction.
         """
         B = len(reqs)
         # Columns of the requests' constant rows (`SamplingRow`, computed once per request).
@@ -142,7 +146,7 @@ class SamplingBatch:
         if any(seeded):
             for req in reqs:
                 if req.generator is None and req.params.seed is not None:
-                    req.generator = make_generator(req.params.seed, device)
+                    req.generator = SeededStream(req.params.seed)
         gens = [req.generator for req in reqs]
         # Id lists only where a penalty or min_tokens reads them (the shared empty lists are only read).
         none: list[list[int]] = [[]] * B
@@ -396,34 +400,47 @@ class Sampler:
         return _race(probs, self._exponentials(generators, probs.shape[1], probs.device))
 
     def uniforms(self, generators: list, counts: list[int], dev) -> torch.Tensor:
-        """`[S, max(counts)]` float32 U(0, 1): row i draws `counts[i]` values from its own
-        generator (the rest of the row is padding), so a seeded stream does not depend on the
-        batch; rows without one share one draw from the shared generator."""
+        """`[S, max(counts)]` float32 U(0, 1): row i's first `counts[i]` values come from its own
+        stream (the rest of the row is padding), so a seeded stream does not depend on the batch;
+        rows without one share one draw from the shared generator."""
         width = max(counts, default=0)
-        n_shared = sum(g is None for g in generators)
-        shared = iter(torch.rand(n_shared, width, device=dev, generator=self.generator) if n_shared else ())
-        rows = []
-        for g, c in zip(generators, counts):
-            if g is None:
-                rows.append(next(shared))
-            else:
-                own = torch.rand(c, device=dev, generator=g)
-                rows.append(torch.cat([own, own.new_zeros(width - c)]) if c < width else own)
-        return torch.stack(rows) if rows else torch.zeros(0, width, device=dev)
+        return self._noise(generators, width, dev, counts, seeded_noise.uniforms,
+                           lambda n: torch.rand(n, width, device=dev, generator=self.generator),
+                           lambda g, c: torch.rand(c, device=dev, generator=g))
 
     def _exponentials(self, gens: list, V: int, dev) -> torch.Tensor:
-        """`[S, V]` Exp(1) noise: one draw of V from each row's own generator; the rows without
-        one share a single draw from the shared generator (their stream needs no stability)."""
+        """`[S, V]` Exp(1) noise: one draw of V from each row's own stream; the rows without one
+        share a single draw from the shared generator (their stream needs no stability)."""
+        f32 = torch.float32
+        return self._noise(gens, V, dev, [V] * len(gens), seeded_noise.exponentials,
+                           lambda n: torch.empty(n, V, dtype=f32, device=dev).exponential_(generator=self.generator),
+                           lambda g, c: torch.empty(c, dtype=f32, device=dev).exponential_(generator=g))
+
+    @staticmethod
+    def _noise(gens: list, width: int, dev, counts: list[int], hashed, shared_draw, own_draw) -> torch.Tensor:
+        """Rows of noise in row order: `SeededStream` rows in one hashed draw (`kiln.engine.
+        seeded_noise`), rows without a stream from one shared draw, and rows holding a
+        `torch.Generator` (callers that pass their own) one draw each of their count."""
+        if not gens:
+            return torch.zeros(0, width, device=dev)
+        streams = [g for g in gens if isinstance(g, SeededStream)]
         n_shared = sum(g is None for g in gens)
-        noise = None
-        if n_shared:
-            noise = torch.empty(n_shared, V, dtype=torch.float32, device=dev).exponential_(generator=self.generator)
-            if n_shared == len(gens):
-                return noise
+        seeded = hashed(seeded_noise.stream_keys(streams, dev), width) if streams else None
+        shared = shared_draw(n_shared) if n_shared else None
+        if len(streams) == len(gens):
+            return seeded
+        if n_shared == len(gens):
+            return shared
         # Stacked in row order (no list-indexed assignment: that would copy an index to the device
         # synchronously).
-        rows, shared = [], iter(noise if noise is not None else ())
-        for g in gens:
-            rows.append(next(shared) if g is None else
-                        torch.empty(V, dtype=torch.float32, device=dev).exponential_(generator=g))
+        rows, seeded_rows, shared_rows = [], iter(seeded if seeded is not None else ()), iter(
+            shared if shared is not None else ())
+        for g, c in zip(gens, counts):
+            if g is None:
+                rows.append(next(shared_rows))
+            elif isinstance(g, SeededStream):
+                rows.append(next(seeded_rows))
+            else:
+                own = own_draw(g, c)
+                rows.append(torch.cat([own, own.new_zeros(width - c)]) if c < width else own)
         return torch.stack(rows)

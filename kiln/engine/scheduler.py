@@ -30,7 +30,8 @@ from kiln.engine.cache.pools import write_pages_batched
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
-from kiln.engine.sampler import SamplingBatch, compute_logprobs, make_generator, select_rows
+from kiln.engine.sampler import SamplingBatch, compute_logprobs, select_rows
+from kiln.engine.seeded_noise import SeededStream
 from kiln.engine.spec.speculative import make_spec_decoder
 from kiln.engine.step_inputs import PENDING, StepInputs
 
@@ -81,7 +82,7 @@ class Scheduler:
                   eos_token_ids=self.eos_token_ids, return_routed_experts=g.return_routed_experts,
                   arrival=time.monotonic())
         if g.params.seed is not None:
-            req.generator = make_generator(g.params.seed, self.runner.device)
+            req.generator = SeededStream(g.params.seed)
         if g.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self.waiting.append(req)

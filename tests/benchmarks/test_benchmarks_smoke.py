@@ -274,3 +274,12 @@ def test_ngram_siblings_replay_counts_forwards():
     assert replay(prompt, out, [out], k=4, lo=1, hi=12) == 17
     # after the prefill's first token, rounds of 4 accepted drafts + 1: 16 tokens in 4 forwards
     assert replay(prompt, out, [out], k=4, lo=1, hi=12, finished=True) == 1 + 4
+
+
+def test_sampling_noise_quick(capsys):
+    """benchmarks/sampling_noise.py at a tiny size: both ways time the sampler's noise call."""
+    import sampling_noise
+
+    rows = sampling_noise.main(["--batch-sizes", "2", "--vocab", "64", "--repeats", "1", "--threads", "1"])
+    assert rows[2]["generators_ms"] > 0 and rows[2]["streams_ms"] > 0
+    assert "a generator per row" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from kiln.engine.request import Req, SamplingParams, SamplingRow
+from kiln.engine.seeded_noise import SeededStream
 from kiln.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -129,19 +130,22 @@ def test_each_filter_matters_in_the_statistical_cases():
 N_DRAWS = 20000
 
 
-def draw_counts(logits_row, seeded=True, seed0=1000):
-    """Counts of N_DRAWS samples: one batch of N_DRAWS identical rows with distinct seeds."""
-    gens = [make_generator(seed0 + i, "cpu") for i in range(N_DRAWS)] if seeded else None
+def draw_counts(logits_row, seeded=True, seed0=1000, kind="stream"):
+    """Counts of N_DRAWS samples: one batch of N_DRAWS identical rows with distinct seeds, each a
+    `SeededStream` (what the engine gives a seeded request) or a torch generator (`kind`)."""
+    make = SeededStream if kind == "stream" else (lambda seed: make_generator(seed, "cpu"))
+    gens = [make(seed0 + i) for i in range(N_DRAWS)] if seeded else None
     batch = make_batch(N_DRAWS, generators=gens, **FULL)
     out = Sampler(seed=7)(logits_row.expand(N_DRAWS, -1).contiguous(), batch)
     return np.bincount(out.token_ids.numpy(), minlength=8)
 
 
+@pytest.mark.parametrize("kind", ["stream", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_sampled_distribution_matches_reference(case):
+def test_sampled_distribution_matches_reference(case, kind):
     logits = logits_for(CASES[case])
     ref = ref_probs(logits.numpy(), **FULL)
-    counts = draw_counts(logits)
+    counts = draw_counts(logits, kind=kind)
     assert counts[ref == 0].sum() == 0  # filtered tokens are never drawn
     assert chi2_pvalue(counts, ref) > 1e-4
     # negative control: the same test must reject a reference that forgets the temperature
@@ -218,23 +222,23 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
 
 
 def test_greedy_rows_consume_no_randomness():
-    g = make_generator(3, "cpu")
+    g, stream = make_generator(3, "cpu"), SeededStream(3)
     before = g.get_state().clone()
-    Sampler()(torch.randn(1, 30), make_batch(1, temperature=0.0, generators=[g]))
-    assert torch.equal(g.get_state(), before)
+    Sampler()(torch.randn(2, 30), make_batch(2, temperature=0.0, generators=[g, stream]))
+    assert torch.equal(g.get_state(), before) and stream.draws == 0
 
 
 def test_a_sampled_row_consumes_exactly_one_draw_of_v():
     V = 30
-    g, twin = make_generator(3, "cpu"), make_generator(3, "cpu")
-    Sampler()(torch.randn(2, V), make_batch(2, generators=[None, g]))
+    g, twin, stream = make_generator(3, "cpu"), make_generator(3, "cpu"), SeededStream(3)
+    Sampler()(torch.randn(3, V), make_batch(3, generators=[None, g, stream]))
     torch.empty(V).exponential_(generator=twin)
-    assert torch.equal(g.get_state(), twin.get_state())
+    assert torch.equal(g.get_state(), twin.get_state()) and stream.draws == 1
 
 
 def run_stream(steps, seed, pos, others, V=64):
     """Tokens of one seeded row over `steps`, placed at `pos` among `others` (other params)."""
-    g = make_generator(seed, "cpu")
+    g = SeededStream(seed)
     sampler = Sampler(seed=123)
     logits_gen = torch.Generator().manual_seed(99)
     tokens = []
@@ -244,8 +248,7 @@ def run_stream(steps, seed, pos, others, V=64):
         filler = torch.randn(n, V)
         filler[pos] = row[0]
         temps = [o["temperature"] for o in others]
-        gens = [make_generator(o["seed"], "cpu") if o["seed"] is not None else None
-                for o in others]
+        gens = [SeededStream(o["seed"]) if o["seed"] is not None else None for o in others]
         temps.insert(pos, 0.9)
         gens.insert(pos, g)
         out = sampler(filler, make_batch(n, temperature=temps, top_p=0.95, generators=gens))

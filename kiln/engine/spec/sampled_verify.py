@@ -5,12 +5,13 @@ The contract with a drafter: per request, `drafts` d_1..d_k (list[int]) and, for
 `q` `[k, V]`: row i is the distribution d_{i+1} was drawn from, the drafter's *final* sampling
 distribution processed exactly like the target's (`draft_probs`: temperature, top-k, top-p,
 min-p, penalties and min_tokens, with d_1..d_i counted as output), drawn with `draw_drafts` (the
-request's own generator). A drafter that gives no q (greedy drafts) is verified by the point-mass
-rule in `SpecDecoder` instead, which is exact for deterministic drafts.
+request's own seeded stream, or the sampler's shared generator). A drafter that gives no q
+(greedy drafts) is verified by the point-mass rule in `SpecDecoder` instead, which is exact for
+deterministic drafts.
 
 `verify_rounds` is the engine's verification stage for such requests, vectorised over requests:
 p rows from the target logits through the sampler's `processed_probs` (row i sees d_1..d_i as
-output), uniforms from each request's generator (k + 1 per round: k acceptance draws, then the
+output), uniforms from each request's stream (k + 1 per round: k acceptance draws, then the
 residual/bonus draw), `verify.verify_tokenwise` or `verify.verify_block` per group of equal k,
 and the emitted tokens d_1..d_n, y laid out per verify row. See docs/speculative.md.
 """
@@ -22,7 +23,8 @@ from typing import Optional
 import torch
 
 from kiln.engine.request import SamplingRow
-from kiln.engine.sampler import SampleOutput, SamplingBatch, attach_logprobs, make_generator, processed_probs
+from kiln.engine.sampler import SampleOutput, SamplingBatch, attach_logprobs, processed_probs
+from kiln.engine.seeded_noise import SeededStream
 from kiln.engine.spec.verify import verify_block, verify_tokenwise
 
 METHODS = {"tokenwise": verify_tokenwise, "block": verify_block}
@@ -65,9 +67,9 @@ class RowView:
 
 def row_view(req, drafts_before: list[int], device) -> RowView:
     """The sampler's view of `req` with `drafts_before` appended to its output. Creates the
-    request's generator first when it has a seed (on the Req, not on the view)."""
+    request's seeded stream first when it has a seed (on the Req, not on the view)."""
     if req.generator is None and req.params.seed is not None:
-        req.generator = make_generator(req.params.seed, device)
+        req.generator = SeededStream(req.params.seed)
     return RowView(req.params, req.prompt_ids, req.output_ids, req.eos_token_ids, req.generator, drafts_before,
                    req.sampling_row)
 
