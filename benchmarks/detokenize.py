@@ -1,7 +1,8 @@
 """The API side's work per generated token: `RequestState.update` (incremental detokenization,
 stop strings, token and logprob bookkeeping) for a batch of sequences, one token per step.
 
-    python benchmarks/detokenize.py [--batch 512] [--tokens 100] [--stop] [--no-stream] [--tokenizer-path DIR] [--profile]
+    python benchmarks/detokenize.py [--batch 512] [--tokens 100] [--stop] [--no-stream] [--tokenizer-path DIR]
+                                    [--profile]
 
 The server's TokenizerManager runs this for every running sequence every step, and the offline
 `Engine` runs it on the thread that steps the scheduler, so at batch 512 a few us a token is a

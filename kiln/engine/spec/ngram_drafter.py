@@ -23,8 +23,8 @@ Batches on CUDA graphs. The verify forward replays a graph only when every reque
 same number of drafts (`CudaGraphRunner`'s uniform extends); a mixed batch runs eagerly. With
 `uniform` set (the runner replays graphs), when any request of a pass has a match every ready
 request drafts K: one without a match copies what followed its last token's latest occurrence
-(in its last FALLBACK_SCAN tokens), or repeats that token. Those drafts are cheap guesses (rows of a memory-bound verify) that keep
-the batch on its graph.
+(in its last FALLBACK_SCAN tokens), or repeats that token. Those drafts are cheap guesses (rows
+of a memory-bound verify) that keep the batch on its graph.
 """
 
 from __future__ import annotations
