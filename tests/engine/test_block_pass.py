@@ -69,8 +69,8 @@ def test_kernel_path_drafts_sampled_requests_on_the_paged_pass(tmp_path_factory)
     kw = dict(page_size=4)  # the kernel path for the spec core; plain greedy from the default (reference) path
     # a penalised sampled request (every kind of processing) and a greedy one
     ps = prompts(2, seed=21, lo=12, hi=20)
-    # the sampled r0 (7 tokens, some of its drafts accepted) is in every round of the greedy r1 (5 tokens)
-    params = [dataclasses.replace(p, max_tokens=m) for p, m in ((mixed_params()[1], 7), (mixed_params()[2], 5))]
+    # the sampled r0 (12 tokens, some of its drafts accepted) is in every round of the greedy r1 (5 tokens)
+    params = [dataclasses.replace(p, max_tokens=m) for p, m in ((mixed_params()[1], 12), (mixed_params()[2], 5))]
     core = spec_core(target, 3, kernel_backend="triton", **kw, **FLAGS["tokenwise"])
     drafter = core.scheduler.spec.drafter
     steps = []  # per drafter step: (rids of its paged pass, rids of its padded passes)
