@@ -61,8 +61,6 @@ def test_streams_count_their_draws_and_take_any_seed():
 
 @pytest.mark.gpu
 def test_cpu_and_cuda_draw_the_same_values():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     k = keys(16, 123)
     assert torch.equal(uniforms(k, 1000), uniforms(k.cuda(), 1000).cpu())
     torch.testing.assert_close(exponentials(k, 1000), exponentials(k.cuda(), 1000).cpu(), rtol=1e-6, atol=0)
