@@ -87,20 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def always_draft(core) -> None:
     """`--ngram-always-draft`: every ready request's ngram pass drafts K (`NgramIndex.fallback` when
     nothing matches): the round's time without depending on what random weights generate."""
-    spec = core.scheduler.spec
-    if spec is None or core.config.speculative_algorithm != "ngram":
+    if core.scheduler.spec is None or core.config.speculative_algorithm != "ngram":
         raise SystemExit("--ngram-always-draft needs --speculative-algorithm ngram")
-    drafter = spec.drafter
-    run = drafter.run
-
-    def run_always(reqs, num_drafts):
-        run(reqs, num_drafts)
-        for r in reqs:
-            k = num_drafts.get(r.rid, 0)
-            if k and not r.spec.num_drafts:
-                r.spec.drafts = r.spec.index.fallback(k)
-
-    drafter.run = run_always
+    core.scheduler.spec.drafter.always = True
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

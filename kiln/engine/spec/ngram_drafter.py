@@ -146,6 +146,9 @@ class NgramDrafter:
         self.num_steps = num_steps
         self.min_n, self.max_n = min_n, max_n
         self.uniform = uniform
+        # Every ready request drafts K in every pass, guessing where nothing matches: how benchmarks
+        # time full rounds on random weights (decode_batch.py --ngram-always-draft).
+        self.always = False
 
     def new_state(self, r: Req) -> NgramState:
         return NgramState(index=NgramIndex(self.min_n, self.max_n))
@@ -183,7 +186,7 @@ class NgramDrafter:
                 index.extend(r.token_ids(len(index.tokens), T))
             state.drafts = index.propose(k)
             ready.append((r, k))
-        if self.uniform and any(r.spec.num_drafts for r, _ in ready):
+        if self.always or (self.uniform and any(r.spec.num_drafts for r, _ in ready)):
             for r, k in ready:
                 if not r.spec.num_drafts:
                     r.spec.drafts = r.spec.index.fallback(k)
