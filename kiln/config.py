@@ -167,6 +167,11 @@ class EngineConfig:
     speculative_use_block_verification: bool = opt(
         False, "Like --speculative-use-rejection-sampling, but verify the draft block jointly (Sun et al., "
         "block verification): exact, and never fewer accepted tokens in expectation.")
+    speculative_adaptive: bool = opt(
+        False, "Choose each round's draft length (0, the powers of two below --speculative-num-steps, or "
+        "it) from measured step times and acceptance: the length with the most expected tokens per "
+        "second for the running batch, so speculation turns itself off where its verify rows cost more "
+        "than they return (large batches, weak drafts).")
     speculative_ngram_min_match_window_size: int = opt(
         1, "ngram: the shortest suffix of the sequence that must have occurred before to draft.")
     speculative_ngram_max_match_window_size: int = opt(
@@ -209,11 +214,16 @@ class EngineConfig:
         if self.speculative_token_map and self.speculative_algorithm is None:
             raise ValueError("--speculative-token-map restricts a drafter's LM head; it needs "
                              "--speculative-algorithm")
+        if self.speculative_adaptive and self.tp_size > 1:
+            raise ValueError("--speculative-adaptive chooses each step's draft length from its own process's "
+                             "clock, so tensor-parallel ranks could choose apart; it does not take --tp-size > 1 "
+                             "yet (drop one of the two)")
         if self.speculative_algorithm is None:
-            for flag in ("speculative_use_rejection_sampling", "speculative_use_block_verification"):
+            for flag in ("speculative_use_rejection_sampling", "speculative_use_block_verification",
+                         "speculative_adaptive"):
                 if getattr(self, flag):
                     raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-algorithm "
-                                     f"(it verifies a drafter's proposals)")
+                                     f"(it acts on a drafter's proposals)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

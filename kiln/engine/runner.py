@@ -19,6 +19,7 @@ from kiln.engine.paged_backend import PagedBackend
 from kiln.engine.pinned_weights import PinnedWeights
 from kiln.engine.routing import RoutingCapture, moe_shape
 from kiln.engine.sampler import Sampler
+from kiln.engine.spec.adaptive import adaptive_steps
 from kiln.kernels import interpreting, kernels_supported
 from kiln.loader import ModelSource, cast_parameters, init_dummy_weights, iter_weights
 from kiln.models.registry import get_model_class, parse_model_config
@@ -117,8 +118,12 @@ class ModelRunner:
 
     def _new_graphs(self) -> CudaGraphRunner:
         """The graph runner (not captured yet): decode, and with speculative decoding the verify
-        forward of a full round (the last token + `spec_steps` drafts per request)."""
-        shapes = (1, self.spec_steps + 1) if self.spec_steps else (1,)
+        forward of a full round (the last token + `spec_steps` drafts per request), and of every
+        shorter round `--speculative-adaptive` may choose."""
+        shapes = [1]
+        if self.spec_steps:
+            steps = adaptive_steps(self.spec_steps) if self.config.speculative_adaptive else [self.spec_steps]
+            shapes += [k + 1 for k in steps if k]
         return CudaGraphRunner(self._forward_eager, min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
                                list(self.window_tables), self.device, tokens_per_seq=shapes,
                                capture_context=self._graph_capture_context)

@@ -272,6 +272,12 @@ class EngineMetrics:
             for i, v in enumerate(s.spec.accept_rate_per_position):
                 rate.add_metric([str(i + 1)], v)
             yield rate
+            steps = CounterMetricFamily("kiln_spec_steps_by_draft_length", "Speculative decoding: steps "
+                                        "whose decoding requests were offered this many drafts "
+                                        "(--speculative-adaptive chooses it per step).", labels=["length"])
+            for k, v in enumerate(s.spec.steps_by_length):
+                steps.add_metric([str(k)], v)
+            yield steps
         counters = [
             ("kiln_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
             ("kiln_cached_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens_total),

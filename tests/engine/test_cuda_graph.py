@@ -62,6 +62,33 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
+    # --speculative-adaptive with MTP (K = 4) on the GPU: a verify graph per candidate length
+    # (rounds of 1, 2 and 4 drafts, plus decode), the length changing every few steps (a fake
+    # clock, tests/engine/test_adaptive_spec.py), rounds of each length replayed from their graph.
+    # Greedy output equals plain greedy decoding.
+    import json
+
+    from tests.engine.test_adaptive_spec import charge_by_length
+    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    reqs = prompts(3, seed=6, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
+    assert {q for q, _ in core.runner.graphs.graphs} == {1, 2, 3, 5}
+    chosen = charge_by_length(core, 0.02)
+    replays = []
+    replay = core.runner.graphs.replay
+    core.runner.graphs.replay = lambda batch: (replays.append(batch.num_tokens // batch.batch_size), replay(batch))[1]
+    res, _, _ = run_spec(core, reqs, max_tokens=64)
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=64)
+    assert {rid: r[1] for rid, r in res.items()} == want
+    assert {0, 4} < set(chosen), chosen  # plain rows, K and a length between
+    assert {k + 1 for k in chosen} <= set(replays), (chosen, replays)  # tokens per request replayed
+
+
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_ngram_rounds_with_graphs_equal_plain(arch, tmp_path):
     # Prompt lookup (k = 3) on the GPU: with graphs the drafter keeps a batch's rounds uniform
     # (`NgramDrafter.uniform`), so verifies replay from the uniform-extend graph. Greedy output

@@ -141,3 +141,36 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     else:
         assert counts.accepted_tokens == 3 * counts.verify_steps
     assert assert_mtp_reference(core, res, drafts) > 0
+
+
+def test_adaptive_rounds_replay_a_graph_per_length(tmp_path):
+    # --speculative-adaptive (K = 4) on graphs: a verify graph per candidate length (1, 2 and 4
+    # drafts, and decode for 0), the length changing every few steps (a fake clock,
+    # tests/engine/test_adaptive_spec.py): rounds of every length replay from their graph, MTP
+    # passes from the chain graph (which drafts K and hands over the first k), rounds at K from
+    # the device. Output equals plain greedy decoding, drafts the teacher-forced reference.
+    from tests.engine.test_adaptive_spec import charge_by_length
+    from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain,
+                                               run_spec, spec_core)
+
+    (tmp_path / "config.json").write_text(json.dumps({**SPEC_ARCHS["inkling"], **FEWER_LAYERS["inkling"]}))
+    reqs = prompts(2, seed=8, lo=10, hi=30)
+    core = spec_core(str(tmp_path), 4, alpha=0.01, page_size=4, kernel_backend="triton", cuda_graph_max_bs=2,
+                     context_length=INTERP_CONTEXT, speculative_adaptive=True)
+    runner, drafter = core.runner, core.scheduler.spec.drafter
+    runner.graphs = runner._new_graphs()
+    runner.graphs.capture(RecomputeCapturer())
+    assert {q for q, _ in runner.graphs.graphs} == {1, 2, 3, 5}
+    chain = RecomputeCapturer()
+    drafter.use_graphs(2, chain)
+    chosen = charge_by_length(core, 0.02)
+    shapes = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda batch: (shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
+    res, drafts, _ = run_spec(core, reqs, max_tokens=24)
+    assert {0, 4} < set(chosen), chosen  # plain rows, K and a length between
+    assert {k + 1 for k in chosen} <= set(shapes), (chosen, shapes)  # every length replayed its graph
+    assert chain.replays > 0
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, page_size=4), reqs, max_tokens=24)
+    assert {rid: r[1] for rid, r in res.items()} == want
+    assert assert_mtp_reference(core, res, drafts) > 0

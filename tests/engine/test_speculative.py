@@ -386,10 +386,12 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
     assert set(spec.to_dict()) == {"spec_verify_ct", "spec_accepted_tokens", "spec_accept_length",
                                    "spec_accept_rate_per_position"}
     assert stats.spec.verify_steps == spec.verify_steps
+    assert stats.spec.steps_by_length == [0, 0, spec.verify_steps]  # every decode step offered K = 2
     metrics = EngineMetrics()
     metrics.update(stats)
     names = {m.name for m in metrics.collect()}
-    assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps"} <= names
+    assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps",
+            "kiln_spec_steps_by_draft_length"} <= names
 
 
 def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch):

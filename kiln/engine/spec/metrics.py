@@ -11,11 +11,20 @@ class SpecCounts:
 
     Acceptance length tau = accepted drafts + 1 (the target's own token) per verify step, as in
     SGLang and DFlash; `proposed[i]` / `accepted[i]` count draft position i + 1 (a position is
-    proposed when the draft reached it and accepted when it and every earlier one matched)."""
+    proposed when the draft reached it and accepted when it and every earlier one matched).
+    Engine-wide only, `steps_by_length[k]` counts the steps whose decoding requests were offered k
+    drafts (k < K only with --speculative-adaptive; a request short of pages or context may still
+    verify fewer)."""
 
     verify_steps: int = 0
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    steps_by_length: list[int] = field(default_factory=list)
+
+    def record_step(self, k: int) -> None:
+        if k >= len(self.steps_by_length):
+            self.steps_by_length += [0] * (k + 1 - len(self.steps_by_length))
+        self.steps_by_length[k] += 1
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
@@ -37,6 +46,10 @@ class SpecCounts:
             self.proposed[i] += p
             self.accepted[i] += a
         self.verify_steps += other.verify_steps
+        grow = len(other.steps_by_length) - len(self.steps_by_length)
+        self.steps_by_length += [0] * max(grow, 0)
+        for k, n in enumerate(other.steps_by_length):
+            self.steps_by_length[k] += n
 
     @property
     def accepted_tokens(self) -> int:
@@ -52,7 +65,7 @@ class SpecCounts:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
     def copy(self) -> "SpecCounts":
-        return SpecCounts(self.verify_steps, list(self.proposed), list(self.accepted))
+        return SpecCounts(self.verify_steps, list(self.proposed), list(self.accepted), list(self.steps_by_length))
 
     def to_dict(self) -> dict:
         return {"spec_verify_ct": self.verify_steps, "spec_accepted_tokens": self.accepted_tokens,

@@ -37,7 +37,9 @@ back only to verify. When every request of the
 step is in a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
 device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
 behind it. Every round drafts K tokens up to the request's last one (the commit stops at
-max_tokens), so the verify stays on its graph.
+max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
+from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
+whole batch (0: plain decode rows), each with its verify graph.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from kiln.engine.cache.manager import cdiv
 from kiln.engine.request import Req
 from kiln.engine.sampled_step import sample_readback
 from kiln.engine.sampler import SamplingBatch, select_rows
+from kiln.engine.spec.adaptive import AdaptiveDraftLength
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
@@ -77,6 +80,11 @@ class SpecDecoder:
         drafter.sample_drafts = self.method is not None
         self.page_size = scheduler.page_size
         scheduler.stats_counters.spec = SpecCounts()
+        # --speculative-adaptive: the draft length of each round is chosen from measured step times
+        # and acceptance (`adaptive`); `step_k` is what this step's rounds were offered, `next_k`
+        # what the drafter pass drafts for the next step
+        self.adaptive = AdaptiveDraftLength(self.num_steps) if scheduler.config.speculative_adaptive else None
+        self.step_k = self.next_k = self.num_steps
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -118,11 +126,24 @@ class SpecDecoder:
         """Hand the forward's rows to the drafter, verify + commit every sampling request, then
         run the drafter pass for the plan's requests that are still running, then trim windows
         and cache prompt pages."""
+        self.step_k = self.next_k
+        if any(start == r.seq_len - 1 for r, start, _ in plan):  # a step with decoding requests
+            self.sched.stats_counters.spec.record_step(self.step_k)
+        if self.adaptive is not None:
+            # every request of the step in a round (or a plain decode row) of the same length
+            steady = plan and all(start == r.seq_len - 1 for r, start, _ in plan)
+            self.adaptive.step_done(len(plan), self.step_k if steady else None)
+            self.next_k = self.adaptive.choose(len(plan))
         self.drafter.on_forward(batch)
-        ends = {r.rid: end for r, _, end in plan}
         if self._round_on_device(plan, sample_reqs, sample_rows):
             self._device_round(plan, logits, batch, row_starts)
-            return
+        else:
+            self._host_round(plan, logits, sample_reqs, sample_rows, batch, row_starts)
+
+    def _host_round(self, plan, logits: torch.Tensor, sample_reqs: list[Req], sample_rows: list[int], batch,
+                    row_starts: list[int]) -> None:
+        """Verify and commit on the host, then run the drafter pass from the committed tokens."""
+        ends = {r.rid: end for r, _, end in plan}
         self._verify_and_commit(logits, sample_reqs, sample_rows, ends)
         alive = [(r, s, e, row) for (r, s, e), row in zip(plan, row_starts) if not r.finished]
         num_drafts = {}
@@ -151,7 +172,7 @@ class SpecDecoder:
             return 0
         # Not capped by max_tokens: the commit stops at it anyway, and a round of the full length
         # keeps the verify forward on its CUDA graph (a shorter one would run eagerly)
-        k = max(min(self.num_steps, self.sched.context_length - T), 0)
+        k = max(min(self.next_k, self.sched.context_length - T), 0)
         need = max(self.drafter.pages_needed(T, k), keep)
         if len(r.pages) > cdiv(need, self.page_size):
             if len(r.pages) > cdiv(max(need, hold), self.page_size):
@@ -267,6 +288,8 @@ class SpecDecoder:
             if k:
                 r.spec.counts.record(k, n)
                 sched.stats_counters.spec.record(k, n)
+            if self.adaptive is not None and self.step_k:
+                self.adaptive.observe_round(max(self.step_k, k), k, n)
             L = r.seq_len
             reason, emitted = None, 0
             for i in range(n + 1):
