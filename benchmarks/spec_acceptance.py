@@ -23,6 +23,9 @@ forward, rounds without drafts included: what bounds the speedup of a drafter th
 nothing (ngram without a match).
 
     python benchmarks/spec_acceptance.py --speculative-algorithm ngram --steps 2,4,8 --workload edit --check-greedy
+
+`--adaptive both` runs each K fixed and with `--speculative-adaptive` (the draft length chosen per
+step from measured step times and acceptance), and prints how many steps ran at each length.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main() -> None:
     ap.add_argument("--check-greedy", action="store_true", help="Also run without speculation and compare.")
     ap.add_argument("--workload", choices=["chat", "edit"], default="chat",
                     help="chat: the held-out prompts; edit: rewrite the model's own answers to them.")
+    ap.add_argument("--adaptive", choices=["off", "on", "both"], default="off",
+                    help="--speculative-adaptive for each K: off, on, or both (fixed K, then adaptive).")
     ap.add_argument("--engine", default="{}", help="Extra kiln.Engine options (JSON).")
     ap.add_argument("--out", default=None, help="Write the results as JSON here.")
     args = ap.parse_args()
@@ -89,6 +94,7 @@ def main() -> None:
         d.verify_steps -= before.verify_steps
         d.proposed = [a - b for a, b in zip(d.proposed, before.proposed + [0] * len(d.proposed))]
         d.accepted = [a - b for a, b in zip(d.accepted, before.accepted + [0] * len(d.accepted))]
+        d.steps_by_length = [a - b for a, b in zip(d.steps_by_length, before.steps_by_length + [0] * len(d.steps_by_length))]
         return d
 
     def task_prompts(llm) -> list[str]:
@@ -111,13 +117,16 @@ def main() -> None:
         draft["speculative_draft_model_path"] = args.speculative_draft_model_path
     if args.speculative_token_map:  # a speculative option: not for the --check-greedy baseline
         draft["speculative_token_map"] = args.speculative_token_map
-    for k in [int(x) for x in args.steps.split(",")]:
-        toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k, **draft)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.adaptive]
+    for k, adaptive in [(int(x), a) for x in args.steps.split(",") for a in modes]:
+        toks, spec, wall = run(speculative_algorithm=args.speculative_algorithm, speculative_num_steps=k,
+                               speculative_adaptive=adaptive, **draft)
         n = sum(len(t) for t in toks)
         # A round emits accepted + 1 tokens in one forward, any other token took a forward of its
         # own (the prefill's first token, decodes without drafts): forwards = tokens - accepted.
         per_forward = n / max(n - spec.accepted_tokens, 1)
-        row = {"K": k, "accept_length": spec.accept_length, "accept_rate_per_position": spec.accept_rate_per_position,
+        row = {"K": k, "adaptive": adaptive, "steps_by_length": spec.steps_by_length,
+               "accept_length": spec.accept_length, "accept_rate_per_position": spec.accept_rate_per_position,
                "verify_steps": spec.verify_steps, "tokens": n, "tokens_per_forward": per_forward, "wall_s": wall,
                "ms_per_round": 1e3 * wall / max(spec.verify_steps, 1)}
         if plain is not None:
@@ -126,7 +135,9 @@ def main() -> None:
             row["speedup"] = (n / wall) / (results[0]["tokens"] / results[0]["wall_s"])
         results.append(row)
         rates = " ".join(f"{r:.3f}" for r in spec.accept_rate_per_position)
-        print(f"K={k}: acceptance length {spec.accept_length:.3f}, per position [{rates}], "
+        by_len = ", ".join(f"{i}: {c}" for i, c in enumerate(spec.steps_by_length) if c)
+        print(f"K={k}{' adaptive' if adaptive else ''}: acceptance length {spec.accept_length:.3f}, "
+              f"per position [{rates}], steps by draft length {{{by_len}}}, "
               f"{spec.verify_steps} verify steps, {per_forward:.3f} tokens per forward, "
               f"{n} tokens in {wall:.1f}s ({n / wall:.1f} tok/s, "
               f"{row['ms_per_round']:.2f} ms a round)"
