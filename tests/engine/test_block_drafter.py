@@ -249,6 +249,26 @@ def test_oracle_partial_acceptance_batches(target, k):
     assert assert_block_reference(core, res, drafts) > 0
 
 
+def test_adaptive_lengths_with_a_block_drafter(target):
+    # --speculative-adaptive (tests/engine/test_adaptive_spec.py) with a block drafter: a fake clock
+    # moves the length between 0, K and the lengths between, mid-request; the block pass drafts K
+    # and hands over the first k. Greedy output equals plain, the drafts the fresh block forward.
+    from tests.engine.test_adaptive_spec import charge_by_length
+
+    ps = prompts(3, seed=26, lo=10, hi=50)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
+    plain = run_plain(plain_core(target, **kw), ps, max_tokens=40)
+    core = spec_core(target, 3, speculative_adaptive=True, **kw)
+    oracle(core, truth(ps, plain), corrupt=0.3)
+    chosen = charge_by_length(core, 0.05)
+    res, drafts, _ = run_spec(core, ps, max_tokens=40)
+    assert outputs(res) == plain
+    assert {0, 3} < set(chosen), chosen
+    assert {len(d) for ds in drafts.values() for _, d, _ in ds} == set(chosen) - {0}
+    assert_reference(core, res)
+    assert assert_block_reference(core, res, drafts) > 0
+
+
 def test_prefix_hits_carry_the_drafter_context(target):
     # The drafter's context K/V ride in the cached pages: a request admitted with a matched prefix
     # drafts exactly what a fresh computation over its committed tokens gives.
