@@ -187,10 +187,26 @@ def test_ngram_rounds_with_changing_lengths_match_plain_greedy(model_dir):  # no
     kw = dict(page_size=4, chunked_prefill_size=32, max_prefill_tokens=48)
     ps = echo_prompts(model_dir, 2, seed=43, max_tokens=24, **kw)
     core = ngram_core(model_dir, 4, speculative_adaptive=True, **kw)
+    spec = core.scheduler.spec
+    assert spec.drafter.shadow  # drafting is free: plain steps score position 1 too
     chosen = charge_by_length(core, 0.3)
+    observed, observe = [], spec.adaptive.observe_round
+    spec.adaptive.observe_round = lambda *a: (observed.append((spec.step_k, *a)), observe(*a))[1]
+    shadows, run = [], spec.drafter.run  # (rid, seq_len, the first draft it would have proposed)
+
+    def run_and_record(reqs, num_drafts):
+        run(reqs, num_drafts)
+        shadows.extend((r.rid, r.seq_len, r.spec.shadow) for r in reqs if r.spec.shadow is not None)
+
+    spec.drafter.run = run_and_record
     res, drafts, _ = run_spec(core, ps, max_tokens=24)
     assert {rid: r[1] for rid, r in res.items()} == run_plain(copy_core(model_dir, **kw), ps, max_tokens=24)
     assert {0, 4} < set(chosen), chosen
     assert set(chosen) - {0} <= {len(d) for ds in drafts.values() for _, d, _ in ds}
     assert core.stats().spec.accepted_tokens > 0
+    # every plain step scored each request's shadow against the token it then committed
+    scored = [o[1:] for o in observed if o[0] == 0]  # (offered, proposed, accepted)
+    full = {rid: prompt + out for rid, (prompt, out, _, _) in res.items()}
+    want = [(1, len(d), int(d == full[rid][T:T + 1])) for rid, T, d in shadows if T < len(full[rid])]
+    assert scored and sorted(scored) == sorted(want), (scored, want)
     assert_reference(core, res)

@@ -133,6 +133,9 @@ class NgramState(DraftState):
     """A request's prompt-lookup index over its committed tokens, plus the drafts for its next verify."""
 
     index: Optional[NgramIndex] = field(default=None, repr=False)
+    # With `NgramDrafter.shadow`: the one draft it would have proposed in a round without drafts
+    # ([] when nothing matched), scored against the token that step commits
+    shadow: Optional[list[int]] = None
 
 
 class NgramDrafter:
@@ -149,6 +152,10 @@ class NgramDrafter:
         # Every ready request drafts K in every pass, guessing where nothing matches: how benchmarks
         # time full rounds on random weights (decode_batch.py --ngram-always-draft).
         self.always = False
+        # A ready request offered no drafts still looks up its first one (`NgramState.shadow`):
+        # drafting is free here, so --speculative-adaptive keeps seeing how often position 1
+        # would be accepted while it runs plain decode rows.
+        self.shadow = False
 
     def new_state(self, r: Req) -> NgramState:
         return NgramState(index=NgramIndex(self.min_n, self.max_n))
@@ -176,7 +183,8 @@ class NgramDrafter:
         for r in reqs:
             k = num_drafts.get(r.rid, 0)
             state = r.spec
-            if k <= 0:
+            state.shadow = None
+            if k <= 0 and not (self.shadow and r.rid in num_drafts and r.num_computed == r.seq_len - 1):
                 state.drafts = []
                 continue
             index = state.index
@@ -184,6 +192,9 @@ class NgramDrafter:
             assert len(index.tokens) <= T, "the index holds committed tokens only"
             if len(index.tokens) < T:
                 index.extend(r.token_ids(len(index.tokens), T))
+            if k <= 0:
+                state.drafts, state.shadow = [], index.propose(1)
+                continue
             state.drafts = index.propose(k)
             ready.append((r, k))
         if self.always or (self.uniform and any(r.spec.num_drafts for r, _ in ready)):

@@ -84,6 +84,8 @@ class SpecDecoder:
         # and acceptance (`adaptive`); `step_k` is what this step's rounds were offered, `next_k`
         # what the drafter pass drafts for the next step
         self.adaptive = AdaptiveDraftLength(self.num_steps) if scheduler.config.speculative_adaptive else None
+        if self.adaptive is not None and hasattr(drafter, "shadow"):
+            drafter.shadow = True  # free drafts (ngram): position 1 is scored in plain steps too
         self.step_k = self.next_k = self.num_steps
 
     # ---- hooks the scheduler calls -------------------------------------------------------
@@ -288,8 +290,12 @@ class SpecDecoder:
             if k:
                 r.spec.counts.record(k, n)
                 sched.stats_counters.spec.record(k, n)
-            if self.adaptive is not None and self.step_k:
-                self.adaptive.observe_round(max(self.step_k, k), k, n)
+            if self.adaptive is not None:
+                shadow = getattr(r.spec, "shadow", None)
+                if self.step_k:
+                    self.adaptive.observe_round(max(self.step_k, k), k, n)
+                elif shadow is not None:  # what position 1 would have done (`NgramDrafter.shadow`)
+                    self.adaptive.observe_round(1, len(shadow), int(shadow == tokens[row:row + 1]))
             L = r.seq_len
             reason, emitted = None, 0
             for i in range(n + 1):
