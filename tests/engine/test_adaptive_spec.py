@@ -49,9 +49,13 @@ def test_expected_tokens_follow_the_conditional_rates():
     before = ctl.offered[1]
     ctl.observe_round(4, 1, 1)
     assert ctl.offered[1] == before + 1 and ctl.accepted[1] == pytest.approx(198)
-    ctl.DECAY = 0.5  # the counts decay once per step
+    ctl.DECAY = 0.5  # the counts decay once per step that observed them
     ctl.step_done(1, None)
     assert ctl.offered[1] == (before + 1) / 2 and ctl.accepted[1] == pytest.approx(99)
+    ctl.observe_round(1, 1, 0)  # position 1 only: position 2 keeps its counts (no news)
+    ctl.step_done(1, None)
+    assert ctl.offered[1] == (before + 1) / 2 and ctl.accepted[1] == pytest.approx(99)
+    assert ctl.offered[0] == pytest.approx((396 + 1) / 4 + 0.5)
 
 
 def simulate(ctl, steps: int, batch_size: int, cost, accept: float, rng: random.Random):

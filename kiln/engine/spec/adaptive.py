@@ -11,8 +11,9 @@ while serving:
 
 - expected tokens per request and round for draft length k, E(k) = 1 + sum_{i<=k} prod_{j<=i}
   a_j, from per-position conditional acceptance rates a_j (accepted given every earlier position
-  was; a request offered k drafts that proposed fewer fails at the first missing one). Counts
-  decay by 2% a step, so the rates follow the workload;
+  was; a request offered k drafts that proposed fewer fails at the first missing one). A
+  position's counts decay by 2% in each step that observed it, so the rates follow the workload
+  and keep their last value (not the prior) through steps that draft less;
 - the wall time of a steady step (every request of the step in a round of the same k, and the
   step before it too) per batch-size bucket (powers of two) and k: the least of its last 3
   intervals between two steps' forwards, which cover the forward, the verify, the drafter pass
@@ -75,7 +76,7 @@ class AdaptiveDraftLength:
     verified round (`observe_round`) and every step once its forward is queued (`step_done`),
     then asks `choose` for the length the drafter pass drafts for the next step."""
 
-    DECAY = 0.98  # acceptance counts kept per step (~50 steps of memory)
+    DECAY = 0.98  # acceptance counts kept per step that observed the position (~50 such steps)
     # steps a tried length runs (its first step after a switch is not timed): three the first time
     # in a bucket, so that one slow step does not decide; two to add a time later
     FIRST_PROBE_STEPS, PROBE_STEPS = 3, 2
@@ -92,6 +93,7 @@ class AdaptiveDraftLength:
         # a prior of one half-accepted offer so that an untried position looks worth trying
         self.accepted = [0.0] * max_steps
         self.offered = [0.0] * max_steps
+        self._seen = [False] * max_steps  # positions observed since the last step
         self.timings: dict[tuple[int, int], _Timing] = {}
         self.timed_steps: dict[int, int] = {}  # bucket -> steps timed in it
         self.current = max_steps  # the k chosen for the next round
@@ -107,6 +109,7 @@ class AdaptiveDraftLength:
         for i in range(min(accepted + 1, offered)):  # position i + 1 was reached
             self.offered[i] += 1.0
             self.accepted[i] += float(i < accepted)
+            self._seen[i] = True
 
     def rate(self, position: int) -> float:
         """The conditional acceptance rate of draft position `position` (1-based)."""
@@ -128,12 +131,15 @@ class AdaptiveDraftLength:
         interval since the previous call is one step period (the previous step's verify, commit
         and drafter pass, this step's scheduling and forward; on a GPU the host waits there for
         the previous forward), timed when both steps were steady with the same bucket and k.
-        Called before `choose` decides the next step; decays the acceptance counts."""
+        Called before `choose` decides the next step; decays the acceptance counts of the
+        positions observed since the last call."""
         now = self.clock()
         d = self.DECAY
-        for i in range(self.max_steps):
-            self.accepted[i] *= d
-            self.offered[i] *= d
+        for i in range(self.max_steps):  # only positions seen this step: no news is not forgetting
+            if self._seen[i]:
+                self.accepted[i] *= d
+                self.offered[i] *= d
+                self._seen[i] = False
         key = (bucket(batch_size), k) if k is not None else None
         if key is not None and key == self._last_step and self._last_end is not None:
             self._record(key, now - self._last_end)
