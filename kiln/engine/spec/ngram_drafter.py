@@ -183,17 +183,16 @@ class NgramDrafter:
         for r in reqs:
             k = num_drafts.get(r.rid, 0)
             state = r.spec
-            state.shadow = None
-            if k <= 0 and not (self.shadow and r.rid in num_drafts and r.num_computed == r.seq_len - 1):
-                state.drafts = []
+            state.drafts, state.shadow = [], None
+            if k <= 0 and not (self.shadow and r.num_computed == r.seq_len - 1):  # nothing to look up
                 continue
             index = state.index
             T = r.seq_len
             assert len(index.tokens) <= T, "the index holds committed tokens only"
             if len(index.tokens) < T:
                 index.extend(r.token_ids(len(index.tokens), T))
-            if k <= 0:
-                state.drafts, state.shadow = [], index.propose(1)
+            if k <= 0:  # a ready request offered no drafts: its first one, scored but not verified
+                state.shadow = index.propose(1)
                 continue
             state.drafts = index.propose(k)
             ready.append((r, k))

@@ -129,12 +129,12 @@ class SpecDecoder:
         run the drafter pass for the plan's requests that are still running, then trim windows
         and cache prompt pages."""
         self.step_k = self.next_k
-        if any(start == r.seq_len - 1 for r, start, _ in plan):  # a step with decoding requests
+        decoding = sum(start == r.seq_len - 1 for r, start, _ in plan)  # requests in a round (or a plain row)
+        if decoding:
             self.sched.stats_counters.spec.record_step(self.step_k)
         if self.adaptive is not None:
-            # every request of the step in a round (or a plain decode row) of the same length
-            steady = plan and all(start == r.seq_len - 1 for r, start, _ in plan)
-            self.adaptive.step_done(len(plan), self.step_k if steady else None)
+            # steady: every request of the step in a round of the same length
+            self.adaptive.step_done(len(plan), self.step_k if decoding and decoding == len(plan) else None)
             self.next_k = self.adaptive.choose(len(plan))
         self.drafter.on_forward(batch)
         if self._round_on_device(plan, sample_reqs, sample_rows):
