@@ -1,0 +1,22 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# twenty-eighth session (2026-12-05): the GPU passes the twenty-sixth and twenty-seventh sessions
+# prepared without a device (ngram26*, adaptive27*), merged into few calls on one H200, plus the
+# whole gpu-marked suite (last run at b2dc0dc) and the host phases of an ngram round at batch 1.
+# shellcheck shell=bash
+
+lane0_spec28a() {  # call 1: the gpu-marked suite; ngram26 (Inkling bench at batch 1/8/32: plain, ngram K = 3 / 4,
+  # MTP K = 3); the host phases of an ngram K = 4 round at batch 1
+  step gpu_suite 270 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+  lane0_ngram26
+  step ink_ngram4_phases 60 $DECODE --model-path $INK $NGRAM26 --batch-sizes 1 --speculative-algorithm ngram \
+    --ngram-always-draft --speculative-num-steps 4 --host-phases --out "$R/json/ink_ngram4_phases.json"
+}
+
+lane0_spec28b() {  # call 2: ngram26b (batch 1: Inkling ngram K = 8, K = 4 on 8-row GEMV loops; the 8B) and
+  # adaptive27's engine rows (Inkling bench at batch 1/8/32/64: plain, MTP K = 3 fixed and adaptive)
+  lane0_ngram26b
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3"
+  step ink_plain64 100 $DECODE $AD27 --out "$R/json/ink_plain64.json"
+  step ink_mtp3 140 $DECODE $AD27 $mtp --out "$R/json/ink_mtp3_64.json"
+  step ink_mtp3_adaptive 140 $DECODE $AD27 $mtp --speculative-adaptive --out "$R/json/ink_mtp3_adaptive.json"
+}
