@@ -214,10 +214,6 @@ class EngineConfig:
         if self.speculative_token_map and self.speculative_algorithm is None:
             raise ValueError("--speculative-token-map restricts a drafter's LM head; it needs "
                              "--speculative-algorithm")
-        if self.speculative_adaptive and self.tp_size > 1:
-            raise ValueError("--speculative-adaptive chooses each step's draft length from its own process's "
-                             "clock, so tensor-parallel ranks could choose apart; it does not take --tp-size > 1 "
-                             "yet (drop one of the two)")
         if self.speculative_algorithm is None:
             for flag in ("speculative_use_rejection_sampling", "speculative_use_block_verification",
                          "speculative_adaptive"):

@@ -47,6 +47,15 @@ class ParallelContext:
         dist.broadcast_object_list(box, src=src, group=self.cpu_group or self.tp_group)
         return box[0]
 
+    def broadcast_int(self, value: int, src: int = 0) -> int:
+        """Rank `src`'s `value` on every rank (one int64 through the CPU group; cheaper than
+        `broadcast_object`'s pickling), e.g. a choice only one rank's clock may make."""
+        if self.tp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=src, group=self.cpu_group or self.tp_group)
+        return int(t.item())
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (e.g. KV pool sizes, which must agree)."""
         if self.tp_size == 1:

@@ -65,7 +65,7 @@ def _record_drafts(core: EngineCore) -> EngineCore:
     return core
 
 
-def _rank(rank: int, model_dir: str, port: int, vocab: int, results, extra=None) -> None:
+def _rank(rank: int, model_dir: str, port: int, vocab: int, results, extra=None, hook=None) -> None:
     torch.set_num_threads(1)
     import gc
 
@@ -74,6 +74,8 @@ def _rank(rank: int, model_dir: str, port: int, vocab: int, results, extra=None)
         core = EngineCore(_config(model_dir, 2, **(extra or {})), pc=pc)
         if core.scheduler.spec is not None:
             _record_drafts(core)
+        if hook is not None:
+            hook(core, rank)
         out, rows = generate(core, _prompts(vocab))
         # Plain arrays: a tensor would travel as shared memory that dies with this process.
         results.put((rank, (out, {k: v.numpy() for k, v in rows.items()}, _spec_counts(core))))
@@ -91,11 +93,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tp2(model_dir: str, vocab: int, extra=None):
+def run_tp2(model_dir: str, vocab: int, extra=None, hook=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, model_dir, port, vocab, results, extra)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, model_dir, port, vocab, results, extra, hook)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=600) for _ in procs)
@@ -163,6 +165,42 @@ def test_tp2_token_map_drafts_as_tp1(tmp_path):
     for rank in (0, 1):
         out, _, counts = got[rank]
         assert out == want_out and counts == want_counts, (rank, counts, want_counts)
+
+
+def _choose_apart(core: EngineCore, rank: int) -> None:
+    """Give each rank's adaptive controller a different step clock, and rank 1 a choice of its own
+    that disagrees with rank 0's every step (K where rank 0 would pick 0 and back): only the
+    broadcast keeps the ranks' forwards the same shape."""
+    spec = core.scheduler.spec
+    ctl, t = spec.adaptive, [0.0]
+    per_draft = 0.02 if rank == 0 else 0.6
+
+    def clock():
+        t[0] += 1.0 + per_draft * spec.step_k
+        return t[0]
+
+    ctl.clock, ctl.probe_every = clock, 1
+    if rank == 1:
+        own = ctl.choose
+        ctl.choose = lambda n: spec.num_steps if own(n) == 0 else 0
+
+
+def test_tp2_adaptive_lengths_follow_rank_0(tmp_path):
+    """--speculative-adaptive with --tp-size 2: each step's draft length is rank 0's choice on both
+    ranks (their own clocks disagree), lengths change mid-request down to plain rows and back, and
+    greedy output equals one process's plain decoding."""
+    model_dir = _preset_dir(tmp_path, "inkling")
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    torch.set_num_threads(1)
+    plain_out, _ = generate(EngineCore(_config(model_dir, 1)), _prompts(vocab))
+    spec = dict(speculative_algorithm="ngram", speculative_num_steps=2, speculative_adaptive=True)
+    got = run_tp2(model_dir, vocab, spec, hook=_choose_apart)
+    lengths = []
+    for rank in (0, 1):
+        out, _, counts = got[rank]
+        assert out == plain_out, f"rank {rank} greedy tokens differ from plain decoding"
+        lengths.append([len(ds) for step in counts[2] for ds in step.values()])
+    assert lengths[0] == lengths[1] and {0, 2} <= set(lengths[0]), lengths
 
 
 def test_serve_tp2_equals_tp1(tmp_path):

@@ -135,7 +135,10 @@ class SpecDecoder:
         if self.adaptive is not None:
             # steady: every request of the step in a round of the same length
             self.adaptive.step_done(len(plan), self.step_k if decoding and decoding == len(plan) else None)
-            self.next_k = self.adaptive.choose(len(plan))
+            k = self.adaptive.choose(len(plan))
+            # every tensor-parallel rank runs its own controller on its own clock; the forward's
+            # shapes must agree, so rank 0's choice is everyone's
+            self.next_k = self.runner.pc.broadcast_int(k)
         self.drafter.on_forward(batch)
         if self._round_on_device(plan, sample_reqs, sample_rows):
             self._device_round(plan, logits, batch, row_starts)
