@@ -25,3 +25,12 @@ lane0_spec29a() {
     --out "$R/json/ad_ngram4_adaptive.json"
   step ad_mtp3 60 $DECODE $AD27 $mtp --out "$R/json/ad_mtp3.json"
 }
+
+lane0_spec29b() {  # call 2 (~4 device minutes left): the late MTP catch-up (plain steps skip the MTP layers) on
+  # the GPU: its graph tests, then adaptive MTP K = 3 at batch 1-64 against plain decode in the same call
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3"
+  step gpu_late 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_cuda_graph.py \
+    -k "late_mtp or adaptive_rounds"
+  step ad_mtp3_adaptive 60 $DECODE $AD27 $mtp --speculative-adaptive --out "$R/json/ad_mtp3_adaptive.json"
+  step ad_plain 50 $DECODE $AD27 --out "$R/json/ad_plain.json"
+}

@@ -50,11 +50,16 @@ class ModelRunner:
         # MTP: the first `spec_steps` MTP layers' own state. Block drafters (dflash, dspark): the
         # drafter module, its context K/V (DRAFT_KV, main space) and the target layers it taps.
         self.spec_steps, num_mtp, draft_specs = 0, 0, []
+        self.mtp_catch_up_lag = 0  # committed tokens the MTP state may lag (window spaces keep as many more)
         self.draft_model, self.draft_identity, self.capture_layers = None, None, ()
         if config.speculative_algorithm == "mtp":
             from kiln.engine.spec.mtp_drafter import resolve_mtp_steps
 
             self.spec_steps = num_mtp = resolve_mtp_steps(config, self.model)
+            if config.speculative_adaptive:  # plain steps may leave the MTP catch-up for later
+                from kiln.engine.spec.mtp_drafter import CATCH_UP_LAG
+
+                self.mtp_catch_up_lag = CATCH_UP_LAG
         elif config.speculative_algorithm in ("dflash", "dspark"):
             from kiln.engine.spec.block_drafter import draft_kv_spec, resolve_block_drafter
 
@@ -171,6 +176,8 @@ class ModelRunner:
             self.window_history["swa"] = max(s.window for s in specs[ComponentKind.SWA_KV]) - 1
         if specs[ComponentKind.CONV]:
             self.window_history["conv"] = max(s.window for s in specs[ComponentKind.CONV])
+        # a late MTP catch-up row reads the window state of its own position, not the newest one's
+        self.window_history = {c: h + self.mtp_catch_up_lag for c, h in self.window_history.items()}
         main_tokens, win_tokens = self._pool_tokens(per_token)
         self.num_pages = main_tokens // ps + 1  # + the scratch page
         self.window_pages = {c: t // ps + 1 for c, t in win_tokens.items()}

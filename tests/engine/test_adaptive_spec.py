@@ -213,3 +213,93 @@ def test_ngram_rounds_with_changing_lengths_match_plain_greedy(model_dir):  # no
     want = [(1, len(d), int(d == full[rid][T:T + 1])) for rid, T, d in shadows if T < len(full[rid])]
     assert scored and sorted(scored) == sorted(want), (scored, want)
     assert_reference(core, res)
+
+
+def script_lengths(core, script: list[int]) -> list[tuple[int, int]]:
+    """Make the engine's controller choose `script[i]` at its i-th choice (the last one after
+    that) and record, per drafter pass, (how far the worst request's MTP state lagged its
+    committed tokens before the pass, layer forwards the pass ran)."""
+    spec = core.scheduler.spec
+    calls = iter(script)
+    spec.adaptive.choose = lambda n: next(calls, script[-1])
+    drafter, passes = spec.drafter, []
+    run, forward_layer = drafter.run, drafter._forward_layer
+    layers = [0]
+
+    def counted(*a, **kw):
+        layers[0] += 1
+        return forward_layer(*a, **kw)
+
+    def recorded(reqs, num_drafts):
+        lag = max((r.seq_len - r.spec.complete for r in reqs), default=0)
+        layers[0] = 0
+        run(reqs, num_drafts)
+        passes.append((lag, layers[0]))
+
+    drafter.run, drafter._forward_layer = recorded, counted
+    return passes
+
+
+def test_plain_steps_leave_the_mtp_catch_up_for_one_late_pass(model_dir):  # noqa: F811
+    """Passes that draft nothing skip the MTP layers until a request's state would lag
+    CATCH_UP_LAG committed tokens; the late catch-up (one pass of many rows, on window state the
+    spaces kept) leaves drafts equal to the teacher-forced reference, and output equal plain."""
+    from kiln.engine.spec.mtp_drafter import CATCH_UP_LAG
+
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
+    core = spec_core(model_dir, 4, alpha=0.01, speculative_adaptive=True, **kw)
+    assert core.scheduler.spec.drafter.max_lag == CATCH_UP_LAG == core.runner.mtp_catch_up_lag
+    plain_history = plain_core(model_dir, alpha=0.01, speculative_algorithm="mtp", **kw).runner.window_history
+    assert core.runner.window_history == {c: h + CATCH_UP_LAG for c, h in plain_history.items()}
+    script = [4] * 6 + [0] * 45 + [4] * 6 + [0] * 7 + [2] * 4 + [0] * 20 + [4]
+    passes = script_lengths(core, script)
+    ps = prompts(2, seed=44, lo=20, hi=36)
+    res, drafts, _ = run_spec(core, ps, max_tokens=96)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, **kw), ps,
+                                                              max_tokens=96)
+    assert_reference(core, res)
+    assert assert_mtp_reference(core, res, drafts) > 0  # drafts after each late catch-up too
+    # a skipped pass leaves the state one more token behind after the next commit: the bound is
+    # reached, never passed
+    assert max(lag + 1 for lag, n in passes if n == 0) == CATCH_UP_LAG, passes
+    skipped = sum(n == 0 for _, n in passes)
+    late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]  # catch-ups after skips
+    assert skipped > 40 and len(late) >= 3 and max(passes[i][0] for i in late) == CATCH_UP_LAG, passes
+    assert sum(n for _, n in passes) < len(passes) * 4 - 2 * skipped  # the layers ran far less than every pass
+
+
+def test_without_the_flag_every_pass_catches_up(model_dir):  # noqa: F811
+    kw = dict(page_size=4)
+    core = spec_core(model_dir, 2, alpha=0.01, **kw)
+    assert core.scheduler.spec.drafter.max_lag == 0 == core.runner.mtp_catch_up_lag
+
+
+def test_late_mtp_catch_up_with_retraction_and_prefix_hits(model_dir):  # noqa: F811
+    """Requests retracted, finished or cached while their MTP state lags: pages past the complete
+    state are not cached, so a prefix hit restarts the MTP state from complete entries only."""
+    from tests.engine.test_speculative import prefix_hit_prompts
+
+    script = ([3] * 3 + [0] * 12) * 40
+    kw = dict(page_size=4, max_total_tokens=200)
+    core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, **kw)
+    passes = script_lengths(core, script)
+    ps = prompts(5, seed=45, lo=20, hi=40)
+    res, drafts, _ = run_spec(core, ps, max_tokens=44)
+    assert core.stats().num_retractions_total > 0
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, **kw), ps,
+                                                              max_tokens=44)
+    assert_reference(core, res)
+    assert assert_mtp_reference(core, res, drafts) > 0
+    assert sum(n == 0 for _, n in passes) > 20, passes
+
+    core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, page_size=4)
+    script_lengths(core, script)
+    base = prompts(1, seed=14, lo=50, hi=51)[0]
+    first, _, _ = run_spec(core, [base], tag="a", max_tokens=30)
+    others = prefix_hit_prompts(base, first["a0"][1])
+    second, d2, _ = run_spec(core, others, tag="b", max_tokens=30)
+    assert {rid: r[1] for rid, r in second.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4),
+                                                                 others, tag="b", max_tokens=30)
+    assert second["b2"][3] > 0 and second["b3"][3] > len(base), "prompts must hit the prefix cache"
+    assert_reference(core, second)
+    assert assert_mtp_reference(core, second, d2) > 0

@@ -89,6 +89,31 @@ def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
+    # --speculative-adaptive with MTP on the GPU, lengths scripted: stretches of plain steps skip
+    # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens), the late catch-up runs eagerly,
+    # then rounds of K replay the chain graph again. Greedy output equals plain greedy decoding.
+    import json
+
+    from tests.engine.test_adaptive_spec import script_lengths
+    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    reqs = prompts(3, seed=7, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
+    passes = script_lengths(core, ([4] * 8 + [0] * 30) * 10)
+    chain = core.scheduler.spec.drafter.graph
+    runs, run, after_verify = [], chain.run, chain.run_after_verify
+    chain.run = lambda *a, **k: (runs.append(1), run(*a, **k))[1]
+    chain.run_after_verify = lambda *a, **k: (runs.append(2), after_verify(*a, **k))[1]
+    res, _, _ = run_spec(core, reqs, max_tokens=96)
+    want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=96)
+    assert {rid: r[1] for rid, r in res.items()} == want
+    assert sum(n == 0 for _, n in passes) > 40 and runs, (passes, len(runs))
+
+
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_ngram_rounds_with_graphs_equal_plain(arch, tmp_path):
     # Prompt lookup (k = 3) on the GPU: with graphs the drafter keeps a batch's rounds uniform
     # (`NgramDrafter.uniform`), so verifies replay from the uniform-extend graph. Greedy output

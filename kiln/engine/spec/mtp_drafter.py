@@ -22,6 +22,11 @@ After every main forward one *pass* runs, layer by layer, batched over requests:
     the catch-up overwrites it (the key_gap hides it), so rejected drafts need no cleanup.
 This is the wavefront of MODELS.md 2.4 (layer k lags layer k-1 by one index) fused with the next
 round's draft chain, as one extend batch per layer.
+A pass that drafts nothing (`--speculative-adaptive` chose plain decode rows) may skip the layers
+and leave the catch-up to a later pass, until a request's MTP state lags its committed tokens by
+`CATCH_UP_LAG`: a catch-up row costs about the same as a draft row, so in a long stretch of plain
+steps the K layers would otherwise run every step for drafts nobody asked for. The runner keeps
+that many more tokens of window history (swa, conv) for it, so the late rows still find theirs.
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
@@ -42,6 +47,11 @@ from kiln.engine.sampler import greedy_ids
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
+
+# Committed tokens a request's MTP state may lag behind when passes draft nothing (the module
+# docstring): the catch-up of a stretch of plain steps runs as one pass of up to this many rows
+# per request, for ~1/16 of the per-step cost
+CATCH_UP_LAG = 16
 
 
 def resolve_mtp_steps(config, model) -> int:
@@ -89,8 +99,11 @@ class _Rows:
 class MTPDrafter:
     """Runs the MTP pass (catch-up + draft chain) for a batch of requests."""
 
-    def __init__(self, runner, num_layers: int, token_map: Optional[list[int]] = None):
+    def __init__(self, runner, num_layers: int, token_map: Optional[list[int]] = None, max_lag: int = 0):
+        """`max_lag`: how far a pass that drafts nothing may leave the catch-up behind (0: never;
+        the runner's window spaces must keep that much more history: `runner.mtp_catch_up_lag`)."""
         self.runner = runner
+        self.max_lag = max_lag
         self.model = runner.model
         self.layers = list(self.model.mtp[:num_layers])
         self.num_layers = num_layers
@@ -165,8 +178,12 @@ class MTPDrafter:
         need the host between layers (their penalties count the earlier drafts)."""
         dev = self.runner.device
         self._store_queued_h0(dev)
-        sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
         self.flight = None
+        if self._may_wait(reqs, num_drafts):
+            for r in reqs:
+                r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
+            return
+        sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
         if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
             self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):
@@ -238,6 +255,13 @@ class MTPDrafter:
         for r in reqs:
             if r.rid in q_rows:
                 r.spec.q = torch.stack(q_rows[r.rid])
+
+    def _may_wait(self, reqs: list[Req], num_drafts: dict[str, int]) -> bool:
+        """Whether this pass may skip the layers: nobody drafts, every request decodes (its
+        prompt is in), and each one's state stays within `max_lag` of its committed tokens after
+        the next step commits one more (what the window spaces' extra history covers)."""
+        return bool(self.max_lag) and not any(num_drafts.get(r.rid, 0) for r in reqs) and all(
+            r.num_computed == r.seq_len - 1 and r.seq_len + 1 - r.spec.complete <= self.max_lag for r in reqs)
 
     def _start_flight(self, logits: torch.Tensor) -> None:
         """The chain graph's draft logits [K, n, draft vocabulary] -> drafts kept on the device

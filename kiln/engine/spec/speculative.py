@@ -333,7 +333,7 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
     if algo == "mtp":
         from kiln.engine.spec.mtp_drafter import MTPDrafter
 
-        drafter = MTPDrafter(runner, runner.spec_steps, token_map)
+        drafter = MTPDrafter(runner, runner.spec_steps, token_map, max_lag=runner.mtp_catch_up_lag)
         if runner.graphs is not None:  # CUDA graphs on: the steady-decode pass too
             drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
         return SpecDecoder(scheduler, drafter)
