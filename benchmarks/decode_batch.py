@@ -191,6 +191,17 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     for i in range(bs):
         core.add_request(GenerateReq(rid=f"b{bs}-{i}", input_ids=common.random_token_ids(rng, args.input_len, vocab),
                                      params=params))
+    def close_profile(prof, n: int) -> Optional[float]:
+        """End the profile window of n steps, print what it saw; returns the GPU idle fraction."""
+        common.synchronize(device)
+        prof.__exit__(None, None, None)
+        idle, busy, by_name = gpu_activity(prof)
+        log(f"batch {bs}: GPU idle {idle if idle is None else round(idle, 3)} over {n} steps")
+        print_kernel_table(by_name, n, busy, args.kernel_rows)
+        if args.trace:
+            print_timeline(prof, n, args.trace.replace(".json", f"_bs{bs}.json"))
+        return idle
+
     # Profile a window a quarter of the way into the decode phase (steady state, graphs warm).
     want_profile = args.profile and device == "cuda"
     decode_step = prof = prof_from = idle = host_prof = host_from = spec0 = audit = audit_from = None
@@ -226,15 +237,9 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             decode_step = steps
             spec0 = _spec_counts(core)
         if prof_from is not None and steps - prof_from >= args.profile_steps:
-            common.synchronize(device)
-            prof.__exit__(None, None, None)
-            idle, busy, by_name = gpu_activity(prof)
+            idle = close_profile(prof, steps - prof_from)
             prof_from = None
             note += f"idle over {args.profile_steps} steps; "
-            log(f"batch {bs}: GPU idle {idle if idle is None else round(idle, 3)}")
-            print_kernel_table(by_name, args.profile_steps, busy, args.kernel_rows)
-            if args.trace:
-                print_timeline(prof, args.profile_steps, args.trace.replace(".json", f"_bs{bs}.json"))
             if args.sync_audit:
                 audit_from = steps
             if args.host_profile:
@@ -262,6 +267,9 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += "time limit: partial; "
             break
     end = time.perf_counter()
+    if prof_from is not None:  # the decode ended inside the window (speculative rounds: fewer steps than tokens)
+        idle = close_profile(prof, steps - prof_from)
+        note += f"idle over the last {steps - prof_from} steps; "
     if phases_from is not None:  # the decode ended inside the window
         phases.__exit__(None, None, None)
         log(f"batch {bs}: host phases over {steps - phases_from} steps:\n{phases.report(steps - phases_from)}")
