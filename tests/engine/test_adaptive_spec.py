@@ -218,7 +218,8 @@ def test_ngram_rounds_with_changing_lengths_match_plain_greedy(model_dir):  # no
 def script_lengths(core, script: list[int]) -> list[tuple[int, int]]:
     """Make the engine's controller choose `script[i]` at its i-th choice (the last one after
     that) and record, per drafter pass, (how far the worst request's MTP state lagged its
-    committed tokens before the pass, layer forwards the pass ran)."""
+    committed tokens before the pass, layer forwards the pass ran: eager ones, or K for a replay
+    of the chain graph)."""
     spec = core.scheduler.spec
     calls = iter(script)
     spec.adaptive.choose = lambda n: next(calls, script[-1])
@@ -230,6 +231,10 @@ def script_lengths(core, script: list[int]) -> list[tuple[int, int]]:
         layers[0] += 1
         return forward_layer(*a, **kw)
 
+    if drafter.graph is not None:
+        replay = drafter.graph.run
+        drafter.graph.run = lambda *a, **kw: (layers.__setitem__(0, layers[0] + drafter.num_layers), replay(*a, **kw))[1]
+
     def recorded(reqs, num_drafts):
         lag = max((r.seq_len - r.spec.complete for r in reqs), default=0)
         layers[0] = 0
@@ -238,6 +243,20 @@ def script_lengths(core, script: list[int]) -> list[tuple[int, int]]:
 
     drafter.run, drafter._forward_layer = recorded, counted
     return passes
+
+
+def lags_at(core, method: str) -> list[int]:
+    """Record how far each request's MTP state lags its committed tokens when the scheduler's
+    `method(r, ...)` is called for it (retraction, the end of a request)."""
+    sched, lags = core.scheduler, []
+    wrapped = getattr(sched, method)
+
+    def recorded(r, *a, **kw):
+        lags.append(r.num_computed - r.spec.complete)
+        return wrapped(r, *a, **kw)
+
+    setattr(sched, method, recorded)
+    return lags
 
 
 def test_plain_steps_leave_the_mtp_catch_up_for_one_late_pass(model_dir):  # noqa: F811
@@ -283,9 +302,10 @@ def test_late_mtp_catch_up_with_retraction_and_prefix_hits(model_dir):  # noqa: 
     kw = dict(page_size=4, max_total_tokens=200)
     core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, **kw)
     passes = script_lengths(core, script)
+    lags = lags_at(core, "_retract")
     ps = prompts(5, seed=45, lo=20, hi=40)
     res, drafts, _ = run_spec(core, ps, max_tokens=44)
-    assert core.stats().num_retractions_total > 0
+    assert core.stats().num_retractions_total > 0 and max(lags) > 1, lags  # some retracted while lagging
     assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, **kw), ps,
                                                               max_tokens=44)
     assert_reference(core, res)
@@ -294,8 +314,10 @@ def test_late_mtp_catch_up_with_retraction_and_prefix_hits(model_dir):  # noqa: 
 
     core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, page_size=4)
     script_lengths(core, script)
+    ended = lags_at(core, "_end")
     base = prompts(1, seed=14, lo=50, hi=51)[0]
-    first, _, _ = run_spec(core, [base], tag="a", max_tokens=30)
+    first, _, _ = run_spec(core, [base], tag="a", max_tokens=40)
+    assert ended[0] > 3, ended  # it finished lagging past a round (K = 3): its last pages were not cached
     others = prefix_hit_prompts(base, first["a0"][1])
     second, d2, _ = run_spec(core, others, tag="b", max_tokens=30)
     assert {rid: r[1] for rid, r in second.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4),

@@ -110,7 +110,11 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     res, _, _ = run_spec(core, reqs, max_tokens=96)
     want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=96)
     assert {rid: r[1] for rid, r in res.items()} == want
-    assert sum(n == 0 for _, n in passes) > 40 and runs, (passes, len(runs))
+    # passes skipped (no eager layer, no chain replay), late catch-ups after them (eager: lag > K + 1),
+    # and rounds on the chain graph again after those
+    late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
+    assert sum(n == 0 for _, n in passes) > 40 and any(passes[i][0] > 5 for i in late), passes
+    assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
 
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
