@@ -26,11 +26,13 @@ lane0_spec29a() {
   step ad_mtp3 60 $DECODE $AD27 $mtp --out "$R/json/ad_mtp3.json"
 }
 
-lane0_spec29b() {  # call 2 (~4 device minutes left): the late MTP catch-up (plain steps skip the MTP layers) on
-  # the GPU: its graph tests, then adaptive MTP K = 3 at batch 1-64 against plain decode in the same call
+lane0_spec29b() {  # for the next call (refused in the twenty-ninth session: the device time was spent): adaptive
+  # MTP's plain steps skip the MTP layers (late catch-up) and run under overlap scheduling. The GPU suite (with
+  # test_late_mtp_catch_up_with_graphs_equals_plain), then adaptive MTP K = 3 at batch 1-64 against plain decode
   local mtp="--speculative-algorithm mtp --speculative-num-steps 3"
-  step gpu_late 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_cuda_graph.py \
-    -k "late_mtp or adaptive_rounds"
+  step gpu_suite 270 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
   step ad_mtp3_adaptive 60 $DECODE $AD27 $mtp --speculative-adaptive --out "$R/json/ad_mtp3_adaptive.json"
   step ad_plain 50 $DECODE $AD27 --out "$R/json/ad_plain.json"
+  step ad_mtp3_adaptive_phases 40 $DECODE --model-path $INK $NGRAM26 --batch-sizes 1 $mtp --speculative-adaptive \
+    --host-phases --out "$R/json/ad_mtp3_adaptive_phases.json"
 }

@@ -11,7 +11,9 @@ Sampling, finish checks, prefix caching of finished requests and incremental out
 With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
 token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
 forward; overlap scheduling is off then (drafts from the MTP chain graph still reach the next
-verify forward on the device, see `SpecDecoder.draft_ids`).
+verify forward on the device, see `SpecDecoder.draft_ids`), except for plain steps between plain
+steps under --speculative-adaptive, which leave their sample in `pending` as plain decode does
+(`SpecDecoder._overlapped_plain_step`).
 """
 
 from __future__ import annotations

@@ -325,3 +325,62 @@ def test_late_mtp_catch_up_with_retraction_and_prefix_hits(model_dir):  # noqa: 
     assert second["b2"][3] > 0 and second["b3"][3] > len(base), "prompts must hit the prefix cache"
     assert_reference(core, second)
     assert assert_mtp_reference(core, second, d2) > 0
+
+
+def count_overlapped(core) -> list[int]:
+    """Run plain steps between plain steps under overlap scheduling (a CUDA default, forced here
+    on the CPU) and record each such step's batch size."""
+    spec = core.scheduler.spec
+    assert not spec.overlap_plain_steps  # off on the CPU
+    spec.overlap_plain_steps = True
+    sizes, step = [], spec._overlapped_plain_step
+    spec._overlapped_plain_step = lambda plan, *a: (sizes.append(len(plan)), step(plan, *a))[1]
+    return sizes
+
+
+def test_plain_steps_between_plain_steps_overlap(model_dir):  # noqa: F811
+    """Plain steps that plain steps follow leave their tokens on the device (read back after the
+    next forward is queued, as plain decode does under overlap scheduling): greedy output, every
+    emitted token's logits and every MTP draft still equal plain decoding and the fresh reference."""
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
+    core = spec_core(model_dir, 4, alpha=0.01, speculative_adaptive=True, **kw)
+    overlapped = count_overlapped(core)
+    script_lengths(core, [4] * 6 + [0] * 45 + [4] * 6 + [0] * 7 + [2] * 4 + [0] * 20 + [4])
+    ps = prompts(3, seed=46, lo=20, hi=36)
+    res, drafts, _ = run_spec(core, ps, max_tokens=96)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, **kw), ps,
+                                                              max_tokens=96)
+    assert_reference(core, res)
+    assert assert_mtp_reference(core, res, drafts) > 0
+    assert len(overlapped) > 40 and max(overlapped) == 3, overlapped
+
+
+def test_overlapped_plain_steps_sample_as_the_host_path_does(model_dir):  # noqa: F811
+    """Seeded sampling, penalties and logprobs: the same tokens and logprobs with the plain
+    steps overlapped as on the host path (the same lengths scripted in both runs)."""
+    from kiln.engine.io import GenerateReq
+    from kiln.engine.request import SamplingParams
+
+    ps = prompts(3, seed=47, lo=20, hi=36)
+    runs = []
+    for overlap in (False, True):
+        core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, page_size=4)
+        overlapped = count_overlapped(core) if overlap else []
+        script_lengths(core, ([3] * 4 + [0] * 15) * 20)
+        for i, ids in enumerate(ps):
+            core.add_request(GenerateReq(rid=f"s{i}", input_ids=ids, params=SamplingParams(
+                max_tokens=60, temperature=0.9, top_k=40, seed=100 + i, frequency_penalty=0.3, logprobs=2,
+                ignore_eos=True)))
+        out: dict = {}
+        while core.has_work():
+            for o in core.step():
+                got = out.setdefault(o.rid, ([], []))
+                got[0].extend(o.new_token_ids)
+                got[1].extend(o.new_logprobs)
+        runs.append(out)
+        assert not overlap or len(overlapped) > 20, overlapped
+    assert runs[0].keys() == runs[1].keys() and all(len(v[0]) == 60 for v in runs[0].values())
+    for rid in runs[0]:
+        assert runs[0][rid][0] == runs[1][rid][0], rid
+        lp0, lp1 = runs[0][rid][1], runs[1][rid][1]
+        assert len(lp0) == len(lp1) == 60 and repr(lp0) == repr(lp1), rid

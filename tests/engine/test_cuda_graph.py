@@ -91,8 +91,9 @@ def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     # --speculative-adaptive with MTP on the GPU, lengths scripted: stretches of plain steps skip
-    # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens), the late catch-up runs eagerly,
-    # then rounds of K replay the chain graph again. Greedy output equals plain greedy decoding.
+    # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens) and run under overlap scheduling,
+    # the late catch-up runs eagerly, then rounds of K replay the chain graph again. Greedy output
+    # equals plain greedy decoding.
     import json
 
     from tests.engine.test_adaptive_spec import script_lengths
@@ -103,7 +104,11 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
     core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
     passes = script_lengths(core, ([4] * 8 + [0] * 30) * 10)
-    chain = core.scheduler.spec.drafter.graph
+    spec = core.scheduler.spec
+    assert spec.overlap_plain_steps  # plain steps between plain steps leave their tokens on the device
+    overlapped, step = [], spec._overlapped_plain_step
+    spec._overlapped_plain_step = lambda plan, *a: (overlapped.append(len(plan)), step(plan, *a))[1]
+    chain = spec.drafter.graph
     runs, run, after_verify = [], chain.run, chain.run_after_verify
     chain.run = lambda *a, **k: (runs.append(1), run(*a, **k))[1]
     chain.run_after_verify = lambda *a, **k: (runs.append(2), after_verify(*a, **k))[1]
@@ -115,6 +120,7 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
     assert sum(n == 0 for _, n in passes) > 40 and any(passes[i][0] > 5 for i in late), passes
     assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
+    assert len(overlapped) > 30, overlapped
 
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])

@@ -98,6 +98,7 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     rows: dict[str, list[torch.Tensor]] = {}
     drafts: dict[str, list] = {}
     verify, run, device_round = spec._verify_and_commit, spec.drafter.run, spec._device_round
+    overlapped = spec._overlapped_plain_step
     adopt = getattr(spec.drafter, "adopt_in_flight", None)
     spec.drafter.keep_logits = True
 
@@ -124,11 +125,18 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
         for r, first, n in before:
             rows.setdefault(r.rid, []).extend(logits[first:first + len(r.output_ids) - n].clone())
 
+    def capture_overlapped(plan, logits, sample_rows, batch, row_starts):
+        # one sampled row per request, its token read back at the next step
+        overlapped(plan, logits, sample_rows, batch, row_starts)
+        for (r, _, _), i in zip(plan, sample_rows):
+            rows.setdefault(r.rid, []).append(logits[i].clone())
+
     def capture_adopt(r, row, k):
         adopt(r, row, k)
         record_drafts(r)
 
     spec._verify_and_commit, spec.drafter.run, spec._device_round = capture_verify, capture_drafts, capture_device_round
+    spec._overlapped_plain_step = capture_overlapped
     if adopt is not None:
         spec.drafter.adopt_in_flight = capture_adopt
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -145,6 +153,7 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
             cached[o.rid] = o.cached_tokens
             last[o.rid] = o
     spec._verify_and_commit, spec.drafter.run, spec._device_round = verify, run, device_round
+    spec._overlapped_plain_step = overlapped
     if adopt is not None:
         spec.drafter.adopt_in_flight = adopt
     assert not core.has_work(), "requests still running after 2000 steps"

@@ -256,6 +256,13 @@ class MTPDrafter:
             if r.rid in q_rows:
                 r.spec.q = torch.stack(q_rows[r.rid])
 
+    def can_defer(self, reqs: list[Req]) -> bool:
+        """Whether the pass after a plain step whose sampled tokens are still on the device may
+        wait (`SpecDecoder._overlapped_plain_step`): once each request's token is appended, as
+        `_may_wait` will judge it then (the forward computed every request's last token)."""
+        return bool(self.max_lag) and all(
+            r.num_computed == r.seq_len and r.seq_len + 2 - r.spec.complete <= self.max_lag for r in reqs)
+
     def _may_wait(self, reqs: list[Req], num_drafts: dict[str, int]) -> bool:
         """Whether this pass may skip the layers: nobody drafts, every request decodes (its
         prompt is in), and each one's state stays within `max_lag` of its committed tokens after

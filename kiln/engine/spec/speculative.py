@@ -39,7 +39,10 @@ device too (`_device_round`): the GPU runs verify -> draft back to back and the 
 behind it. Every round drafts K tokens up to the request's last one (the commit stops at
 max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
 from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
-whole batch (0: plain decode rows), each with its verify graph.
+whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
+follows with plain rows too, where the drafter can leave its pass for later (MTP's late catch-up),
+is run like plain decode under overlap scheduling (`_overlapped_plain_step`): its samples stay on
+the device and the next step's forward is queued before they are read back.
 """
 
 from __future__ import annotations
@@ -87,6 +90,11 @@ class SpecDecoder:
         if self.adaptive is not None and hasattr(drafter, "shadow"):
             drafter.shadow = True  # free drafts (ngram): position 1 is scored in plain steps too
         self.step_k = self.next_k = self.num_steps
+        # Plain steps between plain steps under overlap scheduling (`_overlapped_plain_step`):
+        # on CUDA with overlap on, where plain steps are chosen (adaptive) and the drafter can wait
+        cfg = scheduler.config
+        self.overlap_plain_steps = (self.adaptive is not None and hasattr(drafter, "can_defer")
+                                    and scheduler.runner.device.type == "cuda" and not cfg.disable_overlap_schedule)
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -140,10 +148,39 @@ class SpecDecoder:
             # shapes must agree, so rank 0's choice is everyone's
             self.next_k = self.runner.pc.broadcast_int(k)
         self.drafter.on_forward(batch)
-        if self._round_on_device(plan, sample_reqs, sample_rows):
+        if self._plain_step_overlaps(plan, sample_reqs):
+            self._overlapped_plain_step(plan, logits, sample_rows, batch, row_starts)
+        elif self._round_on_device(plan, sample_reqs, sample_rows):
             self._device_round(plan, logits, batch, row_starts)
         else:
             self._host_round(plan, logits, sample_reqs, sample_rows, batch, row_starts)
+
+    def _plain_step_overlaps(self, plan, sample_reqs: list[Req]) -> bool:
+        """Whether this step's rows are all plain decode rows (k = 0), the next step's will be too,
+        and the drafter can leave its pass for later: then nothing of the next step needs this
+        step's tokens on the host."""
+        if not self.overlap_plain_steps or self.step_k or self.next_k or not plan or len(sample_reqs) != len(plan):
+            return False
+        for (r, start, end), s in zip(plan, sample_reqs):
+            if s is not r or r.finished or end - start != 1 or end != r.seq_len:
+                return False
+        return self.drafter.can_defer([r for r, _, _ in plan])
+
+    def _overlapped_plain_step(self, plan, logits: torch.Tensor, sample_rows: list[int], batch,
+                               row_starts: list[int]) -> None:
+        """Sample like plain decode and leave the tokens on the device (`Scheduler.pending`: the
+        next step's forward gathers them there, its `_commit` reads them back). A k = 0 round
+        verifies nothing, so its sample is exactly plain decode's; the drafter gets the committed
+        row's state now (its input token was committed already) and its pass waits."""
+        reqs = [r for r, _, _ in plan]
+        for (r, start, _), row in zip(plan, row_starts):
+            self.drafter.on_commit(r, start, slice(row, row + 1), batch)
+        self.sched.pending = self.sched._sample(select_rows(logits, sample_rows), reqs)
+        self.drafter.run(reqs, {r.rid: 0 for r in reqs})  # stores the queued state; the layers wait
+        for r in reqs:
+            assert self._make_room(r) == 0, r.rid
+            r.cache_limit = r.spec.complete
+            self.cache.trim(r)
 
     def _host_round(self, plan, logits: torch.Tensor, sample_reqs: list[Req], sample_rows: list[int], batch,
                     row_starts: list[int]) -> None:
