@@ -384,3 +384,46 @@ def test_overlapped_plain_steps_sample_as_the_host_path_does(model_dir):  # noqa
         assert runs[0][rid][0] == runs[1][rid][0], rid
         lp0, lp1 = runs[0][rid][1], runs[1][rid][1]
         assert len(lp0) == len(lp1) == 60 and repr(lp0) == repr(lp1), rid
+
+
+def test_overlapped_plain_steps_with_stops_aborts_and_retraction(model_dir):  # noqa: F811
+    """Under overlapped plain steps: a request stopping on a stop token while its next row is
+    already in the next forward, one aborted mid-stretch with its token on the device, and
+    retractions (a small pool); every step's integrity check passes and the others' output
+    equals plain decoding."""
+    from kiln.engine.io import GenerateReq
+    from kiln.engine.request import SamplingParams
+
+    kw = dict(page_size=4, max_total_tokens=160)
+    ps = prompts(6, seed=48, lo=20, hi=40)
+    free = run_plain(plain_core(model_dir, alpha=0.01, **kw), ps, max_tokens=48)
+    stop = free["r0"][25]  # a stop token for r0 in the middle of its output
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[stop] if i == 0 else None) for i in range(len(ps))]
+
+    def run(core, abort_at=None):
+        for i, ids in enumerate(ps):
+            core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params[i]))
+        out, reasons, steps = {}, {}, 0
+        while core.has_work():
+            pending = core.scheduler.pending is not None and "r1" in core.scheduler.pending.rows
+            if abort_at is not None and steps >= abort_at and "r1" not in reasons and pending:
+                core.abort("r1")  # its token still on the device
+            for o in core.step():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+                if o.finished:
+                    reasons[o.rid] = o.finish_reason
+            steps += 1
+        return out, reasons
+
+    want, want_reasons = run(plain_core(model_dir, alpha=0.01, **kw))
+    assert want_reasons["r0"] == "stop" and len(want["r0"]) < 48
+    core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, **kw)
+    core.scheduler.check_after_step = True
+    overlapped = count_overlapped(core)
+    script_lengths(core, ([3] * 3 + [0] * 40) * 20)
+    got, reasons = run(core, abort_at=30)
+    assert reasons["r1"] == "abort" and got["r1"] == want["r1"][:len(got["r1"])]
+    assert {rid: o for rid, o in got.items() if rid != "r1"} == {rid: o for rid, o in want.items() if rid != "r1"}
+    assert reasons["r0"] == "stop" and core.stats().num_retractions_total > 0
+    assert len(overlapped) > 20, overlapped

@@ -173,12 +173,20 @@ class SpecDecoder:
         verifies nothing, so its sample is exactly plain decode's; the drafter gets the committed
         row's state now (its input token was committed already) and its pass waits."""
         reqs = [r for r, _, _ in plan]
+        # The previous step's pass may still be drafting on the device (a device round chose
+        # k = 0 for this step) and nothing here waits for it: keep the pages it writes, as
+        # `_device_round` does
+        keep = self.num_steps - 1 if self.drafter.flight is not None else 0
         for (r, start, _), row in zip(plan, row_starts):
             self.drafter.on_commit(r, start, slice(row, row + 1), batch)
         self.sched.pending = self.sched._sample(select_rows(logits, sample_rows), reqs)
+        complete = [r.spec.complete for r in reqs]
         self.drafter.run(reqs, {r.rid: 0 for r in reqs})  # stores the queued state; the layers wait
+        # a pass that ran would have read the PENDING placeholders as tokens
+        assert [r.spec.complete for r in reqs] == complete, "the drafter pass ran on tokens still on the device"
         for r in reqs:
-            assert self._make_room(r) == 0, r.rid
+            k = self._make_room(r, keep=r.seq_len + keep if keep else 0)
+            assert k == 0, r.rid
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
 
