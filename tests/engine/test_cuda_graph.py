@@ -61,29 +61,37 @@ def test_speculative_rounds_with_graphs_equal_plain(arch, tmp_path):
     assert fed, "no MTP pass was fed by its verify on the device"
 
 
+def adaptive_mtp_on_cuda(arch: str, tmp_path, seed: int):
+    """An MTP engine (K = 4, the copy drafter) with --speculative-adaptive and graphs on the GPU,
+    three prompts, and plain greedy decoding of them (a function of max_tokens)."""
+    import json
+
+    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, spec_core
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    reqs = prompts(3, seed=seed, lo=10, hi=40)
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
+    return core, reqs, lambda n: run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=n)
+
+
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
 def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
     # --speculative-adaptive with MTP (K = 4) on the GPU: a verify graph per candidate length
     # (rounds of 1, 2 and 4 drafts, plus decode), the length changing every few steps (a fake
     # clock, tests/engine/test_adaptive_spec.py), rounds of each length replayed from their graph.
     # Greedy output equals plain greedy decoding.
-    import json
-
     from tests.engine.test_adaptive_spec import charge_by_length
-    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
+    from tests.engine.test_speculative import run_spec
 
-    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
-    reqs = prompts(3, seed=6, lo=10, hi=40)
-    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
-    core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
+    core, reqs, plain = adaptive_mtp_on_cuda(arch, tmp_path, seed=6)
     assert {q for q, _ in core.runner.graphs.graphs} == {1, 2, 3, 5}
     chosen = charge_by_length(core, 0.02)
     replays = []
     replay = core.runner.graphs.replay
     core.runner.graphs.replay = lambda batch: (replays.append(batch.num_tokens // batch.batch_size), replay(batch))[1]
     res, _, _ = run_spec(core, reqs, max_tokens=64)
-    want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=64)
-    assert {rid: r[1] for rid, r in res.items()} == want
+    assert {rid: r[1] for rid, r in res.items()} == plain(64)
     assert {0, 4} < set(chosen), chosen  # plain rows, K and a length between
     assert {k + 1 for k in chosen} <= set(replays), (chosen, replays)  # tokens per request replayed
 
@@ -94,15 +102,10 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens) and run under overlap scheduling,
     # the late catch-up runs eagerly, then rounds of K replay the chain graph again. Greedy output
     # equals plain greedy decoding.
-    import json
-
     from tests.engine.test_adaptive_spec import script_lengths
-    from tests.engine.test_speculative import SPEC_ARCHS, plain_core, run_plain, run_spec, spec_core
+    from tests.engine.test_speculative import run_spec
 
-    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
-    reqs = prompts(3, seed=7, lo=10, hi=40)
-    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
-    core = spec_core(str(tmp_path), 4, alpha=0.01, speculative_adaptive=True, **kw)
+    core, reqs, plain = adaptive_mtp_on_cuda(arch, tmp_path, seed=7)
     passes = script_lengths(core, ([4] * 8 + [0] * 30) * 10)
     spec = core.scheduler.spec
     assert spec.overlap_plain_steps  # plain steps between plain steps leave their tokens on the device
@@ -113,8 +116,7 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     chain.run = lambda *a, **k: (runs.append(1), run(*a, **k))[1]
     chain.run_after_verify = lambda *a, **k: (runs.append(2), after_verify(*a, **k))[1]
     res, _, _ = run_spec(core, reqs, max_tokens=96)
-    want = run_plain(plain_core(str(tmp_path), alpha=0.01, **kw), reqs, max_tokens=96)
-    assert {rid: r[1] for rid, r in res.items()} == want
+    assert {rid: r[1] for rid, r in res.items()} == plain(96)
     # passes skipped (no eager layer, no chain replay), late catch-ups after them (eager: lag > K + 1),
     # and rounds on the chain graph again after those
     late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
