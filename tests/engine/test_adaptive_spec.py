@@ -233,7 +233,12 @@ def script_lengths(core, script: list[int]) -> list[tuple[int, int]]:
 
     if drafter.graph is not None:
         replay = drafter.graph.run
-        drafter.graph.run = lambda *a, **kw: (layers.__setitem__(0, layers[0] + drafter.num_layers), replay(*a, **kw))[1]
+
+        def replayed(*a, **kw):
+            layers[0] += drafter.num_layers
+            return replay(*a, **kw)
+
+        drafter.graph.run = replayed
 
     def recorded(reqs, num_drafts):
         lag = max((r.seq_len - r.spec.complete for r in reqs), default=0)

@@ -27,9 +27,10 @@ d_1..d_k from the previous step's pass):
 Prefill chunks go through the same step: their rows feed the drafter, and a request whose prompt
 is done gets its first drafts right away. The prefix cache only takes pages whose state is
 complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cached pages stay exact.
-Overlap scheduling is off with speculation. On CUDA the verify forward of a round in which every
-request verifies the same number of drafts replays from a CUDA graph (`CudaGraphRunner`'s
-uniform-extend shapes); the drafter reads the replayed hidden states. A pass replayed from the
+Overlap scheduling is off with speculation (plain steps between plain steps aside, below). On
+CUDA the verify forward of a round in which every request verifies the same number of drafts
+replays from a CUDA graph (`CudaGraphRunner`'s uniform-extend shapes); the drafter reads the
+replayed hidden states. A pass replayed from the
 MTP chain graph, or a block drafter's paged pass, leaves its drafts on the device
 (`DraftsInFlight`): the step returns, the next step is scheduled and its verify forward queued
 (gathering the drafts on the device) while the GPU still drafts, and the host reads the drafts
