@@ -334,12 +334,13 @@ def test_late_mtp_catch_up_with_retraction_and_prefix_hits(model_dir):  # noqa: 
 
 def count_overlapped(core) -> list[int]:
     """Run plain steps between plain steps under overlap scheduling (a CUDA default, forced here
-    on the CPU) and record each such step's batch size."""
+    on the CPU) and record each such step's batch size (requests that had not finished)."""
     spec = core.scheduler.spec
     assert not spec.overlap_plain_steps  # off on the CPU
     spec.overlap_plain_steps = True
     sizes, step = [], spec._overlapped_plain_step
-    spec._overlapped_plain_step = lambda plan, *a: (sizes.append(len(plan)), step(plan, *a))[1]
+    spec._overlapped_plain_step = lambda plan, *a: (sizes.append(sum(not r.finished for r, _, _ in plan)),
+                                                    step(plan, *a))[1]
     return sizes
 
 
@@ -426,9 +427,14 @@ def test_overlapped_plain_steps_with_stops_aborts_and_retraction(model_dir):  # 
     core = spec_core(model_dir, 3, alpha=0.01, speculative_adaptive=True, **kw)
     core.scheduler.check_after_step = True
     overlapped = count_overlapped(core)
+    spec, with_finished = core.scheduler.spec, []  # steps whose plan held a request finished at the last commit
+    overlaps = spec._plain_step_overlaps
+    spec._plain_step_overlaps = lambda plan, sr: (with_finished.append(overlaps(plan, sr)) if any(
+        r.finished for r, _, _ in plan) else None, overlaps(plan, sr))[1]
     script_lengths(core, ([3] * 3 + [0] * 40) * 20)
     got, reasons = run(core, abort_at=30)
     assert reasons["r1"] == "abort" and got["r1"] == want["r1"][:len(got["r1"])]
     assert {rid: o for rid, o in got.items() if rid != "r1"} == {rid: o for rid, o in want.items() if rid != "r1"}
     assert reasons["r0"] == "stop" and core.stats().num_retractions_total > 0
     assert len(overlapped) > 20, overlapped
+    assert True in with_finished, with_finished  # ...and still overlapped, without the finished one

@@ -129,7 +129,8 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
         # one sampled row per request, its token read back at the next step
         overlapped(plan, logits, sample_rows, batch, row_starts)
         for (r, _, _), i in zip(plan, sample_rows):
-            rows.setdefault(r.rid, []).append(logits[i].clone())
+            if not r.finished:  # a request that finished at the last commit: its row is dropped
+                rows.setdefault(r.rid, []).append(logits[i].clone())
 
     def capture_adopt(r, row, k):
         adopt(r, row, k)

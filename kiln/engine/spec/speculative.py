@@ -159,13 +159,15 @@ class SpecDecoder:
     def _plain_step_overlaps(self, plan, sample_reqs: list[Req]) -> bool:
         """Whether this step's rows are all plain decode rows (k = 0), the next step's will be too,
         and the drafter can leave its pass for later: then nothing of the next step needs this
-        step's tokens on the host."""
+        step's tokens on the host. Requests that finished at the commit of the previous step's
+        tokens (their row was already in this forward) are left out."""
         if not self.overlap_plain_steps or self.step_k or self.next_k or not plan or len(sample_reqs) != len(plan):
             return False
         for (r, start, end), s in zip(plan, sample_reqs):
-            if s is not r or r.finished or end - start != 1 or end != r.seq_len:
+            if s is not r or (not r.finished and (end - start != 1 or end != r.seq_len)):
                 return False
-        return self.drafter.can_defer([r for r, _, _ in plan])
+        live = [r for r, _, _ in plan if not r.finished]
+        return bool(live) and self.drafter.can_defer(live)
 
     def _overlapped_plain_step(self, plan, logits: torch.Tensor, sample_rows: list[int], batch,
                                row_starts: list[int]) -> None:
@@ -173,6 +175,9 @@ class SpecDecoder:
         next step's forward gathers them there, its `_commit` reads them back). A k = 0 round
         verifies nothing, so its sample is exactly plain decode's; the drafter gets the committed
         row's state now (its input token was committed already) and its pass waits."""
+        live = [i for i, (r, _, _) in enumerate(plan) if not r.finished]  # a finished one's row is dropped
+        plan = [plan[i] for i in live]
+        sample_rows, row_starts = [sample_rows[i] for i in live], [row_starts[i] for i in live]
         reqs = [r for r, _, _ in plan]
         # The previous step's pass may still be drafting on the device (a device round chose
         # k = 0 for this step) and nothing here waits for it: keep the pages it writes, as
