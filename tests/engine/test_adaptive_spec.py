@@ -438,3 +438,43 @@ def test_overlapped_plain_steps_with_stops_aborts_and_retraction(model_dir):  # 
     assert reasons["r0"] == "stop" and core.stats().num_retractions_total > 0
     assert len(overlapped) > 20, overlapped
     assert True in with_finished, with_finished  # ...and still overlapped, without the finished one
+
+
+def test_ngram_plain_steps_overlap_and_score_their_shadows(model_dir):  # noqa: F811
+    """Prompt lookup's plain steps between plain steps overlap too: the shadow draft of the
+    position still on the device is looked up from the committed tokens and scored once that
+    token is committed, exactly as the lookup over the final sequence says."""
+    from kiln.engine.spec.ngram_drafter import NgramIndex
+    from tests.engine.test_ngram import copy_core, echo_prompts, ngram_core
+
+    kw = dict(page_size=4, chunked_prefill_size=32, max_prefill_tokens=48)
+    ps = echo_prompts(model_dir, 2, seed=49, max_tokens=24, **kw)
+    core = ngram_core(model_dir, 4, speculative_adaptive=True, **kw)
+    spec = core.scheduler.spec
+    overlapped = count_overlapped(core)
+    script = ([4] * 3 + [0] * 12) * 20
+    calls = iter(script)
+    spec.adaptive.choose = lambda n: next(calls, 0)
+    scored, observe, score = [], spec.adaptive.observe_round, spec._score_committed_shadows
+
+    def recorded(plan):  # (rid, position, shadow, what observe_round was told)
+        looked = [(r.rid, r.spec.shadow_at, r.spec.shadow) for r, _, _ in plan if r.spec.shadow_at is not None]
+        told = []
+        spec.adaptive.observe_round = lambda *a: (told.append(a), observe(*a))[1]
+        score(plan)
+        spec.adaptive.observe_round = observe
+        scored.extend((*x, t) for x, t in zip(looked, told))
+
+    spec._score_committed_shadows = recorded
+    res, drafts, _ = run_spec(core, ps, max_tokens=40)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(copy_core(model_dir, **kw), ps, max_tokens=40)
+    assert_reference(core, res)
+    assert len(overlapped) > 20 and len(scored) > 20, (overlapped, scored)
+    d = spec.drafter
+    for rid, at, shadow, told in scored:
+        full = res[rid][0] + res[rid][1]
+        index = NgramIndex(d.min_n, d.max_n)
+        index.extend(full[:at])
+        assert shadow == index.propose(1), (rid, at)
+        assert told == (1, len(shadow), int(shadow == full[at:at + 1])), (rid, at, shadow, told)
+    assert any(t[2] for *_, t in scored) and not all(t[2] for *_, t in scored)  # hits and misses

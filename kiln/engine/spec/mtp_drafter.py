@@ -263,6 +263,14 @@ class MTPDrafter:
         return bool(self.max_lag) and all(
             r.num_computed == r.seq_len and r.seq_len + 2 - r.spec.complete <= self.max_lag for r in reqs)
 
+    def run_while_pending(self, reqs: list[Req]) -> None:
+        """The pass after a plain step whose sampled tokens are still on the device: store the
+        queued h^0 rows; the layers wait (`can_defer` held)."""
+        complete = [r.spec.complete for r in reqs]
+        self.run(reqs, {r.rid: 0 for r in reqs})
+        # a pass that ran would have read the placeholders as tokens
+        assert [r.spec.complete for r in reqs] == complete, "the MTP pass ran on tokens still on the device"
+
     def _may_wait(self, reqs: list[Req], num_drafts: dict[str, int]) -> bool:
         """Whether this pass may skip the layers: nobody drafts, every request decodes (its
         prompt is in), and each one's state stays within `max_lag` of its committed tokens after

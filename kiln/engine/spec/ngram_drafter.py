@@ -136,6 +136,9 @@ class NgramState(DraftState):
     # With `NgramDrafter.shadow`: the one draft it would have proposed in a round without drafts
     # ([] when nothing matched), scored against the token that step commits
     shadow: Optional[list[int]] = None
+    # The position `shadow` predicts when it was looked up while that token was still on the
+    # device (`run_while_pending`): scored once the token is committed
+    shadow_at: Optional[int] = None
 
 
 class NgramDrafter:
@@ -177,13 +180,32 @@ class NgramDrafter:
     def on_weights_changed(self) -> None:
         """Nothing: no weights."""
 
+    def can_defer(self, reqs: list[Req]) -> bool:
+        """A plain step's pass may run while its tokens are still on the device: it reads
+        committed tokens only (`run_while_pending`)."""
+        return True
+
+    def run_while_pending(self, reqs: list[Req]) -> None:
+        """The pass after a plain step whose sampled tokens are still on the device (each
+        request's last token is a placeholder): index the committed tokens and look up the
+        shadow of the pending position, which `SpecDecoder` scores once it is committed."""
+        for r in reqs:
+            state = r.spec
+            state.drafts, state.shadow, state.shadow_at = [], None, None
+            if not self.shadow:
+                continue
+            T = r.seq_len - 1  # the placeholder's position
+            if len(state.index.tokens) < T:
+                state.index.extend(r.token_ids(len(state.index.tokens), T))
+            state.shadow, state.shadow_at = state.index.propose(1), T
+
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """Index each ready request's newly committed tokens and draft up to `num_drafts[rid]`."""
         ready = []
         for r in reqs:
             k = num_drafts.get(r.rid, 0)
             state = r.spec
-            state.drafts, state.shadow = [], None
+            state.drafts, state.shadow, state.shadow_at = [], None, None
             if k <= 0 and not (self.shadow and r.num_computed == r.seq_len - 1):  # nothing to look up
                 continue
             index = state.index

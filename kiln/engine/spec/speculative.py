@@ -61,6 +61,7 @@ from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
 from kiln.engine.spec.verify import accepted_prefixes
+from kiln.engine.step_inputs import PENDING
 
 
 # Largest batch whose drafter pass (MTP chain, block drafter) is captured: the graphs keep K
@@ -138,6 +139,7 @@ class SpecDecoder:
         run the drafter pass for the plan's requests that are still running, then trim windows
         and cache prompt pages."""
         self.step_k = self.next_k
+        self._score_committed_shadows(plan)
         decoding = sum(start == r.seq_len - 1 for r, start, _ in plan)  # requests in a round (or a plain row)
         if decoding:
             self.sched.stats_counters.spec.record_step(self.step_k)
@@ -155,6 +157,19 @@ class SpecDecoder:
             self._device_round(plan, logits, batch, row_starts)
         else:
             self._host_round(plan, logits, sample_reqs, sample_rows, batch, row_starts)
+
+    def _score_committed_shadows(self, plan) -> None:
+        """Score the shadow drafts looked up while their token was on the device (prompt lookup
+        in overlapped plain steps, `NgramDrafter.run_while_pending`): the token is committed now."""
+        if self.adaptive is None:
+            return
+        for r, _, _ in plan:
+            at = getattr(r.spec, "shadow_at", None)
+            token = r.token_ids(at, at + 1) if at is not None and at < r.seq_len else [PENDING]
+            if token != [PENDING]:
+                shadow = r.spec.shadow
+                self.adaptive.observe_round(1, len(shadow), int(shadow == token))
+                r.spec.shadow, r.spec.shadow_at = None, None
 
     def _plain_step_overlaps(self, plan, sample_reqs: list[Req]) -> bool:
         """Whether this step's rows are all plain decode rows (k = 0), the next step's will be too,
@@ -186,10 +201,7 @@ class SpecDecoder:
         for (r, start, _), row in zip(plan, row_starts):
             self.drafter.on_commit(r, start, slice(row, row + 1), batch)
         self.sched.pending = self.sched._sample(select_rows(logits, sample_rows), reqs)
-        complete = [r.spec.complete for r in reqs]
-        self.drafter.run(reqs, {r.rid: 0 for r in reqs})  # stores the queued state; the layers wait
-        # a pass that ran would have read the PENDING placeholders as tokens
-        assert [r.spec.complete for r in reqs] == complete, "the drafter pass ran on tokens still on the device"
+        self.drafter.run_while_pending(reqs)
         for r in reqs:
             k = self._make_room(r, keep=r.seq_len + keep if keep else 0)
             assert k == 0, r.rid
