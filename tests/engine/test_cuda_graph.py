@@ -150,6 +150,31 @@ def test_ngram_rounds_with_graphs_equal_plain(arch, tmp_path):
     assert any(n % 4 == 0 and n > 4 for n in replays), replays  # verifies of several requests on a graph
 
 
+@pytest.mark.parametrize("arch", ["llama", "inkling"])
+def test_adaptive_ngram_plain_steps_overlap_with_graphs(arch, tmp_path):
+    # --speculative-adaptive with prompt lookup (K = 3) on the GPU, lengths scripted: plain steps
+    # between plain steps run under overlap scheduling (their shadow drafts scored a step later),
+    # rounds of K replay their verify graph. Greedy output equals plain greedy decoding.
+    import json
+
+    from tests.engine.test_ngram import echo_prompts, ngram_core, copy_core
+    from tests.engine.test_speculative import SPEC_ARCHS, run_plain, run_spec
+
+    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS[arch]))
+    kw = dict(page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=8)
+    reqs = echo_prompts(str(tmp_path), 2, seed=10, max_tokens=32, **kw)
+    core = ngram_core(str(tmp_path), 3, speculative_adaptive=True, **kw)
+    spec = core.scheduler.spec
+    assert spec.overlap_plain_steps
+    calls = iter(([3] * 3 + [0] * 12) * 20)
+    spec.adaptive.choose = lambda n: next(calls, 0)
+    overlapped, step = [], spec._overlapped_plain_step
+    spec._overlapped_plain_step = lambda plan, *a: (overlapped.append(len(plan)), step(plan, *a))[1]
+    res, _, _ = run_spec(core, reqs, max_tokens=32)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(copy_core(str(tmp_path), **kw), reqs, max_tokens=32)
+    assert len(overlapped) > 10 and core.stats().spec.accepted_tokens > 0, overlapped
+
+
 @pytest.mark.parametrize("name", ["llama", "minimax_m3"])  # DFlash, DSpark
 def test_block_drafter_pass_replays_from_graphs(name, tmp_path_factory):
     # Block drafter rounds (k = 3) on the GPU: the block pass replays from its CUDA graphs
