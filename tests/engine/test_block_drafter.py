@@ -269,6 +269,27 @@ def test_adaptive_lengths_with_a_block_drafter(target):
     assert assert_block_reference(core, res, drafts) > 0
 
 
+def test_adaptive_plain_steps_overlap_with_a_block_drafter(target):
+    # Plain steps between plain steps under overlap scheduling (forced on the CPU): the block
+    # pass drafts nothing there, the context K/V of every row is still stored, and the drafts of
+    # the rounds after a stretch of them equal the fresh block forward.
+    from tests.engine.test_adaptive_spec import count_overlapped
+
+    ps = prompts(3, seed=27, lo=10, hi=50)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
+    plain = run_plain(plain_core(target, **kw), ps, max_tokens=60)
+    core = spec_core(target, 3, speculative_adaptive=True, **kw)
+    oracle(core, truth(ps, plain), corrupt=0.3)
+    overlapped = count_overlapped(core)
+    calls = iter(([3] * 3 + [0] * 12) * 20)
+    core.scheduler.spec.adaptive.choose = lambda n: next(calls, 0)
+    res, drafts, _ = run_spec(core, ps, max_tokens=60)
+    assert outputs(res) == plain
+    assert_reference(core, res)
+    assert assert_block_reference(core, res, drafts) > 0
+    assert len(overlapped) > 20, overlapped
+
+
 def test_prefix_hits_carry_the_drafter_context(target):
     # The drafter's context K/V ride in the cached pages: a request admitted with a matched prefix
     # drafts exactly what a fresh computation over its committed tokens gives.

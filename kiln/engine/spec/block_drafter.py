@@ -187,6 +187,15 @@ class BlockDraftRunner:
         return [(self.pool.k[i][slots], self.pool.v[i][slots]) for i in range(len(self.pool.k))]
 
     @torch.inference_mode()
+    def can_defer(self, reqs: list[Req]) -> bool:
+        """A pass that drafts nothing does nothing (`on_forward` stored every row's context), so it
+        may run while a plain step's tokens are still on the device (`run_while_pending`)."""
+        return True
+
+    def run_while_pending(self, reqs: list[Req]) -> None:
+        """The pass after a plain step whose sampled tokens are still on the device: no drafts."""
+        self.run(reqs, {})
+
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """Draft `num_drafts[rid]` tokens (0: none) for every ready request into `req.spec.drafts`."""
         self.flight = None

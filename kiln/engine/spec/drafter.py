@@ -14,6 +14,12 @@ mixed batch, `SpecDecoder` calls, in this order:
   4. `run(reqs, num_drafts)`: catch up and draft `num_drafts[rid]` tokens (0: none) for the
      requests that are ready to decode, into `req.spec` (a `DraftState`).
 
+A plain step (no drafts) followed by another may run under overlap scheduling
+(`SpecDecoder._overlapped_plain_step`) when `can_defer(reqs)` says the pass needs none of the
+step's sampled tokens: then `on_commit` is called for the step's rows (their input tokens are
+committed) and `run_while_pending(reqs)` replaces `run`, while each request's last token is still a
+placeholder on the device that must not be read.
+
 `DraftState.drafts` are the tokens the next round verifies. `DraftState.q` is for drafters that
 *sample* their drafts: row i is the distribution d_{i+1} was drawn from ([k, V], the final
 sampling distribution after temperature/top-k/top-p/min-p/penalties), what token-wise rejection
@@ -119,3 +125,9 @@ class Drafter(Protocol):
         """After the target's weights changed in place (RL updates, LoRA merges): refresh any copy."""
 
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None: ...
+
+    def can_defer(self, reqs: list[Req]) -> bool:
+        """Whether the pass after a plain step may run before the step's tokens are read back."""
+
+    def run_while_pending(self, reqs: list[Req]) -> None:
+        """That pass (no drafts; the requests' last tokens are placeholders on the device)."""

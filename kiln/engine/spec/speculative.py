@@ -41,7 +41,7 @@ behind it. Every round drafts K tokens up to the request's last one (the commit 
 max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
 from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
 whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
-follows with plain rows too, where the drafter can leave its pass for later (MTP's late catch-up),
+follows with plain rows too, where the drafter's pass needs none of its tokens (`Drafter.can_defer`),
 is run like plain decode under overlap scheduling (`_overlapped_plain_step`): its samples stay on
 the device and the next step's forward is queued before they are read back.
 """
@@ -95,8 +95,8 @@ class SpecDecoder:
         # Plain steps between plain steps under overlap scheduling (`_overlapped_plain_step`):
         # on CUDA with overlap on, where plain steps are chosen (adaptive) and the drafter can wait
         cfg = scheduler.config
-        self.overlap_plain_steps = (self.adaptive is not None and hasattr(drafter, "can_defer")
-                                    and scheduler.runner.device.type == "cuda" and not cfg.disable_overlap_schedule)
+        self.overlap_plain_steps = (self.adaptive is not None and scheduler.runner.device.type == "cuda"
+                                    and not cfg.disable_overlap_schedule)
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -194,16 +194,16 @@ class SpecDecoder:
         plan = [plan[i] for i in live]
         sample_rows, row_starts = [sample_rows[i] for i in live], [row_starts[i] for i in live]
         reqs = [r for r, _, _ in plan]
-        # The previous step's pass may still be drafting on the device (a device round chose
-        # k = 0 for this step) and nothing here waits for it: keep the pages it writes, as
-        # `_device_round` does
-        keep = self.num_steps - 1 if self.drafter.flight is not None else 0
+        # The previous step's pass may still be drafting on the device (it drafted for a step
+        # that then verified none) and nothing here waits for it: keep the pages it writes (what
+        # it needed at the request's length then), as `_device_round` does
+        in_flight = self.drafter.flight is not None
         for (r, start, _), row in zip(plan, row_starts):
             self.drafter.on_commit(r, start, slice(row, row + 1), batch)
         self.sched.pending = self.sched._sample(select_rows(logits, sample_rows), reqs)
         self.drafter.run_while_pending(reqs)
         for r in reqs:
-            k = self._make_room(r, keep=r.seq_len + keep if keep else 0)
+            k = self._make_room(r, keep=self.drafter.pages_needed(r.seq_len - 1, self.num_steps) if in_flight else 0)
             assert k == 0, r.rid
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
