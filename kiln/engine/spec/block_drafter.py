@@ -186,7 +186,6 @@ class BlockDraftRunner:
         slots = self.table[r.slot, :n]
         return [(self.pool.k[i][slots], self.pool.v[i][slots]) for i in range(len(self.pool.k))]
 
-    @torch.inference_mode()
     def can_defer(self, reqs: list[Req]) -> bool:
         """A pass that drafts nothing does nothing (`on_forward` stored every row's context), so it
         may run while a plain step's tokens are still on the device (`run_while_pending`)."""
@@ -196,6 +195,7 @@ class BlockDraftRunner:
         """The pass after a plain step whose sampled tokens are still on the device: no drafts."""
         self.run(reqs, {})
 
+    @torch.inference_mode()
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """Draft `num_drafts[rid]` tokens (0: none) for every ready request into `req.spec.drafts`."""
         self.flight = None

@@ -30,12 +30,11 @@ complete in every component (`Req.cache_limit`, e.g. the MTP frontier), so cache
 Overlap scheduling is off with speculation (plain steps between plain steps aside, below). On
 CUDA the verify forward of a round in which every request verifies the same number of drafts
 replays from a CUDA graph (`CudaGraphRunner`'s uniform-extend shapes); the drafter reads the
-replayed hidden states. A pass replayed from the
-MTP chain graph, or a block drafter's paged pass, leaves its drafts on the device
-(`DraftsInFlight`): the step returns, the next step is scheduled and its verify forward queued
-(gathering the drafts on the device) while the GPU still drafts, and the host reads the drafts
-back only to verify. When every request of the
-step is in a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
+replayed hidden states. A pass replayed from the MTP chain graph, or a block drafter's paged
+pass, leaves its drafts on the device (`DraftsInFlight`): the step returns, the next step is
+scheduled and its verify forward queued (gathering the drafts on the device) while the GPU still
+drafts, and the host reads the drafts back only to verify. When every request of the step is in
+a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
 device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
 behind it. Every round drafts K tokens up to the request's last one (the commit stops at
 max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
