@@ -273,7 +273,7 @@ def test_adaptive_plain_steps_overlap_with_a_block_drafter(target):
     # Plain steps between plain steps under overlap scheduling (forced on the CPU): the block
     # pass drafts nothing there, the context K/V of every row is still stored, and the drafts of
     # the rounds after a stretch of them equal the fresh block forward.
-    from tests.engine.test_adaptive_spec import count_overlapped
+    from tests.engine.test_adaptive_plain_steps import count_overlapped
 
     ps = prompts(3, seed=27, lo=10, hi=50)
     kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)

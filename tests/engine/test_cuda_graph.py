@@ -102,7 +102,7 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens) and run under overlap scheduling,
     # the late catch-up runs eagerly, then rounds of K replay the chain graph again. Greedy output
     # equals plain greedy decoding.
-    from tests.engine.test_adaptive_spec import script_lengths
+    from tests.engine.test_adaptive_plain_steps import script_lengths
     from tests.engine.test_speculative import run_spec
 
     core, reqs, plain = adaptive_mtp_on_cuda(arch, tmp_path, seed=7)
