@@ -249,17 +249,24 @@ def test_oracle_partial_acceptance_batches(target, k):
     assert assert_block_reference(core, res, drafts) > 0
 
 
+def adaptive_oracle_core(target, seed: int, max_tokens: int):
+    """Three prompts, their plain greedy output, and a --speculative-adaptive engine (K = 3) whose
+    block drafts are the oracle's (some corrupted)."""
+    ps = prompts(3, seed=seed, lo=10, hi=50)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
+    plain = run_plain(plain_core(target, **kw), ps, max_tokens=max_tokens)
+    core = spec_core(target, 3, speculative_adaptive=True, **kw)
+    oracle(core, truth(ps, plain), corrupt=0.3)
+    return ps, plain, core
+
+
 def test_adaptive_lengths_with_a_block_drafter(target):
     # --speculative-adaptive (tests/engine/test_adaptive_spec.py) with a block drafter: a fake clock
     # moves the length between 0, K and the lengths between, mid-request; the block pass drafts K
     # and hands over the first k. Greedy output equals plain, the drafts the fresh block forward.
     from tests.engine.test_adaptive_spec import charge_by_length
 
-    ps = prompts(3, seed=26, lo=10, hi=50)
-    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
-    plain = run_plain(plain_core(target, **kw), ps, max_tokens=40)
-    core = spec_core(target, 3, speculative_adaptive=True, **kw)
-    oracle(core, truth(ps, plain), corrupt=0.3)
+    ps, plain, core = adaptive_oracle_core(target, seed=26, max_tokens=40)
     chosen = charge_by_length(core, 0.05)
     res, drafts, _ = run_spec(core, ps, max_tokens=40)
     assert outputs(res) == plain
@@ -275,11 +282,7 @@ def test_adaptive_plain_steps_overlap_with_a_block_drafter(target):
     # the rounds after a stretch of them equal the fresh block forward.
     from tests.engine.test_adaptive_plain_steps import count_overlapped
 
-    ps = prompts(3, seed=27, lo=10, hi=50)
-    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=24)
-    plain = run_plain(plain_core(target, **kw), ps, max_tokens=60)
-    core = spec_core(target, 3, speculative_adaptive=True, **kw)
-    oracle(core, truth(ps, plain), corrupt=0.3)
+    ps, plain, core = adaptive_oracle_core(target, seed=27, max_tokens=60)
     overlapped = count_overlapped(core)
     calls = iter(([3] * 3 + [0] * 12) * 20)
     core.scheduler.spec.adaptive.choose = lambda n: next(calls, 0)
