@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kiln.engine.request import SamplingParams
+from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParams
 from kiln.engine.spec.metrics import SpecCounts
 
 # One logprob entry: (logprob of the token, [(token_id, logprob), ...] top alternatives).
@@ -128,6 +128,27 @@ class ReqOutput:
     routed_experts: Optional[Any] = None
     # Speculative decoding: this request's acceptance so far (None without speculation).
     spec: Optional[SpecCounts] = None
+
+    @classmethod
+    def of(cls, r: Req, num_new: int) -> "ReqOutput":
+        """Request r's output for a step that appended its last `num_new` tokens."""
+        n_out = len(r.output_ids)
+        finished = r.status is ReqStatus.FINISHED
+        out = cls(rid=r.rid, new_token_ids=r.output_ids[n_out - num_new:] if num_new else [], finished=finished,
+                  finish_reason=r.finish_reason.value if r.finish_reason else None,
+                  prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
+                  cached_tokens_details=r.cached_tiers or None, completion_tokens=n_out)
+        if r.finish_reason == FinishReason.STOP and n_out:
+            out.matched_stop = r.output_ids[-1]
+        if r.params.logprobs is not None and num_new:
+            out.new_logprobs = r.output_logprobs[-num_new:]
+        if finished:
+            out.routed_experts = r.routed_experts
+        if r.prompt_logprobs is not None and len(r.output_ids) == num_new and num_new:
+            out.prompt_logprobs = r.prompt_logprobs
+        if r.spec is not None:
+            out.spec = r.spec.counts.copy()
+        return out
 
     def __reduce__(self):
         # Pickled as the positional field values: the scheduler process sends one per running

@@ -10,10 +10,8 @@ Sampling, finish checks, prefix caching of finished requests and incremental out
 
 With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
 token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
-forward; overlap scheduling is off then (drafts from the MTP chain graph still reach the next
-verify forward on the device, see `SpecDecoder.draft_ids`), except for plain steps between plain
-steps under --speculative-adaptive, which leave their sample in `pending` as plain decode does
-(`SpecDecoder._overlapped_plain_step`).
+forward; overlap scheduling is off then, except for adaptive plain steps between plain steps
+(`SpecDecoder._overlapped_plain_step`, through `sample_pending`).
 """
 
 from __future__ import annotations
@@ -111,7 +109,7 @@ class Scheduler:
                     if r.output_ids and r.output_ids[-1] == PENDING:
                         r.output_ids.pop()
                     self._finish(r, FinishReason.ABORT)
-                    self.outbox.append(self._output(r, 0))
+                    self.outbox.append(ReqOutput.of(r, 0))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.outbox or self.pending)
@@ -143,11 +141,11 @@ class Scheduler:
                 sample_reqs = []
             alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
             if alive:
-                sampled = self._sample(select_rows(logits, [i for _, i in alive]), [r for r, _ in alive])
+                rows, reqs = select_rows(logits, [i for _, i in alive]), [r for r, _ in alive]
                 if self.overlap:
-                    self.pending = sampled
+                    self.sample_pending(rows, reqs)
                 else:
-                    self._commit(sampled)
+                    self._commit(self._sample(rows, reqs))
         if self.check_after_step:
             self.check_integrity()
         out, self.outbox = self.outbox, []
@@ -330,7 +328,7 @@ class Scheduler:
     def _fail(self, r: Req, message: str) -> None:
         self.cache.release(r, cache=False)
         self._finish(r, FinishReason.ABORT)
-        out = self._output(r, 0)
+        out = ReqOutput.of(r, 0)
         out.error = message
         self.outbox.append(out)
 
@@ -407,6 +405,12 @@ class Scheduler:
         sampled.start_copy()
         return sampled
 
+    def sample_pending(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """Sample one token per request and leave them on the device (overlap scheduling): the
+        next step's forward gathers them there, and its `step` reads them back (`_commit`)."""
+        assert self.pending is None, "the previous step's tokens are still on the device"
+        self.pending = self._sample(logits, reqs)
+
     def _commit(self, sampled: "SampledStep") -> None:
         """Read sampled tokens back (the host synchronisation of a step), put them in place of the
         placeholders, and finish the requests that stop."""
@@ -420,7 +424,7 @@ class Scheduler:
             reason = self._accept_token(r, t, None if lps is None else self._logprob_entry(r, i, lps, top_ids, top_lps))
             if reason is not None:
                 self._end(r, reason)
-            self.outbox.append(self._output(r, 1))
+            self.outbox.append(ReqOutput.of(r, 1))
 
     @staticmethod
     def _logprob_entry(r: Req, i: int, lps, top_ids, top_lps):
@@ -459,25 +463,6 @@ class Scheduler:
     def _finish(self, r: Req, reason: FinishReason) -> None:
         r.status = ReqStatus.FINISHED
         r.finish_reason = reason
-
-    def _output(self, r: Req, num_new: int) -> ReqOutput:
-        n_out = len(r.output_ids)
-        finished = r.status is ReqStatus.FINISHED
-        out = ReqOutput(rid=r.rid, new_token_ids=r.output_ids[n_out - num_new:] if num_new else [], finished=finished,
-                        finish_reason=r.finish_reason.value if r.finish_reason else None,
-                        prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens,
-                        cached_tokens_details=r.cached_tiers or None, completion_tokens=n_out)
-        if r.finish_reason == FinishReason.STOP and n_out:
-            out.matched_stop = r.output_ids[-1]
-        if r.params.logprobs is not None and num_new:
-            out.new_logprobs = r.output_logprobs[-num_new:]
-        if finished:
-            out.routed_experts = r.routed_experts
-        if r.prompt_logprobs is not None and len(r.output_ids) == num_new and num_new:
-            out.prompt_logprobs = r.prompt_logprobs
-        if r.spec is not None:
-            out.spec = r.spec.counts.copy()
-        return out
 
     # ---- maintenance -----------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 
 from kiln.engine.cache.manager import cdiv
+from kiln.engine.io import ReqOutput
 from kiln.engine.request import Req
 from kiln.engine.sampled_step import sample_readback
 from kiln.engine.sampler import SamplingBatch, select_rows
@@ -185,8 +186,8 @@ class SpecDecoder:
 
     def _overlapped_plain_step(self, plan, logits: torch.Tensor, sample_rows: list[int], batch,
                                row_starts: list[int]) -> None:
-        """Sample like plain decode and leave the tokens on the device (`Scheduler.pending`: the
-        next step's forward gathers them there, its `_commit` reads them back). A k = 0 round
+        """Sample like plain decode and leave the tokens on the device (`Scheduler.sample_pending`:
+        the next step's forward gathers them there, its `_commit` reads them back). A k = 0 round
         verifies nothing, so its sample is exactly plain decode's; the drafter gets the committed
         row's state now (its input token was committed already) and its pass waits."""
         live = [i for i, (r, _, _) in enumerate(plan) if not r.finished]  # a finished one's row is dropped
@@ -199,7 +200,7 @@ class SpecDecoder:
         in_flight = self.drafter.flight is not None
         for (r, start, _), row in zip(plan, row_starts):
             self.drafter.on_commit(r, start, slice(row, row + 1), batch)
-        self.sched.pending = self.sched._sample(select_rows(logits, sample_rows), reqs)
+        self.sched.sample_pending(select_rows(logits, sample_rows), reqs)
         self.drafter.run_while_pending(reqs)
         for r in reqs:
             k = self._make_room(r, keep=self.drafter.pages_needed(r.seq_len - 1, self.num_steps) if in_flight else 0)
@@ -375,7 +376,7 @@ class SpecDecoder:
             r.spec.drafts, r.spec.q = [], None
             if reason is not None:
                 sched._end(r, reason)
-            sched.outbox.append(sched._output(r, emitted))
+            sched.outbox.append(ReqOutput.of(r, emitted))
             row += k + 1
 
 
