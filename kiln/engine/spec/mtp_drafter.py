@@ -260,8 +260,7 @@ class MTPDrafter:
         """Whether the pass after a plain step whose sampled tokens are still on the device may
         wait (`SpecDecoder._overlapped_plain_step`): once each request's token is appended, as
         `_may_wait` will judge it then (the forward computed every request's last token)."""
-        return bool(self.max_lag) and all(
-            r.num_computed == r.seq_len and r.seq_len + 2 - r.spec.complete <= self.max_lag for r in reqs)
+        return bool(self.max_lag) and all(self._within_lag(r, r.seq_len + 1) for r in reqs)
 
     def run_while_pending(self, reqs: list[Req]) -> None:
         """The pass after a plain step whose sampled tokens are still on the device: store the
@@ -276,7 +275,12 @@ class MTPDrafter:
         prompt is in), and each one's state stays within `max_lag` of its committed tokens after
         the next step commits one more (what the window spaces' extra history covers)."""
         return bool(self.max_lag) and not any(num_drafts.get(r.rid, 0) for r in reqs) and all(
-            r.num_computed == r.seq_len - 1 and r.seq_len + 1 - r.spec.complete <= self.max_lag for r in reqs)
+            self._within_lag(r, r.seq_len) for r in reqs)
+
+    def _within_lag(self, r: Req, seq_len: int) -> bool:
+        """At length `seq_len` (its last token the one to decode): r decodes, and its state stays
+        within `max_lag` of its committed tokens once the next step commits one more."""
+        return r.num_computed == seq_len - 1 and seq_len + 1 - r.spec.complete <= self.max_lag
 
     def _start_flight(self, logits: torch.Tensor) -> None:
         """The chain graph's draft logits [K, n, draft vocabulary] -> drafts kept on the device
