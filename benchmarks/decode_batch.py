@@ -292,6 +292,8 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
         before = spec0.steps_by_length + [0] * len(spec1.steps_by_length)
         by_k = [(k, c - before[k]) for k, c in enumerate(spec1.steps_by_length)]
         note += "steps at k " + " ".join(f"{k}:{c}" for k, c in by_k if c) + "; "
+    if spec0 is not None and spec1 is not None and spec1.verifies_queued_ahead > spec0.verifies_queued_ahead:
+        note += f"{spec1.verifies_queued_ahead - spec0.verifies_queued_ahead} verifies queued ahead; "
     return {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
             "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
             "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None, "accept_len": accept_len,

@@ -32,6 +32,8 @@ class HostPhases:
             (sched, "_commit", "scheduler._commit (plain decode)"),
             (spec, "after_forward", "spec.after_forward"),
             (spec, "_device_round", "spec._device_round"),
+            (spec, "run_queued", "spec.run_queued (a step on a verify queued ahead, or none)"),
+            (getattr(spec, "ahead", None), "queue", "ahead.queue (the next verify: moved inputs + launch)"),
             (spec, "_verify_and_commit", "spec._verify_and_commit"),
             (spec, "_commit", "spec._commit"),
             (getattr(spec, "drafter", None), "run", "drafter.run"),

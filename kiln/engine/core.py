@@ -212,6 +212,8 @@ class EngineCore:
             for r in reversed(list(sched.running)):  # newest first: appendleft keeps the order
                 sched._retract(r)
                 n += 1
+        if sched.spec is not None:  # a verify queued ahead would use the old weights and requests' places
+            sched.spec.drop_queued()
         self.paused = mode
         return n
 

@@ -86,6 +86,8 @@ class CudaGraphRunner:
         self.req_slots, self.prefix_lens = z(n), z(n)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, ForwardBatch]] = {}
+        # (batch, q, n) of the last replay: what `replay_moved` moves on
+        self.last: Optional[tuple[ForwardBatch, int, int]] = None
 
     def _batch(self, bs: int, q: int) -> ForwardBatch:
         """A batch of `bs` sequences of `q` new tokens whose every tensor is a view of the static
@@ -163,6 +165,12 @@ class CudaGraphRunner:
                                                         *self.win_locs.values())]
                                  + [self.req_slots[n:bs], self.prefix_lens[n:bs]])
             self.seq_lens[n:bs].fill_(q)
+        self.last = (batch, q, n)
+        return self._replay(q, bs, t, batch)
+
+    def _replay(self, q: int, bs: int, t: int, batch: ForwardBatch) -> torch.Tensor:
+        """Replay (q, bs) on the static buffers as they are; its outputs' first t rows land in
+        `batch` (views) and the logits' are returned."""
         replay, logits, captured = self.graphs[(q, bs)]
         replay()
         routed = captured.extras.get("routed_experts")
@@ -174,6 +182,37 @@ class CudaGraphRunner:
         batch.capture_layers = captured.capture_layers
         batch.captured = {i: h[:t] for i, h in captured.captured.items()}
         return logits[:t]
+
+    def moves_on(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is a verify batch and the last one replayed: its inputs are still in the
+        static buffers, for `replay_moved`."""
+        return self.last is not None and self.last[0] is batch and self.last[1] > 1
+
+    def replay_moved(self, shift: torch.Tensor, input_ids: torch.Tensor,
+                     tables: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ForwardBatch]:
+        """Replay the last replayed verify shape again with every sequence moved on, without the
+        host: sequence b's positions, prefix and sequence lengths advance by `shift[b]` ([n] on the
+        device), its rows read `input_ids` ([n, q]), and the write slots of the new positions are
+        looked up on the device in the page tables (`tables`: "main" and every window space, rows
+        by request slot). Padding sequences stay as they were. The caller guarantees that every
+        new position has its pages in the tables. Returns (logits [n * q, V], a batch whose
+        tensors are views of the static buffers, with the outputs `replay` sets)."""
+        _, q, n = self.last
+        assert q > 1 and tuple(input_ids.shape) == (n, q), (q, n, tuple(input_ids.shape))
+        t = n * q
+        bs = next(s for s in self.sizes_of[q] if s >= n)
+        pos = self.positions[:t].view(n, q)
+        pos.add_(shift[:, None])
+        self.prefix_lens[:n].add_(shift)
+        self.seq_lens[:n].add_(shift)
+        rows = self.req_slots[:n, None]
+        self.out_loc[:t].view(n, q).copy_(tables["main"][rows, pos])
+        for c, w in self.win_locs.items():
+            w[:t].view(n, q).copy_(tables[c][rows, pos])
+        self.input_ids[:t].view(n, q).copy_(input_ids)
+        batch = self._batch(n, q)
+        self.last = (batch, q, n)
+        return self._replay(q, bs, t, batch), batch
 
 
 class GraphCapturer(Protocol):

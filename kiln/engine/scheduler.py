@@ -11,7 +11,8 @@ Sampling, finish checks, prefix caching of finished requests and incremental out
 With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
 token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
 forward; overlap scheduling is off then, except for adaptive plain steps between plain steps
-(`SpecDecoder._overlapped_plain_step`, through `sample_pending`).
+(`SpecDecoder._overlapped_plain_step`, through `sample_pending`) and steady MTP rounds, which may
+queue the next step's verify themselves (`SpecDecoder.run_queued` takes it).
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ class Scheduler:
         there; requests that turn out to have finished at the previous step ran one row for
         nothing, which is discarded."""
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
+        if self.spec is not None and self.spec.run_queued():  # the last round queued this step's verify
+            return self._step_done()
         plan = self._schedule()
         if plan:
             self.cache.before_forward()  # HiCache: host -> device loads land before the forward
@@ -146,6 +149,9 @@ class Scheduler:
                     self.sample_pending(rows, reqs)
                 else:
                     self._commit(self._sample(rows, reqs))
+        return self._step_done()
+
+    def _step_done(self) -> list[ReqOutput]:
         if self.check_after_step:
             self.check_integrity()
         out, self.outbox = self.outbox, []
@@ -268,7 +274,7 @@ class Scheduler:
             # Beyond its committed tokens a request holds, at some point of a round, the
             # positions its verify writes before rolling back (K), or those its drafter's pass
             # writes (a block drafter's paged pass: its block, B - 1). Between steady rounds on
-            # the device it keeps up to 2K (`SpecDecoder._make_room`'s hold); those pages are
+            # the device it keeps up to 2K + 1 (`SpecDecoder._make_room`'s hold); those pages are
             # already out of the pool's available count, so this reserve stays on the safe side.
             T = r.seq_len
             tokens += max(self.spec.num_steps, self.spec.drafter.pages_needed(T, self.spec.num_steps) - T)

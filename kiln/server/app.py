@@ -296,7 +296,10 @@ class EngineMetrics:
         if s.spec is not None:
             counters += [("kiln_spec_verify_steps", "Speculative verify steps with at least one draft.",
                           s.spec.verify_steps),
-                         ("kiln_spec_accepted_tokens", "Draft tokens accepted.", s.spec.accepted_tokens)]
+                         ("kiln_spec_accepted_tokens", "Draft tokens accepted.", s.spec.accepted_tokens),
+                         ("kiln_spec_verifies_queued_ahead",
+                          "Verify forwards queued before the previous round's samples were read back.",
+                          s.spec.verifies_queued_ahead)]
         for name, doc, value in counters:  # exported as <name>_total
             yield CounterMetricFamily(name, doc, value=value)
         tiers = CounterMetricFamily("kiln_cached_tokens_by_tier",

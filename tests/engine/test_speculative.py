@@ -119,11 +119,13 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
             record_drafts(r)
 
     def capture_device_round(plan, logits, batch, row_starts):
-        # verify rows of request i are i * (K + 1) ..; drafts are recorded as each request adopts them
-        before = [(r, i * (spec.num_steps + 1), len(r.output_ids)) for i, (r, _, _) in enumerate(plan)]
+        # verify rows of request i start at row_starts[i]; drafts are recorded as each request adopts them
+        # (a copy: a verify queued ahead, `verify_ahead`, replays into the same static logits)
+        before = [(r, start, len(r.output_ids)) for (r, _, _), start in zip(plan, row_starts)]
+        seen = logits.clone()
         device_round(plan, logits, batch, row_starts)
         for r, first, n in before:
-            rows.setdefault(r.rid, []).extend(logits[first:first + len(r.output_ids) - n].clone())
+            rows.setdefault(r.rid, []).extend(seen[first:first + len(r.output_ids) - n])
 
     def capture_overlapped(plan, logits, sample_rows, batch, row_starts):
         # one sampled row per request, its token read back at the next step
@@ -401,7 +403,7 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
     metrics.update(stats)
     names = {m.name for m in metrics.collect()}
     assert {"kiln_spec_accept_length", "kiln_spec_accept_rate", "kiln_spec_verify_steps",
-            "kiln_spec_steps_by_draft_length"} <= names
+            "kiln_spec_steps_by_draft_length", "kiln_spec_verifies_queued_ahead"} <= names
 
 
 def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch):

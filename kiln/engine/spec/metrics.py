@@ -14,12 +14,14 @@ class SpecCounts:
     proposed when the draft reached it and accepted when it and every earlier one matched).
     Engine-wide only, `steps_by_length[k]` counts the steps whose decoding requests were offered k
     drafts (k < K only with --speculative-adaptive; a request short of pages or context may still
-    verify fewer)."""
+    verify fewer), and `verifies_queued_ahead` the verify forwards queued before the previous
+    round's samples were read back (`kiln.engine.spec.verify_ahead`)."""
 
     verify_steps: int = 0
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     steps_by_length: list[int] = field(default_factory=list)
+    verifies_queued_ahead: int = 0
 
     def record_step(self, k: int) -> None:
         if k >= len(self.steps_by_length):
@@ -46,6 +48,7 @@ class SpecCounts:
             self.proposed[i] += p
             self.accepted[i] += a
         self.verify_steps += other.verify_steps
+        self.verifies_queued_ahead += other.verifies_queued_ahead
         grow = len(other.steps_by_length) - len(self.steps_by_length)
         self.steps_by_length += [0] * max(grow, 0)
         for k, n in enumerate(other.steps_by_length):
@@ -65,7 +68,8 @@ class SpecCounts:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
     def copy(self) -> "SpecCounts":
-        return SpecCounts(self.verify_steps, list(self.proposed), list(self.accepted), list(self.steps_by_length))
+        return SpecCounts(self.verify_steps, list(self.proposed), list(self.accepted), list(self.steps_by_length),
+                          self.verifies_queued_ahead)
 
     def to_dict(self) -> dict:
         return {"spec_verify_ct": self.verify_steps, "spec_accepted_tokens": self.accepted_tokens,

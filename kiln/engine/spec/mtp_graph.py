@@ -216,7 +216,7 @@ class MTPChainGraph:
 
     def run_after_verify(self, reqs, tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The pass right after a verify that is still on the device: request b (seq_len L_b, L_b - 1
-        computed, frontiers at L_b, pages up to L_b + 2K) committed `count[b]` tokens
+        computed, frontiers at L_b, pages up to L_b + 2K or more) committed `count[b]` tokens
         `tokens[b, :count[b]]` ([n, K + 1] and [n] on the device). Nothing is read on the host;
         the caller advances the frontiers once it knows the counts. Returns the draft logits
         [K, n, N] (a view of a static tensor)."""

@@ -36,7 +36,9 @@ scheduled and its verify forward queued (gathering the drafts on the device) whi
 drafts, and the host reads the drafts back only to verify. When every request of the step is in
 a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
 device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
-behind it. Every round drafts K tokens up to the request's last one (the commit stops at
+behind it; when nothing can change the next step's batch, the next round's verify is queued
+right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
+next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the request's last one (the commit stops at
 max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
 from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
 whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
@@ -53,7 +55,7 @@ import torch
 
 from kiln.engine.cache.manager import cdiv
 from kiln.engine.io import ReqOutput
-from kiln.engine.request import Req
+from kiln.engine.request import Req, ReqStatus
 from kiln.engine.sampled_step import sample_readback
 from kiln.engine.sampler import SamplingBatch, select_rows
 from kiln.engine.spec.adaptive import AdaptiveDraftLength
@@ -61,6 +63,7 @@ from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
 from kiln.engine.spec.verify import accepted_prefixes
+from kiln.engine.spec.verify_ahead import VerifyAhead
 from kiln.engine.step_inputs import PENDING
 
 
@@ -97,6 +100,8 @@ class SpecDecoder:
         cfg = scheduler.config
         self.overlap_plain_steps = (self.adaptive is not None and scheduler.runner.device.type == "cuda"
                                     and not cfg.disable_overlap_schedule)
+        # A steady round queues the next round's verify before reading its samples back (`verify_ahead`)
+        self.ahead = VerifyAhead(self.runner, scheduler.runner.device.type == "cuda" and not cfg.disable_overlap_schedule)
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -153,7 +158,7 @@ class SpecDecoder:
         self.drafter.on_forward(batch)
         if self._plain_step_overlaps(plan, sample_reqs):
             self._overlapped_plain_step(plan, logits, sample_rows, batch, row_starts)
-        elif self._round_on_device(plan, sample_reqs, sample_rows):
+        elif self._round_on_device(plan, sample_reqs, sample_rows, logits.shape[0]):
             self._device_round(plan, logits, batch, row_starts)
         else:
             self._host_round(plan, logits, sample_reqs, sample_rows, batch, row_starts)
@@ -293,15 +298,19 @@ class SpecDecoder:
         return sample_readback(out).lists(), accepted
 
     # ---- a round without the host between verify and draft ---------------------------------
-    def _round_on_device(self, plan, sample_reqs: list[Req], sample_rows: list[int]) -> bool:
-        """Whether this step's verify can feed the MTP chain graph on the device: every request of
-        the forward verifies K greedy-drafted (point-mass) tokens from a steady state (frontiers
+    def _round_on_device(self, plan, sample_reqs: list[Req], sample_rows: list[int], rows: int) -> bool:
+        """Whether this step's verify (`rows` logit rows) can feed the MTP chain graph on the
+        device: the forward is the plan's rounds and nothing else (a verify queued ahead may hold
+        rows of requests that finished since), every request of it verifies K
+        greedy-drafted (point-mass) tokens from a steady state (frontiers
         at seq_len) and its pages grow to what the pass of a round of any acceptance writes
-        (positions < L + 2K, inside the context). Anything else takes the host path
+        (positions < L + 2K), and the next round's verify if it is queued ahead (`verify_ahead`:
+        up to L - 1 + (K + 1) + K), inside the context. Anything else takes the host path
         (`_verify_and_commit` + `drafter.run`)."""
         graph = getattr(self.drafter, "graph", None)
         K = self.num_steps
-        if graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan):
+        if (graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan)
+                or rows != len(plan) * (K + 1)):
             return False
         for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
@@ -309,7 +318,7 @@ class SpecDecoder:
                     or r.spec.q is not None or any(f != L for f in r.spec.frontier)
                     or self.sched.context_length - L < 2 * K + 1):
                 return False
-        return all(self.cache.grow(r, r.seq_len + 2 * K) for r, _, _ in plan)
+        return all(self.cache.grow(r, r.seq_len + 2 * K + 1) for r, _, _ in plan)
 
     def _device_round(self, plan, logits: torch.Tensor, batch, row_starts: list[int]) -> None:
         """Verify, then queue the MTP pass fed from the verify's samples on the device (the
@@ -327,21 +336,58 @@ class SpecDecoder:
         count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         self.drafter.run_after_verify(reqs, batch, row_starts, samples, count)
+        if self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
+            self.ahead.queue(reqs, K, samples, count, self.flight)
+            self.sched.stats_counters.spec.verifies_queued_ahead += 1
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
         self._commit([(r, d, 0, None) for r, d in zip(reqs, drafts)], got, accepted)
+        if self.ahead.queued is not None and all(r.finished for r in reqs):
+            self.ahead.take()  # every row of the verify queued ahead was for nothing: no step takes it
         for i, r in enumerate(reqs):
             if r.finished:
                 continue
-            # the pass wrote draft rows up to T - 2 + K: keep those pages until it has run (a page
-            # freed now could be refilled by a HiCache load on its own stream before then). Hold
-            # what the next round on the device grows to (`_round_on_device`: T + 2K), so that a
-            # steady round does not free a page to take it again (and rewrite the page tables)
-            # one round later.
-            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len - 1 + K, hold=r.seq_len + 2 * K))
+            # the pass wrote draft rows up to T - 2 + K and a verify queued ahead writes up to
+            # T - 1 + K: keep those pages until they have run (a page freed now could be refilled
+            # by a HiCache load on its own stream before then). Hold what the next round on the
+            # device grows to (`_round_on_device`: T + 2K + 1), so that a steady round does not free
+            # a page to take it again (and rewrite the page tables) one round later.
+            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len + K, hold=r.seq_len + 2 * K + 1))
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
+
+    def run_queued(self) -> bool:
+        """The scheduler's step when the last round queued this one's verify (`verify_ahead`):
+        verify, commit and draft on its rows instead of scheduling a forward. Requests that finished
+        since it was queued are left out (their rows were computed for nothing). False when no
+        verify was queued or every request it had is gone."""
+        q = self.ahead.take()
+        if q is None:
+            return False
+        K = q.k
+        plan, rows = [], []
+        for i, r in enumerate(q.reqs):
+            if r.status is not ReqStatus.RUNNING:  # finished (or retracted: `drop_queued` should have run)
+                continue
+            L = r.seq_len
+            flight = r.spec.in_flight
+            assert r.num_computed == L - 1 and r.spec.num_drafts == K and flight is not None \
+                and flight[0] is q.flight and flight[1] == i, f"{r.rid}: not where its queued verify moved it"
+            plan.append((r, L - 1, L + K))
+            rows.append(i * (K + 1))
+            r.num_computed = L  # as `Scheduler._forward` does: the drafts' positions are not committed yet
+        if not plan:
+            return False
+        self.sched.cache.before_forward()  # as before any forward (HiCache bookkeeping)
+        self.after_forward(plan, q.logits, [r for r, _, _ in plan], rows, q.batch, rows)
+        return True
+
+    def drop_queued(self) -> None:
+        """Forget a verify queued ahead (generation paused: requests may be retracted and weights
+        updated before the next step). Harmless: everything it wrote is at positions the forward
+        built instead rewrites before anything reads them."""
+        self.ahead.take()
 
     def _commit(self, group, got: dict, accepted: list[int]) -> None:
         """Append each round's emitted tokens (row i of a round holds its i-th emitted token) with

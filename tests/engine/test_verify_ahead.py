@@ -1,0 +1,153 @@
+"""The next round's verify queued before this round's samples are read back
+(`kiln.engine.spec.verify_ahead`), on the CPU: Triton's interpreter for the kernels and a capturer
+that re-runs the captured forward for the CUDA graphs (tests/engine/test_graph_buffers.py), with
+the feature forced on (it is on by default on CUDA only). The `gpu` variants run the same on real
+CUDA graphs, where the feature is on by default.
+
+What must hold: the verify built on the device from the counts, samples and drafts of the round
+before it is the forward the host would have built. So greedy output equals plain greedy decoding,
+every emitted token's logits equal the packed reference forward over the committed tokens, every
+MTP draft from committed inputs equals the teacher-forced reference, and the integrity check
+passes after every step; also when a request stops, is aborted or arrives while a verify is
+queued."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.engine.io import GenerateReq
+from kiln.engine.request import ReqStatus, SamplingParams
+from tests.engine.test_graph_buffers import RecomputeCapturer
+from tests.engine.test_hybrid_engine import assert_reference, prompts
+from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+from tests.engine.test_speculative import (SPEC_ARCHS, assert_mtp_reference, plain_core, run_plain, run_spec,
+                                           spec_core)
+
+pytest.importorskip("triton")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def device_kw(device: str) -> dict:
+    return dict(page_size=4, context_length=INTERP_CONTEXT,
+                **(dict(device="cuda", dtype="float32") if device == "cuda" else {}))
+
+
+def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 4):
+    """An MTP engine on graphs (verify, decode and chain; on the CPU stood in for by
+    `RecomputeCapturer`) with verifies queued ahead."""
+    if device == "cuda":
+        core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, **device_kw(device))
+        assert core.scheduler.spec.ahead.enabled  # the default on CUDA
+        return core
+    core = spec_core(model_dir, k, alpha=alpha, kernel_backend="triton", cuda_graph_max_bs=max_bs, **device_kw(device))
+    runner, spec = core.runner, core.scheduler.spec
+    runner.graphs = runner._new_graphs()
+    runner.graphs.capture(RecomputeCapturer())
+    spec.drafter.use_graphs(max_bs, RecomputeCapturer())
+    spec.ahead.enabled = True
+    return core
+
+
+def record_taken(core) -> list[tuple[int, int, bool]]:
+    """(requests still running, requests, whether the last one is) of every queued verify taken
+    (by a step, or dropped: all of its requests finished at the commit before, or a pause)."""
+    ahead, taken = core.scheduler.spec.ahead, []
+    take = ahead.take
+
+    def recorded():
+        q = take()
+        if q is not None:
+            running = [r.status is ReqStatus.RUNNING for r in q.reqs]
+            taken.append((sum(running), len(running), running[-1]))
+        return q
+
+    ahead.take = recorded
+    return taken
+
+
+@pytest.fixture
+def interp_dir(request, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SPEC_ARCHS[request.param],
+                                                      **FEWER_LAYERS.get(request.param, {})}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interp_dir,alpha", [("llama", 0.01), ("inkling", 0.0)], indirect=["interp_dir"])
+def test_queued_verifies_equal_plain_greedy(interp_dir, alpha, device):
+    # alpha 0.01: partial acceptance (counts of 1 .. K + 1 move the verify on by different
+    # amounts per request); 0: every draft accepted (the largest move, K + 1, whose last row
+    # needs a page beyond the chain pass's). Inkling at 0.01 runs in the next test.
+    reqs = prompts(3, seed=4, lo=10, hi=30)
+    core = graph_core(interp_dir, 3, alpha, device)
+    taken = record_taken(core)
+    res, drafts, _ = run_spec(core, reqs, max_tokens=13)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(interp_dir, alpha=alpha, **device_kw(device)),
+                                                              reqs, max_tokens=13)
+    if device == "cpu":  # (fp32 on the GPU: the graphs' tests hold their logits to looser bounds)
+        assert_reference(core, res)
+        assert assert_mtp_reference(core, res, drafts) > 0
+    # (a request may still finish at the commit before: accepting drafts up to max_tokens)
+    assert len(taken) >= 2 and any(alive == n for alive, n, _ in taken), taken
+    assert core.stats().spec.verifies_queued_ahead == len(taken) and core.scheduler.spec.ahead.queued is None
+    counts = core.stats().spec
+    if alpha:
+        assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interp_dir", ["inkling"], indirect=True)
+def test_queued_verifies_with_stops_aborts_arrivals_and_pauses(interp_dir, device):
+    """While their rows are in a queued verify: the batch's last request stops on a stop token and
+    its first one is aborted (the others verify over their own rows on the host path); a request
+    arrives (no verify is queued while it waits for admission); generation is paused with
+    retraction and in place (the queued verify is dropped). The others' output equals plain
+    decoding; the integrity check runs after every step."""
+    ps = prompts(4, seed=21, lo=10, hi=24)
+    free = run_plain(plain_core(interp_dir, alpha=0.01, **device_kw(device)), ps, max_tokens=16)
+    stop = free["r2"][4]  # r2 stops at the device round that queues the next verify
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[stop] if i == 2 else None) for i in range(len(ps))]
+    core = graph_core(interp_dir, 3, 0.01, device)
+    taken = record_taken(core)
+    ahead = core.scheduler.spec.ahead
+    for i in range(3):
+        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ps[i], params=params[i]))
+    out, reasons, queued_while_waiting, paused = {}, {}, [], []
+    while core.has_work():
+        queued = ahead.queued is not None
+        if queued and "r0" not in reasons and len(out.get("r0", [])) >= 9:
+            core.abort("r0")  # its rows are in the queued verify
+        if queued and "r3" not in out and "r2" in reasons:
+            core.add_request(GenerateReq(rid="r3", input_ids=ps[3], params=params[3]))
+            out["r3"] = []
+        for mode, at in (("retract", 3), ("in_place", 8)):
+            if queued and mode not in paused and len(out.get("r3", [])) >= at:
+                core.pause_generation(mode)
+                assert ahead.queued is None
+                core.continue_generation()
+                paused.append(mode)
+        queued_while_waiting.append(bool(core.scheduler.waiting))
+        for o in core.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.rid] = o.finish_reason
+        if queued_while_waiting[-1]:
+            queued_while_waiting[-1] = ahead.queued is not None
+    core.check_integrity()
+    assert reasons == {"r0": "abort", "r1": "length", "r2": "stop", "r3": "length"}, reasons
+    assert paused == ["retract", "in_place"] and core.stats().num_retractions_total > 0
+    assert out["r2"] == free["r2"][:free["r2"].index(stop) + 1]
+    assert out["r0"] == free["r0"][:len(out["r0"])]
+    assert out["r1"] == free["r1"] and out["r3"] == free["r3"]
+    # queued verifies were taken with every request still running, and with the last one (the
+    # stop) or the first one (the abort) left out; none was queued while a request waited
+    assert any(alive == n > 1 for alive, n, _ in taken), taken
+    assert any(0 < alive < n and not last for alive, n, last in taken), taken
+    assert any(0 < alive < n and last for alive, n, last in taken), taken
+    assert not any(queued_while_waiting)
+    assert core.scheduler.flush_cache() and core.cache.allocator.num_free == core.cache.allocator.capacity
