@@ -162,5 +162,6 @@ class PagedBlockPass:
         if bs is None:
             return self._block(n)
         replay, (tokens, logits) = self.graphs[bs]
+        self.owner.runner.load_gate.wait_all()  # HiCache copies land first (`MTPChainGraph._pass`)
         replay()
         return tokens[:n], logits[:n]

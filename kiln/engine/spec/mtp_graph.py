@@ -194,6 +194,9 @@ class MTPChainGraph:
         if bs > n:
             torch._foreach_zero_([self.count[n:bs], self.req_slots[n:bs]])
         replay, logits = self.graphs[bs]
+        # a replay cannot wait between layers: HiCache copies of pages the pass writes (backups of
+        # pages evicted to grow this round's) must land first, as before the verify's replay
+        self.drafter.runner.load_gate.wait_all()
         replay()
         return logits[:, :n]
 
