@@ -1,6 +1,6 @@
 """The host's cost of steady speculative rounds, on the CPU: no GPU needed.
 
-    python benchmarks/round_host_cost.py [--bs 1] [--steps 300] [--ops] [--cprofile]
+    python benchmarks/round_host_cost.py [--bs 1] [--steps 300] [--ops] [--cprofile] [--verify-ahead]
 
 Builds the tiny Inkling test preset with K = 3 MTP drafts (tests/engine/test_speculative.py's
 `spec_core`, fewer layers), captures the verify and MTP chain "graphs" with a capturer whose
@@ -10,7 +10,10 @@ device path (`SpecDecoder._device_round`) with `HostPhases` (the same table as `
 sits between reading a verify's samples back and queuing the next verify. On a GPU host each
 small CUDA call costs 10-20 us against 2-3 us for a CPU op here, so `--ops` counts the aten ops
 per round (views apart) by the Kiln line that issued them: those are what a GPU host pays for.
-docs/benchmarks.md, eighteenth pass, has what it found."""
+docs/benchmarks.md, eighteenth pass, has what it found. `--verify-ahead` turns on the next verify
+queued before the samples are read back (`kiln/engine/spec/verify_ahead.py`, the default on CUDA):
+the host's work per round is then off the GPU's critical path as long as it is shorter than a
+round's GPU time."""
 
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300, help="steady rounds timed")
     ap.add_argument("--ops", action="store_true", help="count aten ops per round by issuing line")
     ap.add_argument("--cprofile", action="store_true", help="print cProfile's top functions")
+    ap.add_argument("--verify-ahead", action="store_true", help="queue each next verify before the read-back")
     a = ap.parse_args(argv)
     from tests.engine.test_hybrid_engine import prompts
     from tests.engine.test_kernel_path import FEWER_LAYERS
@@ -93,6 +97,7 @@ def main(argv=None) -> None:
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(forward)
     spec.drafter.use_graphs(bs, chain)
+    spec.ahead.enabled = a.verify_ahead
     for i, p in enumerate(prompts(a.bs, seed=4, lo=10, hi=30)):
         core.add_request(GenerateReq(rid=f"r{i}", input_ids=p,
                                      params=SamplingParams(max_tokens=6000, temperature=0.0, ignore_eos=True)))
@@ -110,7 +115,8 @@ def main(argv=None) -> None:
         for _ in range(a.steps):
             core.step()
         dt = time.perf_counter() - t
-    print(f"batch {a.bs}: {a.steps} steady K = 3 rounds, {dt / a.steps * 1e3:.3f} ms of host per round")
+    ahead = f", {core.stats().spec.verifies_queued_ahead} verifies queued ahead" if a.verify_ahead else ""
+    print(f"batch {a.bs}: {a.steps} steady K = 3 rounds, {dt / a.steps * 1e3:.3f} ms of host per round{ahead}")
     print(hp.report(a.steps))
     if a.ops:
         n = 20
