@@ -89,9 +89,10 @@ class CudaGraphRunner:
         # (batch, q, n) of the last replay: what `replay_moved` moves on
         self.last: Optional[tuple[ForwardBatch, int, int]] = None
 
-    def _batch(self, bs: int, q: int) -> ForwardBatch:
+    def _batch(self, bs: int, q: int, like: Optional[ForwardBatch] = None) -> ForwardBatch:
         """A batch of `bs` sequences of `q` new tokens whose every tensor is a view of the static
-        buffers (extend lengths and starts are constants of the shape)."""
+        buffers (extend lengths and starts are constants of the shape: views of those of `like`,
+        a captured batch of the shape, when given)."""
         t = bs * q
         b = ForwardBatch(mode=ForwardMode.DECODE if q == 1 else ForwardMode.EXTEND,
                          input_ids=self.input_ids[:t], positions=self.positions[:t],
@@ -99,8 +100,11 @@ class CudaGraphRunner:
                          req_slots=self.req_slots[:bs], out_cache_loc=self.out_loc[:t],
                          win_out_locs={c: w[:t] for c, w in self.win_locs.items()})
         b.seq_lens_t, b.prefix_lens_t = self.seq_lens[:bs], self.prefix_lens[:bs]
-        b.extend_lens_t = torch.full((bs,), q, dtype=torch.int64, device=self.device)
-        b.extend_starts_t = self.arange[:bs] * q
+        if like is not None:
+            b.extend_lens_t, b.extend_starts_t = like.extend_lens_t[:bs], like.extend_starts_t[:bs]
+        else:
+            b.extend_lens_t = torch.full((bs,), q, dtype=torch.int64, device=self.device)
+            b.extend_starts_t = self.arange[:bs] * q
         b.max_extend_len = q
         b.in_graph = True
         if q > 1:
@@ -210,7 +214,7 @@ class CudaGraphRunner:
         for c, w in self.win_locs.items():
             w[:t].view(n, q).copy_(tables[c][rows, pos])
         self.input_ids[:t].view(n, q).copy_(input_ids)
-        batch = self._batch(n, q)
+        batch = self._batch(n, q, like=self.graphs[(q, bs)][2])
         self.last = (batch, q, n)
         return self._replay(q, bs, t, batch), batch
 
