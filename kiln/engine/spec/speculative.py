@@ -38,8 +38,8 @@ a steady MTP round (`_round_on_device`), the verify's samples feed that pass on 
 device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
 behind it; when nothing can change the next step's batch, the next round's verify is queued
 right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
-next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the request's last one (the commit stops at
-max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
+next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
+request's last one (the commit stops at max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
 from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
 whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
 follows with plain rows too, where the drafter's pass needs none of its tokens (`Drafter.can_defer`),
@@ -301,12 +301,11 @@ class SpecDecoder:
     def _round_on_device(self, plan, sample_reqs: list[Req], sample_rows: list[int], rows: int) -> bool:
         """Whether this step's verify (`rows` logit rows) can feed the MTP chain graph on the
         device: the forward is the plan's rounds and nothing else (a verify queued ahead may hold
-        rows of requests that finished since), every request of it verifies K
-        greedy-drafted (point-mass) tokens from a steady state (frontiers
-        at seq_len) and its pages grow to what the pass of a round of any acceptance writes
-        (positions < L + 2K), and the next round's verify if it is queued ahead (`verify_ahead`:
-        up to L - 1 + (K + 1) + K), inside the context. Anything else takes the host path
-        (`_verify_and_commit` + `drafter.run`)."""
+        rows of requests that finished since), every request of it verifies K greedy-drafted
+        (point-mass) tokens from a steady state (frontiers at seq_len), and its pages grow to what
+        the pass of a round of any acceptance writes (positions < L + 2K) and the next round's
+        verify if it is queued ahead (`verify_ahead`: up to L - 1 + (K + 1) + K), inside the
+        context. Anything else takes the host path (`_verify_and_commit` + `drafter.run`)."""
         graph = getattr(self.drafter, "graph", None)
         K = self.num_steps
         if (graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan)

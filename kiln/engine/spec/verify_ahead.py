@@ -10,8 +10,8 @@ not cover (docs/speculative.md, "On the H200").
 Verify N + 1's inputs are a function of values already on the device: request b (seq_len L, c_b
 tokens committed by round N) computes positions L - 1 + c_b .. L - 1 + c_b + K with the tokens
 [samples[b, c_b - 1], the chain pass's K drafts of row b]; its write slots are the page tables'
-entries at those positions (`_round_on_device` grew every request's pages to L + 2K, so they are
-there), and its prefix and sequence lengths move on by c_b. So right after the chain pass, verify
+entries at those positions (`_round_on_device` grew every request's pages to L + 2K + 1, so they
+are there), and its prefix and sequence lengths move on by c_b. So right after the chain pass, verify
 N's graph replays again with its static inputs moved on by the counts
 (`CudaGraphRunner.replay_moved`), and the host reads round N's samples back and commits while the
 GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
