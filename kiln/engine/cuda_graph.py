@@ -187,10 +187,10 @@ class CudaGraphRunner:
         batch.captured = {i: h[:t] for i, h in captured.captured.items()}
         return logits[:t]
 
-    def moves_on(self, batch: ForwardBatch) -> bool:
-        """Whether `batch` is a verify batch and the last one replayed: its inputs are still in the
-        static buffers, for `replay_moved`."""
-        return self.last is not None and self.last[0] is batch and self.last[1] > 1
+    def moves_on(self, batch: ForwardBatch, n: int) -> bool:
+        """Whether `batch` is a verify batch of `n` sequences and the last one replayed: its inputs
+        are still in the static buffers, for `replay_moved`."""
+        return self.last is not None and self.last[0] is batch and self.last[1] > 1 and self.last[2] == n
 
     def replay_moved(self, shift: torch.Tensor, input_ids: torch.Tensor,
                      tables: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ForwardBatch]:

@@ -102,9 +102,12 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     adopt = getattr(spec.drafter, "adopt_in_flight", None)
     spec.drafter.keep_logits = True
 
-    def capture_verify(logits, rs, first_rows, ends):
+    def capture_verify(logits, rs, first_rows, ends, **kw):
+        # (a copy: a verify queued ahead before the commit, `_queue_host_drafted`, replays into the
+        # same static logits)
         before = [(r, f, len(r.output_ids)) for r, f in zip(rs, first_rows) if not r.finished]
-        verify(logits, rs, first_rows, ends)
+        logits = logits.clone()
+        verify(logits, rs, first_rows, ends, **kw)
         for r, first, n in before:  # emitted token i was taken from row first + i
             rows.setdefault(r.rid, []).extend(logits[first:first + len(r.output_ids) - n].clone())
 

@@ -154,3 +154,39 @@ def test_queued_verifies_with_stops_aborts_arrivals_and_pauses(interp_dir, devic
     assert any(0 < alive < n and not last for alive, n, last in taken), taken
     assert any(0 < alive < n and last for alive, n, last in taken), taken
     assert not any(queued_while_waiting)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interp_dir", ["llama"], indirect=True)
+def test_prompt_lookup_rounds_queue_their_verifies_before_the_commit(interp_dir, device):
+    """Prompt lookup drafts on the host from committed tokens: its next verify is queued between
+    the read-back and the commit, with the drafts the lookup will give once this round's tokens are
+    committed (`NgramDrafter.drafts_ahead`). Prompts that echo the model's own output (matches,
+    acceptances and rejections) and random ones (misses, fallback guesses): greedy output equals
+    plain decoding and every emitted token's logits the reference forward."""
+    from tests.engine.test_ngram import copy_core, echo_prompts, ngram_core
+
+    kw = device_kw(device)
+    ps = echo_prompts(interp_dir, 2, seed=31, max_tokens=14, **kw)
+    core = ngram_core(interp_dir, 3, cuda_graph_max_bs=4, **kw,
+                      **(dict(kernel_backend="triton") if device == "cpu" else {}))
+    spec = core.scheduler.spec
+    if device == "cpu":
+        core.runner.graphs = core.runner._new_graphs()
+        core.runner.graphs.capture(RecomputeCapturer())
+        spec.drafter.uniform = True  # as with graphs: every ready request drafts K when one matches
+        spec.ahead.enabled = True
+    taken, used = record_taken(core), []
+    run_queued = spec.run_queued
+    spec.run_queued = lambda: (lambda ran: (used.append(ran), ran)[1])(run_queued())
+    res, _, _ = run_spec(core, ps, max_tokens=14)
+    assert {rid: r[1] for rid, r in res.items()} == run_plain(copy_core(interp_dir, **kw), ps, max_tokens=14)
+    if device == "cpu":
+        assert_reference(core, res)
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < sum(counts.proposed), "want both acceptances and rejections"
+    assert counts.verifies_queued_ahead == len(taken) and spec.ahead.queued is None
+    assert any(alive == n == len(ps) for alive, n, _ in taken), taken
+    # most were taken by a step (the others: a request finished inside its tokens, or discarded
+    # when a finished request's match had made the others guess, `run_queued`)
+    assert sum(used) >= len(taken) / 2, (sum(used), taken)

@@ -199,6 +199,24 @@ class NgramDrafter:
                 state.index.extend(r.token_ids(len(state.index.tokens), T))
             state.shadow, state.shadow_at = state.index.propose(1), T
 
+    def drafts_ahead(self, reqs: list[Req], new_tokens: list[list[int]], k: int) -> Optional[list[list[int]]]:
+        """The k drafts `run` will propose for each request once `new_tokens[i]` are committed, before
+        the commit (`SpecDecoder._queue_host_drafted` queues the next verify with them). Indexes the
+        new tokens now: they are committed next, and a request that stops inside them finishes, so
+        its index is never read again. None unless every request gets k drafts (with `uniform`,
+        the same fallback guesses as `run`)."""
+        out = []
+        for r, new in zip(reqs, new_tokens):
+            index, T = r.spec.index, r.seq_len
+            if len(index.tokens) < T:
+                index.extend(r.token_ids(len(index.tokens), T))
+            assert len(index.tokens) == T, "the index holds committed tokens only"
+            index.extend(new)
+            out.append(index.propose(k))
+        if self.always or (self.uniform and any(out)):
+            out = [d or r.spec.index.fallback(k) for r, d in zip(reqs, out)]
+        return out if all(len(d) == k for d in out) else None
+
     def run(self, reqs: list[Req], num_drafts: dict[str, int]) -> None:
         """Index each ready request's newly committed tokens and draft up to `num_drafts[rid]`."""
         ready = []

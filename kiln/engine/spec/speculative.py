@@ -215,15 +215,22 @@ class SpecDecoder:
 
     def _host_round(self, plan, logits: torch.Tensor, sample_reqs: list[Req], sample_rows: list[int], batch,
                     row_starts: list[int]) -> None:
-        """Verify and commit on the host, then run the drafter pass from the committed tokens."""
+        """Verify and commit on the host, then run the drafter pass from the committed tokens. A
+        drafter that drafts on the host from committed tokens alone (prompt lookup) may have the
+        next round's verify queued between the read-back and the commit
+        (`VerifyAhead.queue_host_drafted`)."""
         ends = {r.rid: end for r, _, end in plan}
-        self._verify_and_commit(logits, sample_reqs, sample_rows, ends)
+        ahead = self.ahead.may_queue_host_drafted(self, plan, batch)
+        self._verify_and_commit(logits, sample_reqs, sample_rows, ends,
+                                before_commit=(lambda *a: self.ahead.queue_host_drafted(self, *a)) if ahead else None)
+        queued = self.ahead.queued is not None
         alive = [(r, s, e, row) for (r, s, e), row in zip(plan, row_starts) if not r.finished]
         num_drafts = {}
         for r, start, _, row in alive:
             done = r.num_computed - start  # committed rows of this forward
             self.drafter.on_commit(r, start, slice(row, row + done), batch)
-            num_drafts[r.rid] = self._make_room(r)
+            # a verify queued ahead writes up to T - 1 + K: keep its pages
+            num_drafts[r.rid] = self._make_room(r, keep=r.seq_len + self.num_steps if queued else 0)
         self.drafter.run([r for r, *_ in alive], num_drafts)
         for r, start, end, _ in alive:
             r.cache_limit = r.spec.complete
@@ -260,10 +267,12 @@ class SpecDecoder:
         return k
 
     def _verify_and_commit(self, logits: torch.Tensor, reqs: list[Req], first_rows: list[int],
-                           ends: dict[str, int]) -> None:
+                           ends: dict[str, int], before_commit=None) -> None:
         """Verify every round: sampled requests whose drafter gave q rows by rejection sampling or
         block verification (`sampled_verify`) when a flag asks for it, the others by sampling every
-        row from the target (point masses; greedy verification for greedy requests)."""
+        row from the target (point masses; greedy verification for greedy requests).
+        `before_commit(group, got, accepted)` runs between the read-back and the commit when every
+        round is verified by point masses."""
         dev = self.runner.device
         point, exact = [], []  # (req, drafts, first row, q rows)
         for r, first in zip(reqs, first_rows):
@@ -284,6 +293,8 @@ class SpecDecoder:
                 views += verify_views(r, drafts, dev)
                 rows += range(first, first + len(drafts) + 1)
             got, accepted = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
+            if before_commit is not None and not exact:
+                before_commit(group, got, accepted)
             self._commit(group, got, accepted)
 
     def _verify_point(self, logits: torch.Tensor, sb: SamplingBatch, group) -> tuple[dict, list[int]]:
@@ -336,7 +347,8 @@ class SpecDecoder:
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         self.drafter.run_after_verify(reqs, batch, row_starts, samples, count)
         if self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
-            self.ahead.queue(reqs, K, samples, count, self.flight)
+            ids = self.ahead.device_ids(samples, count, self.flight.tokens[:, :K])
+            self.ahead.queue(reqs, K, count, ids, [r.seq_len + 2 * K + 1 for r in reqs], flight=self.flight)
             self.sched.stats_counters.spec.verifies_queued_ahead += 1
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
@@ -360,24 +372,28 @@ class SpecDecoder:
         """The scheduler's step when the last round queued this one's verify (`verify_ahead`):
         verify, commit and draft on its rows instead of scheduling a forward. Requests that finished
         since it was queued are left out (their rows were computed for nothing). False when no
-        verify was queued or every request it had is gone."""
+        verify was queued, every request it had is gone, or (drafts from the host) the drafter
+        proposed other drafts after the commit than before it: a request that matched finished
+        inside its tokens, so the others' fallback guesses were not wanted. A discarded verify
+        is harmless (`drop_queued`)."""
         q = self.ahead.take()
         if q is None:
             return False
         K = q.k
-        plan, rows = [], []
-        for i, r in enumerate(q.reqs):
-            if r.status is not ReqStatus.RUNNING:  # finished (or retracted: `drop_queued` should have run)
-                continue
-            L = r.seq_len
+        live = [(i, r) for i, r in enumerate(q.reqs) if r.status is ReqStatus.RUNNING]  # retracted: see drop_queued
+        for i, r in live:
+            assert r.num_computed == r.seq_len - 1, f"{r.rid}: not where its queued verify moved it"
             flight = r.spec.in_flight
-            assert r.num_computed == L - 1 and r.spec.num_drafts == K and flight is not None \
-                and flight[0] is q.flight and flight[1] == i, f"{r.rid}: not where its queued verify moved it"
-            plan.append((r, L - 1, L + K))
-            rows.append(i * (K + 1))
-            r.num_computed = L  # as `Scheduler._forward` does: the drafts' positions are not committed yet
-        if not plan:
+            if q.drafts is None:  # drafts on the device: the pass's row i
+                assert r.spec.num_drafts == K and flight is not None and flight[0] is q.flight and flight[1] == i, r.rid
+            elif r.spec.drafts != q.drafts[i]:
+                return False
+        if not live:
             return False
+        plan = [(r, r.seq_len - 1, r.seq_len + K) for _, r in live]
+        rows = [i * (K + 1) for i, _ in live]
+        for r, _, _ in plan:
+            r.num_computed = r.seq_len  # as `Scheduler._forward` does: the drafts' positions are not committed yet
         self.sched.cache.before_forward()  # as before any forward (HiCache bookkeeping)
         self.after_forward(plan, q.logits, [r for r, _, _ in plan], rows, q.batch, rows)
         return True

@@ -46,11 +46,12 @@ from kiln.engine.request import Req
 @dataclass
 class QueuedVerify:
     """A verify forward queued by the last round: its requests (row block i = reqs[i]), draft
-    length, and the outputs (static-buffer views, valid until the next replay)."""
+    length, its drafts, and the outputs (static-buffer views, valid until the next replay)."""
 
     reqs: list[Req]
     k: int
-    flight: object  # the `DraftsInFlight` whose rows it verifies
+    flight: object  # the `DraftsInFlight` whose rows it verifies (drafts on the device), or None
+    drafts: Optional[list[list[int]]]  # the drafts it verifies when they came from the host
     logits: torch.Tensor
     batch: ForwardBatch
 
@@ -67,24 +68,64 @@ class VerifyAhead:
         """Whether round N (verify `batch` of `reqs` at draft length `k`) may queue round N + 1's
         verify: see the module docstring. `sched`: the scheduler (who waits, who runs)."""
         graphs = self.runner.graphs
-        if not (self.enabled and graphs is not None and graphs.moves_on(batch) and next_k == k and not sched.waiting
-                and len(sched.running) == len(reqs)):  # every running request is in the batch
+        if not (self.enabled and graphs is not None and graphs.moves_on(batch, len(reqs)) and next_k == k
+                and not sched.waiting and len(sched.running) == len(reqs)):  # every running request is in the batch
             return False
         context = sched.context_length
         return all(len(r.output_ids) + 1 < r.params.max_tokens and r.seq_len + 1 < context for r in reqs)
 
-    def queue(self, reqs: list[Req], k: int, samples: torch.Tensor, count: torch.Tensor, flight) -> None:
-        """Queue verify N + 1: request b's rows are its last committed token samples[b, count[b] - 1]
-        and the K drafts `flight.tokens[b]`, count[b] positions further on than verify N's."""
-        assert self.queued is None, "a queued verify was never taken"
-        # positions up to L - 1 + (K + 1) + K (request b at seq_len L; `_round_on_device` grew them)
-        reach = [r.seq_len + 2 * k + 1 for r in reqs]
-        assert all(len(r.pages) * self.runner.page_size >= n for r, n in zip(reqs, reach)), "past a request's pages"
+    @staticmethod
+    def device_ids(samples: torch.Tensor, count: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The next verify's rows from device values: request b's last committed token
+        samples[b, count[b] - 1], then its drafts [n, K]."""
         last = samples.gather(1, (count - 1)[:, None])
-        ids = torch.cat([last.long(), flight.tokens[:, :k].long()], dim=1)
+        return torch.cat([last.long(), drafts.long()], dim=1)
+
+    def queue(self, reqs: list[Req], k: int, shift: torch.Tensor, input_ids: torch.Tensor, reach: list[int],
+              flight=None, drafts: Optional[list[list[int]]] = None) -> None:
+        """Queue verify N + 1: request b's rows are input_ids[b] ([n, k + 1] on the device: its last
+        committed token, then its drafts), shift[b] positions further on than verify N's. `reach`:
+        the tokens each request's pages must cover (the caller grew them); `flight` / `drafts`: the
+        drafts' origin, for `SpecDecoder.run_queued`'s check."""
+        assert self.queued is None, "a queued verify was never taken"
+        ps = self.runner.page_size
+        assert all(len(r.pages) * ps >= n for r, n in zip(reqs, reach)), "past a request's pages"
         self.runner.load_gate.wait_all()  # as `runner.forward` before a replay
-        logits, batch = self.runner.graphs.replay_moved(count, ids, self.runner.backend.tables)
-        self.queued = QueuedVerify(list(reqs), k, flight, logits, batch)
+        logits, batch = self.runner.graphs.replay_moved(shift, input_ids, self.runner.backend.tables)
+        self.queued = QueuedVerify(list(reqs), k, flight, drafts, logits, batch)
+
+    # ---- drafts from the host (prompt lookup) ------------------------------------------------
+    def may_queue_host_drafted(self, spec, plan, batch) -> bool:
+        """Whether the `SpecDecoder` `spec`'s host round may queue the next round's verify with
+        drafts proposed before the commit: the drafter can (`drafts_ahead`), every request verifies
+        K drafts from its last token, and `may_queue` holds."""
+        K, sched = spec.num_steps, spec.sched
+        reqs = [r for r, _, _ in plan]
+        return (hasattr(spec.drafter, "drafts_ahead") and self.may_queue(batch, reqs, K, spec.next_k, sched)
+                and all(e - s == K + 1 and s == r.seq_len - 1 and sched.context_length - r.seq_len > 2 * K
+                        for r, s, e in plan))
+
+    def queue_host_drafted(self, spec, group, got: dict, accepted: list[int]) -> None:
+        """Between a host round's read-back and its commit (`SpecDecoder._verify_and_commit`): the
+        drafts each request's next round will verify (`drafter.drafts_ahead`, from the tokens this
+        round commits), and that verify queued, so the GPU works while the host commits, schedules
+        and drafts. Not when someone would draft fewer than K (nothing matched) or its pages
+        cannot grow."""
+        K, tokens = spec.num_steps, got["token_ids"]
+        reqs, new, row = [], [], 0
+        for (r, drafts, _, _), n in zip(group, accepted):
+            reqs.append(r)
+            new.append(tokens[row:row + n + 1])
+            row += len(drafts) + 1
+        drafts = spec.drafter.drafts_ahead(reqs, new, K)
+        reach = [r.seq_len + len(t) + K for r, t in zip(reqs, new)]  # positions up to L' - 1 + K
+        if drafts is None or not all(spec.cache.grow(r, n) for r, n in zip(reqs, reach)):
+            return
+        dev = self.runner.device
+        shift = torch.tensor([len(t) for t in new], dtype=torch.int64, device=dev)
+        ids = torch.tensor([[t[-1]] + d for t, d in zip(new, drafts)], dtype=torch.int64, device=dev)
+        self.queue(reqs, K, shift, ids, reach, drafts=drafts)
+        spec.sched.stats_counters.spec.verifies_queued_ahead += 1
 
     def take(self) -> Optional[QueuedVerify]:
         q, self.queued = self.queued, None
