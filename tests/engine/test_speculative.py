@@ -103,8 +103,8 @@ def run_spec(core, reqs, max_tokens=16, tag="r", params=None):
     spec.drafter.keep_logits = True
 
     def capture_verify(logits, rs, first_rows, ends, **kw):
-        # (a copy: a verify queued ahead before the commit, `_queue_host_drafted`, replays into the
-        # same static logits)
+        # (a copy: a verify queued ahead before the commit, `VerifyAhead.queue_host_drafted`, replays into
+        # the same static logits)
         before = [(r, f, len(r.output_ids)) for r, f in zip(rs, first_rows) if not r.finished]
         logits = logits.clone()
         verify(logits, rs, first_rows, ends, **kw)

@@ -201,7 +201,7 @@ class NgramDrafter:
 
     def drafts_ahead(self, reqs: list[Req], new_tokens: list[list[int]], k: int) -> Optional[list[list[int]]]:
         """The k drafts `run` will propose for each request once `new_tokens[i]` are committed, before
-        the commit (`SpecDecoder._queue_host_drafted` queues the next verify with them). Indexes the
+        the commit (`VerifyAhead.queue_host_drafted` queues the next verify with them). Indexes the
         new tokens now: they are committed next, and a request that stops inside them finishes, so
         its index is never read again. None unless every request gets k drafts (with `uniform`,
         the same fallback guesses as `run`)."""

@@ -372,10 +372,10 @@ class SpecDecoder:
         """The scheduler's step when the last round queued this one's verify (`verify_ahead`):
         verify, commit and draft on its rows instead of scheduling a forward. Requests that finished
         since it was queued are left out (their rows were computed for nothing). False when no
-        verify was queued, every request it had is gone, or (drafts from the host) the drafter
-        proposed other drafts after the commit than before it: a request that matched finished
-        inside its tokens, so the others' fallback guesses were not wanted. A discarded verify
-        is harmless (`drop_queued`)."""
+        verify was queued or every request it had is gone. Drafts from the host that the drafter
+        proposed differently after the commit (a request that matched finished inside its tokens,
+        so the others' fallback guesses were not wanted) are replaced by the queued ones: the
+        verification is exact whatever the drafts."""
         q = self.ahead.take()
         if q is None:
             return False
@@ -387,7 +387,7 @@ class SpecDecoder:
             if q.drafts is None:  # drafts on the device: the pass's row i
                 assert r.spec.num_drafts == K and flight is not None and flight[0] is q.flight and flight[1] == i, r.rid
             elif r.spec.drafts != q.drafts[i]:
-                return False
+                r.spec.drafts = list(q.drafts[i])
         if not live:
             return False
         plan = [(r, r.seq_len - 1, r.seq_len + K) for _, r in live]
