@@ -15,7 +15,9 @@ are there), and its prefix and sequence lengths move on by c_b. So right after t
 N's graph replays again with its static inputs moved on by the counts
 (`CudaGraphRunner.replay_moved`), and the host reads round N's samples back and commits while the
 GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
-(`SpecDecoder.run_queued`).
+(`SpecDecoder.run_queued`). Prompt lookup drafts on the host, so its round queues the next verify
+between the read-back and the commit instead (`queue_host_drafted`, with the drafts
+`NgramDrafter.drafts_ahead` proposes from the tokens about to be committed).
 
 Exactness. The queued forward is the one the host would build: same tokens, positions, slots and
 lengths. A request that finished at round N's commit (a stop token, or an abort between the
@@ -27,9 +29,8 @@ A verify is queued ahead only when the next step's batch is sure to be the same 
 same draft length: every running request is in it, nobody waits for admission, the next round's
 length is K, and no request's next token is surely its last (max_tokens, the context). Pausing
 generation drops a queued verify (`SpecDecoder.drop_queued`): requests may be retracted and the
-weights updated before the next step. Not with tensor parallelism (the ranks
-would have to agree on every condition; untested) or routed-expert capture (recorded on the host
-per forward).
+weights updated before the next step. Not with tensor parallelism (the ranks would have to agree
+on every condition; untested) or routed-expert capture (recorded on the host per forward).
 """
 
 from __future__ import annotations
