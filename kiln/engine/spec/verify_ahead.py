@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from kiln.engine.batch import ForwardBatch
+from kiln.engine.batch import ForwardBatch, int64_to_device
 from kiln.engine.request import Req
 
 
@@ -122,10 +122,10 @@ class VerifyAhead:
         reach = [r.seq_len + len(t) + K for r, t in zip(reqs, new)]  # positions up to L' - 1 + K
         if drafts is None or not all(spec.cache.grow(r, n) for r, n in zip(reqs, reach)):
             return
-        dev = self.runner.device
-        shift = torch.tensor([len(t) for t in new], dtype=torch.int64, device=dev)
-        ids = torch.tensor([[t[-1]] + d for t, d in zip(new, drafts)], dtype=torch.int64, device=dev)
-        self.queue(reqs, K, shift, ids, reach, drafts=drafts)
+        # one pinned, asynchronous copy (a pageable one would wait for the stream)
+        rows = [i for x, d in zip(new, drafts) for i in [x[-1]] + d]
+        t = int64_to_device({"shift": [len(x) for x in new], "ids": rows}, self.runner.device)
+        self.queue(reqs, K, t["shift"], t["ids"].view(len(reqs), K + 1), reach, drafts=drafts)
         spec.sched.stats_counters.spec.verifies_queued_ahead += 1
 
     def take(self) -> Optional[QueuedVerify]:
