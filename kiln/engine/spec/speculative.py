@@ -39,8 +39,8 @@ device too (`_device_round`): the GPU runs verify -> draft back to back and the 
 behind it; when nothing can change the next step's batch, the next round's verify is queued
 right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
 next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
-request's last one (the commit stops at max_tokens), so the verify stays on its graph. With --speculative-adaptive the step's K is chosen
-from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
+request's last one (the commit stops at max_tokens), so the verify stays on its graph. With
+--speculative-adaptive the step's K is chosen from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
 whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
 follows with plain rows too, where the drafter's pass needs none of its tokens (`Drafter.can_defer`),
 is run like plain decode under overlap scheduling (`_overlapped_plain_step`): its samples stay on
@@ -97,11 +97,10 @@ class SpecDecoder:
         self.step_k = self.next_k = self.num_steps
         # Plain steps between plain steps under overlap scheduling (`_overlapped_plain_step`):
         # on CUDA with overlap on, where plain steps are chosen (adaptive) and the drafter can wait
-        cfg = scheduler.config
-        self.overlap_plain_steps = (self.adaptive is not None and scheduler.runner.device.type == "cuda"
-                                    and not cfg.disable_overlap_schedule)
+        overlap = self.runner.device.type == "cuda" and not scheduler.config.disable_overlap_schedule
+        self.overlap_plain_steps = self.adaptive is not None and overlap
         # A steady round queues the next round's verify before reading its samples back (`verify_ahead`)
-        self.ahead = VerifyAhead(self.runner, scheduler.runner.device.type == "cuda" and not cfg.disable_overlap_schedule)
+        self.ahead = VerifyAhead(self.runner, overlap, scheduler.stats_counters.spec)
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -349,13 +348,12 @@ class SpecDecoder:
         if self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
             ids = self.ahead.device_ids(samples, count, self.flight.tokens[:, :K])
             self.ahead.queue(reqs, K, count, ids, [r.seq_len + 2 * K + 1 for r in reqs], flight=self.flight)
-            self.sched.stats_counters.spec.verifies_queued_ahead += 1
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
         self._commit([(r, d, 0, None) for r, d in zip(reqs, drafts)], got, accepted)
-        if self.ahead.queued is not None and all(r.finished for r in reqs):
-            self.ahead.take()  # every row of the verify queued ahead was for nothing: no step takes it
+        if all(r.finished for r in reqs):
+            self.drop_queued()  # every row of a verify queued ahead was for nothing: no step takes it
         for i, r in enumerate(reqs):
             if r.finished:
                 continue

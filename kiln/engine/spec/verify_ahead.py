@@ -60,9 +60,11 @@ class QueuedVerify:
 class VerifyAhead:
     """Queues the next round's verify when nothing can change its batch (module docstring)."""
 
-    def __init__(self, runner, enabled: bool):
+    def __init__(self, runner, enabled: bool, counts):
+        """`counts`: the engine's `SpecCounts`, whose `verifies_queued_ahead` this keeps."""
         self.runner = runner
         self.enabled = enabled and runner.routing is None and runner.pc.tp_size == 1
+        self.counts = counts
         self.queued: Optional[QueuedVerify] = None
 
     def may_queue(self, batch: ForwardBatch, reqs: list[Req], k: int, next_k: int, sched) -> bool:
@@ -72,8 +74,9 @@ class VerifyAhead:
         if not (self.enabled and graphs is not None and graphs.moves_on(batch, len(reqs)) and next_k == k
                 and not sched.waiting and len(sched.running) == len(reqs)):  # every running request is in the batch
             return False
+        # every position verify N + 1 can write (up to L + 2k) inside the context
         context = sched.context_length
-        return all(len(r.output_ids) + 1 < r.params.max_tokens and r.seq_len + 1 < context for r in reqs)
+        return all(len(r.output_ids) + 1 < r.params.max_tokens and context - r.seq_len > 2 * k for r in reqs)
 
     @staticmethod
     def device_ids(samples: torch.Tensor, count: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,7 @@ class VerifyAhead:
         self.runner.load_gate.wait_all()  # as `runner.forward` before a replay
         logits, batch = self.runner.graphs.replay_moved(shift, input_ids, self.runner.backend.tables)
         self.queued = QueuedVerify(list(reqs), k, flight, drafts, logits, batch)
+        self.counts.verifies_queued_ahead += 1
 
     # ---- drafts from the host (prompt lookup) ------------------------------------------------
     def may_queue_host_drafted(self, spec, plan, batch) -> bool:
@@ -103,8 +107,7 @@ class VerifyAhead:
         K, sched = spec.num_steps, spec.sched
         reqs = [r for r, _, _ in plan]
         return (hasattr(spec.drafter, "drafts_ahead") and self.may_queue(batch, reqs, K, spec.next_k, sched)
-                and all(e - s == K + 1 and s == r.seq_len - 1 and sched.context_length - r.seq_len > 2 * K
-                        for r, s, e in plan))
+                and all(e - s == K + 1 and s == r.seq_len - 1 for r, s, e in plan))
 
     def queue_host_drafted(self, spec, group, got: dict, accepted: list[int]) -> None:
         """Between a host round's read-back and its commit (`SpecDecoder._verify_and_commit`): the
@@ -126,7 +129,6 @@ class VerifyAhead:
         rows = [i for x, d in zip(new, drafts) for i in [x[-1]] + d]
         t = int64_to_device({"shift": [len(x) for x in new], "ids": rows}, self.runner.device)
         self.queue(reqs, K, t["shift"], t["ids"].view(len(reqs), K + 1), reach, drafts=drafts)
-        spec.sched.stats_counters.spec.verifies_queued_ahead += 1
 
     def take(self) -> Optional[QueuedVerify]:
         q, self.queued = self.queued, None
