@@ -128,6 +128,7 @@ class BlockDraftRunner:
 
                 self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, DRAFT_GRAPH_MAX_BS))
         self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
+        self._flight_logits = None  # their logits, when keep_logits (`run_after_verify`)
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to
@@ -207,6 +208,39 @@ class BlockDraftRunner:
             self._draft_paged(paged, [num_drafts[r.rid] for r in paged])
         for group in self._groups(padded):
             self._draft(group, [num_drafts[r.rid] for r in group])
+
+    # ---- a round without the host between verify and draft (`SpecDecoder._device_round`) -------
+    def device_round_ready(self, reqs: list[Req]) -> bool:
+        """Whether a round of `reqs` can run its pass on the verify's device values
+        (`run_after_verify`): the paged pass is captured for the batch. (The caller checks that
+        every request is greedy-drafted and inside the context at `device_round_reach`.)"""
+        p = self.paged
+        return p is not None and bool(p.graphs) and len(reqs) <= p.max_bs
+
+    def device_round_reach(self, seq_len: int, k: int) -> int:
+        """Positions a request's pages must cover for such a round at seq_len L: the block at
+        anchor T - 1 (T <= L + k + 1 committed) writes up to T + B - 2, and the next verify queued
+        ahead (`verify_ahead`) up to T - 1 + k."""
+        return seq_len + k + max(self.block_size, k + 1)
+
+    @torch.inference_mode()
+    def run_after_verify(self, reqs: list[Req], batch, row_starts: list[int], samples: torch.Tensor,
+                         count: torch.Tensor) -> None:
+        """The pass of a round whose verify is still on the device: request b committed the first
+        `count[b]` of `samples[b]`, so its block's anchor is its last committed token
+        (`PagedBlockPass.run_after_verify`). `on_forward` stored the verify's context K/V already
+        (its rejected rows lie past the anchor, rewritten before a block reads them). The drafts
+        stay on the device; `adopt_in_flight` hands them to each request after the commit."""
+        tokens, logits = self.paged.run_after_verify(reqs, samples, count)
+        self.flight = DraftsInFlight.start(tokens.clone())
+        self._flight_logits = logits if self.keep_logits else None
+
+    def adopt_in_flight(self, r: Req, row: int, k: int) -> None:
+        """After `run_after_verify` and the commit: request `r`'s next k drafts are row `row` of the pass."""
+        r.spec.set_in_flight(self.flight, row, k)
+        r.spec.q = None
+        logits = self._flight_logits
+        r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[row, j].clone()) for j in range(k)]
 
     def _split_paged(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
         """(the requests the paged pass drafts, the rest for the padded pass). The paged pass

@@ -151,16 +151,40 @@ class PagedBlockPass:
         t = int64_to_device({"ids": [r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs],
                              "pos": [r.num_computed for r in reqs], "slots": [r.slot for r in reqs],
                              "live": [1] * n}, self.anchor_ids.device)
+        inputs = (t["ids"], t["pos"], t["slots"], t["live"])
         bs = next((s for s in self.sizes if s >= n), None) if self.graphs else None
         if bs is None and n > self.max_bs:  # eager, wider than the static buffers: its own inputs
-            return self._block(n, (t["ids"], t["pos"], t["slots"], t["live"]))
-        width = bs or n
-        bufs = self._buffers()  # one multi-tensor copy (see CudaGraphRunner.replay)
-        torch._foreach_copy_([b[:n] for b in bufs], [t[name] for name in ("ids", "pos", "slots", "live")])
+            return self._block(n, inputs)
+        self._load(n, bs or n, inputs)
+        return self._block(n) if bs is None else self._replay(n, bs)
+
+    @torch.inference_mode()
+    def run_after_verify(self, reqs: list[Req], samples: torch.Tensor, count: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` right after a verify still on the device, from a graph: request b (seq_len L_b,
+        pages covering L_b + K + B positions) committed the first `count[b]` of `samples[b]`
+        ([n, K + 1] and [n] on the device), so its anchor is position L_b - 1 + count[b] with the
+        token samples[b, count[b] - 1]. Nothing is read on the host."""
+        n = len(reqs)
+        assert self.graphs and n <= self.max_bs, (n, self.max_bs)
+        if self._ptrs != self._addresses():
+            self.capture()
+        t = int64_to_device({"pos": [r.seq_len - 1 for r in reqs], "slots": [r.slot for r in reqs],
+                             "live": [1] * n}, self.anchor_ids.device)
+        anchor = samples.gather(1, (count - 1)[:, None])[:, 0].long()
+        bs = next(s for s in self.sizes if s >= n)
+        self._load(n, bs, (anchor, t["pos"] + count, t["slots"], t["live"]))
+        return self._replay(n, bs)
+
+    def _load(self, n: int, width: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        """The first n requests' inputs into the static buffers in one multi-tensor copy (see
+        CudaGraphRunner.replay), padding requests up to `width`."""
+        bufs = self._buffers()
+        torch._foreach_copy_([b[:n] for b in bufs], list(inputs))
         if width > n:
             torch._foreach_zero_([b[n:width] for b in bufs])
-        if bs is None:
-            return self._block(n)
+
+    def _replay(self, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         replay, (tokens, logits) = self.graphs[bs]
         self.owner.runner.load_gate.wait_all()  # HiCache copies land first (`MTPChainGraph._pass`)
         replay()

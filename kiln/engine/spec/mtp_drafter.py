@@ -294,6 +294,20 @@ class MTPDrafter:
         logits = self._flight_logits
         r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[j, row].clone()) for j in range(k)]
 
+    def device_round_ready(self, reqs: list[Req]) -> bool:
+        """Whether a round of `reqs` can run its pass on the verify's device values
+        (`run_after_verify`): the chain graph covers the batch and every request is steady (its
+        frontiers at its seq_len)."""
+        g = self.graph
+        return (g is not None and bool(g.graphs) and len(reqs) <= g.max_bs
+                and all(f == r.seq_len for r in reqs for f in r.spec.frontier))
+
+    def device_round_reach(self, seq_len: int, k: int) -> int:
+        """Positions a request's pages must cover for such a round at seq_len L: the pass stores
+        draft rows up to T - 2 + k for any committed length T <= L + k + 1, and the next verify
+        queued ahead (`verify_ahead`) writes up to T - 1 + k."""
+        return seq_len + 2 * k + 1
+
     @torch.inference_mode()
     def run_after_verify(self, reqs: list[Req], batch, row_starts: list[int], samples: torch.Tensor,
                          count: torch.Tensor) -> None:

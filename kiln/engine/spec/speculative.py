@@ -34,8 +34,8 @@ replayed hidden states. A pass replayed from the MTP chain graph, or a block dra
 pass, leaves its drafts on the device (`DraftsInFlight`): the step returns, the next step is
 scheduled and its verify forward queued (gathering the drafts on the device) while the GPU still
 drafts, and the host reads the drafts back only to verify. When every request of the step is in
-a steady MTP round (`_round_on_device`), the verify's samples feed that pass on the
-device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
+a steady greedy-drafted round of an MTP chain graph or a block drafter's captured paged pass
+(`_round_on_device`), the verify's samples feed that pass on the device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
 behind it; when nothing can change the next step's batch, the next round's verify is queued
 right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
 next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
@@ -309,31 +309,31 @@ class SpecDecoder:
 
     # ---- a round without the host between verify and draft ---------------------------------
     def _round_on_device(self, plan, sample_reqs: list[Req], sample_rows: list[int], rows: int) -> bool:
-        """Whether this step's verify (`rows` logit rows) can feed the MTP chain graph on the
-        device: the forward is the plan's rounds and nothing else (a verify queued ahead may hold
-        rows of requests that finished since), every request of it verifies K greedy-drafted
-        (point-mass) tokens from a steady state (frontiers at seq_len), and its pages grow to what
-        the pass of a round of any acceptance writes (positions < L + 2K) and the next round's
-        verify if it is queued ahead (`verify_ahead`: up to L - 1 + (K + 1) + K), inside the
-        context. Anything else takes the host path (`_verify_and_commit` + `drafter.run`)."""
-        graph = getattr(self.drafter, "graph", None)
-        K = self.num_steps
-        if (graph is None or not graph.graphs or not plan or len(plan) > graph.max_bs or len(sample_reqs) != len(plan)
-                or rows != len(plan) * (K + 1)):
+        """Whether this step's verify (`rows` logit rows) can feed the drafter's pass on the device
+        (the MTP chain graph, a block drafter's paged pass on graphs: `device_round_ready`): the
+        forward is the plan's rounds and nothing else (a verify queued ahead may hold rows of
+        requests that finished since), every request of it verifies K greedy-drafted (point-mass)
+        tokens, and its pages grow to what the pass of a round of any acceptance and the next
+        round's verify queued ahead write (`device_round_reach`), inside the context. Anything
+        else takes the host path (`_verify_and_commit` + `drafter.run`)."""
+        drafter, K = self.drafter, self.num_steps
+        ready = getattr(drafter, "device_round_ready", None)
+        if ready is None or not plan or len(sample_reqs) != len(plan) or rows != len(plan) * (K + 1):
             return False
         for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
             if (s is not r or srow != i * (K + 1) or r.finished or start != L - 1 or end != L + K
-                    or r.spec.q is not None or any(f != L for f in r.spec.frontier)
-                    or self.sched.context_length - L < 2 * K + 1):
+                    or r.spec.q is not None or (self.method is not None and not r.params.greedy)
+                    or drafter.device_round_reach(L, K) > self.sched.context_length):
                 return False
-        return all(self.cache.grow(r, r.seq_len + 2 * K + 1) for r, _, _ in plan)
+        reqs = [r for r, _, _ in plan]
+        return ready(reqs) and all(self.cache.grow(r, drafter.device_round_reach(r.seq_len, K)) for r in reqs)
 
     def _device_round(self, plan, logits: torch.Tensor, batch, row_starts: list[int]) -> None:
-        """Verify, then queue the MTP pass fed from the verify's samples on the device (the
+        """Verify, then queue the drafter's pass fed from the verify's samples on the device (the
         accepted counts and committed tokens never visit the host first), then read the samples
         back and commit while the GPU drafts. The host's acceptance must equal the device's."""
-        dev, K = self.runner.device, self.num_steps
+        dev, K, drafter = self.runner.device, self.num_steps, self.drafter
         reqs = [r for r, _, _ in plan]
         n = len(reqs)
         assert logits.shape[0] == n * (K + 1), (logits.shape, n, K)
@@ -344,10 +344,11 @@ class SpecDecoder:
         on_device = batch.input_ids.view(n, K + 1)[:, 1:]  # the drafts as the verify read them
         count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
-        self.drafter.run_after_verify(reqs, batch, row_starts, samples, count)
+        drafter.run_after_verify(reqs, batch, row_starts, samples, count)
         if self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
             ids = self.ahead.device_ids(samples, count, self.flight.tokens[:, :K])
-            self.ahead.queue(reqs, K, count, ids, [r.seq_len + 2 * K + 1 for r in reqs], flight=self.flight)
+            self.ahead.queue(reqs, K, count, ids, [drafter.device_round_reach(r.seq_len, K) for r in reqs],
+                             flight=self.flight)
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
@@ -357,12 +358,13 @@ class SpecDecoder:
         for i, r in enumerate(reqs):
             if r.finished:
                 continue
-            # the pass wrote draft rows up to T - 2 + K and a verify queued ahead writes up to
-            # T - 1 + K: keep those pages until they have run (a page freed now could be refilled
-            # by a HiCache load on its own stream before then). Hold what the next round on the
-            # device grows to (`_round_on_device`: T + 2K + 1), so that a steady round does not free
-            # a page to take it again (and rewrite the page tables) one round later.
-            self.drafter.adopt_in_flight(r, i, self._make_room(r, keep=r.seq_len + K, hold=r.seq_len + 2 * K + 1))
+            # the pass wrote inside `pages_needed(T)` (MTP: up to T - 2 + K; a block: T + B - 2) and a
+            # verify queued ahead writes up to T - 1 + K: keep those pages until they have run (a page freed now could be
+            # refilled by a HiCache load on its own stream before then). Hold what the next round on
+            # the device grows to, so that a steady round does not free a page to take it again (and
+            # rewrite the page tables) one round later.
+            T = r.seq_len
+            drafter.adopt_in_flight(r, i, self._make_room(r, keep=T + K, hold=drafter.device_round_reach(T, K)))
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
 

@@ -1,18 +1,19 @@
 """`VerifyAhead`: the next round's verify forward queued on the device before this round's samples
 are read back.
 
-A steady MTP round on CUDA (`SpecDecoder._device_round`) queues verify N, its sampling and
-acceptance counts, and the chain pass that drafts round N + 1, all without the host. Without
+A steady round on CUDA (`SpecDecoder._device_round`: an MTP chain graph, or a block drafter's
+paged pass on graphs) queues verify N, its sampling and acceptance counts, and the drafter's pass
+that drafts round N + 1, all without the host. Without
 this, the host then reads the samples back, commits, schedules, builds verify N + 1's inputs from
-host lists and launches it, and the GPU idles for whatever of that host work the chain pass does
-not cover (docs/speculative.md, "On the H200").
+host lists and launches it, and the GPU idles for whatever of that host work the drafter's pass
+does not cover (docs/speculative.md, "On the H200").
 
 Verify N + 1's inputs are a function of values already on the device: request b (seq_len L, c_b
 tokens committed by round N) computes positions L - 1 + c_b .. L - 1 + c_b + K with the tokens
-[samples[b, c_b - 1], the chain pass's K drafts of row b]; its write slots are the page tables'
-entries at those positions (`_round_on_device` grew every request's pages to L + 2K + 1, so they
-are there), and its prefix and sequence lengths move on by c_b. So right after the chain pass, verify
-N's graph replays again with its static inputs moved on by the counts
+[samples[b, c_b - 1], the drafter pass's K drafts of row b]; its write slots are the page tables'
+entries at those positions (`_round_on_device` grew every request's pages to `device_round_reach`,
+so they are there), and its prefix and sequence lengths move on by c_b. So right after the
+drafter's pass, verify N's graph replays again with its static inputs moved on by the counts
 (`CudaGraphRunner.replay_moved`), and the host reads round N's samples back and commits while the
 GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
 (`SpecDecoder.run_queued`). Prompt lookup drafts on the host, so its round queues the next verify

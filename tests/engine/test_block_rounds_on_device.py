@@ -1,0 +1,101 @@
+"""Block drafters (DFlash, DSpark) on the device round (`SpecDecoder._device_round`): the verify's
+samples feed the paged block pass on the device (`PagedBlockPass.run_after_verify`: each block's
+anchor token and position come from the acceptance counts), and the next verify is queued behind
+that pass (`verify_ahead`). On the CPU: Triton's interpreter for the kernels and a capturer that
+re-runs the captured function for the CUDA graphs (tests/engine/test_graph_buffers.py), with the
+verify queued ahead forced on (the default on CUDA only); the `gpu` variant runs real graphs.
+
+Random drafters accept nothing, so the drafts are replaced by the target's greedy continuation
+with some positions corrupted (an oracle, as in tests/engine/test_block_drafter.py), on the device
+for device rounds: the anchors then move on by 1 .. K + 1, and every block after an acceptance
+starts inside the previous block's rows. What must hold: greedy output equals plain decoding,
+every emitted token's logits the packed reference forward, every block's draft logits the
+reference block forward over fresh context features, and the integrity check after the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.test_block_drafter import (assert_block_reference, make_target, oracle, outputs, plain_core,
+                                             spec_core, truth)
+from tests.engine.test_graph_buffers import RecomputeCapturer
+from tests.engine.test_hybrid_engine import assert_reference, prompts
+from tests.engine.test_speculative import run_plain, run_spec
+
+pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def device_oracle(core, truth: dict[str, list[int]]) -> list[int]:
+    """Make the device round's block pass draft the target's greedy continuation (`truth`: rid ->
+    prompt + plain greedy output) from each block's anchor, which only the device knows, with one
+    position corrupted in every other block (by anchor, so that it is reproducible). Returns a list
+    that gets each device pass's request count."""
+    paged, calls = core.scheduler.spec.drafter.paged, []
+    run = paged.run_after_verify
+
+    def rigged(reqs, samples, count):
+        tokens, logits = run(reqs, samples, count)
+        n, K = tokens.shape
+        dev = tokens.device
+        width = max(len(truth[r.rid]) for r in reqs) + K + 1
+        table = torch.tensor([truth[r.rid] + [0] * (width - len(truth[r.rid])) for r in reqs], device=dev)
+        anchor = paged.anchor_pos[:n]  # loaded from the counts on the device
+        ds = table.gather(1, anchor[:, None] + 1 + torch.arange(K, device=dev))
+        bad = (anchor // 2 + torch.arange(n, device=dev)) % 2 == 0
+        at = anchor % K
+        ds[bad, at[bad]] = (ds[bad, at[bad]] + 1) % 512
+        tokens.copy_(ds)  # the graph's output: the round clones it into its `DraftsInFlight`
+        calls.append(n)
+        return tokens, logits
+
+    paged.run_after_verify = rigged
+    return calls
+
+
+def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
+    """A block-drafter engine on graphs (verify, decode and the paged block pass; on the CPU stood in
+    for by `RecomputeCapturer`) with verifies queued ahead."""
+    if device == "cuda":
+        core = spec_core(target, k, cuda_graph_max_bs=max_bs, device="cuda", dtype="float32", **kw)
+        assert core.scheduler.spec.ahead.enabled  # the default on CUDA
+        return core
+    core = spec_core(target, k, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw)
+    runner, spec = core.runner, core.scheduler.spec
+    runner.graphs = runner._new_graphs()
+    runner.graphs.capture(RecomputeCapturer())
+    spec.drafter.use_graphs(max_bs, RecomputeCapturer())
+    spec.ahead.enabled = True
+    return core
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["llama", "minimax_m3"])  # DFlash; DSpark, MSA in the verify graphs
+def test_block_rounds_on_the_device_equal_plain_greedy(name, device, tmp_path_factory):
+    target = make_target(name, tmp_path_factory)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
+    if name == "llama":
+        ps, n, max_bs = prompts(3, seed=41, lo=10, hi=30), 14, 4
+    else:  # a short context keeps the graphs' whole-context score grid small under the interpreter
+        ps, n, max_bs, kw["context_length"] = prompts(2, seed=31, lo=33, hi=38), 10, 2, 64
+    plain = run_plain(plain_core(target, **kw, **({"device": "cuda", "dtype": "float32"} if device == "cuda" else {})),
+                      ps, max_tokens=n)
+    core = block_graph_core(target, 3, device, max_bs, **kw)
+    spec = core.scheduler.spec
+    want = truth(ps, plain)
+    on_device = device_oracle(core, want)
+    oracle(core, want, corrupt=0.5, seed=3, method="_draft_paged")  # passes on the host path (prefill, ...)
+    res, drafts, _ = run_spec(core, ps, max_tokens=n)
+    assert outputs(res) == plain
+    assert on_device and len(ps) in on_device, on_device
+    counts = core.stats().spec
+    assert 0 < counts.accepted_tokens < sum(counts.proposed), "want both acceptances and rejections"
+    assert counts.verifies_queued_ahead > 0 and spec.ahead.queued is None
+    # blocks anchored more than one position past the request's previous block: drafts accepted
+    anchors = {rid: [a + 1 for a, _, _ in d] for rid, d in drafts.items()}
+    assert any(b - a > 1 for a_s in anchors.values() for a, b in zip(a_s, a_s[1:])), anchors
+    if device == "cpu":  # (fp32 on the GPU: the graphs' tests hold their logits to looser bounds)
+        assert_reference(core, res)
+        assert assert_block_reference(core, res, drafts) > 0
