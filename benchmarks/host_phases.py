@@ -42,9 +42,10 @@ class HostPhases:
             (HostReadback, "lists", "HostReadback.lists (waits for the device)"),
         ]
         # graph launches: the replay callables stored per captured shape
-        chain = getattr(getattr(spec, "drafter", None), "graph", None)
+        drafter = getattr(spec, "drafter", None)
         self.graph_tables = [(getattr(runner, "graphs", None), "forward graph launch (cudaGraphLaunch)"),
-                             (chain, "MTP chain graph launch (cudaGraphLaunch)")]
+                             (getattr(drafter, "graph", None), "MTP chain graph launch (cudaGraphLaunch)"),
+                             (getattr(drafter, "paged", None), "block pass graph launch (cudaGraphLaunch)")]
         self.total = defaultdict(float)
         self.calls = defaultdict(int)
         self._saved = []

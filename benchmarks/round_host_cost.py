@@ -1,9 +1,13 @@
 """The host's cost of steady speculative rounds, on the CPU: no GPU needed.
 
     python benchmarks/round_host_cost.py [--bs 1] [--steps 300] [--ops] [--cprofile] [--verify-ahead]
+                                         [--drafter mtp|dflash] [--host-path]
 
 Builds the tiny Inkling test preset with K = 3 MTP drafts (tests/engine/test_speculative.py's
-`spec_core`, fewer layers), captures the verify and MTP chain "graphs" with a capturer whose
+`spec_core`, fewer layers), or with `--drafter dflash` the tiny Llama with a 2-layer DFlash
+drafter (tests/engine/test_block_drafter.py; its context store after each forward, eager device
+work, is skipped once timing starts), captures the verify and drafter "graphs" (the MTP
+chain, the paged block pass) with a capturer whose
 replay runs the forward during a warm-up and then does nothing, and times steady rounds on the
 device path (`SpecDecoder._device_round`) with `HostPhases` (the same table as `decode_batch.py
 --host-phases` on a GPU). What is left is the host's Python and small torch ops: the work that
@@ -13,7 +17,8 @@ per round (views apart) by the Kiln line that issued them: those are what a GPU 
 docs/benchmarks.md, eighteenth pass, has what it found. `--verify-ahead` turns on the next verify
 queued before the samples are read back (`kiln/engine/spec/verify_ahead.py`, the default on CUDA):
 the host's work per round is then off the GPU's critical path as long as it is shorter than a
-round's GPU time."""
+round's GPU time. `--host-path` times the host path instead (`_verify_and_commit`, then the
+drafter's pass from host lists), what block drafters took before the thirty-first session."""
 
 from __future__ import annotations
 
@@ -79,18 +84,16 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", action="store_true", help="count aten ops per round by issuing line")
     ap.add_argument("--cprofile", action="store_true", help="print cProfile's top functions")
     ap.add_argument("--verify-ahead", action="store_true", help="queue each next verify before the read-back")
+    ap.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
+                    help="MTP on tiny Inkling, or DFlash on tiny Llama")
+    ap.add_argument("--host-path", action="store_true", help="rounds on the host path instead of the device round")
     a = ap.parse_args(argv)
     from tests.engine.test_hybrid_engine import prompts
-    from tests.engine.test_kernel_path import FEWER_LAYERS
-    from tests.engine.test_speculative import SPEC_ARCHS, spec_core
 
     torch.set_num_threads(1)
-    d = tempfile.mkdtemp()
-    with open(f"{d}/config.json", "w") as f:
-        json.dump({**SPEC_ARCHS["inkling"], **FEWER_LAYERS["inkling"]}, f)
     bs = max(4, a.bs)
-    core = spec_core(d, 3, alpha=0.01, page_size=16, kernel_backend="triton", cuda_graph_max_bs=bs,
-                     context_length=8192, max_total_tokens=400000)
+    core = tiny_core(a.drafter, page_size=16, kernel_backend="triton", cuda_graph_max_bs=bs, context_length=8192,
+                     max_total_tokens=400000)
     core.scheduler.check_after_step = False
     runner, spec = core.runner, core.scheduler.spec
     forward, chain = switch_capturer(), switch_capturer()
@@ -104,19 +107,25 @@ def main(argv=None) -> None:
     for _ in range(6):  # prefill and the first rounds, computed
         core.step()
     forward.compute = chain.compute = False
+    if a.drafter == "dflash":  # the context store's eager kernels would run in Triton's interpreter
+        spec.drafter.store_context = lambda *x: None
     rounds = []
-    device_round = spec._device_round
-    spec._device_round = lambda plan, *x: (rounds.append(1), device_round(plan, *x))[1]
+    if a.host_path:
+        spec._round_on_device = lambda *x: False
+    path = "_host_round" if a.host_path else "_device_round"
+    timed = getattr(spec, path)
+    setattr(spec, path, lambda plan, *x: (rounds.append(1), timed(plan, *x))[1])
     for _ in range(20):
         core.step()
-    assert len(rounds) == 20, f"only {len(rounds)} of 20 steps were steady rounds on the device path"
+    assert len(rounds) == 20, f"only {len(rounds)} of 20 steps were steady rounds on the {path} path"
     with HostPhases(core) as hp:
         t = time.perf_counter()
         for _ in range(a.steps):
             core.step()
         dt = time.perf_counter() - t
     ahead = f", {core.stats().spec.verifies_queued_ahead} verifies queued ahead" if a.verify_ahead else ""
-    print(f"batch {a.bs}: {a.steps} steady K = 3 rounds, {dt / a.steps * 1e3:.3f} ms of host per round{ahead}")
+    print(f"batch {a.bs}: {a.steps} steady {a.drafter} K = 3 rounds on the {path[1:]} path, "
+          f"{dt / a.steps * 1e3:.3f} ms of host per round{ahead}")
     print(hp.report(a.steps))
     if a.ops:
         n = 20
@@ -136,6 +145,27 @@ def main(argv=None) -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
         print(s.getvalue())
+
+
+def tiny_core(drafter: str, **kw):
+    """A K = 3 engine on the tests' tiny models: MTP on Inkling (fewer layers), or a 2-layer
+    DFlash drafter (block size 6) on Llama."""
+    from pathlib import Path
+
+    if drafter == "mtp":
+        from tests.engine.test_kernel_path import FEWER_LAYERS
+        from tests.engine.test_speculative import SPEC_ARCHS, spec_core
+
+        d = tempfile.mkdtemp()
+        with open(f"{d}/config.json", "w") as f:
+            json.dump({**SPEC_ARCHS["inkling"], **FEWER_LAYERS["inkling"]}, f)
+        return spec_core(d, 3, alpha=0.01, **kw)
+    from tests.engine.test_block_drafter import make_target, spec_core
+
+    class Dirs:  # what make_target asks of pytest's tmp_path_factory
+        mktemp = staticmethod(lambda name: Path(tempfile.mkdtemp(prefix=name)))
+
+    return spec_core(make_target("llama", Dirs), 3, **kw)
 
 
 if __name__ == "__main__":

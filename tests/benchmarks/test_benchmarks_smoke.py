@@ -229,15 +229,19 @@ def test_count_experts_reports_the_union_a_verify_reads(one_thread, capsys):
         ExpertSpread(model)
 
 
-def test_round_host_cost_runs_steady_rounds_on_the_device_path(one_thread, capsys):
+@pytest.mark.parametrize("drafter", ["mtp", "dflash"])
+def test_round_host_cost_runs_steady_rounds_on_the_device_path(drafter, one_thread, capsys):
     # the CPU harness of the eighteenth pass: its rounds must be the device path's (it asserts
-    # 20 of them before timing) and it reports the host phases and the op counts
+    # 20 of them before timing) and it reports the host phases and the op counts; a block
+    # drafter's with the next verify queued ahead (the thirty-first session's rounds)
     pytest.importorskip("triton")
     import round_host_cost
 
-    round_host_cost.main(["--steps", "5", "--ops"])
+    extra = ["--ops"] if drafter == "mtp" else ["--verify-ahead"]
+    round_host_cost.main(["--drafter", drafter, "--steps", "5", *extra])
     out = capsys.readouterr().out
-    assert "steady K = 3 rounds" in out and "spec._device_round" in out and "aten ops per round" in out
+    assert f"steady {drafter} K = 3 rounds on the device_round path" in out and "spec._device_round" in out
+    assert ("aten ops per round" in out) if drafter == "mtp" else ("ahead.queue" in out and "block pass graph" in out)
 
 
 def test_host_profile_and_cache_fill_quick(one_thread, capsys):
