@@ -26,33 +26,57 @@ from tests.engine.test_speculative import run_plain, run_spec
 pytest.importorskip("triton")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+STOP_AT = 4  # the stop test's request stops at its output token this far in
 
 
-def device_oracle(core, truth: dict[str, list[int]]) -> list[int]:
+def device_oracle(core, truth: dict[str, list[int]]) -> list[tuple[list[str], torch.Tensor, dict]]:
     """Make the device round's block pass draft the target's greedy continuation (`truth`: rid ->
     prompt + plain greedy output) from each block's anchor, which only the device knows, with one
     position corrupted in every other block (by anchor, so that it is reproducible). Returns a list
-    that gets each device pass's request count."""
+    that gets each device pass's (request ids, anchor positions on the device, {row: the anchor
+    the host puts that row's request at when it adopts the drafts after the commit}), for
+    `assert_device_anchors`. Nothing here waits for the device (each request's row of the truth
+    table is copied to it once), so the test's stream order is the engine's."""
     paged, calls = core.scheduler.spec.drafter.paged, []
+    width = max(len(t) for t in truth.values()) + 16
+    rows: dict[str, torch.Tensor] = {}
     run = paged.run_after_verify
 
     def rigged(reqs, samples, count):
         tokens, logits = run(reqs, samples, count)
         n, K = tokens.shape
         dev = tokens.device
-        width = max(len(truth[r.rid]) for r in reqs) + K + 1
-        table = torch.tensor([truth[r.rid] + [0] * (width - len(truth[r.rid])) for r in reqs], device=dev)
-        anchor = paged.anchor_pos[:n]  # loaded from the counts on the device
+        for r in reqs:
+            if r.rid not in rows:
+                rows[r.rid] = torch.tensor(truth[r.rid] + [0] * (width - len(truth[r.rid])), device=dev)
+        table = torch.stack([rows[r.rid] for r in reqs])
+        anchor = paged.anchor_pos[:n].clone()  # loaded from the counts on the device
         ds = table.gather(1, anchor[:, None] + 1 + torch.arange(K, device=dev))
         bad = (anchor // 2 + torch.arange(n, device=dev)) % 2 == 0
         at = anchor % K
         ds[bad, at[bad]] = (ds[bad, at[bad]] + 1) % 512
         tokens.copy_(ds)  # the graph's output: the round clones it into its `DraftsInFlight`
-        calls.append(n)
+        calls.append(([r.rid for r in reqs], anchor, {}))
         return tokens, logits
 
-    paged.run_after_verify = rigged
+    drafter = core.scheduler.spec.drafter
+    adopt = drafter.adopt_in_flight
+
+    def adopted(r, row, k):
+        calls[-1][2][row] = r.seq_len - 1  # committed: the block's anchor is the last token
+        adopt(r, row, k)
+
+    paged.run_after_verify, drafter.adopt_in_flight = rigged, adopted
     return calls
+
+
+def assert_device_anchors(calls) -> None:
+    """Every block anchored on the device sits where the host puts that request once it has
+    committed the round (requests that finished at the commit adopt nothing)."""
+    assert any(adopted for *_, adopted in calls), "no drafts of a device round were adopted"
+    for rids, anchor, adopted in calls:
+        for row, a in adopted.items():
+            assert anchor[row].item() == a, (rids[row], anchor[row].item(), a)
 
 
 def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
@@ -89,7 +113,8 @@ def test_block_rounds_on_the_device_equal_plain_greedy(name, device, tmp_path_fa
     oracle(core, want, corrupt=0.5, seed=3, method="_draft_paged")  # passes on the host path (prefill, ...)
     res, drafts, _ = run_spec(core, ps, max_tokens=n)
     assert outputs(res) == plain
-    assert on_device and len(ps) in on_device, on_device
+    assert any(len(rids) == len(ps) for rids, *_ in on_device), on_device
+    assert_device_anchors(on_device)
     counts = core.stats().spec
     assert 0 < counts.accepted_tokens < sum(counts.proposed), "want both acceptances and rejections"
     assert counts.verifies_queued_ahead > 0 and spec.ahead.queued is None
@@ -99,3 +124,41 @@ def test_block_rounds_on_the_device_equal_plain_greedy(name, device, tmp_path_fa
     if device == "cpu":  # (fp32 on the GPU: the graphs' tests hold their logits to looser bounds)
         assert_reference(core, res)
         assert assert_block_reference(core, res, drafts) > 0
+
+
+def test_a_stop_inside_a_queued_block_round_leaves_released_pages_alone(tmp_path_factory):
+    """The batch's last request stops on a stop token while its rows are in a queued verify: the
+    others verify over their own rows on the host path, and the drafter's context store after
+    that forward (`BlockDraftRunner.on_forward`, every row) writes none of the pages the stopped
+    request released at the commit before (its rows go to the scratch slot, `run_queued`)."""
+    from tests.engine.test_verify_ahead import record_taken
+
+    from kiln.engine.request import SamplingParams
+
+    target = make_target("llama", tmp_path_factory)
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
+    ps = prompts(3, seed=41, lo=10, hi=30)
+    plain = run_plain(plain_core(target, **kw), ps, max_tokens=14)
+    core = block_graph_core(target, 3, "cpu", 4, **kw)
+    want = truth(ps, plain)
+    device_oracle(core, want)
+    oracle(core, want, corrupt=0.5, seed=3, method="_draft_paged")
+    taken = record_taken(core)
+    drafter, alloc = core.scheduler.spec.drafter, core.cache.allocator
+    store, stale = drafter.store_context, []
+
+    def checked(taps, positions, slots):
+        free = alloc.free_pages()
+        stale.extend(s for s in slots.tolist() if s and s // kw["page_size"] in free)
+        store(taps, positions, slots)
+
+    drafter.store_context = checked
+    stop = plain["r2"][STOP_AT]
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, stop_token_ids=[stop] if i == 2 else None)
+              for i in range(len(ps))]
+    res, _, last = run_spec(core, ps, params=params)
+    assert last["r2"].finish_reason == "stop"
+    assert outputs(res) == {**plain, "r2": plain["r2"][:plain["r2"].index(stop) + 1]}
+    # a queued verify taken with the stopped request (the batch's last) left out
+    assert any(0 < alive < n and not last_alive for alive, n, last_alive in taken), taken
+    assert not stale, f"the context store wrote released slots {stale}"

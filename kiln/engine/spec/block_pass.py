@@ -23,9 +23,12 @@ positions (`pages_needed`), so the writes land in its own pages; padding request
 scratch slot 0 and read the padding row 0 of the page table.
 
 The drafts stay on the device (`DraftsInFlight`): the next verify gathers them there, and the
-host reads them back only to verify, after that forward is queued. A pass with any sampled
-request (exact verification), any request whose block would reach past the context or lacks the
-pages for it, and DFlash2's candidate selector take the reference path, the whole pass at once.
+host reads them back only to verify, after that forward is queued. A sampled request under exact
+verification takes this pass too, its drafts drawn from the pass's logits on the host
+(`BlockDraftRunner._draft_paged`); a request whose block would reach past the context or lacks the
+pages for it takes the reference path, and so does every request with DFlash2's candidate
+selector. In a steady round on the device (`SpecDecoder._device_round`) the anchors come from the
+verify's acceptance counts on the device instead of the host (`run_after_verify`).
 """
 
 from __future__ import annotations
@@ -167,6 +170,8 @@ class PagedBlockPass:
         token samples[b, count[b] - 1]. Nothing is read on the host."""
         n = len(reqs)
         assert self.graphs and n <= self.max_bs, (n, self.max_bs)
+        ps = self.owner.runner.page_size  # a block at any count writes up to L_b + K + B - 2
+        assert all(len(r.pages) * ps >= r.seq_len + self.K + self.block_size - 1 for r in reqs), "past a request's pages"
         if self._ptrs != self._addresses():
             self.capture()
         t = int64_to_device({"pos": [r.seq_len - 1 for r in reqs], "slots": [r.slot for r in reqs],

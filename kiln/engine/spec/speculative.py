@@ -390,6 +390,11 @@ class SpecDecoder:
                 r.spec.drafts = list(q.drafts[i])
         if not live:
             return False
+        for i, r in enumerate(q.reqs):
+            if r.status is not ReqStatus.RUNNING:
+                # its pages were released at the commit: what the drafter stores per forward row
+                # (a block drafter's context K/V, `on_forward`) goes to the scratch slot instead
+                q.batch.out_cache_loc[i * (K + 1):(i + 1) * (K + 1)].zero_()
         plan = [(r, r.seq_len - 1, r.seq_len + K) for _, r in live]
         rows = [i * (K + 1) for i, _ in live]
         for r, _, _ in plan:
