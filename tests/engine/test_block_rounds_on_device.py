@@ -20,9 +20,9 @@ import torch
 from kiln.engine.request import SamplingParams
 from tests.engine.test_block_drafter import (assert_block_reference, make_target, oracle, outputs, plain_core,
                                              spec_core, truth)
-from tests.engine.test_graph_buffers import RecomputeCapturer
 from tests.engine.test_hybrid_engine import assert_reference, prompts
 from tests.engine.test_speculative import run_plain, run_spec
+from tests.engine.test_verify_ahead import record_taken, stand_in_graphs
 
 pytest.importorskip("triton")
 
@@ -87,13 +87,7 @@ def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
         core = spec_core(target, k, cuda_graph_max_bs=max_bs, device="cuda", dtype="float32", **kw)
         assert core.scheduler.spec.ahead.enabled  # the default on CUDA
         return core
-    core = spec_core(target, k, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw)
-    runner, spec = core.runner, core.scheduler.spec
-    runner.graphs = runner._new_graphs()
-    runner.graphs.capture(RecomputeCapturer())
-    spec.drafter.use_graphs(max_bs, RecomputeCapturer())
-    spec.ahead.enabled = True
-    return core
+    return stand_in_graphs(spec_core(target, k, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw), max_bs)
 
 
 def watch_released_slots(core, page_size: int) -> list[int]:
@@ -118,8 +112,6 @@ def test_block_rounds_on_the_device_equal_plain_greedy(name, device, tmp_path_fa
     queued verify. The others verify over their own rows on the host path, and the drafter's
     context store after that forward writes none of the pages the stopped request released at the
     commit before (`run_queued` points its rows at the scratch slot)."""
-    from tests.engine.test_verify_ahead import record_taken
-
     target = make_target(name, tmp_path_factory)
     kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
     if name == "llama":

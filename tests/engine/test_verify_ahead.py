@@ -43,7 +43,13 @@ def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 
         core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, **device_kw(device))
         assert core.scheduler.spec.ahead.enabled  # the default on CUDA
         return core
-    core = spec_core(model_dir, k, alpha=alpha, kernel_backend="triton", cuda_graph_max_bs=max_bs, **device_kw(device))
+    return stand_in_graphs(spec_core(model_dir, k, alpha=alpha, kernel_backend="triton", cuda_graph_max_bs=max_bs,
+                                     **device_kw(device)), max_bs)
+
+
+def stand_in_graphs(core, max_bs: int):
+    """On the CPU: the verify's and the drafter pass's graphs captured by `RecomputeCapturer`, and
+    verifies queued ahead (on by default on CUDA only)."""
     runner, spec = core.runner, core.scheduler.spec
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(RecomputeCapturer())
