@@ -85,8 +85,8 @@ class EngineConfig:
     disable_cuda_graph: bool = opt(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
     disable_overlap_schedule: bool = opt(
         False, "CUDA: read each step's tokens back only after the next step is queued (overlap "
-        "scheduling; with speculative decoding, the next verify of a steady MTP round); this flag "
-        "runs the steps one after the other.")
+        "scheduling; with speculative decoding, the next verify of a steady round, queued before this "
+        "one is committed); this flag runs the steps one after the other.")
     disable_pdl: bool = opt(
         False, "Launch Kiln's Triton kernels without programmatic dependent launch (Hopper and later: "
         "a kernel starts while its predecessor finishes; docs/architecture.md). For A/B timing.")

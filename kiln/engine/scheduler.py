@@ -11,8 +11,9 @@ Sampling, finish checks, prefix caching of finished requests and incremental out
 With speculative decoding (`kiln.engine.spec.speculative`), a decode computes the request's last
 token plus its drafts, and the `SpecDecoder` verifies, commits, rolls back and drafts after the
 forward; overlap scheduling is off then, except for adaptive plain steps between plain steps
-(`SpecDecoder._overlapped_plain_step`, through `sample_pending`) and steady MTP rounds, which may
-queue the next step's verify themselves (`SpecDecoder.run_queued` takes it).
+(`SpecDecoder._overlapped_plain_step`, through `sample_pending`) and steady rounds (MTP, block
+drafters, prompt lookup), which may queue the next step's verify themselves (`SpecDecoder.run_queued`
+takes it).
 """
 
 from __future__ import annotations
