@@ -171,7 +171,8 @@ class PagedBlockPass:
         n = len(reqs)
         assert self.graphs and n <= self.max_bs, (n, self.max_bs)
         ps = self.owner.runner.page_size  # a block at any count writes up to L_b + K + B - 2
-        assert all(len(r.pages) * ps >= r.seq_len + self.K + self.block_size - 1 for r in reqs), "past a request's pages"
+        reach = [r.seq_len + self.K + self.block_size - 1 for r in reqs]
+        assert all(len(r.pages) * ps >= n for r, n in zip(reqs, reach)), "past a request's pages"
         if self._ptrs != self._addresses():
             self.capture()
         t = int64_to_device({"pos": [r.seq_len - 1 for r in reqs], "slots": [r.slot for r in reqs],

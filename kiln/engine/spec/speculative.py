@@ -35,8 +35,8 @@ pass, leaves its drafts on the device (`DraftsInFlight`): the step returns, the 
 scheduled and its verify forward queued (gathering the drafts on the device) while the GPU still
 drafts, and the host reads the drafts back only to verify. When every request of the step is in
 a steady greedy-drafted round of an MTP chain graph or a block drafter's captured paged pass
-(`_round_on_device`), the verify's samples feed that pass on the device too (`_device_round`): the GPU runs verify -> draft back to back and the host commits
-behind it; when nothing can change the next step's batch, the next round's verify is queued
+(`_round_on_device`), the verify's samples feed that pass on the device too (`_device_round`):
+the GPU runs verify -> draft back to back and the host commits behind it; when nothing can change the next step's batch, the next round's verify is queued
 right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
 next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
 request's last one (the commit stops at max_tokens), so the verify stays on its graph. With
@@ -358,11 +358,11 @@ class SpecDecoder:
         for i, r in enumerate(reqs):
             if r.finished:
                 continue
-            # the pass wrote inside `pages_needed(T)` (MTP: up to T - 2 + K; a block: T + B - 2) and a
-            # verify queued ahead writes up to T - 1 + K: keep those pages until they have run (a page freed now could be
-            # refilled by a HiCache load on its own stream before then). Hold what the next round on
-            # the device grows to, so that a steady round does not free a page to take it again (and
-            # rewrite the page tables) one round later.
+            # the pass wrote inside `pages_needed(T)` (MTP: up to T - 2 + K; a block: T + B - 2)
+            # and a verify queued ahead writes up to T - 1 + K: keep those pages until they have
+            # run (a page freed now could be refilled by a HiCache load on its own stream before
+            # then). Hold what the next round on the device grows to, so that a steady round does
+            # not free a page to take it again (and rewrite the page tables) one round later.
             T = r.seq_len
             drafter.adopt_in_flight(r, i, self._make_room(r, keep=T + K, hold=drafter.device_round_reach(T, K)))
             r.cache_limit = r.spec.complete

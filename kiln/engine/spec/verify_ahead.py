@@ -23,8 +23,9 @@ between the read-back and the commit instead (`queue_host_drafted`, with the dra
 Exactness. The queued forward is the one the host would build: same tokens, positions, slots and
 lengths. A request that finished at round N's commit (a stop token, or an abort between the
 steps) had its rows computed for nothing: they are ignored (what a drafter stores per row goes to
-the scratch slot), and the others are verified over their own rows on the host path. Its pages were released at the commit; whatever reuses them is queued
-after the verify on the same stream (HiCache's copies wait for the compute stream first).
+the scratch slot), and the others are verified over their own rows on the host path. Its pages
+were released at the commit; whatever reuses them is queued after the verify on the same stream
+(HiCache's copies wait for the compute stream first).
 
 A verify is queued ahead only when the next step's batch is sure to be the same requests at the
 same draft length: every running request is in it, nobody waits for admission, the next round's
