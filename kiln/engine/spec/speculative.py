@@ -36,9 +36,10 @@ scheduled and its verify forward queued (gathering the drafts on the device) whi
 drafts, and the host reads the drafts back only to verify. When every request of the step is in
 a steady greedy-drafted round of an MTP chain graph or a block drafter's captured paged pass
 (`_round_on_device`), the verify's samples feed that pass on the device too (`_device_round`):
-the GPU runs verify -> draft back to back and the host commits behind it; when nothing can change the next step's batch, the next round's verify is queued
-right behind that pass, its inputs moved on by the counts on the device (`verify_ahead`), and the
-next step takes it (`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
+the GPU runs verify -> draft back to back and the host commits behind it; when nothing can
+change the next step's batch, the next round's verify is queued right behind that pass, its
+inputs moved on by the counts on the device (`verify_ahead`), and the next step takes it
+(`run_queued`) instead of scheduling one. Every round drafts K tokens up to the
 request's last one (the commit stops at max_tokens), so the verify stays on its graph. With
 --speculative-adaptive the step's K is chosen from measured step times and acceptance (`adaptive.AdaptiveDraftLength`), one length for the
 whole batch (0: plain decode rows), each with its verify graph. A plain step that the next step
