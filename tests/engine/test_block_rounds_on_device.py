@@ -53,9 +53,9 @@ def device_oracle(core, truth: dict[str, list[int]]) -> list[tuple[list[str], to
         table = torch.stack([rows[r.rid] for r in reqs])
         anchor = paged.anchor_pos[:n].clone()  # loaded from the counts on the device
         ds = table.gather(1, anchor[:, None] + 1 + torch.arange(K, device=dev))
-        bad = (anchor // 2 + torch.arange(n, device=dev)) % 2 == 0
-        at = anchor % K
-        ds[bad, at[bad]] = (ds[bad, at[bad]] + 1) % 512
+        bad = (anchor // 2 + torch.arange(n, device=dev)) % 2 == 0  # then corrupt position anchor % K
+        hit = bad[:, None] & (torch.arange(K, device=dev)[None, :] == (anchor % K)[:, None])
+        ds = torch.where(hit, (ds + 1) % 512, ds)  # (no boolean indexing: it would wait for the device)
         tokens.copy_(ds)  # the graph's output: the round clones it into its `DraftsInFlight`
         calls.append(([r.rid for r in reqs], anchor, {}))
         return tokens, logits
