@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(forward)
     spec.drafter.use_graphs(bs, chain)
-    spec.ahead.enabled = a.verify_ahead
+    spec.ahead.enabled = spec.ahead.after_device_rounds = a.verify_ahead
     for i, p in enumerate(prompts(a.bs, seed=4, lo=10, hi=30)):
         core.add_request(GenerateReq(rid=f"r{i}", input_ids=p,
                                      params=SamplingParams(max_tokens=6000, temperature=0.0, ignore_eos=True)))

@@ -173,6 +173,14 @@ class EngineConfig:
         "it) from measured step times and acceptance: the length with the most expected tokens per "
         "second for the running batch, so speculation turns itself off where its verify rows cost more "
         "than they return (large batches, weak drafts).")
+    speculative_verify_ahead: str = opt(
+        "auto", "CUDA with overlap scheduling: queue a steady round's next verify before its samples are "
+        "read back, so the GPU verifies while the host commits (kiln/engine/spec/verify_ahead.py). "
+        "'auto': prompt-lookup rounds only, whose drafts come from the host (on an H200 a round "
+        "2.63 -> 2.36 ms); MTP and block-drafter rounds already keep the host off the GPU's path, and "
+        "queuing ahead there put ~13 small input moves on it (MTP K=3 2.63 -> 2.77 ms; "
+        "docs/benchmarks.md, thirty-second pass). 'always': those rounds too; 'off': never.",
+        ["auto", "always", "off"])
     speculative_ngram_min_match_window_size: int = opt(
         1, "ngram: the shortest suffix of the sequence that must have occurred before to draft.")
     speculative_ngram_max_match_window_size: int = opt(

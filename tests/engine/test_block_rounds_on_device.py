@@ -84,8 +84,9 @@ def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
     """A block-drafter engine on graphs (verify, decode and the paged block pass; on the CPU stood in
     for by `RecomputeCapturer`) with verifies queued ahead."""
     if device == "cuda":
-        core = spec_core(target, k, cuda_graph_max_bs=max_bs, device="cuda", dtype="float32", **kw)
-        assert core.scheduler.spec.ahead.enabled  # the default on CUDA
+        core = spec_core(target, k, cuda_graph_max_bs=max_bs, device="cuda", dtype="float32",
+                         speculative_verify_ahead="always", **kw)
+        assert core.scheduler.spec.ahead.after_device_rounds
         return core
     return stand_in_graphs(spec_core(target, k, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw), max_bs)
 

@@ -98,6 +98,9 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     assert {q for q, _ in runner.graphs.graphs} == {1, 4}
     chain = RecomputeCapturer()
     drafter.use_graphs(4, chain)
+    # as on CUDA by default (--speculative-verify-ahead auto): only prompt lookup's rounds queue
+    # their next verify ahead, so these rounds' next verifies are built on the host
+    core.scheduler.spec.ahead.enabled = True
     shapes = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda batch: (shapes.append(runner.graphs.shape_of(batch)), replay(batch))[1]
@@ -136,6 +139,7 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=9)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
+    assert counts.verifies_queued_ahead == 0, "an MTP round queued its next verify under 'auto'"
     if alpha:
         assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
     else:

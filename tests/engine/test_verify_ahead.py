@@ -40,8 +40,9 @@ def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 
     """An MTP engine on graphs (verify, decode and chain; on the CPU stood in for by
     `RecomputeCapturer`) with verifies queued ahead."""
     if device == "cuda":
-        core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, **device_kw(device))
-        assert core.scheduler.spec.ahead.enabled  # the default on CUDA
+        core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, speculative_verify_ahead="always",
+                         **device_kw(device))
+        assert core.scheduler.spec.ahead.after_device_rounds
         return core
     return stand_in_graphs(spec_core(model_dir, k, alpha=alpha, kernel_backend="triton", cuda_graph_max_bs=max_bs,
                                      **device_kw(device)), max_bs)
@@ -49,12 +50,13 @@ def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 
 
 def stand_in_graphs(core, max_bs: int):
     """On the CPU: the verify's and the drafter pass's graphs captured by `RecomputeCapturer`, and
-    verifies queued ahead (on by default on CUDA only)."""
+    verifies queued ahead, MTP's and block drafters' rounds included (on CUDA by default prompt
+    lookup's only, `--speculative-verify-ahead`)."""
     runner, spec = core.runner, core.scheduler.spec
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(RecomputeCapturer())
     spec.drafter.use_graphs(max_bs, RecomputeCapturer())
-    spec.ahead.enabled = True
+    spec.ahead.enabled = spec.ahead.after_device_rounds = True
     return core
 
 
@@ -73,6 +75,23 @@ def record_taken(core) -> list[tuple[int, int, bool]]:
 
     ahead.take = recorded
     return taken
+
+
+@pytest.mark.parametrize("mode,overlap,tp,want", [
+    ("auto", True, 1, (True, False)), ("always", True, 1, (True, True)), ("off", True, 1, (False, False)),
+    ("always", False, 1, (False, False)), ("always", True, 2, (False, False))])
+def test_verify_ahead_modes(mode, overlap, tp, want):
+    """--speculative-verify-ahead: (prompt lookup's rounds queue ahead, MTP's and block drafters'
+    rounds do); never without overlap scheduling or with tensor parallelism."""
+    from types import SimpleNamespace
+
+    from kiln.engine.spec.verify_ahead import VerifyAhead
+
+    runner = SimpleNamespace(routing=None, pc=SimpleNamespace(tp_size=tp))
+    a = VerifyAhead(runner, mode, overlap, counts=None)
+    assert (a.enabled, a.after_device_rounds) == want
+    with pytest.raises(AssertionError):
+        VerifyAhead(runner, "sometimes", overlap, counts=None)
 
 
 @pytest.fixture

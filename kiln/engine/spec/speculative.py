@@ -100,8 +100,10 @@ class SpecDecoder:
         # on CUDA with overlap on, where plain steps are chosen (adaptive) and the drafter can wait
         overlap = self.runner.device.type == "cuda" and not scheduler.config.disable_overlap_schedule
         self.overlap_plain_steps = self.adaptive is not None and overlap
-        # A steady round queues the next round's verify before reading its samples back (`verify_ahead`)
-        self.ahead = VerifyAhead(self.runner, overlap, scheduler.stats_counters.spec)
+        # A steady round may queue the next round's verify before reading its samples back
+        # (`verify_ahead`; which rounds do: --speculative-verify-ahead)
+        self.ahead = VerifyAhead(self.runner, scheduler.config.speculative_verify_ahead, overlap,
+                                 scheduler.stats_counters.spec)
 
     # ---- hooks the scheduler calls -------------------------------------------------------
     def on_admit(self, r: Req) -> None:
@@ -346,7 +348,7 @@ class SpecDecoder:
         count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         drafter.run_after_verify(reqs, batch, row_starts, samples, count)
-        if self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
+        if self.ahead.after_device_rounds and self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
             ids = self.ahead.device_ids(samples, count, self.flight.tokens[:, :K])
             self.ahead.queue(reqs, K, count, ids, [drafter.device_round_reach(r.seq_len, K) for r in reqs],
                              flight=self.flight)

@@ -27,6 +27,12 @@ the scratch slot), and the others are verified over their own rows on the host p
 were released at the commit; whatever reuses them is queued after the verify on the same stream
 (HiCache's copies wait for the compute stream first).
 
+Which rounds queue ahead is --speculative-verify-ahead's choice: by default ('auto') only prompt
+lookup's. A round on the device already runs the host's commit and the next verify's input build
+while the GPU drafts; queuing ahead there swaps that for the moves above, ~13 small launches on
+the GPU's path, and an H200 measured MTP K = 3 rounds 5% slower with it (docs/benchmarks.md,
+thirty-second pass). 'always' keeps it for them (the tests force it, to keep the path exact).
+
 A verify is queued ahead only when the next step's batch is sure to be the same requests at the
 same draft length: every running request is in it, nobody waits for admission, the next round's
 length is K, and no request's next token is surely its last (max_tokens, the context). Pausing
@@ -62,10 +68,17 @@ class QueuedVerify:
 class VerifyAhead:
     """Queues the next round's verify when nothing can change its batch (module docstring)."""
 
-    def __init__(self, runner, enabled: bool, counts):
-        """`counts`: the engine's `SpecCounts`, whose `verifies_queued_ahead` this keeps."""
+    def __init__(self, runner, mode: str, overlap: bool, counts):
+        """`mode`: --speculative-verify-ahead; `overlap`: overlap scheduling is on (CUDA and not
+        --disable-overlap-schedule). `counts`: the engine's `SpecCounts`, whose
+        `verifies_queued_ahead` this keeps."""
+        assert mode in ("auto", "always", "off"), mode
         self.runner = runner
-        self.enabled = enabled and runner.routing is None and runner.pc.tp_size == 1
+        # `enabled`: rounds drafted on the host (prompt lookup) queue ahead; `after_device_rounds`:
+        # rounds on the device (MTP, block drafters) too. Those are off under 'auto': their host
+        # work already runs while the GPU drafts, and the input moves cost the GPU more (config help)
+        self.enabled = mode != "off" and overlap and runner.routing is None and runner.pc.tp_size == 1
+        self.after_device_rounds = self.enabled and mode == "always"
         self.counts = counts
         self.queued: Optional[QueuedVerify] = None
 

@@ -1,0 +1,26 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# thirty-second session (2026-12-05). `--speculative-verify-ahead` now picks which rounds queue their
+# next verify before the read-back: 'auto' (the default) prompt lookup's only, 'always' MTP's and
+# block drafters' device rounds too (the thirty-first session's default, measured 5% slower for MTP
+# K = 3 at batch 1). One call on one H200: the GPU tests of the verify queued ahead ('always' for
+# MTP and block drafters, the default for prompt lookup), then Inkling rounds at batch 1 / 8 / 32
+# under each mode against plain decode (MTP K = 3 and prompt lookup K = 4; the batch-1 MTP pair
+# again, alternated), and prompt lookup K = 8 at batch 1. `spec31a` (carry scratch/base31) is the
+# second call: DFlash K = 3 with 'always' was added to it.
+# shellcheck shell=bash
+
+lane0_spec32a() {
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3" ng="--speculative-algorithm ngram --ngram-always-draft"
+  local ink="--model-path $INK $NGRAM26 --batch-sizes 1,8,32" b1="--model-path $INK $NGRAM26 --batch-sizes 1"
+  step gpu_ahead 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_verify_ahead.py \
+    tests/engine/test_block_rounds_on_device.py
+  step ink_plain 40 $DECODE $ink --out "$R/json/ink_plain.json"
+  step ink_mtp3_auto 45 $DECODE $ink $mtp --out "$R/json/ink_mtp3_auto.json"
+  step ink_mtp3_always 45 $DECODE $ink $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always.json"
+  step ink_ngram4_auto 45 $DECODE $ink $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4_auto.json"
+  step ink_ngram4_off 45 $DECODE $ink $ng --speculative-num-steps 4 --speculative-verify-ahead off \
+    --out "$R/json/ink_ngram4_off.json"
+  step ink_mtp3_auto_b1 30 $DECODE $b1 $mtp --out "$R/json/ink_mtp3_auto_b1.json"
+  step ink_mtp3_always_b1 30 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_b1.json"
+  step ink_ngram8_auto 30 $DECODE $b1 $ng --speculative-num-steps 8 --out "$R/json/ink_ngram8_auto.json"
+}
