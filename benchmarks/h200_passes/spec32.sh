@@ -5,7 +5,8 @@
 # K = 3 at batch 1). One call on one H200: the GPU tests of the verify queued ahead ('always' for
 # MTP and block drafters, the default for prompt lookup), then Inkling rounds at batch 1 / 8 / 32
 # under each mode against plain decode (MTP K = 3 and prompt lookup K = 4; the batch-1 MTP pair
-# again, alternated), and prompt lookup K = 8 at batch 1. `spec31a` (carry scratch/base31) is the
+# again, alternated), prompt lookup K = 8 at batch 1, a GPU profile of a batch-1 MTP round under
+# each mode. `spec32b`: the rest of the GPU suite. `spec31a` (carry scratch/base31) is the
 # second call: DFlash K = 3 with 'always' was added to it.
 # shellcheck shell=bash
 
@@ -23,4 +24,14 @@ lane0_spec32a() {
   step ink_mtp3_auto_b1 30 $DECODE $b1 $mtp --out "$R/json/ink_mtp3_auto_b1.json"
   step ink_mtp3_always_b1 30 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_b1.json"
   step ink_ngram8_auto 30 $DECODE $b1 $ng --speculative-num-steps 8 --out "$R/json/ink_ngram8_auto.json"
+  # where the GPU's time goes in a batch-1 MTP round under each mode (what moving the inputs costs)
+  step ink_mtp3_auto_prof 40 $DECODE $b1 $mtp --profile --profile-steps 8 --kernel-rows 60 \
+    --out "$R/json/ink_mtp3_auto_prof.json"
+  step ink_mtp3_always_prof 40 $DECODE $b1 $mtp --speculative-verify-ahead always --profile --profile-steps 8 \
+    --kernel-rows 60 --out "$R/json/ink_mtp3_always_prof.json"
+}
+
+lane0_spec32b() {  # the rest of the GPU suite (~4 minutes on 6 workers in the thirty-first pass)
+  step gpu_suite 290 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server \
+    --deselect tests/engine/test_verify_ahead.py --deselect tests/engine/test_block_rounds_on_device.py
 }
