@@ -36,6 +36,7 @@ import torch
 
 from kiln.engine.batch import ForwardBatch, ForwardMode
 from kiln.engine.cache.host_pool import unlock_dropped
+from kiln.ops import verify_moves
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,14 @@ class CudaGraphRunner:
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_bs: int,
                  windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,),
-                 capture_context: Optional[Callable[[int], ContextManager]] = None):
+                 capture_context: Optional[Callable[[int], ContextManager]] = None, use_kernels: bool = False):
         self.forward = forward
+        # `replay_moved`'s input moves: one Triton launch, or the PyTorch reference's ~15
+        self.move_inputs = verify_moves.move_verify_inputs
+        if use_kernels:
+            from kiln.kernels import verify_moves as one_launch
+
+            self.move_inputs = one_launch.move_verify_inputs
         self.capture_context = capture_context or (lambda rows: contextlib.nullcontext())
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -192,28 +199,25 @@ class CudaGraphRunner:
         are still in the static buffers, for `replay_moved`."""
         return self.last is not None and self.last[0] is batch and self.last[1] > 1 and self.last[2] == n
 
-    def replay_moved(self, shift: torch.Tensor, input_ids: torch.Tensor,
+    def replay_moved(self, shift: torch.Tensor, last: torch.Tensor, last_at_shift: bool, drafts: torch.Tensor,
                      tables: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ForwardBatch]:
         """Replay the last replayed verify shape again with every sequence moved on, without the
         host: sequence b's positions, prefix and sequence lengths advance by `shift[b]` ([n] on the
-        device), its rows read `input_ids` ([n, q]), and the write slots of the new positions are
-        looked up on the device in the page tables (`tables`: "main" and every window space, rows
-        by request slot). Padding sequences stay as they were. The caller guarantees that every
-        new position has its pages in the tables. Returns (logits [n * q, V], a batch whose
-        tensors are views of the static buffers, with the outputs `replay` sets)."""
+        device), its rows read [its last committed token, drafts[b]] (the token is
+        last[b, shift[b] - 1] if `last_at_shift`, else last[b, 0]), and the write slots of the new
+        positions are looked up on the device in the page tables (`tables`: "main" and every window
+        space, rows by request slot). One launch with kernels (`kiln.kernels.verify_moves`).
+        Padding sequences stay as they were. The caller guarantees that every new position has its
+        pages in the tables. Returns (logits [n * q, V], a batch whose tensors are views of the
+        static buffers, with the outputs `replay` sets)."""
         _, q, n = self.last
-        assert q > 1 and tuple(input_ids.shape) == (n, q), (q, n, tuple(input_ids.shape))
+        assert q > 1 and tuple(drafts.shape) == (n, q - 1), (q, n, tuple(drafts.shape))
         t = n * q
         bs = next(s for s in self.sizes_of[q] if s >= n)
-        pos = self.positions[:t].view(n, q)
-        pos.add_(shift[:, None])
-        self.prefix_lens[:n].add_(shift)
-        self.seq_lens[:n].add_(shift)
-        rows = self.req_slots[:n, None]
-        self.out_loc[:t].view(n, q).copy_(tables["main"][rows, pos])
-        for c, w in self.win_locs.items():
-            w[:t].view(n, q).copy_(tables[c][rows, pos])
-        self.input_ids[:t].view(n, q).copy_(input_ids)
+        maps = [(tables["main"], self.out_loc)] + [(tables[c], w) for c, w in self.win_locs.items()]
+        self.move_inputs(shift, last, last_at_shift, drafts, self.positions[:t].view(n, q), self.prefix_lens[:n],
+             self.seq_lens[:n], self.req_slots[:n], self.input_ids[:t].view(n, q),
+             [(table, out[:t].view(n, q)) for table, out in maps])
         batch = self._batch(n, q, like=self.graphs[(q, bs)][2])
         self.last = (batch, q, n)
         return self._replay(q, bs, t, batch), batch

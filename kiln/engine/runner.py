@@ -131,7 +131,7 @@ class ModelRunner:
             shapes += [k + 1 for k in steps if k]
         return CudaGraphRunner(self._forward_eager, min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
                                list(self.window_tables), self.device, tokens_per_seq=shapes,
-                               capture_context=self._graph_capture_context)
+                               capture_context=self._graph_capture_context, use_kernels=self.use_kernels)
 
     def _graph_capture_context(self, rows: int):
         """PDL's early trigger for graphs of at most `--pdl-early-trigger-max-tokens` rows (all

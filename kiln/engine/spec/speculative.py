@@ -349,9 +349,8 @@ class SpecDecoder:
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         drafter.run_after_verify(reqs, batch, row_starts, samples, count)
         if self.ahead.after_device_rounds and self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
-            ids = self.ahead.device_ids(samples, count, self.flight.tokens[:, :K])
-            self.ahead.queue(reqs, K, count, ids, [drafter.device_round_reach(r.seq_len, K) for r in reqs],
-                             flight=self.flight)
+            self.ahead.queue(reqs, K, count, samples, True, self.flight.tokens[:, :K],
+                             [drafter.device_round_reach(r.seq_len, K) for r in reqs], flight=self.flight)
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])

@@ -14,7 +14,7 @@ tokens committed by round N) computes positions L - 1 + c_b .. L - 1 + c_b + K w
 entries at those positions (`_round_on_device` grew every request's pages to `device_round_reach`,
 so they are there), and its prefix and sequence lengths move on by c_b. So right after the
 drafter's pass, verify N's graph replays again with its static inputs moved on by the counts
-(`CudaGraphRunner.replay_moved`), and the host reads round N's samples back and commits while the
+(`CudaGraphRunner.replay_moved`, one kernel: `kiln.kernels.verify_moves`), and the host reads round N's samples back and commits while the
 GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
 (`SpecDecoder.run_queued`). Prompt lookup drafts on the host, so its round queues the next verify
 between the read-back and the commit instead (`queue_host_drafted`, with the drafts
@@ -93,24 +93,21 @@ class VerifyAhead:
         context = sched.context_length
         return all(len(r.output_ids) + 1 < r.params.max_tokens and context - r.seq_len > 2 * k for r in reqs)
 
-    @staticmethod
-    def device_ids(samples: torch.Tensor, count: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The next verify's rows from device values: request b's last committed token
-        samples[b, count[b] - 1], then its drafts [n, K]."""
-        last = samples.gather(1, (count - 1)[:, None])
-        return torch.cat([last.long(), drafts.long()], dim=1)
-
-    def queue(self, reqs: list[Req], k: int, shift: torch.Tensor, input_ids: torch.Tensor, reach: list[int],
-              flight=None, drafts: Optional[list[list[int]]] = None) -> None:
-        """Queue verify N + 1: request b's rows are input_ids[b] ([n, k + 1] on the device: its last
-        committed token, then its drafts), shift[b] positions further on than verify N's. `reach`:
-        the tokens each request's pages must cover (the caller grew them); `flight` / `drafts`: the
-        drafts' origin, for `SpecDecoder.run_queued`'s check."""
+    def queue(self, reqs: list[Req], k: int, shift: torch.Tensor, last: torch.Tensor, last_at_shift: bool,
+              next_drafts: torch.Tensor, reach: list[int], flight=None,
+              drafts: Optional[list[list[int]]] = None) -> None:
+        """Queue verify N + 1: request b's rows are [its last committed token, next_drafts[b]]
+        ([n, k] on the device), shift[b] positions further on than verify N's; the token is
+        last[b, shift[b] - 1] if `last_at_shift` (round N's samples), else last[b, 0]
+        (`CudaGraphRunner.replay_moved`). `reach`: the tokens each request's pages must cover (the
+        caller grew them); `flight` / `drafts`: the drafts' origin, for `SpecDecoder.run_queued`'s
+        check."""
         assert self.queued is None, "a queued verify was never taken"
         ps = self.runner.page_size
         assert all(len(r.pages) * ps >= n for r, n in zip(reqs, reach)), "past a request's pages"
         self.runner.load_gate.wait_all()  # as `runner.forward` before a replay
-        logits, batch = self.runner.graphs.replay_moved(shift, input_ids, self.runner.backend.tables)
+        logits, batch = self.runner.graphs.replay_moved(shift, last, last_at_shift, next_drafts,
+                                                        self.runner.backend.tables)
         self.queued = QueuedVerify(list(reqs), k, flight, drafts, logits, batch)
         self.counts.verifies_queued_ahead += 1
 
@@ -143,7 +140,8 @@ class VerifyAhead:
         # one pinned, asynchronous copy (a pageable one would wait for the stream)
         rows = [i for x, d in zip(new, drafts) for i in [x[-1]] + d]
         t = int64_to_device({"shift": [len(x) for x in new], "ids": rows}, self.runner.device)
-        self.queue(reqs, K, t["shift"], t["ids"].view(len(reqs), K + 1), reach, drafts=drafts)
+        ids = t["ids"].view(len(reqs), K + 1)
+        self.queue(reqs, K, t["shift"], ids, False, ids[:, 1:], reach, drafts=drafts)
 
     def take(self) -> Optional[QueuedVerify]:
         q, self.queued = self.queued, None
