@@ -6,21 +6,28 @@
 # MTP and block drafters, the default for prompt lookup), then Inkling rounds at batch 1 / 8 / 32
 # under each mode against plain decode (MTP K = 3 and prompt lookup K = 4; the batch-1 MTP pair
 # again, alternated), prompt lookup K = 8 at batch 1, a GPU profile of a batch-1 MTP round under
-# each mode. `spec32b`: the rest of the GPU suite. `spec31a` (carry scratch/base31) is the
+# each mode. The verify's input moves became one kernel (`kiln.kernels.verify_moves`) after the
+# mode: rows of carry scratch/base32 (`git archive aad2b8f kiln benchmarks/*.py benchmarks/configs`),
+# the moves as PyTorch ops, time 'always' MTP and prompt lookup against it at batch 1.
+# `spec32b`: the rest of the GPU suite. `spec31a` (carry scratch/base31) is the
 # second call: DFlash K = 3 with 'always' was added to it.
 # shellcheck shell=bash
 
 lane0_spec32a() {
   local mtp="--speculative-algorithm mtp --speculative-num-steps 3" ng="--speculative-algorithm ngram --ngram-always-draft"
   local ink="--model-path $INK $NGRAM26 --batch-sizes 1,8,32" b1="--model-path $INK $NGRAM26 --batch-sizes 1"
+  local base="python scratch/base32/benchmarks/decode_batch.py $C"
   step gpu_ahead 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_verify_ahead.py \
-    tests/engine/test_block_rounds_on_device.py
+    tests/engine/test_block_rounds_on_device.py tests/kernels/test_verify_moves.py
   step ink_plain 40 $DECODE $ink --out "$R/json/ink_plain.json"
   step ink_mtp3_auto 45 $DECODE $ink $mtp --out "$R/json/ink_mtp3_auto.json"
   step ink_mtp3_always 45 $DECODE $ink $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always.json"
   step ink_ngram4_auto 45 $DECODE $ink $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4_auto.json"
   step ink_ngram4_off 45 $DECODE $ink $ng --speculative-num-steps 4 --speculative-verify-ahead off \
     --out "$R/json/ink_ngram4_off.json"
+  # the moves as ~15 PyTorch ops (aad2b8f) against one kernel, batch 1
+  step base_mtp3_always_b1 30 $base $b1 $mtp --speculative-verify-ahead always --out "$R/json/base_mtp3_always_b1.json"
+  step base_ngram4_auto_b1 30 $base $b1 $ng --speculative-num-steps 4 --out "$R/json/base_ngram4_auto_b1.json"
   step ink_mtp3_auto_b1 30 $DECODE $b1 $mtp --out "$R/json/ink_mtp3_auto_b1.json"
   step ink_mtp3_always_b1 30 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_b1.json"
   step ink_ngram8_auto 30 $DECODE $b1 $ng --speculative-num-steps 8 --out "$R/json/ink_ngram8_auto.json"
