@@ -178,8 +178,9 @@ class EngineConfig:
         "read back, so the GPU verifies while the host commits (kiln/engine/spec/verify_ahead.py). "
         "'auto': prompt-lookup rounds only, whose drafts come from the host (on an H200 a round "
         "2.63 -> 2.36 ms); MTP and block-drafter rounds already keep the host off the GPU's path, and "
-        "queuing ahead there put ~13 small input moves on it (MTP K=3 2.63 -> 2.77 ms; "
-        "docs/benchmarks.md, thirty-second pass). 'always': those rounds too; 'off': never.",
+        "queuing ahead there put the next verify's input moves on it (MTP K=3 2.63 -> 2.77 ms with "
+        "the moves as ~13 PyTorch ops, since then one kernel; docs/benchmarks.md, thirty-second pass). "
+        "'always': those rounds too; 'off': never.",
         ["auto", "always", "off"])
     speculative_ngram_min_match_window_size: int = opt(
         1, "ngram: the shortest suffix of the sequence that must have occurred before to draft.")
@@ -220,6 +221,9 @@ class EngineConfig:
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
                              "are two ways to verify sampled drafts; pick one")
+        if self.speculative_verify_ahead not in ("auto", "always", "off"):
+            raise ValueError(f"--speculative-verify-ahead takes auto, always or off, got "
+                             f"{self.speculative_verify_ahead!r}")
         if self.speculative_token_map and self.speculative_algorithm is None:
             raise ValueError("--speculative-token-map restricts a drafter's LM head; it needs "
                              "--speculative-algorithm")

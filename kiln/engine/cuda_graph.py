@@ -216,8 +216,8 @@ class CudaGraphRunner:
         bs = next(s for s in self.sizes_of[q] if s >= n)
         maps = [(tables["main"], self.out_loc)] + [(tables[c], w) for c, w in self.win_locs.items()]
         self.move_inputs(shift, last, last_at_shift, drafts, self.positions[:t].view(n, q), self.prefix_lens[:n],
-             self.seq_lens[:n], self.req_slots[:n], self.input_ids[:t].view(n, q),
-             [(table, out[:t].view(n, q)) for table, out in maps])
+                         self.seq_lens[:n], self.req_slots[:n], self.input_ids[:t].view(n, q),
+                         [(table, out[:t].view(n, q)) for table, out in maps])
         batch = self._batch(n, q, like=self.graphs[(q, bs)][2])
         self.last = (batch, q, n)
         return self._replay(q, bs, t, batch), batch

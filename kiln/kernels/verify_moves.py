@@ -75,6 +75,7 @@ def move_verify_inputs(shift: torch.Tensor, last: torch.Tensor, last_at_shift: b
         assert t.is_contiguous() and tuple(t.shape) == (n,), (t.shape, t.stride())
     for t in (prefix_lens, seq_lens, *(tab for tab, _ in slot_maps)):
         assert t.dtype == torch.int64, t.dtype
+    assert all(tab.stride(1) == 1 for tab, _ in slot_maps), [tab.stride() for tab, _ in slot_maps]
     assert last.stride(1) == 1 and (q == 1 or drafts.stride(1) == 1), (last.stride(), drafts.stride())
     if n == 0:
         return

@@ -3,7 +3,8 @@ samples feed the paged block pass on the device (`PagedBlockPass.run_after_verif
 anchor token and position come from the acceptance counts), and the next verify is queued behind
 that pass (`verify_ahead`). On the CPU: Triton's interpreter for the kernels and a capturer that
 re-runs the captured function for the CUDA graphs (tests/engine/test_graph_buffers.py), with the
-verify queued ahead forced on (the default on CUDA only); the `gpu` variant runs real graphs.
+verify queued ahead forced on (on CUDA: `--speculative-verify-ahead always`, as the `gpu` variant
+runs it on real graphs).
 
 Random drafters accept nothing, so the drafts are replaced by the target's greedy continuation
 with some positions corrupted (an oracle, as in tests/engine/test_block_drafter.py), on the device

@@ -1,8 +1,9 @@
 """The next round's verify queued before this round's samples are read back
 (`kiln.engine.spec.verify_ahead`), on the CPU: Triton's interpreter for the kernels and a capturer
 that re-runs the captured forward for the CUDA graphs (tests/engine/test_graph_buffers.py), with
-the feature forced on (it is on by default on CUDA only). The `gpu` variants run the same on real
-CUDA graphs, where the feature is on by default.
+the feature forced on (on CUDA it is on by default for prompt lookup's rounds only,
+`--speculative-verify-ahead`). The `gpu` variants run the same on real CUDA graphs, with
+`--speculative-verify-ahead always` for MTP's rounds.
 
 What must hold: the verify built on the device from the counts, samples and drafts of the round
 before it is the forward the host would have built. So greedy output equals plain greedy decoding,
@@ -92,6 +93,13 @@ def test_verify_ahead_modes(mode, overlap, tp, want):
     assert (a.enabled, a.after_device_rounds) == want
     with pytest.raises(AssertionError):
         VerifyAhead(runner, "sometimes", overlap, counts=None)
+
+
+def test_a_bad_verify_ahead_mode_names_the_flag():
+    from kiln.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--speculative-verify-ahead takes auto, always or off"):
+        EngineConfig(speculative_verify_ahead="sometimes")
 
 
 @pytest.fixture

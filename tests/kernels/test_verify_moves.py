@@ -25,10 +25,12 @@ def random_case(n: int, q: int, maps: int, seed: int, device: str, rows: int = 9
     tables = [torch.randint(0, 10_000, (rows, context), generator=g) for _ in range(maps)]
     outs = [torch.zeros(n, q, dtype=torch.int64) for _ in range(maps)]
     shift = torch.randint(1, q + 1, (n,), generator=g)
-    samples = torch.randint(0, 1000, (n, q + 3), generator=g)[:, 1:q + 1]  # a row-strided view
-    drafts = torch.randint(0, 1000, (n, 2 * q), generator=g)[:, :q - 1]
     to = lambda t: t.to(device)  # noqa: E731
-    return (to(shift), to(samples), to(drafts), {k: to(v) for k, v in state.items()},
+    # row-strided views, sliced on the device (a copy across devices would make them contiguous)
+    samples = to(torch.randint(0, 1000, (n, q + 3), generator=g))[:, 1:q + 1]
+    drafts = to(torch.randint(0, 1000, (n, 2 * q), generator=g))[:, :q - 1]
+    assert samples.stride(0) == q + 3 and (q == 1 or drafts.stride(0) == 2 * q)
+    return (to(shift), samples, drafts, {k: to(v) for k, v in state.items()},
             [(to(t), to(o)) for t, o in zip(tables, outs)])
 
 

@@ -29,9 +29,9 @@ were released at the commit; whatever reuses them is queued after the verify on 
 
 Which rounds queue ahead is --speculative-verify-ahead's choice: by default ('auto') only prompt
 lookup's. A round on the device already runs the host's commit and the next verify's input build
-while the GPU drafts; queuing ahead there swaps that for the moves above, ~13 small launches on
-the GPU's path, and an H200 measured MTP K = 3 rounds 5% slower with it (docs/benchmarks.md,
-thirty-second pass). 'always' keeps it for them (the tests force it, to keep the path exact).
+while the GPU drafts; queuing ahead there swaps that for the moves above on the GPU's path, and
+an H200 measured MTP K = 3 rounds 5% slower with it when the moves were ~13 PyTorch ops
+(docs/benchmarks.md, thirty-second pass; they are one kernel since). 'always' keeps it for them (the tests force it, to keep the path exact).
 
 A verify is queued ahead only when the next step's batch is sure to be the same requests at the
 same draft length: every running request is in it, nobody waits for admission, the next round's
