@@ -19,19 +19,21 @@ lane0_spec32a() {
   local base="python scratch/base32/benchmarks/decode_batch.py $C"
   step gpu_ahead 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_verify_ahead.py \
     tests/engine/test_block_rounds_on_device.py tests/kernels/test_verify_moves.py
+  # batch 1 first (the rows that decide the default, in case the call is cut): the moves as ~15
+  # PyTorch ops (base, aad2b8f) against one kernel; MTP with and without the verify queued ahead
+  step base_mtp3_always_b1 30 $base $b1 $mtp --speculative-verify-ahead always --out "$R/json/base_mtp3_always_b1.json"
+  step ink_mtp3_always_b1 30 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_b1.json"
+  step ink_mtp3_auto_b1 30 $DECODE $b1 $mtp --out "$R/json/ink_mtp3_auto_b1.json"
+  step base_ngram4_auto_b1 30 $base $b1 $ng --speculative-num-steps 4 --out "$R/json/base_ngram4_auto_b1.json"
+  step ink_ngram4_auto_b1 30 $DECODE $b1 $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4_auto_b1.json"
   step ink_plain 40 $DECODE $ink --out "$R/json/ink_plain.json"
   step ink_mtp3_auto 45 $DECODE $ink $mtp --out "$R/json/ink_mtp3_auto.json"
   step ink_mtp3_always 45 $DECODE $ink $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always.json"
   step ink_ngram4_auto 45 $DECODE $ink $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4_auto.json"
   step ink_ngram4_off 45 $DECODE $ink $ng --speculative-num-steps 4 --speculative-verify-ahead off \
     --out "$R/json/ink_ngram4_off.json"
-  # the moves as ~15 PyTorch ops (aad2b8f) against one kernel, batch 1
-  step base_mtp3_always_b1 30 $base $b1 $mtp --speculative-verify-ahead always --out "$R/json/base_mtp3_always_b1.json"
-  step base_ngram4_auto_b1 30 $base $b1 $ng --speculative-num-steps 4 --out "$R/json/base_ngram4_auto_b1.json"
-  step ink_mtp3_auto_b1 30 $DECODE $b1 $mtp --out "$R/json/ink_mtp3_auto_b1.json"
-  step ink_mtp3_always_b1 30 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_b1.json"
   step ink_ngram8_auto 30 $DECODE $b1 $ng --speculative-num-steps 8 --out "$R/json/ink_ngram8_auto.json"
-  # where the GPU's time goes in a batch-1 MTP round under each mode (what moving the inputs costs)
+  # where the GPU's time goes in a batch-1 MTP round under each mode
   step ink_mtp3_auto_prof 40 $DECODE $b1 $mtp --profile --profile-steps 8 --kernel-rows 60 \
     --out "$R/json/ink_mtp3_auto_prof.json"
   step ink_mtp3_always_prof 40 $DECODE $b1 $mtp --speculative-verify-ahead always --profile --profile-steps 8 \
