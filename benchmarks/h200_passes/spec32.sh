@@ -44,3 +44,30 @@ lane0_spec32b() {  # the rest of the GPU suite (~4 minutes on 6 workers in the t
   step gpu_suite 290 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server \
     --deselect tests/engine/test_verify_ahead.py --deselect tests/engine/test_block_rounds_on_device.py
 }
+
+lane0_spec32c() {  # the second call: spec32a's batch-1 MTP rows were cut by the first run's compiles;
+  # 'always' (one-kernel moves) against 'auto' for MTP, alternated, DFlash K = 3 under both, the old
+  # PyTorch moves (carry scratch/base32) once more, and prompt lookup K = 4 over 256 tokens
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3" ng="--speculative-algorithm ngram --ngram-always-draft"
+  local ink="--model-path $INK $NGRAM26 --batch-sizes 1,8,32" b1="--model-path $INK $NGRAM26 --batch-sizes 1"
+  local base="python scratch/base32/benchmarks/decode_batch.py $C"
+  step warm_compile 120 $DECODE $b1 $mtp --speculative-verify-ahead always --out "$R/json/warm.json"
+  for i in 1 2; do
+    step ink_mtp3_auto_$i 45 $DECODE $ink $mtp --out "$R/json/ink_mtp3_auto_$i.json"
+    step ink_mtp3_always_$i 45 $DECODE $ink $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_$i.json"
+  done
+  step base_mtp3_always_b1 60 $base $b1 $mtp --speculative-verify-ahead always --out "$R/json/base_mtp3_always_b1.json"
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  local df="--model-path $INK $NGRAM26 --batch-sizes 1,8 --speculative-algorithm dflash
+    --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
+  step dflash3_auto 60 $DECODE $df --out "$R/json/dflash3_auto.json"
+  step dflash3_always 50 $DECODE $df --speculative-verify-ahead always --out "$R/json/dflash3_always.json"
+  local ng256="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 32 --batch-sizes 1"
+  step ink_ngram4_auto_256 30 $DECODE $ng256 $ng --speculative-num-steps 4 --out "$R/json/ink_ngram4_auto_256.json"
+  step ink_ngram4_off_256 30 $DECODE $ng256 $ng --speculative-num-steps 4 --speculative-verify-ahead off \
+    --out "$R/json/ink_ngram4_off_256.json"
+  step base_ngram4_auto_256 30 $base $ng256 $ng --speculative-num-steps 4 --out "$R/json/base_ngram4_auto_256.json"
+}
