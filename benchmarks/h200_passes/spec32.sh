@@ -71,3 +71,20 @@ lane0_spec32c() {  # the second call: spec32a's batch-1 MTP rows were cut by the
     --out "$R/json/ink_ngram4_off_256.json"
   step base_ngram4_auto_256 30 $base $ng256 $ng --speculative-num-steps 4 --out "$R/json/base_ngram4_auto_256.json"
 }
+
+lane0_spec32d() {  # the third call: DFlash K = 3 under both modes, alternated, at batch 1 / 8 / 32
+  local b1="--model-path $INK $NGRAM26 --batch-sizes 1"
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  local df="--model-path $INK $NGRAM26 --batch-sizes 1,8,32 --speculative-algorithm dflash
+    --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
+  step warm_compile 120 $DECODE $b1 --speculative-algorithm dflash --speculative-draft-model-path $R/dflash-bench \
+    --speculative-num-steps 3 --speculative-verify-ahead always --out "$R/json/warm.json"
+  for i in 1 2; do
+    step dflash3_auto_$i 50 $DECODE $df --out "$R/json/dflash3_auto_$i.json"
+    step dflash3_always_$i 50 $DECODE $df --speculative-verify-ahead always --out "$R/json/dflash3_always_$i.json"
+  done
+  rm -rf "$R/dflash-bench"
+}
