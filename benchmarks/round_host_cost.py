@@ -15,8 +15,7 @@ sits between reading a verify's samples back and queuing the next verify. On a G
 small CUDA call costs 10-20 us against 2-3 us for a CPU op here, so `--ops` counts the aten ops
 per round (views apart) by the Kiln line that issued them: those are what a GPU host pays for.
 docs/benchmarks.md, eighteenth pass, has what it found. `--verify-ahead` turns on the next verify
-queued before the samples are read back (`kiln/engine/spec/verify_ahead.py`; on CUDA with
-`--speculative-verify-ahead always`, by default for prompt lookup only):
+queued before the samples are read back (`kiln/engine/spec/verify_ahead.py`, the default on CUDA):
 the host's work per round is then off the GPU's critical path as long as it is shorter than a
 round's GPU time. `--host-path` times the host path instead (`_verify_and_commit`, then the
 drafter's pass from host lists), what block drafters took before the thirty-first session."""

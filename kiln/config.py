@@ -15,6 +15,9 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 from kiln.server.parsers.reasoning import REASONING_PARSERS
 from kiln.server.parsers.tool_calls import TOOL_CALL_PARSERS
 
+# --speculative-verify-ahead: which speculative rounds queue their next verify ahead (kiln.engine.spec.verify_ahead)
+VERIFY_AHEAD_MODES = ["all", "prompt-lookup", "off"]
+
 
 def opt(default: Any, help: str, choices: Optional[list] = None, flag: Optional[str] = None):
     """A dataclass field with CLI metadata."""
@@ -174,14 +177,14 @@ class EngineConfig:
         "second for the running batch, so speculation turns itself off where its verify rows cost more "
         "than they return (large batches, weak drafts).")
     speculative_verify_ahead: str = opt(
-        "auto", "CUDA with overlap scheduling: queue a steady round's next verify before its samples are "
+        "all", "CUDA with overlap scheduling: queue a steady round's next verify before its samples are "
         "read back, so the GPU verifies while the host commits (kiln/engine/spec/verify_ahead.py). "
-        "'auto': prompt-lookup rounds only, whose drafts come from the host (on an H200 a round "
-        "2.63 -> 2.36 ms); MTP and block-drafter rounds already keep the host off the GPU's path, and "
-        "queuing ahead there put the next verify's input moves on it (MTP K=3 2.63 -> 2.77 ms with "
-        "the moves as ~13 PyTorch ops, since then one kernel; docs/benchmarks.md, thirty-second pass). "
-        "'always': those rounds too; 'off': never.",
-        ["auto", "always", "off"])
+        "'all': every round that can (prompt lookup's; MTP's and block drafters' rounds on the device); "
+        "'prompt-lookup': prompt lookup's only; 'off': never. On an H200 (Inkling bench; "
+        "docs/benchmarks.md, thirty-third pass) 'all' matched 'prompt-lookup' for MTP K=3 at batch 1 "
+        "and was 4-12%% faster at batch 8 and 32 (DFlash K=3: 10-16%%); prompt lookup K=4 at batch 1 "
+        "took 2.49 against 2.68 ms a round with 'off'.",
+        VERIFY_AHEAD_MODES)
     speculative_ngram_min_match_window_size: int = opt(
         1, "ngram: the shortest suffix of the sequence that must have occurred before to draft.")
     speculative_ngram_max_match_window_size: int = opt(
@@ -221,8 +224,8 @@ class EngineConfig:
         if self.speculative_use_rejection_sampling and self.speculative_use_block_verification:
             raise ValueError("--speculative-use-rejection-sampling and --speculative-use-block-verification "
                              "are two ways to verify sampled drafts; pick one")
-        if self.speculative_verify_ahead not in ("auto", "always", "off"):
-            raise ValueError(f"--speculative-verify-ahead takes auto, always or off, got "
+        if self.speculative_verify_ahead not in VERIFY_AHEAD_MODES:
+            raise ValueError(f"--speculative-verify-ahead takes {', '.join(VERIFY_AHEAD_MODES)}; got "
                              f"{self.speculative_verify_ahead!r}")
         if self.speculative_token_map and self.speculative_algorithm is None:
             raise ValueError("--speculative-token-map restricts a drafter's LM head; it needs "

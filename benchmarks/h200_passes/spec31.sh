@@ -5,8 +5,8 @@
 # lookup on the 8B shape at batch 1; `noise26`'s seeded-sampling noise benchmark; DFlash K = 3 rounds
 # (a dummy 1-layer drafter), now on the device round with the next verify queued ahead, against the
 # session's start (carry scratch/base31 = `git archive 9194ad5 kiln benchmarks/*.py benchmarks/configs`),
-# whose DFlash rounds read the samples back between verify and draft. The thirty-second session made
-# 'auto' (no verify queued ahead after device rounds) the default and added the 'always' row.
+# whose DFlash rounds read the samples back between verify and draft. The thirty-second session added
+# a row without the verify queued ahead after device rounds (`--speculative-verify-ahead prompt-lookup`).
 # shellcheck shell=bash
 
 lane0_spec31a() {
@@ -25,7 +25,7 @@ lane0_spec31a() {
   local df="--model-path $INK $NGRAM26 --batch-sizes 1,8 --speculative-algorithm dflash
     --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
   step dflash3_new 50 $DECODE $df --out "$R/json/dflash3_new.json"
-  step dflash3_always 50 $DECODE $df --speculative-verify-ahead always --out "$R/json/dflash3_always.json"
+  step dflash3_prompt_lookup_only 50 $DECODE $df --speculative-verify-ahead prompt-lookup --out "$R/json/dflash3_pl_only.json"
   step dflash3_base 50 python scratch/base31/benchmarks/decode_batch.py $C $df --out "$R/json/dflash3_base.json"
   step noise 100 python benchmarks/sampling_noise.py --device cuda --batch-sizes 8,64,256,512
 }

@@ -9,8 +9,10 @@
 # each mode. The verify's input moves became one kernel (`kiln.kernels.verify_moves`) after the
 # mode: rows of carry scratch/base32 (`git archive aad2b8f kiln benchmarks/*.py benchmarks/configs`),
 # the moves as PyTorch ops, time 'always' MTP and prompt lookup against it at batch 1.
-# `spec32b`: the rest of the GPU suite. `spec31a` (carry scratch/base31) is the
-# second call: DFlash K = 3 with 'always' was added to it.
+# `spec32b`: the rest of the GPU suite (mode names free: it runs at HEAD).
+# spec32a ran at 8bc8210, spec32c at 70c278a and spec32d at 44493de, where the modes were named
+# 'auto' (prompt lookup only; the default then), 'always' and 'off'. They are now 'prompt-lookup',
+# 'all' (the default since) and 'off': check those commits out to rerun the lanes as they ran.
 # shellcheck shell=bash
 
 lane0_spec32a() {

@@ -3,8 +3,7 @@ samples feed the paged block pass on the device (`PagedBlockPass.run_after_verif
 anchor token and position come from the acceptance counts), and the next verify is queued behind
 that pass (`verify_ahead`). On the CPU: Triton's interpreter for the kernels and a capturer that
 re-runs the captured function for the CUDA graphs (tests/engine/test_graph_buffers.py), with the
-verify queued ahead forced on (on CUDA: `--speculative-verify-ahead always`, as the `gpu` variant
-runs it on real graphs).
+verify queued ahead forced on (the default on CUDA); the `gpu` variant runs real graphs.
 
 Random drafters accept nothing, so the drafts are replaced by the target's greedy continuation
 with some positions corrupted (an oracle, as in tests/engine/test_block_drafter.py), on the device
@@ -86,7 +85,7 @@ def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
     for by `RecomputeCapturer`) with verifies queued ahead."""
     if device == "cuda":
         core = spec_core(target, k, cuda_graph_max_bs=max_bs, device="cuda", dtype="float32",
-                         speculative_verify_ahead="always", **kw)
+                         speculative_verify_ahead="all", **kw)
         assert core.scheduler.spec.ahead.after_device_rounds
         return core
     return stand_in_graphs(spec_core(target, k, kernel_backend="triton", cuda_graph_max_bs=max_bs, **kw), max_bs)

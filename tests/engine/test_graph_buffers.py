@@ -98,7 +98,7 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     assert {q for q, _ in runner.graphs.graphs} == {1, 4}
     chain = RecomputeCapturer()
     drafter.use_graphs(4, chain)
-    # as on CUDA by default (--speculative-verify-ahead auto): only prompt lookup's rounds queue
+    # as on CUDA with --speculative-verify-ahead prompt-lookup: only prompt lookup's rounds queue
     # their next verify ahead, so these rounds' next verifies are built on the host
     core.scheduler.spec.ahead.enabled = True
     shapes = []
@@ -139,7 +139,7 @@ def test_speculative_rounds_replay_equal_plain_greedy(arch, alpha, tmp_path):
     want = run_plain(plain_core(str(tmp_path), alpha=alpha, page_size=4), reqs, max_tokens=9)
     assert {rid: r[1] for rid, r in res.items()} == want
     counts = core.stats().spec
-    assert counts.verifies_queued_ahead == 0, "an MTP round queued its next verify under 'auto'"
+    assert counts.verifies_queued_ahead == 0, "an MTP round queued its next verify under 'prompt-lookup'"
     if alpha:
         assert 0 < counts.accepted_tokens < 3 * counts.verify_steps, "expected partial acceptance"
     else:

@@ -1,9 +1,8 @@
 """The next round's verify queued before this round's samples are read back
 (`kiln.engine.spec.verify_ahead`), on the CPU: Triton's interpreter for the kernels and a capturer
 that re-runs the captured forward for the CUDA graphs (tests/engine/test_graph_buffers.py), with
-the feature forced on (on CUDA it is on by default for prompt lookup's rounds only,
-`--speculative-verify-ahead`). The `gpu` variants run the same on real CUDA graphs, with
-`--speculative-verify-ahead always` for MTP's rounds.
+the feature forced on (on CUDA it is on by default, `--speculative-verify-ahead all`). The `gpu`
+variants run the same on real CUDA graphs.
 
 What must hold: the verify built on the device from the counts, samples and drafts of the round
 before it is the forward the host would have built. So greedy output equals plain greedy decoding,
@@ -41,7 +40,7 @@ def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 
     """An MTP engine on graphs (verify, decode and chain; on the CPU stood in for by
     `RecomputeCapturer`) with verifies queued ahead."""
     if device == "cuda":
-        core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, speculative_verify_ahead="always",
+        core = spec_core(model_dir, k, alpha=alpha, cuda_graph_max_bs=max_bs, speculative_verify_ahead="all",
                          **device_kw(device))
         assert core.scheduler.spec.ahead.after_device_rounds
         return core
@@ -51,8 +50,7 @@ def graph_core(model_dir: str, k: int, alpha: float, device: str, max_bs: int = 
 
 def stand_in_graphs(core, max_bs: int):
     """On the CPU: the verify's and the drafter pass's graphs captured by `RecomputeCapturer`, and
-    verifies queued ahead, MTP's and block drafters' rounds included (on CUDA by default prompt
-    lookup's only, `--speculative-verify-ahead`)."""
+    verifies queued ahead, MTP's and block drafters' rounds included (on CUDA by default)."""
     runner, spec = core.runner, core.scheduler.spec
     runner.graphs = runner._new_graphs()
     runner.graphs.capture(RecomputeCapturer())
@@ -79,8 +77,8 @@ def record_taken(core) -> list[tuple[int, int, bool]]:
 
 
 @pytest.mark.parametrize("mode,overlap,tp,want", [
-    ("auto", True, 1, (True, False)), ("always", True, 1, (True, True)), ("off", True, 1, (False, False)),
-    ("always", False, 1, (False, False)), ("always", True, 2, (False, False))])
+    ("prompt-lookup", True, 1, (True, False)), ("all", True, 1, (True, True)), ("off", True, 1, (False, False)),
+    ("all", False, 1, (False, False)), ("all", True, 2, (False, False))])
 def test_verify_ahead_modes(mode, overlap, tp, want):
     """--speculative-verify-ahead: (prompt lookup's rounds queue ahead, MTP's and block drafters'
     rounds do); never without overlap scheduling or with tensor parallelism."""
@@ -98,7 +96,7 @@ def test_verify_ahead_modes(mode, overlap, tp, want):
 def test_a_bad_verify_ahead_mode_names_the_flag():
     from kiln.config import EngineConfig
 
-    with pytest.raises(ValueError, match="--speculative-verify-ahead takes auto, always or off"):
+    with pytest.raises(ValueError, match="--speculative-verify-ahead takes all, prompt-lookup, off"):
         EngineConfig(speculative_verify_ahead="sometimes")
 
 

@@ -27,11 +27,13 @@ the scratch slot), and the others are verified over their own rows on the host p
 were released at the commit; whatever reuses them is queued after the verify on the same stream
 (HiCache's copies wait for the compute stream first).
 
-Which rounds queue ahead is --speculative-verify-ahead's choice: by default ('auto') only prompt
-lookup's. A round on the device already runs the host's commit and the next verify's input build
-while the GPU drafts; queuing ahead there swaps that for the moves above on the GPU's path, and
-an H200 measured MTP K = 3 rounds 5% slower with it when the moves were ~13 PyTorch ops
-(docs/benchmarks.md, thirty-second pass; they are one kernel since). 'always' keeps it for them (the tests force it, to keep the path exact).
+Which rounds queue ahead is --speculative-verify-ahead's choice: by default ('all') every round
+that can, 'prompt-lookup' only prompt lookup's. A round on the device already runs the host's
+commit and the next verify's input build while the GPU drafts, so queuing ahead there only pays
+if the moves above cost the GPU less than the host's build left it idle: with the moves as ~13
+PyTorch ops an H200 measured MTP K = 3 rounds 5% slower at batch 1; with the one kernel, as fast
+at batch 1 and 4-16% faster at batch 8 and 32 (MTP, DFlash; docs/benchmarks.md, thirty-second and
+thirty-third passes).
 
 A verify is queued ahead only when the next step's batch is sure to be the same requests at the
 same draft length: every running request is in it, nobody waits for admission, the next round's
@@ -48,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from kiln.config import VERIFY_AHEAD_MODES
 from kiln.engine.batch import ForwardBatch, int64_to_device
 from kiln.engine.request import Req
 
@@ -72,13 +75,12 @@ class VerifyAhead:
         """`mode`: --speculative-verify-ahead; `overlap`: overlap scheduling is on (CUDA and not
         --disable-overlap-schedule). `counts`: the engine's `SpecCounts`, whose
         `verifies_queued_ahead` this keeps."""
-        assert mode in ("auto", "always", "off"), mode
+        assert mode in VERIFY_AHEAD_MODES, mode
         self.runner = runner
         # `enabled`: rounds drafted on the host (prompt lookup) queue ahead; `after_device_rounds`:
-        # rounds on the device (MTP, block drafters) too. Those are off under 'auto': their host
-        # work already runs while the GPU drafts, and the input moves cost the GPU more (config help)
+        # rounds on the device (MTP, block drafters) too, unless 'prompt-lookup' (module docstring)
         self.enabled = mode != "off" and overlap and runner.routing is None and runner.pc.tp_size == 1
-        self.after_device_rounds = self.enabled and mode == "always"
+        self.after_device_rounds = self.enabled and mode == "all"
         self.counts = counts
         self.queued: Optional[QueuedVerify] = None
 
