@@ -5,9 +5,10 @@ every request b moved on by shift[b] tokens: its positions, prefix and sequence 
 by shift[b], its write slots are looked up in the page tables at the new positions (the main
 space and every window space), and its rows read [its last committed token, its drafts]. As
 PyTorch ops that is ~15 small launches (adds, table gathers and copies, the token gather and
-concatenation) queued on the GPU right before the verify; an H200 measured the verify queued
-ahead 5% slower than no queuing on MTP rounds partly for that (docs/benchmarks.md,
-thirty-second pass). `_move_kernel` does it all in one program per request.
+concatenation) queued on the GPU right before the verify: an H200 measured MTP K = 3 rounds at
+batch 1 2.79 ms with the verify queued ahead that way against 2.64 without. `_move_kernel` does it
+all in one program per request, and the same rounds took 2.64 ms queued ahead, and 4-16% less than
+without at batch 8 and 32 (docs/benchmarks.md, thirty-third pass).
 
 The last committed token is last[b, shift[b] - 1] when `last_at_shift` (a device round: `last`
 is the verify's samples [n, K + 1], shift its acceptance counts), else last[b, 0] (prompt lookup:
@@ -63,9 +64,9 @@ def move_verify_inputs(shift: torch.Tensor, last: torch.Tensor, last_at_shift: b
                        positions: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                        req_slots: torch.Tensor, input_ids: torch.Tensor,
                        slot_maps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`kiln.ops.verify_moves.move_verify_inputs` in one launch. The per-token buffers (positions, input_ids,
-    every map's output) are contiguous [n, q] int64 views, as the graph runner's static buffers;
-    `last` and `drafts` may be strided by row."""
+    """`kiln.ops.verify_moves.move_verify_inputs` in one launch. The per-token buffers (positions,
+    input_ids, every map's output) are contiguous [n, q] int64 views, as the graph runner's static
+    buffers; `last` and `drafts` may be strided by row."""
     n, q = positions.shape
     assert 1 <= len(slot_maps) <= MAX_SLOT_MAPS, len(slot_maps)
     assert tuple(drafts.shape) == (n, q - 1) and last.shape[0] == n, (drafts.shape, last.shape, n, q)

@@ -14,8 +14,8 @@ tokens committed by round N) computes positions L - 1 + c_b .. L - 1 + c_b + K w
 entries at those positions (`_round_on_device` grew every request's pages to `device_round_reach`,
 so they are there), and its prefix and sequence lengths move on by c_b. So right after the
 drafter's pass, verify N's graph replays again with its static inputs moved on by the counts
-(`CudaGraphRunner.replay_moved`, one kernel: `kiln.kernels.verify_moves`), and the host reads round N's samples back and commits while the
-GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
+(`CudaGraphRunner.replay_moved`, one kernel: `kiln.kernels.verify_moves`), and the host reads
+round N's samples back and commits while the GPU runs verify N + 1. The scheduler's next step takes that forward instead of building one
 (`SpecDecoder.run_queued`). Prompt lookup drafts on the host, so its round queues the next verify
 between the read-back and the commit instead (`queue_host_drafted`, with the drafts
 `NgramDrafter.drafts_ahead` proposes from the tokens about to be committed).
