@@ -9,6 +9,13 @@
 # a row without the verify queued ahead after device rounds (`--speculative-verify-ahead prompt-lookup`).
 # shellcheck shell=bash
 
+dflash_bench_config() {  # a dummy 1-layer DFlash drafter for Inkling `bench` (block 8) in $R/dflash-bench
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+}
+
 lane0_spec31a() {
   local mtp="--speculative-algorithm mtp --speculative-num-steps 3" l8=benchmarks/configs/llama-3.1-8b
   step ad_mtp3_adaptive 75 $DECODE $AD27 $mtp --speculative-adaptive --out "$R/json/ad_mtp3_adaptive.json"
@@ -18,10 +25,7 @@ lane0_spec31a() {
   step l8_plain 75 $DECODE --model-path $l8 $NGRAM26 --batch-sizes 1 --out "$R/json/l8_plain.json"
   step l8_ngram4 75 $DECODE --model-path $l8 $NGRAM26 --batch-sizes 1 --speculative-algorithm ngram \
     --ngram-always-draft --speculative-num-steps 4 --out "$R/json/l8_ngram4.json"
-  mkdir -p "$R/dflash-bench"
-  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  dflash_bench_config
   local df="--model-path $INK $NGRAM26 --batch-sizes 1,8 --speculative-algorithm dflash
     --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
   step dflash3_new 50 $DECODE $df --out "$R/json/dflash3_new.json"

@@ -59,10 +59,7 @@ lane0_spec32c() {  # the second call: spec32a's batch-1 MTP rows were cut by the
     step ink_mtp3_always_$i 45 $DECODE $ink $mtp --speculative-verify-ahead always --out "$R/json/ink_mtp3_always_$i.json"
   done
   step base_mtp3_always_b1 60 $base $b1 $mtp --speculative-verify-ahead always --out "$R/json/base_mtp3_always_b1.json"
-  mkdir -p "$R/dflash-bench"
-  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  dflash_bench_config
   local df="--model-path $INK $NGRAM26 --batch-sizes 1,8 --speculative-algorithm dflash
     --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
   step dflash3_auto 60 $DECODE $df --out "$R/json/dflash3_auto.json"
@@ -76,10 +73,7 @@ lane0_spec32c() {  # the second call: spec32a's batch-1 MTP rows were cut by the
 
 lane0_spec32d() {  # the third call: DFlash K = 3 under both modes, alternated, at batch 1 / 8 / 32
   local b1="--model-path $INK $NGRAM26 --batch-sizes 1"
-  mkdir -p "$R/dflash-bench"
-  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  dflash_bench_config
   local df="--model-path $INK $NGRAM26 --batch-sizes 1,8,32 --speculative-algorithm dflash
     --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3"
   step warm_compile 120 $DECODE $b1 --speculative-algorithm dflash --speculative-draft-model-path $R/dflash-bench \
