@@ -65,7 +65,7 @@ class CudaGraphRunner:
                  windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,),
                  capture_context: Optional[Callable[[int], ContextManager]] = None, use_kernels: bool = False):
         self.forward = forward
-        # `replay_moved`'s input moves: one Triton launch, or the PyTorch reference's ~15
+        # `replay_moved`'s input moves: one Triton launch, or the PyTorch reference's ~13
         self.move_inputs = verify_moves.move_verify_inputs
         if use_kernels:
             from kiln.kernels import verify_moves as one_launch
