@@ -43,6 +43,19 @@ def run(fn, shift, last, last_at_shift, drafts, state, maps):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_transposed_column_of_drafts_is_taken(device):
+    # MTP's drafts at K = 1 are a [n, 1] transpose of [1, n] (strides (1, n)), which torch calls
+    # contiguous: the kernel reads only column 0, so it must take them
+    shift, samples, drafts, state, slot_maps = random_case(3, 2, 2, seed=5, device=device)
+    drafts = drafts.t().contiguous().t()
+    assert drafts.shape == (3, 1) and drafts.stride() == (1, 3)
+    want = run(move_verify_inputs_reference, shift, samples, True, drafts, state, slot_maps)
+    got = run(move_verify_inputs, shift, samples, True, drafts, state, slot_maps)
+    for w, g in zip([*want[0].values(), *want[1]], [*got[0].values(), *got[1]]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,q,maps", [(1, 4, 1), (3, 4, 3), (5, 9, 4), (2, 2, 2), (6, 1, 1)])
 @pytest.mark.parametrize("last_at_shift", [True, False])
 def test_moves_equal_the_reference(device, n, q, maps, last_at_shift):
