@@ -29,6 +29,7 @@ Kernels that run inside must not synchronise with the host or size their grids f
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
@@ -231,13 +232,31 @@ class GraphCapturer(Protocol):
         """Called after the last capture."""
 
 
+@contextlib.contextmanager
+def _collector_off():
+    """The cyclic garbage collector paused (reference counting still frees), restored after."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 class CudaGraphCapturer:
     """`torch.cuda.CUDAGraph` capture on a side stream, all graphs in one memory pool.
 
     `warmups` eager runs precede each capture, so that first-use work (Triton's compiles and
     autotuning, cuBLAS handles, tensors a module caches) happens outside it. A recapture of
     shapes that already ran (after a memory release) needs none: that work is done, and the
-    warm-ups were two thirds of a resume's capture time."""
+    warm-ups were two thirds of a resume's capture time.
+
+    The cyclic garbage collector is off during a capture (`_collector_off`) and runs once before
+    the first: a collection inside one could destroy CUDA graphs or events that an earlier engine
+    left in a reference cycle, an operation a capturing stream forbids, and the capture fails
+    ("operation not permitted when stream is capturing"; torch's `graph` stopped collecting first
+    in 2.x). The GPU suite hit it on an H100, one test of many engines per process."""
 
     def __init__(self, device: torch.device, warmups: int = 2):
         assert warmups >= 0, warmups
@@ -245,6 +264,7 @@ class CudaGraphCapturer:
         self.warmups = warmups
         self.stream = torch.cuda.Stream(device)
         self.pool = None
+        gc.collect()  # what earlier engines left in cycles goes now, not inside a capture
         torch.cuda.synchronize(device)
         self.free_before = torch.cuda.mem_get_info(device)[0]
 
@@ -255,7 +275,7 @@ class CudaGraphCapturer:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        with _collector_off(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = fn()
         if self.pool is None:
             self.pool = graph.pool()

@@ -117,12 +117,16 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     chain.run_after_verify = lambda *a, **k: (runs.append(2), after_verify(*a, **k))[1]
     res, _, _ = run_spec(core, reqs, max_tokens=96)
     assert {rid: r[1] for rid, r in res.items()} == plain(96)
-    # passes skipped (no eager layer, no chain replay), late catch-ups after them (eager: lag > K + 1),
-    # and rounds on the chain graph again after those
+    # stretches of skipped passes (no eager layer, no chain replay), late catch-ups after them
+    # (eager: lag > K + 1), and rounds on the chain graph again after those. (How many stretches
+    # the 96 tokens reach depends on the drafts accepted: on an H200 llama's were 15, 13 and 3
+    # passes long, inkling's 15, 13, 15 and 14, under `all` and `prompt-lookup` alike.)
     late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
-    assert sum(n == 0 for _, n in passes) > 40 and any(passes[i][0] > 5 for i in late), passes
+    stretches = [len(s) for s in "".join("0" if n == 0 else "|" for _, n in passes).split("|") if s]
+    assert sum(s >= 10 for s in stretches) >= 2 and any(passes[i][0] > 5 for i in late), passes
     assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
-    assert len(overlapped) > 30, overlapped
+    # plain steps between plain steps overlap: all of a stretch's but its ends (llama 31 of 31)
+    assert len(overlapped) >= sum(stretches) - 2 * len(stretches), (overlapped, stretches)
 
 
 @pytest.mark.parametrize("arch", ["llama", "inkling"])
@@ -232,3 +236,44 @@ def test_speculative_verify_of_few_rows_equals_plain(num_reqs, k, flags, tmp_pat
         assert rows in expert_gemv and rows not in chunk_moe
     else:
         assert rows in chunk_moe and rows not in expert_gemv
+
+
+def test_a_collection_during_capture_cannot_destroy_an_old_graph():
+    # A CUDA graph left in a reference cycle (an earlier engine) is destroyed by the cyclic
+    # collector, which a capturing stream forbids: the capturer keeps the collector off while it
+    # captures. Here the cycle becomes garbage inside the capture (still in the young generation:
+    # the collector was off since it was made) and every allocation after asks for a collection.
+    import gc
+
+    from kiln.engine.cuda_graph import CudaGraphCapturer
+
+    class Holder:
+        pass
+
+    x = torch.ones(64, device="cuda")
+    capturer = CudaGraphCapturer(torch.device("cuda"), warmups=0)
+    before, keep = gc.get_threshold(), []
+    gc.disable()
+    try:
+        old = Holder()
+        old.self, old.graph = old, torch.cuda.CUDAGraph()
+        with torch.cuda.graph(old.graph):
+            old.y = x * 2
+        keep.append(old)
+        del old
+
+        def forward():
+            keep.clear()  # the cycle is garbage now
+            gc.set_threshold(1)
+            _ = [[i] for i in range(100)]  # container allocations: a young collection each, if on
+            return x + 1
+
+        gc.enable()
+        replay, out = capturer.capture(forward)
+    finally:
+        gc.set_threshold(*before)
+        gc.enable()
+    x.fill_(2.0)
+    replay()
+    torch.cuda.synchronize()
+    assert out.eq(3.0).all()
