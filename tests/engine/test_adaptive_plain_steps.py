@@ -288,3 +288,47 @@ def test_ngram_plain_steps_overlap_and_score_their_shadows(model_dir):  # noqa: 
         assert shadow == index.propose(1), (rid, at)
         assert told == (1, len(shadow), int(shadow == full[at:at + 1])), (rid, at, shadow, told)
     assert any(t[2] for *_, t in scored) and not all(t[2] for *_, t in scored)  # hits and misses
+
+
+def test_late_catch_up_replays_the_chain_graph(tmp_path):
+    """With the drafter's pass on graphs (on the CPU a capturer that re-runs the captured pass, the
+    kernels in Triton's interpreter), a late catch-up runs as replays of K + 1 rows each
+    (`MTPChainGraph.catch_up`), not as one eager pass: drafts after it still equal the
+    teacher-forced reference, and every emitted token's logits the reference forward's."""
+    import json
+
+    from kiln.engine.spec.mtp_drafter import CATCH_UP_LAG
+    from tests.engine.test_graph_buffers import RecomputeCapturer
+    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+    from tests.engine.test_speculative import SPEC_ARCHS
+
+    (tmp_path / "config.json").write_text(json.dumps({**SPEC_ARCHS["inkling"], **FEWER_LAYERS["inkling"]}))
+    K, kw = 3, dict(page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT)
+    core = spec_core(str(tmp_path), K, alpha=0.01, speculative_adaptive=True, **kw)
+    drafter = core.scheduler.spec.drafter
+    drafter.use_graphs(2, RecomputeCapturer())
+    script_lengths(core, [K] * 2 + [0] * 18 + [K] * 2 + [0] * 7 + [K])
+    calls, catch_up = [], drafter.graph.catch_up
+
+    def counted(reqs):
+        lag = max(r.seq_len - r.spec.frontier[0] for r in reqs)
+        calls.append((lag, catch_up(reqs)))
+        return calls[-1][1]
+
+    drafter.graph.catch_up = counted
+    eager, forward_layer = [], drafter._forward_layer
+    drafter._forward_layer = lambda k, layer, items, *a: (eager.append(max(len(it.catch_up) for it in items)),
+                                                          forward_layer(k, layer, items, *a))[1]
+    ps = prompts(2, seed=48, lo=24, hi=30)  # longer than a late catch-up: their first pass is eager
+    res, drafts, _ = run_spec(core, ps, max_tokens=40)
+    # greedy: every token the argmax of its logits, which equal the fresh reference's (so the
+    # output is plain decoding's, without running it: the interpreter is slow)
+    assert all(r[1] == [int(row.argmax()) for row in r[2]] for r in res.values())
+    assert_reference(core, res)
+    assert assert_mtp_reference(core, res, drafts) > 0
+    # each late catch-up took ceil((lag - (K + 1)) / (K + 1)) replays, the one after the long
+    # stretch at the lag bound; no eager pass caught up more than one pass's rows, but less than
+    # the prompts' first passes (longer than any late catch-up)
+    assert all(n == max(0, -(-(lag - K - 1) // (K + 1))) for lag, n in calls), calls
+    assert max(lag for lag, _ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(n for _, n in calls) >= 4
+    assert not [n for n in eager if K + 1 < n <= CATCH_UP_LAG + K + 1], eager

@@ -100,8 +100,8 @@ def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
 def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     # --speculative-adaptive with MTP on the GPU, lengths scripted: stretches of plain steps skip
     # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens) and run under overlap scheduling,
-    # the late catch-up runs eagerly, then rounds of K replay the chain graph again. Greedy output
-    # equals plain greedy decoding.
+    # the late catch-up replays the chain graph K + 1 entries at a time (`MTPChainGraph.catch_up`),
+    # then rounds of K replay it again. Greedy output equals plain greedy decoding.
     from tests.engine.test_adaptive_plain_steps import script_lengths
     from tests.engine.test_speculative import run_spec
 
@@ -118,13 +118,14 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     res, _, _ = run_spec(core, reqs, max_tokens=96)
     assert {rid: r[1] for rid, r in res.items()} == plain(96)
     # stretches of skipped passes (no eager layer, no chain replay), late catch-ups after them
-    # (eager: lag > K + 1), and rounds on the chain graph again after those. (How many stretches
+    # (lag > K + 1), and rounds on the chain graph again after those. (How many stretches
     # the 96 tokens reach depends on the drafts accepted: on an H200 llama's were 15, 13 and 3
     # passes long, inkling's 15, 13, 15 and 14, under `all` and `prompt-lookup` alike.)
     late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
     stretches = [len(s) for s in "".join("0" if n == 0 else "|" for _, n in passes).split("|") if s]
     assert sum(s >= 10 for s in stretches) >= 2 and any(passes[i][0] > 5 for i in late), passes
     assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
+    assert spec.drafter.late_passes >= 3, spec.drafter.late_passes  # lag 16 at K = 4: 3 replays before the pass
     # plain steps between plain steps overlap: all of a stretch's but its ends (llama 31 of 31)
     assert len(overlapped) >= sum(stretches) - 2 * len(stretches), (overlapped, stretches)
 

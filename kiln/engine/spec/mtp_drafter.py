@@ -27,6 +27,9 @@ and leave the catch-up to a later pass, until a request's MTP state lags its com
 `CATCH_UP_LAG`: a catch-up row costs about the same as a draft row, so in a long stretch of plain
 steps the K layers would otherwise run every step for drafts nobody asked for. The runner keeps
 that many more tokens of window history (swa, conv) for it, so the late rows still find theirs.
+With the pass on CUDA graphs the late catch-up replays the steady pass K + 1 entries at a time
+(`MTPChainGraph.catch_up`) before the pass that drafts: eagerly it cost ~8 ms of host time on an
+H100, a third of adaptive MTP's plain-step overhead at batch 1 (docs/speculative.md).
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
@@ -115,6 +118,7 @@ class MTPDrafter:
         self.sample_drafts = False
         self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []  # queued by on_commit
         self.graph = None  # MTPChainGraph: steady decode passes replayed from CUDA graphs (`use_graphs`)
+        self.late_passes = 0  # graph passes of late catch-ups (`MTPChainGraph.catch_up`) so far
         self.flight = None  # the last pass's drafts when the graph made them (still on the device)
         self._flight_logits = None  # their logits, when keep_logits
 
@@ -184,6 +188,9 @@ class MTPDrafter:
                 r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
             return
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
+        if (self.graph is not None and not sampled and self.max_lag
+                and self.graph.can_run(reqs, num_drafts, behind=self.max_lag + self.graph.K + 1)):
+            self.late_passes += self.graph.catch_up(reqs)  # a late catch-up: on the graph too
         if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
             self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):

@@ -26,7 +26,9 @@ slot 0 of every space (the scratch slots), and have extend length 0 in attention
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
-anything else runs the eager pass (`MTPDrafter.run`). A request that wants fewer than K drafts
+anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of up to
+`MTPDrafter.max_lag` + K + 1 entries (adaptive plain steps left it), which `catch_up` runs as
+replays of K + 1 entries first. A request that wants fewer than K drafts
 (at the end of the context) still gets K and uses the first ones: the draft rows past its pages
 map to the scratch slot (`_slots_or_scratch`), and a draft row only ever feeds later draft rows.
 The equality of the two is tested on the CPU with a capturer that re-runs the captured function
@@ -152,17 +154,46 @@ class MTPChainGraph:
         return torch.stack(out_logits)
 
     # ---- one pass ----------------------------------------------------------------------------
-    def can_run(self, reqs, num_drafts: dict[str, int]) -> bool:
+    def can_run(self, reqs, num_drafts: dict[str, int], behind: Optional[int] = None) -> bool:
+        """Whether one pass on the graph serves `reqs`: every request decodes, its frontiers are
+        equal and 1 .. `behind` (default K + 1: what one pass catches up) committed tokens back."""
         if not self.graphs or not reqs or len(reqs) > self.max_bs:
             return False
-        K = self.K
+        behind = self.K + 1 if behind is None else behind
         for r in reqs:
             f = r.spec.frontier
             T = r.seq_len
             if (r.rid not in num_drafts or r.num_computed != T - 1 or any(x != f[0] for x in f)
-                    or not 1 <= T - f[0] <= K + 1):
+                    or not 1 <= T - f[0] <= behind):
                 return False
         return True
+
+    def catch_up(self, reqs) -> int:
+        """A late catch-up (`MTPDrafter.max_lag`: passes that drafted nothing left it) on the graph
+        instead of one eager pass: while a request's frontiers are more than K + 1 committed tokens
+        back, replay the pass with its next K + 1 entries as catch-up rows (the others are padding,
+        c = 0) and move its frontiers on by K + 1. Each such pass is a steady round's pass whose
+        request committed K + 1 tokens: its drafts go unused, like a round's rejected drafts (their
+        K/V sits past the caught-up entries, hidden by the key gap until a later pass overwrites
+        it). An eager pass launches every layer's kernels from Python, several milliseconds of
+        host time; these passes cost a replay each (`can_run` must hold for `behind` = any lag).
+        Returns how many passes ran; `run` then serves the last K + 1 or fewer."""
+        K, passes = self.K, 0
+        while True:
+            first = [r.spec.frontier[0] for r in reqs]
+            late = [r.seq_len - F > K + 1 for r, F in zip(reqs, first)]
+            if not any(late):
+                return passes
+            host = self._tables(reqs, first)
+            host["count"] = [K + 1 if x else 0 for x in late]
+            host["tokens"] = []
+            for r, F, x in zip(reqs, first, late):
+                host["tokens"] += r.token_ids(F, F + K + 1) if x else [0] * (K + 1)
+            self._pass(len(reqs), host)
+            for r, F, x in zip(reqs, first, late):
+                if x:
+                    r.spec.frontier = [F + K + 1] * K
+            passes += 1
 
     def _tables(self, reqs, first: list[int]) -> dict[str, list[int]]:
         """The host's per-request inputs (request b's first stored position `first[b]`): slots of
