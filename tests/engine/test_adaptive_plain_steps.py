@@ -327,8 +327,8 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
     # each late catch-up took ceil((lag - (K + 1)) / (K + 1)) replays, the one after the long
-    # stretch at the lag bound; no eager pass caught up more than one pass's rows, but less than
-    # the prompts' first passes (longer than any late catch-up)
+    # stretch at the lag bound; no eager pass caught up more rows than one pass's K + 1 and fewer
+    # than a prompt's first pass (which is longer than any late catch-up)
     assert all(n == max(0, -(-(lag - K - 1) // (K + 1))) for lag, n in calls), calls
     assert max(lag for lag, _ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(n for _, n in calls) >= 4
     assert not [n for n in eager if K + 1 < n <= CATCH_UP_LAG + K + 1], eager

@@ -28,8 +28,9 @@ and leave the catch-up to a later pass, until a request's MTP state lags its com
 steps the K layers would otherwise run every step for drafts nobody asked for. The runner keeps
 that many more tokens of window history (swa, conv) for it, so the late rows still find theirs.
 With the pass on CUDA graphs the late catch-up replays the steady pass K + 1 entries at a time
-(`MTPChainGraph.catch_up`) before the pass that drafts: eagerly it cost ~8 ms of host time on an
-H100, a third of adaptive MTP's plain-step overhead at batch 1 (docs/speculative.md).
+(`MTPChainGraph.catch_up`) before the pass that drafts: eagerly one cost ~8 ms of host time on an
+H100, most of what made adaptive MTP's plain steps 1.55x plain decode's at batch 1 there
+(docs/speculative.md).
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
