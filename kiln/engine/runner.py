@@ -223,17 +223,45 @@ class ModelRunner:
             main = cfg.max_total_tokens
         else:
             if self.device.type == "cuda":
+                # The model is built in fp32, then cast (`_load_model`): the freed fp32 blocks stay in
+                # torch's cache, which the driver counts as used, and the budget would miss them (half
+                # the fp32 model at bf16; ~11.5 GB on Inkling `bench`, which then found no room for its
+                # KV cache on an H100: docs/benchmarks.md, thirty-fourth pass).
+                torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = total * cfg.mem_fraction_static - (total - free) - self._graph_reserve_bytes()
             else:
                 budget = cfg.cpu_kv_cache_gb * 1e9
             fixed = sum(floor[c] * per_token[c] for c in floor)
-            main = int(max(budget - fixed, 0) // (per_token["main"] + sum(ratio[c] * per_token[c] for c in ratio)))
+            per_main = per_token["main"] + sum(ratio[c] * per_token[c] for c in ratio)
+            main = int(max(budget - fixed, 0) // per_main)
+            if main < 2 * ps:
+                raise ValueError(self._no_memory_message(budget, chunk, floor, per_token))
         main = self.pc.min_int(main)  # every rank must hold the same pages (same scheduler decisions)
         if main < 2 * ps:
-            raise ValueError("no memory left for the KV cache; lower the model size or raise "
-                             "--mem-fraction-static / --max-total-tokens")
+            raise ValueError(f"no memory left for the KV cache (main space: {main} tokens, at least "
+                             f"{2 * ps} needed); raise --max-total-tokens or --mem-fraction-static")
         return main, {c: max(floor[c], int(ratio[c] * main)) for c in self.window_history}
+
+    def _no_memory_message(self, budget: float, chunk: int, floor: dict[str, int], per_token: dict[str, int]) -> str:
+        """Why the KV budget left no main space, and the flags that would fix it. A hybrid's window
+        spaces are sized first, for every running request's whole window (`_pool_tokens`): at 256
+        requests Inkling `bench`'s 4K sliding window alone wants ~43 GB, more than an 80 GB GPU
+        has left after its weights (docs/benchmarks.md, thirty-fourth pass)."""
+        cfg = self.config
+        gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e9 else f"{b / 1e6:.1f} MB"  # noqa: E731
+        msg = f"no memory left for the KV cache: {gb(max(budget, 0))} of KV budget"
+        if not floor:
+            return msg + "; raise --mem-fraction-static (or --cpu-kv-cache-gb on the CPU), or use a smaller model"
+        windows = sum(floor[c] * per_token[c] for c in floor)
+        per_req = sum((floor[c] - chunk) // max(cfg.max_running_requests, 1) * per_token[c] for c in floor)
+        # requests whose windows fill half the budget, the other half left to the main space
+        spare = budget / 2 - sum(chunk * per_token[c] for c in floor)
+        fits = int(spare // per_req) if per_req > 0 and spare > 0 else 0
+        msg += (f", and the window spaces ({', '.join(floor)}) take {gb(windows)} to hold a whole window for each of "
+                f"--max-running-requests {cfg.max_running_requests}")
+        hint = f"lower --max-running-requests (about {fits} fit)" if fits else "lower --max-running-requests"
+        return msg + f"; {hint}, or raise --mem-fraction-static (or --cpu-kv-cache-gb on the CPU)"
 
     def _load_model(self, source: ModelSource, pc: ParallelContext) -> torch.nn.Module:
         cls = get_model_class(self.model_config.model_type)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -241,3 +242,17 @@ def test_window_eviction_leaves_tombstones_and_exact_hits(model_dir):
     # A prefix whose windowed state was tombstoned: the match falls back to an intact boundary.
     res = run(core, [base[0][:50] + prompts(1, seed=9, lo=10, hi=11)[0]], tag="c")
     assert_reference(core, res)
+
+
+@pytest.mark.parametrize("arch_dir", ["inkling"], indirect=True)
+def test_a_budget_the_windows_fill_names_the_flags_that_fix_it(arch_dir):
+    """A hybrid's window spaces are sized first, for every running request's whole window: when
+    they leave no main space, the error says so and how many requests would fit, and that many do."""
+    kw = dict(model_path=arch_dir, load_format="dummy", skip_tokenizer_init=True, cpu_kv_cache_gb=0.2,
+              max_running_requests=4096)
+    with pytest.raises(ValueError, match=r"window spaces \(swa, conv\) take .* --max-running-requests 4096; "
+                                         r"lower --max-running-requests \(about \d+ fit\)") as err:
+        EngineCore(EngineConfig(**kw))
+    fits = int(re.search(r"about (\d+) fit", str(err.value)).group(1))
+    assert 0 < fits < 4096
+    EngineCore(EngineConfig(**{**kw, "max_running_requests": fits}))  # builds
