@@ -189,10 +189,11 @@ class MTPDrafter:
                 r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
             return
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
-        if (self.graph is not None and not sampled and self.max_lag
-                and self.graph.can_run(reqs, num_drafts, behind=self.max_lag + self.graph.K + 1)):
-            self.late_passes += self.graph.catch_up(reqs)  # a late catch-up: on the graph too
-        if self.graph is not None and not sampled and self.graph.can_run(reqs, num_drafts):
+        # the graph's pass, after replays that bring a late catch-up within its K + 1 rows
+        if self.graph is not None and not sampled and self.graph.can_run(
+                reqs, num_drafts, behind=self.graph.K + 1 + self.max_lag):
+            if self.max_lag:
+                self.late_passes += self.graph.catch_up(reqs)
             self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):
                 self._set_in_flight(r, i, num_drafts[r.rid])
