@@ -1,0 +1,32 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# thirty-fourth session (2026-12-05). `spec34a`: the rows of `spec33b` without its GPU twin (the
+# suite runs it): adaptive MTP (random MTP layers, so mostly plain steps) with the late catch-up on
+# the chain graph (08f0848) against plain decode and against the eager catch-up (carry scratch/base33
+# = `git archive a2f28d3 kiln benchmarks/*.py benchmarks/configs`), at batch 1 and 8, without
+# --max-total-tokens: on an H100 the default KV budget found no room before 513b0f5.
+# shellcheck shell=bash
+
+lane0_spec34a() {
+  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  # the first round compiles on a cold machine (~50 s an engine), the second finds the Triton cache warm
+  step plain_1 110 $DECODE $ad --out "$R/json/plain_1.json"
+  step adaptive_1 140 $DECODE $ad $mtp --out "$R/json/adaptive_1.json"
+  step adaptive_base_1 140 python scratch/base33/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_1.json"
+  step plain_2 60 $DECODE $ad --out "$R/json/plain_2.json"
+  step adaptive_2 60 $DECODE $ad $mtp --out "$R/json/adaptive_2.json"
+  step adaptive_base_2 60 python scratch/base33/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_2.json"
+}
+
+lane0_spec34b() {  # which Triton kernels first run inside a measured decode (benchmarks/compile_watch.py), on a cold
+  # Triton cache: spec34a's adaptive batch-8 run took 6.19 ms a step where the same engine's earlier run took 4.11
+  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  local cold="env TRITON_CACHE_DIR=/tmp/triton-cold-$$"
+  step watch_adaptive 200 $cold python benchmarks/compile_watch.py $C $ad $mtp --out "$R/json/watch_adaptive.json"
+  step watch_plain 100 $cold python benchmarks/compile_watch.py $C $ad --out "$R/json/watch_plain.json"
+  step watch_minimax 150 $cold python benchmarks/compile_watch.py $C --model-path $MM --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on --out "$R/json/watch_minimax.json"
+  step adaptive_warm 70 $cold $DECODE $ad $mtp --out "$R/json/adaptive_warm.json"
+  step plain_warm 60 $cold $DECODE $ad --out "$R/json/plain_warm.json"
+}
