@@ -29,7 +29,9 @@ from kiln.kernels.launch import pdl_launch, wait_for_previous
 MAX_SLOT_MAPS = 4  # the main page space and up to three window spaces (Inkling: sliding window, conv)
 
 
-@triton.jit
+# The strides and q vary with the batch and the draft length (a stride of 1 at batch 1): each
+# specialisation Triton would key on them is one more compile, first met while serving.
+@triton.jit(do_not_specialize=["stride_last", "stride_drafts", "q"])
 def _move_kernel(shift_ptr, last_ptr, stride_last, drafts_ptr, stride_drafts, pos_ptr, prefix_ptr, seq_ptr,
                  slots_ptr, ids_ptr, t0, s0, o0, t1, s1, o1, t2, s2, o2, t3, s3, o3, q,
                  N_MAPS: tl.constexpr, LAST_AT_SHIFT: tl.constexpr, BLOCK_Q: tl.constexpr, PDL: tl.constexpr):
