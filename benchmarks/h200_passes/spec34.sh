@@ -30,3 +30,23 @@ lane0_spec34b() {  # which Triton kernels first run inside a measured decode (be
   step adaptive_warm 70 $cold $DECODE $ad $mtp --out "$R/json/adaptive_warm.json"
   step plain_warm 60 $cold $DECODE $ad --out "$R/json/plain_warm.json"
 }
+
+lane0_spec34c() {  # the late catch-up graph (one replay of max_lag rows per request instead of K + 1 at a time):
+  # adaptive MTP (random MTP layers, mostly plain steps) against plain decode and against the chain-graph
+  # catch-up (carry scratch/base34 = `git archive f397ff1 kiln benchmarks/*.py benchmarks/configs`), alternated;
+  # then the Triton variants first met inside the measured runs (compile_watch, cold cache) after the
+  # do_not_specialize change (f397ff1)
+  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  export TRITON_CACHE_DIR=/tmp/triton-cold-$$  # cold for the first run, then shared by the rest
+  step watch_adaptive 170 python benchmarks/compile_watch.py $C $ad $mtp --out "$R/json/watch_adaptive.json"
+  for i in 1 2; do
+    step plain_$i 60 $DECODE $ad --out "$R/json/plain_$i.json"
+    step adaptive_$i 70 $DECODE $ad $mtp --out "$R/json/adaptive_$i.json"
+    step adaptive_base_$i 70 python scratch/base34/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_$i.json"
+  done
+}
+
+lane0_spec34d() {  # the whole GPU suite at the session's end
+  step gpu_suite 450 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+}

@@ -292,9 +292,10 @@ def test_ngram_plain_steps_overlap_and_score_their_shadows(model_dir):  # noqa: 
 
 def test_late_catch_up_replays_the_chain_graph(tmp_path):
     """With the drafter's pass on graphs (on the CPU a capturer that re-runs the captured pass, the
-    kernels in Triton's interpreter), a late catch-up runs as replays of K + 1 rows each
-    (`MTPChainGraph.catch_up`), not as one eager pass: drafts after it still equal the
-    teacher-forced reference, and every emitted token's logits the reference forward's."""
+    kernels in Triton's interpreter), a late catch-up runs as one replay of the late catch-up
+    graph, or (past its batch sizes; here every other late catch-up) as replays of the chain graph
+    K + 1 rows each (`MTPChainGraph.catch_up`), not as one eager pass: drafts after it still equal
+    the teacher-forced reference, and every emitted token's logits the reference forward's."""
     import json
 
     from kiln.engine.spec.mtp_drafter import CATCH_UP_LAG
@@ -308,11 +309,13 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     drafter = core.scheduler.spec.drafter
     drafter.use_graphs(2, RecomputeCapturer())
     script_lengths(core, [K] * 2 + [0] * 18 + [K] * 2 + [0] * 7 + [K])
-    calls, catch_up = [], drafter.graph.catch_up
+    calls, catch_up, late_graph = [], drafter.graph.catch_up, drafter.graph.late
+    assert late_graph.C == drafter.max_lag == CATCH_UP_LAG and not late_graph.drafts
 
-    def counted(reqs):
+    def counted(reqs):  # (lag, replays, on the late graph); late catch-ups alternate chain, late graph, ...
         lag = max(r.seq_len - r.spec.frontier[0] for r in reqs)
-        calls.append((lag, catch_up(reqs)))
+        drafter.graph.late = late_graph if sum(c[0] > K + 1 for c in calls) % 2 else None
+        calls.append((lag, catch_up(reqs), drafter.graph.late is not None))
         return calls[-1][1]
 
     drafter.graph.catch_up = counted
@@ -326,9 +329,12 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     assert all(r[1] == [int(row.argmax()) for row in r[2]] for r in res.values())
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
-    # each late catch-up took ceil((lag - (K + 1)) / (K + 1)) replays, the one after the long
-    # stretch at the lag bound; no eager pass caught up more rows than one pass's K + 1 and fewer
-    # than a prompt's first pass (which is longer than any late catch-up)
-    assert all(n == max(0, -(-(lag - K - 1) // (K + 1))) for lag, n in calls), calls
-    assert max(lag for lag, _ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(n for _, n in calls) >= 4
+    # each late catch-up took one replay of the late graph, or ceil((lag - (K + 1)) / (K + 1)) of
+    # the chain graph, the one after the long stretch at the lag bound; no eager pass caught up
+    # more rows than one pass's K + 1 and fewer than a prompt's first pass (which is longer than any
+    # late catch-up)
+    assert all(n == (int(lag > K + 1) if on_late else max(0, -(-(lag - K - 1) // (K + 1))))
+               for lag, n, on_late in calls), calls
+    assert {on_late for lag, _, on_late in calls if lag > K + 1} == {False, True}, calls
+    assert max(lag for lag, *_ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(n for _, n, _ in calls) >= 4
     assert not [n for n in eager if K + 1 < n <= CATCH_UP_LAG + K + 1], eager

@@ -100,7 +100,7 @@ def test_adaptive_rounds_with_graphs_equal_plain(arch, tmp_path):
 def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     # --speculative-adaptive with MTP on the GPU, lengths scripted: stretches of plain steps skip
     # the MTP layers (the catch-up lags up to CATCH_UP_LAG tokens) and run under overlap scheduling,
-    # the late catch-up replays the chain graph K + 1 entries at a time (`MTPChainGraph.catch_up`),
+    # the late catch-up replays the late catch-up graph once (`MTPChainGraph.catch_up`),
     # then rounds of K replay it again. Greedy output equals plain greedy decoding.
     from tests.engine.test_adaptive_plain_steps import script_lengths
     from tests.engine.test_speculative import run_spec
@@ -125,7 +125,8 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     stretches = [len(s) for s in "".join("0" if n == 0 else "|" for _, n in passes).split("|") if s]
     assert sum(s >= 10 for s in stretches) >= 2 and any(passes[i][0] > 5 for i in late), passes
     assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
-    assert spec.drafter.late_passes >= 3, spec.drafter.late_passes  # lag 16 at K = 4: 3 replays before the pass
+    # lag 16 at K = 4: one replay of the late graph before the pass, in each of two stretches or more
+    assert spec.drafter.late_passes >= 2 and spec.drafter.graph.late is not None, spec.drafter.late_passes
     # plain steps between plain steps overlap: all of a stretch's but its ends (llama 31 of 31)
     assert len(overlapped) >= sum(stretches) - 2 * len(stretches), (overlapped, stretches)
 

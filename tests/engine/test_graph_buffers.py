@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 
 
 class RecomputeCapturer:
-    """Replay = run the captured forward again and copy its result (a tensor, or a tuple of them)
-    into the captured output."""
+    """Replay = run the captured forward again and copy its result (a tensor, a tuple of them, or
+    None) into the captured output."""
 
     def __init__(self):
         self.replays = 0
@@ -33,7 +33,8 @@ class RecomputeCapturer:
             self.replays += 1
             new = fn()
             for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
-                o.copy_(n)
+                if o is not None:
+                    o.copy_(n)
 
         return replay, out
 

@@ -27,10 +27,10 @@ and leave the catch-up to a later pass, until a request's MTP state lags its com
 `CATCH_UP_LAG`: a catch-up row costs about the same as a draft row, so in a long stretch of plain
 steps the K layers would otherwise run every step for drafts nobody asked for. The runner keeps
 that many more tokens of window history (swa, conv) for it, so the late rows still find theirs.
-With the pass on CUDA graphs the late catch-up replays the steady pass K + 1 entries at a time
-(`MTPChainGraph.catch_up`) before the pass that drafts: eagerly one cost ~8 ms of host time on an
-H100, most of what made adaptive MTP's plain steps 1.55x plain decode's at batch 1 there
-(docs/speculative.md).
+With the pass on CUDA graphs the late catch-up replays a graph of the same pass with `max_lag`
+catch-up rows per request and no drafts (`MTPChainGraph.catch_up`) before the pass that drafts:
+eagerly one cost ~8 ms of host time on an H100, most of what made adaptive MTP's plain steps 1.55x
+plain decode's at batch 1 there (docs/speculative.md).
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
@@ -124,11 +124,15 @@ class MTPDrafter:
         self._flight_logits = None  # their logits, when keep_logits
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
-        """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`."""
+        """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`,
+        and with `max_lag` the late catch-up's pass of up to `max_lag` rows per request."""
         from kiln.engine.spec.mtp_graph import MTPChainGraph
 
         self.graph = MTPChainGraph(self, max_bs)
         self.graph.capture(capturer)
+        if self.max_lag:
+            self.graph.late = MTPChainGraph(self, max_bs, catch_up_rows=self.max_lag)
+            self.graph.late.capture(capturer)
 
     # ---- the drafter contract (kiln.engine.spec.drafter) ----------------------------------
     @property

@@ -27,8 +27,11 @@ slot 0 of every space (the scratch slots), and have extend length 0 in attention
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
 anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of up to
-`MTPDrafter.max_lag` + K + 1 entries (adaptive plain steps left it), which `catch_up` runs as
-replays of K + 1 entries first. A request that wants fewer than K drafts
+`MTPDrafter.max_lag` + K + 1 entries (adaptive plain steps left it), which `catch_up` brings
+within K + 1 first: in one replay of the late catch-up graph (the same pass with C = max_lag
+catch-up rows per request, no draft rows and no draft heads), or, past that graph's batch sizes,
+in replays of this one, K + 1 entries each. A replay reads the layers' weights once whether it
+has 4 rows per request or 16, so one replay of the late graph replaces four or five. A request that wants fewer than K drafts
 (at the end of the context) still gets K and uses the first ones: the draft rows past its pages
 map to the scratch slot (`_slots_or_scratch`), and a draft row only ever feeds later draft rows.
 The equality of the two is tested on the CPU with a capturer that re-runs the captured function
@@ -47,12 +50,17 @@ from kiln.engine.sampler import greedy_ids
 
 
 class MTPChainGraph:
-    """Per batch size, one graph of the whole MTP pass of `drafter` (an `MTPDrafter`)."""
+    """Per batch size, one graph of the whole MTP pass of `drafter` (an `MTPDrafter`).
 
-    def __init__(self, drafter, max_bs: int):
+    `catch_up_rows` C makes it the late catch-up graph instead: up to C catch-up rows per request
+    and nothing drafted (no draft rows, no draft heads; `catch_up` replays it)."""
+
+    def __init__(self, drafter, max_bs: int, catch_up_rows: Optional[int] = None):
         self.drafter = drafter
         self.K = drafter.num_layers
-        self.R = self.K + 2  # rows per request per layer: up to K + 1 catch-up rows and the draft row
+        self.drafts = catch_up_rows is None
+        self.C = self.K + 1 if self.drafts else catch_up_rows  # catch-up rows per request
+        self.R = self.C + 1 if self.drafts else self.C  # rows per request per layer (+ the draft row)
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         dev = drafter.runner.device
@@ -61,10 +69,11 @@ class MTPChainGraph:
         # Per request (padding requests: all 0)
         self.count = z(n)  # c_b: catch-up rows (committed positions F_b .. F_b + c_b - 1)
         self.first = z(n)  # F_b
-        self.tokens = z(n, self.R)  # t_{F_b + i} for i < c_b (column K + 1 stays 0)
-        self.conv_slots = z(n, K + 2)  # conv slot of positions F_b - 1 .. F_b + K
-        self.swa_width = max(2 * K, self.R)
-        self.swa_slots = z(n, self.swa_width)  # sliding-window slot of positions F_b .. F_b + 2K - 1 (or + R - 1)
+        self.tokens = z(n, self.R)  # t_{F_b + i} for i < c_b (the draft row's column stays 0)
+        self.conv_slots = z(n, self.C + 1)  # conv slot of positions F_b - 1 .. F_b + C - 1
+        # draft rows reach position F_b + 2K - 1; the late graph's rows F_b + C - 1
+        self.swa_width = max(2 * K, self.R) if self.drafts else self.C
+        self.swa_slots = z(n, self.swa_width)  # sliding-window slot of positions F_b .. F_b + swa_width - 1
         self.req_slots = z(n)
         self.zeros = z(n)
         self.starts = torch.arange(n, dtype=torch.int64, device=dev) * self.R
@@ -72,6 +81,7 @@ class MTPChainGraph:
         self.layer = torch.arange(1, K + 1, dtype=torch.int64, device=dev)  # k = 1..K
         self.graphs: dict[int, tuple] = {}
         self._ptrs: Optional[tuple] = None
+        self.late: Optional[MTPChainGraph] = None  # the late catch-up graph (`MTPDrafter.use_graphs`)
 
     # ---- capture -----------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -103,36 +113,44 @@ class MTPChainGraph:
         i, k, k_col = self.row[None, :], self.layer[:, None, None], self.layer[:, None]  # [1, R], [K, 1, 1], [K, 1]
         live = c > 0
         catch = i < c  # [bs, R]
-        draft = (i == c) & live & (k >= 2)  # [K, bs, R]
         zero = torch.zeros_like(catch, dtype=torch.int64)
         conv = self.conv_slots[:bs]
         hid = torch.where(catch, conv[:, :R], zero)  # h^{k-1} at p - 1 (conv column i = position F - 1 + i)
-        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=K).expand(bs, R)), zero)  # h^k at p
-        pos = torch.where(catch, first + i - k, torch.where(draft, first + c - 2, 0))
-        swa_draft = self.swa_slots[:bs].gather(1, (c - 2 + self.layer[None, :]).clamp(min=0)).t()  # [K, bs]
-        swa = torch.where(catch, self.swa_slots[:bs, :R], torch.where(draft, swa_draft[:, :, None], 0))
-        base = self.starts[:bs, None]
-        return {
+        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=self.C - 1).expand(bs, R)), zero)  # h^k at p
+        rows = {
             "ids": torch.where(catch, self.tokens[:bs], zero).reshape(-1),
             "hid": hid.reshape(-1), "keep": keep.reshape(-1),
-            "pos": pos.reshape(K, -1), "swa": swa.reshape(K, -1),
-            "ext": torch.where(live.t(), c.t() + (k_col >= 2), 0),  # [K, bs]
-            "draft_out": base.t() + torch.where(live, c, 1).t() - (k_col == 1).long(),  # [K, bs]; padding: own block
-            "draft_in": (base + torch.where(live, c, R - 1)).reshape(bs),
             # contiguous: a kernel indexes it with stride 1 (at bs 1 the expand would stay a stride-0 view)
             "token_slots": (self.req_slots[:bs, None] * live).expand(bs, R).contiguous().view(-1),
         }
+        swa_catch = torch.where(catch, self.swa_slots[:bs, :R], zero)
+        if not self.drafts:  # the late catch-up graph: catch-up rows and padding only
+            rows.update(pos=torch.where(catch, first + i - k, 0).reshape(K, -1),
+                        swa=swa_catch.expand(K, bs, R).reshape(K, -1),
+                        ext=torch.where(live.t(), c.t(), 0).expand(K, bs))
+            return rows
+        draft = (i == c) & live & (k >= 2)  # [K, bs, R]
+        pos = torch.where(catch, first + i - k, torch.where(draft, first + c - 2, 0))
+        swa_draft = self.swa_slots[:bs].gather(1, (c - 2 + self.layer[None, :]).clamp(min=0)).t()  # [K, bs]
+        swa = torch.where(catch, swa_catch, torch.where(draft, swa_draft[:, :, None], 0))
+        base = self.starts[:bs, None]
+        rows.update(pos=pos.reshape(K, -1), swa=swa.reshape(K, -1),
+                    ext=torch.where(live.t(), c.t() + (k_col >= 2), 0),  # [K, bs]
+                    draft_out=base.t() + torch.where(live, c, 1).t() - (k_col == 1).long(),  # [K, bs]; padding: own block
+                    draft_in=(base + torch.where(live, c, R - 1)).reshape(bs))
+        return rows
 
-    def _chain(self, bs: int) -> torch.Tensor:
+    def _chain(self, bs: int) -> Optional[torch.Tensor]:
         """The pass on the static buffers of the first `bs` requests -> logits [K, bs, N] (fp32)
-        over the draft vocabulary (`DraftVocab`: N = V without a token map)."""
+        over the draft vocabulary (`DraftVocab`: N = V without a token map); None for the late
+        catch-up graph."""
         d, R = self.drafter, self.R
         rows = self._rows(bs)
         prev_tok = prev_h = None
         out_logits = []
         for k, layer in enumerate(d.layers, start=1):
             ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
-            if k > 1:  # layer k - 1's draft token and hidden state feed layer k's draft row
+            if k > 1 and self.drafts:  # layer k - 1's draft token and hidden state feed layer k's draft row
                 ids = ids.index_copy(0, rows["draft_in"], prev_tok)
                 h_prev = h_prev.index_copy(0, rows["draft_in"], prev_h.to(h_prev.dtype))
             ext = rows["ext"][k - 1]
@@ -147,11 +165,13 @@ class MTPChainGraph:
             out = layer(emb, h_prev.to(emb.dtype), batch)
             if k < self.K:  # h^k of the catch-up rows, for layer k + 1 (other rows: scratch slot 0)
                 d.site(k)[rows["keep"]] = out.to(d.site(k).dtype)
+            if not self.drafts:
+                continue
             prev_h = out.index_select(0, rows["draft_out"][k - 1])
             logits = d.vocab.logits(layer.final_norm(prev_h))  # over the draft vocabulary
             prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
-        return torch.stack(out_logits)
+        return torch.stack(out_logits) if self.drafts else None
 
     # ---- one pass ----------------------------------------------------------------------------
     def can_run(self, reqs, num_drafts: dict[str, int], behind: Optional[int] = None) -> bool:
@@ -175,24 +195,31 @@ class MTPChainGraph:
         c = 0) and move its frontiers on by K + 1. Each such pass is a steady round's pass whose
         request committed K + 1 tokens: its drafts go unused, like a round's rejected drafts (their
         K/V sits past the caught-up entries, hidden by the key gap until a later pass overwrites
-        it). An eager pass launches every layer's kernels from Python, several milliseconds of
-        host time; these passes cost a replay each (`can_run` must hold for `behind` = any lag).
-        Returns how many passes ran; `run` then serves the last K + 1 or fewer."""
+        it). With the late catch-up graph (`self.late`, when it covers the batch) one replay
+        catches up all but the last K + 1 entries of up to C more. An eager pass launches every
+        layer's kernels from Python, several milliseconds of host time; these passes cost a replay
+        each (`can_run` must hold for `behind` = any lag). Returns how many passes ran; `run` then
+        serves the last K + 1 or fewer."""
         K, passes = self.K, 0
+        g = self.late if self.late is not None and len(reqs) <= self.late.max_bs else self
         while True:
             first = [r.spec.frontier[0] for r in reqs]
-            late = [r.seq_len - F > K + 1 for r, F in zip(reqs, first)]
-            if not any(late):
+            beyond = [max(r.seq_len - F - (K + 1), 0) for r, F in zip(reqs, first)]  # past the pass's K + 1
+            if not any(beyond):
                 return passes
-            host = self._tables(reqs, first)
-            host["count"] = [K + 1 if x else 0 for x in late]
+            if g is self:  # K + 1 entries a replay, leaving the pass at least one
+                counts = [K + 1 if b else 0 for b in beyond]
+            else:  # all but the pass's last K + 1
+                counts = [min(b, g.C) for b in beyond]
+            host = g._tables(reqs, first)
+            host["count"] = counts
             host["tokens"] = []
-            for r, F, x in zip(reqs, first, late):
-                host["tokens"] += r.token_ids(F, F + K + 1) if x else [0] * (K + 1)
-            self._pass(len(reqs), host)
-            for r, F, x in zip(reqs, first, late):
-                if x:
-                    r.spec.frontier = [F + K + 1] * K
+            for r, F, n in zip(reqs, first, counts):
+                host["tokens"] += r.token_ids(F, F + n) + [0] * (g.C - n)
+            g._pass(len(reqs), host)
+            for r, F, n in zip(reqs, first, counts):
+                if n:
+                    r.spec.frontier = [F + n] * K
             passes += 1
 
     def _tables(self, reqs, first: list[int]) -> dict[str, list[int]]:
@@ -202,26 +229,26 @@ class MTPChainGraph:
         K, ps = self.K, self.drafter.page_size
         conv, swa, slots = [], [], []
         for r, F in zip(reqs, first):
-            conv += _slots_or_scratch(r.win_pages["conv"], F - 1, F + K + 1, ps)
+            conv += _slots_or_scratch(r.win_pages["conv"], F - 1, F + self.C, ps)
             swa += _slots_or_scratch(r.win_pages["swa"], F, F + self.swa_width, ps)
             slots.append(r.slot)
         return {"first": first, "conv": conv, "swa": swa, "slots": slots}
 
-    def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None) -> torch.Tensor:
+    def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None) -> Optional[torch.Tensor]:
         """Copy the host tables (one transfer) and the counts / tokens (from `host` when None)
         into the static inputs of the smallest captured size >= n (the rest are padding
         requests), replay, and return the draft logits [K, n, N] (a view of a static tensor: read
-        it before the next replay)."""
+        it before the next replay; None for the late catch-up graph)."""
         if self._ptrs != self._addresses():  # pools or weights were reallocated (RL release / resume)
             self.capture()
-        K = self.K
+        C = self.C
         bs = next(s for s in self.sizes if s >= n)
         t = int64_to_device(host, self.drafter.runner.device)
         # one multi-tensor copy (see CudaGraphRunner.replay); the tokens' rows are strided
         torch._foreach_copy_([self.first[:n], self.conv_slots[:n], self.swa_slots[:n], self.req_slots[:n], self.count[:n]],
-                             [t["first"], t["conv"].view(n, K + 2), t["swa"].view(n, self.swa_width), t["slots"],
+                             [t["first"], t["conv"].view(n, C + 1), t["swa"].view(n, self.swa_width), t["slots"],
                               t["count"] if count is None else count])
-        self.tokens[:n, :K + 1].copy_(t["tokens"].view(n, K + 1) if tokens is None else tokens)
+        self.tokens[:n, :C].copy_(t["tokens"].view(n, C) if tokens is None else tokens)
         if bs > n:
             torch._foreach_zero_([self.count[n:bs], self.req_slots[n:bs]])
         replay, logits = self.graphs[bs]
@@ -229,7 +256,7 @@ class MTPChainGraph:
         # pages evicted to grow this round's) must land first, as before the verify's replay
         self.drafter.runner.load_gate.wait_all()
         replay()
-        return logits[:, :n]
+        return logits[:, :n] if logits is not None else None
 
     def run(self, reqs) -> torch.Tensor:
         """Fill the inputs for `reqs` (`can_run` said yes) from the host, replay, advance the
@@ -242,7 +269,7 @@ class MTPChainGraph:
         host["tokens"] = []
         for r, F in zip(reqs, first):
             ids = r.token_ids(F, r.seq_len)
-            host["tokens"] += ids + [0] * (K + 1 - len(ids))
+            host["tokens"] += ids + [0] * (self.C - len(ids))
         logits = self._pass(len(reqs), host)
         for r in reqs:
             r.spec.frontier = [r.seq_len] * K
