@@ -32,19 +32,21 @@ lane0_spec34b() {  # which Triton kernels first run inside a measured decode (be
 }
 
 lane0_spec34c() {  # the late catch-up graph (one replay of max_lag rows per request instead of K + 1 at a time):
-  # adaptive MTP (random MTP layers, mostly plain steps) against plain decode and against the chain-graph
-  # catch-up (carry scratch/base34 = `git archive f397ff1 kiln benchmarks/*.py benchmarks/configs`), alternated;
-  # then the Triton variants first met inside the measured runs (compile_watch, cold cache) after the
-  # do_not_specialize change (f397ff1)
+  # the GPU tests it and the do_not_specialize change (f397ff1) touch; adaptive MTP (random MTP layers, mostly
+  # plain steps) against plain decode and against the chain-graph catch-up (carry scratch/base34 = `git archive
+  # f397ff1 kiln benchmarks/*.py benchmarks/configs`), alternated; the Triton variants first met inside the
+  # measured runs (compile_watch, on a cold cache)
   local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
   local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_cuda_graph.py \
+    tests/engine/test_verify_ahead.py tests/kernels/test_verify_moves.py tests/kernels/test_attention_kernels.py
   export TRITON_CACHE_DIR=/tmp/triton-cold-$$  # cold for the first run, then shared by the rest
-  step watch_adaptive 170 python benchmarks/compile_watch.py $C $ad $mtp --out "$R/json/watch_adaptive.json"
-  for i in 1 2; do
-    step plain_$i 60 $DECODE $ad --out "$R/json/plain_$i.json"
-    step adaptive_$i 70 $DECODE $ad $mtp --out "$R/json/adaptive_$i.json"
-    step adaptive_base_$i 70 python scratch/base34/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_$i.json"
-  done
+  step watch_adaptive 130 python benchmarks/compile_watch.py $C $ad $mtp --out "$R/json/watch_adaptive.json"
+  step plain_1 50 $DECODE $ad --out "$R/json/plain_1.json"
+  step adaptive_1 55 $DECODE $ad $mtp --out "$R/json/adaptive_1.json"
+  step adaptive_base_1 55 python scratch/base34/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_1.json"
+  step adaptive_2 45 $DECODE $ad $mtp --out "$R/json/adaptive_2.json"
+  step adaptive_base_2 45 python scratch/base34/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_2.json"
 }
 
 lane0_spec34d() {  # the whole GPU suite at the session's end
