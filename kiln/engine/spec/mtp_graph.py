@@ -31,9 +31,11 @@ anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of 
 within K + 1 first: in one replay of the late catch-up graph (the same pass with C = max_lag
 catch-up rows per request, no draft rows and no draft heads), or, past that graph's batch sizes,
 in replays of this one, K + 1 entries each. A replay reads the layers' weights once whether it
-has 4 rows per request or 16, so one replay of the late graph replaces four or five. A request that wants fewer than K drafts
-(at the end of the context) still gets K and uses the first ones: the draft rows past its pages
-map to the scratch slot (`_slots_or_scratch`), and a draft row only ever feeds later draft rows.
+has 4 rows per request or 16, so one replay of the late graph replaces four or five.
+
+A request that wants fewer than K drafts (at the end of the context) still gets K and uses the
+first ones: the draft rows past its pages map to the scratch slot (`_slots_or_scratch`), and a
+draft row only ever feeds later draft rows.
 The equality of the two is tested on the CPU with a capturer that re-runs the captured function
 (tests/engine/test_graph_buffers.py) and on the GPU.
 """
@@ -116,7 +118,8 @@ class MTPChainGraph:
         zero = torch.zeros_like(catch, dtype=torch.int64)
         conv = self.conv_slots[:bs]
         hid = torch.where(catch, conv[:, :R], zero)  # h^{k-1} at p - 1 (conv column i = position F - 1 + i)
-        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=self.C - 1).expand(bs, R)), zero)  # h^k at p
+        # h^k at p
+        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=self.C - 1).expand(bs, R)), zero)
         rows = {
             "ids": torch.where(catch, self.tokens[:bs], zero).reshape(-1),
             "hid": hid.reshape(-1), "keep": keep.reshape(-1),
