@@ -52,3 +52,18 @@ lane0_spec34c() {  # the late catch-up graph (one replay of max_lag rows per req
 lane0_spec34d() {  # the whole GPU suite at the session's end
   step gpu_suite 450 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
 }
+
+lane0_spec34e() {  # the extend kernel's metadata pointers unspecialised on alignment: its GPU tests, the Triton
+  # variants first met inside the measured runs (cold cache), and prefill / decode against f397ff1 (carry
+  # scratch/base34), alternated
+  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  step gpu_tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/kernels/test_attention_kernels.py \
+    tests/engine/test_cuda_graph.py -k "late or extend or attention"
+  export TRITON_CACHE_DIR=/tmp/triton-cold-$$
+  step watch_adaptive 130 python benchmarks/compile_watch.py $C $ad $mtp --out "$R/json/watch_adaptive.json"
+  for i in 1 2; do
+    step plain_$i 50 $DECODE $ad --out "$R/json/plain_$i.json"
+    step plain_base_$i 60 python scratch/base34/benchmarks/decode_batch.py $C $ad --out "$R/json/plain_base_$i.json"
+  done
+}

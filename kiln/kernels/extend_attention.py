@@ -34,9 +34,11 @@ def extend_config(block_d: int, device: torch.device) -> dict:
     return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
-# key_gap / key_offset (1 in some MTP passes) and Positions (a slice at any offset) would make
-# variants Triton compiles mid-serve, on the first pass of their kind (benchmarks/compile_watch.py).
-@triton.jit(do_not_specialize=["key_gap", "key_offset"], do_not_specialize_on_alignment=["Positions"])
+# key_gap / key_offset (1 in some MTP passes) and the per-sequence metadata (slices at any offset,
+# read a scalar at a time) would make variants Triton compiles mid-serve, on the first pass of
+# their kind (benchmarks/compile_watch.py; docs/benchmarks.md, thirty-fifth pass).
+@triton.jit(do_not_specialize=["key_gap", "key_offset"],
+            do_not_specialize_on_alignment=["ReqSlots", "PrefixLens", "ExtendLens", "ExtendStarts", "Positions"])
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqSlots, PrefixLens, ExtendLens, ExtendStarts, Rel, Positions,
     scale_log2, window, rel_len, key_gap, key_offset,
