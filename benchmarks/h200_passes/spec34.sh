@@ -67,3 +67,15 @@ lane0_spec34e() {  # the extend kernel's metadata pointers unspecialised on alig
     step plain_base_$i 60 python scratch/base34/benchmarks/decode_batch.py $C $ad --out "$R/json/plain_base_$i.json"
   done
 }
+
+lane0_spec34f() {  # a speculative engine's decode graphs (q = 1) captured with the early trigger, as plain decode's:
+  # adaptive MTP's plain steps against the session's late catch-up graph without it (carry scratch/base35 =
+  # `git archive 7ddacff kiln benchmarks/*.py benchmarks/configs`), alternated
+  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+  local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"
+  step plain 60 $DECODE $ad --out "$R/json/plain.json"
+  for i in 1 2; do
+    step adaptive_$i 50 $DECODE $ad $mtp --out "$R/json/adaptive_$i.json"
+    step adaptive_base_$i 40 python scratch/base35/benchmarks/decode_batch.py $C $ad $mtp --out "$R/json/adaptive_base_$i.json"
+  done
+}

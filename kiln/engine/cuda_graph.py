@@ -59,12 +59,12 @@ class CudaGraphRunner:
     slots the batch carries (`ForwardBatch.win_out_locs`). `tokens_per_seq` lists the batch shapes
     to capture: 1 is decode; q > 1 is a *uniform extend* of q tokens per sequence on top of any
     cached prefix, with logits for every row (a speculative round verifying q - 1 drafts). Every
-    shape shares the static buffers and one memory pool. `capture_context(rows)`, if given, wraps
-    the capture of each graph of `rows` token rows."""
+    shape shares the static buffers and one memory pool. `capture_context(bs, q)`, if given, wraps
+    the capture of each graph of `bs` sequences of `q` tokens."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_bs: int,
                  windows: list[str], device: torch.device, tokens_per_seq: Sequence[int] = (1,),
-                 capture_context: Optional[Callable[[int], ContextManager]] = None, use_kernels: bool = False):
+                 capture_context: Optional[Callable[[int, int], ContextManager]] = None, use_kernels: bool = False):
         self.forward = forward
         # `replay_moved`'s input moves: one Triton launch, or the PyTorch reference's ~13
         self.move_inputs = verify_moves.move_verify_inputs
@@ -72,7 +72,7 @@ class CudaGraphRunner:
             from kiln.kernels import verify_moves as one_launch
 
             self.move_inputs = one_launch.move_verify_inputs
-        self.capture_context = capture_context or (lambda rows: contextlib.nullcontext())
+        self.capture_context = capture_context or (lambda bs, q: contextlib.nullcontext())
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.tokens_per_seq = sorted(set(tokens_per_seq))
@@ -128,7 +128,7 @@ class CudaGraphRunner:
         for q in sorted(self.tokens_per_seq, key=lambda q: -q * self.sizes_of[q][-1]):
             for bs in reversed(self.sizes_of[q]):
                 batch = self._batch(bs, q)
-                with self.capture_context(bs * q):
+                with self.capture_context(bs, q):
                     replay, logits = capturer.capture(lambda batch=batch: self.forward(batch))
                 self.graphs[(q, bs)] = (replay, logits, batch)
         capturer.done(self.sizes)

@@ -133,16 +133,17 @@ class ModelRunner:
                                list(self.window_tables), self.device, tokens_per_seq=shapes,
                                capture_context=self._graph_capture_context, use_kernels=self.use_kernels)
 
-    def _graph_capture_context(self, rows: int):
+    def _graph_capture_context(self, bs: int, q: int):
         """PDL's early trigger for graphs of at most `--pdl-early-trigger-max-tokens` rows (all
         of them with `--pdl-early-trigger`): it gains at batch 1 and 8 but costs at batch 64.
-        Not with speculative decoding (unless --pdl-early-trigger): there it gained nothing at
-        batch 1 and 8, and K = 3 rounds at batch 32 ran ~0.6-0.9 ms slower with it
-        (docs/benchmarks.md, fourteenth pass; why is not established)."""
+        Not for speculative verify graphs (q > 1; unless --pdl-early-trigger): there it gained
+        nothing at batch 1 and 8, and K = 3 rounds at batch 32 ran ~0.6-0.9 ms slower with it
+        (docs/benchmarks.md, fourteenth pass; why is not established). A speculative engine's
+        decode graphs (q = 1: `--speculative-adaptive`'s plain steps) take it as plain decode's."""
         from kiln.kernels.launch import early_trigger
 
         cfg = self.config
-        small = rows <= cfg.pdl_early_trigger_max_tokens and not self.spec_steps
+        small = bs * q <= cfg.pdl_early_trigger_max_tokens and (q == 1 or not self.spec_steps)
         return early_trigger(cfg.pdl_early_trigger or small)
 
     def _graph_reserve_bytes(self) -> int:

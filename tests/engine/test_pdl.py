@@ -59,7 +59,8 @@ def test_early_trigger_context_restores(restore_pdl, monkeypatch):
 
 def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
     """The engine captures graphs of at most --pdl-early-trigger-max-tokens rows with PDL 2, the
-    others with PDL 1; with speculative decoding none; --pdl-early-trigger: all."""
+    others with PDL 1; with speculative decoding only the decode graphs (one token per sequence:
+    adaptive plain steps), not the verify graphs; --pdl-early-trigger: all."""
     from types import SimpleNamespace
 
     from kiln.engine.cuda_graph import CudaGraphRunner
@@ -82,15 +83,18 @@ def test_graphs_of_few_rows_capture_the_early_trigger(restore_pdl, monkeypatch):
     for everywhere, max_tokens, spec in ((False, 8, 0), (False, 0, 0), (True, 0, 0), (False, 8, 3), (True, 8, 3)):
         runner = SimpleNamespace(config=EngineConfig(pdl_early_trigger=everywhere,
                                                      pdl_early_trigger_max_tokens=max_tokens), spec_steps=spec)
-        context = lambda rows: ModelRunner._graph_capture_context(runner, rows)  # noqa: E731
+        context = lambda bs, q: ModelRunner._graph_capture_context(runner, bs, q)  # noqa: E731
         g = CudaGraphRunner(lambda b: None, 16, [], torch.device("cpu"), tokens_per_seq=(1, 4),
                             capture_context=context)
         capturer = RecordingCapturer()
         g.capture(capturer)
-        rows = [bs * q for q in sorted(g.tokens_per_seq, key=lambda q: -q * g.sizes_of[q][-1])
-                for bs in reversed(g.sizes_of[q])]
+        shapes = [(bs, q) for q in sorted(g.tokens_per_seq, key=lambda q: -q * g.sizes_of[q][-1])
+                  for bs in reversed(g.sizes_of[q])]
+        rows = [bs * q for bs, q in shapes]
         assert rows == [64, 32, 16, 8, 4, 16, 8, 4, 2, 1]  # verify graphs of 4 rows per sequence first
-        assert capturer.pdl == [2 if everywhere or (r <= max_tokens and not spec) else 1 for r in rows]
+        assert capturer.pdl == [2 if everywhere or (bs * q <= max_tokens and (q == 1 or not spec)) else 1
+                                for bs, q in shapes]
+        assert spec == 0 or everywhere or max_tokens == 0 or capturer.pdl[-4:] == [2, 2, 2, 2]  # decode graphs, bs <= 8
         assert launch.pdl_launch(torch.device("cuda", 0))["PDL"] == 1  # restored after every capture
     with pytest.raises(ValueError, match="pdl-early-trigger-max-tokens"):
         EngineConfig(pdl_early_trigger_max_tokens=-1)
