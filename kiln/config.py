@@ -118,7 +118,7 @@ class EngineConfig:
         "forward, eager or replayed, at any batch size (see --pdl-early-trigger-max-tokens).")
     pdl_early_trigger_max_tokens: int = opt(
         8, "Decode CUDA graphs of at most this many rows are captured with the early trigger of "
-        "--pdl-early-trigger; 0: none. Not with speculative decoding, where it did not gain. On an "
+        "--pdl-early-trigger; 0: none. Not a speculative verify's graphs, where it did not gain. On an "
         "H200 it gains 1.5-4%% at batch 1 and ~1%% at batch 8 but costs Inkling 6-20%% at batch 64 "
         "(docs/benchmarks.md, eleventh, twelfth and fourteenth passes).")
     gemv_max_rows: Optional[int] = opt(
