@@ -37,7 +37,6 @@ class CompileWatch:
 
         self.phase = "start"
         self.events: list[tuple[str, str, float, tuple]] = []  # (phase, kernel, seconds, key)
-        self._jit = jit
         original = jit.JITFunction._do_compile
         watch = self
 
@@ -73,6 +72,7 @@ def _difference(earlier: list[tuple], key: tuple) -> str:
     """What sets `key` apart from the nearest earlier variant of the same kernel."""
     if not earlier:
         return "the kernel's first variant"
+
     def diff(a, b):
         da, db = dict(a[0] + a[1]), dict(b[0] + b[1])
         return {k: (da.get(k), db.get(k)) for k in set(da) | set(db) if da.get(k) != db.get(k)}
