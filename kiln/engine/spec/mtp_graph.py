@@ -192,28 +192,23 @@ class MTPChainGraph:
         return True
 
     def catch_up(self, reqs) -> int:
-        """A late catch-up (`MTPDrafter.max_lag`: passes that drafted nothing left it) on the graph
-        instead of one eager pass: while a request's frontiers are more than K + 1 committed tokens
-        back, replay the pass with its next K + 1 entries as catch-up rows (the others are padding,
-        c = 0) and move its frontiers on by K + 1. Each such pass is a steady round's pass whose
-        request committed K + 1 tokens: its drafts go unused, like a round's rejected drafts (their
-        K/V sits past the caught-up entries, hidden by the key gap until a later pass overwrites
-        it). With the late catch-up graph (`self.late`, when it covers the batch) one replay
-        catches up all but the last K + 1 entries of up to C more. An eager pass launches every
-        layer's kernels from Python, several milliseconds of host time; these passes cost a replay
-        each (`can_run` must hold for `behind` = any lag). Returns how many passes ran; `run` then
-        serves the last K + 1 or fewer."""
+        """A late catch-up (`MTPDrafter.max_lag`: passes that drafted nothing left it) on graphs
+        instead of one eager pass, which launches every layer's kernels from Python (several
+        milliseconds of host time): while a request's frontiers are more than K + 1 committed
+        tokens back, replay a pass with all but its last K + 1 entries as catch-up rows, at most C
+        per replay (requests already within reach are padding, c = 0), and move its frontiers on.
+        The late catch-up graph (`self.late`, C = max_lag) does it in one replay; past its batch
+        sizes this graph does, K + 1 entries a replay, as a steady round's pass whose drafts go
+        unused like a rejected round's (their K/V sits past the caught-up entries, hidden by the
+        key gap until a later pass overwrites it). `can_run` must hold for `behind` = any lag.
+        Returns how many replays ran; `run` then serves the last K + 1."""
         K, passes = self.K, 0
         g = self.late if self.late is not None and len(reqs) <= self.late.max_bs else self
         while True:
             first = [r.spec.frontier[0] for r in reqs]
-            beyond = [max(r.seq_len - F - (K + 1), 0) for r, F in zip(reqs, first)]  # past the pass's K + 1
-            if not any(beyond):
+            counts = [min(max(r.seq_len - F - (K + 1), 0), g.C) for r, F in zip(reqs, first)]
+            if not any(counts):
                 return passes
-            if g is self:  # K + 1 entries a replay, leaving the pass at least one
-                counts = [K + 1 if b else 0 for b in beyond]
-            else:  # all but the pass's last K + 1
-                counts = [min(b, g.C) for b in beyond]
             host = g._tables(reqs, first)
             host["count"] = counts
             host["tokens"] = []
