@@ -294,7 +294,8 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     """With the drafter's pass on graphs (on the CPU a capturer that re-runs the captured pass, the
     kernels in Triton's interpreter), a late catch-up runs as one replay of the late catch-up
     graph, or (past its batch sizes; here every other late catch-up) as replays of the chain graph
-    K + 1 rows each (`MTPChainGraph.catch_up`), not as one eager pass: drafts after it still equal
+    K + 1 rows each (`MTPChainGraph.catch_up`), not as one eager pass; one reached at the lag bound
+    while nobody drafts takes every entry and no chain pass follows it. Drafts after it still equal
     the teacher-forced reference, and every emitted token's logits the reference forward's."""
     import json
 
@@ -308,33 +309,41 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     core = spec_core(str(tmp_path), K, alpha=0.01, speculative_adaptive=True, **kw)
     drafter = core.scheduler.spec.drafter
     drafter.use_graphs(2, RecomputeCapturer())
-    script_lengths(core, [K] * 2 + [0] * 18 + [K] * 2 + [0] * 7 + [K])
-    calls, catch_up, late_graph = [], drafter.graph.catch_up, drafter.graph.late
+    # stretches of plain steps that reach the lag bound (the first and the last), or draft before it
+    script_lengths(core, [K] * 2 + [0] * 18 + [K] + [0] * 7 + [K] + [0] * 18 + [K])
+    calls, events, late_graph, graph = [], [], drafter.graph.late, drafter.graph
+    catch_up, chain_pass, drafter_pass = graph.catch_up, graph.run, drafter.run
     assert late_graph.C == drafter.max_lag == CATCH_UP_LAG and not late_graph.drafts
 
-    def counted(reqs):  # (lag, replays, on the late graph); late catch-ups alternate chain, late graph, ...
+    def counted(reqs, leave=None):  # (lag, leave, replays, on the late graph); alternately without and with it
         lag = max(r.seq_len - r.spec.frontier[0] for r in reqs)
-        drafter.graph.late = late_graph if sum(c[0] > K + 1 for c in calls) % 2 else None
-        calls.append((lag, catch_up(reqs), drafter.graph.late is not None))
-        return calls[-1][1]
+        leave = K + 1 if leave is None else leave
+        graph.late = late_graph if len(calls) % 2 else None
+        calls.append((lag, leave, catch_up(reqs, leave), graph.late is not None))
+        events.append(("catch_up", leave))
+        return calls[-1][2]
 
-    drafter.graph.catch_up = counted
+    graph.catch_up = counted
+    graph.run = lambda reqs: (events.append(("chain",)), chain_pass(reqs))[1]
+    drafter.run = lambda reqs, num_drafts: (events.append(("pass",)), drafter_pass(reqs, num_drafts))[1]
     eager, forward_layer = [], drafter._forward_layer
     drafter._forward_layer = lambda k, layer, items, *a: (eager.append(max(len(it.catch_up) for it in items)),
                                                           forward_layer(k, layer, items, *a))[1]
     ps = prompts(2, seed=48, lo=24, hi=30)  # longer than a late catch-up: their first pass is eager
-    res, drafts, _ = run_spec(core, ps, max_tokens=40)
+    res, drafts, _ = run_spec(core, ps, max_tokens=50)
     # greedy: every token the argmax of its logits, which equal the fresh reference's (so the
     # output is plain decoding's, without running it: the interpreter is slow)
     assert all(r[1] == [int(row.argmax()) for row in r[2]] for r in res.values())
     assert_reference(core, res)
     assert assert_mtp_reference(core, res, drafts) > 0
-    # each late catch-up took one replay of the late graph, or ceil((lag - (K + 1)) / (K + 1)) of
-    # the chain graph, the one after the long stretch at the lag bound; no eager pass caught up
-    # more rows than one pass's K + 1 and fewer than a prompt's first pass (which is longer than any
-    # late catch-up)
-    assert all(n == (int(lag > K + 1) if on_late else max(0, -(-(lag - K - 1) // (K + 1))))
-               for lag, n, on_late in calls), calls
-    assert {on_late for lag, _, on_late in calls if lag > K + 1} == {False, True}, calls
-    assert max(lag for lag, *_ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(n for _, n, _ in calls) >= 4
+    # each late catch-up took ceil((lag - leave) / C) replays, C = 16 on the late graph and K + 1
+    # on the chain graph; no eager pass caught up more rows than one pass's K + 1 and fewer than a
+    # prompt's first pass (which is longer than any late catch-up)
+    assert all(n == max(0, -(-(lag - leave) // (CATCH_UP_LAG if on_late else K + 1)))
+               for lag, leave, n, on_late in calls), calls
+    assert {on_late for lag, leave, n, on_late in calls if leave == 0} == {False, True}, calls
+    assert any(leave and lag > leave for lag, leave, n, on_late in calls), calls
+    # a catch-up at the lag bound is the whole pass: no chain pass in the same drafter pass
+    assert all(events[i + 1] != ("chain",) for i, e in enumerate(events[:-1]) if e == ("catch_up", 0)), events
+    assert max(lag for lag, *_ in calls) >= CATCH_UP_LAG and drafter.late_passes == sum(c[2] for c in calls) >= 4
     assert not [n for n in eager if K + 1 < n <= CATCH_UP_LAG + K + 1], eager

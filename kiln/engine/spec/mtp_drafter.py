@@ -28,9 +28,10 @@ and leave the catch-up to a later pass, until a request's MTP state lags its com
 steps the K layers would otherwise run every step for drafts nobody asked for. The runner keeps
 that many more tokens of window history (swa, conv) for it, so the late rows still find theirs.
 With the pass on CUDA graphs the late catch-up replays a graph of the same pass with `max_lag`
-catch-up rows per request and no drafts (`MTPChainGraph.catch_up`) before the pass that drafts:
-eagerly one cost ~8 ms of host time on an H100, most of what made adaptive MTP's plain steps 1.55x
-plain decode's at batch 1 there (docs/speculative.md).
+catch-up rows per request and no drafts (`MTPChainGraph.catch_up`) before the pass that drafts,
+or instead of the pass when the lag bound is reached and nobody drafts: eagerly one cost ~8 ms of
+host time on an H100, most of what made adaptive MTP's plain steps 1.55x plain decode's at batch 1
+there (docs/speculative.md).
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
@@ -193,11 +194,18 @@ class MTPDrafter:
                 r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
             return
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
-        # the graph's pass, after replays that bring a late catch-up within its K + 1 rows
+        # the graph's pass, after replays that bring a late catch-up within its K + 1 rows; when
+        # nobody drafts, the catch-up replays take every entry and the pass is skipped (its drafts
+        # would go unread)
         if self.graph is not None and not sampled and self.graph.can_run(
                 reqs, num_drafts, behind=self.graph.K + 1 + self.max_lag):
+            drafting = any(num_drafts[r.rid] for r in reqs)
             if self.max_lag:
-                self.late_passes += self.graph.catch_up(reqs)
+                self.late_passes += self.graph.catch_up(reqs, leave=self.graph.K + 1 if drafting else 0)
+            if not drafting and self.max_lag:
+                for r in reqs:
+                    r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
+                return
             self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):
                 self._set_in_flight(r, i, num_drafts[r.rid])

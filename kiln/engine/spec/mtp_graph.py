@@ -31,7 +31,9 @@ anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of 
 within K + 1 first: in one replay of the late catch-up graph (the same pass with C = max_lag
 catch-up rows per request, no draft rows and no draft heads), or, past that graph's batch sizes,
 in replays of this one, K + 1 entries each. A replay reads the layers' weights once whether it
-has 4 rows per request or 16, so one replay of the late graph replaces four or five.
+has 4 rows per request or 16, so one replay of the late graph replaces four or five. When the
+pass drafts nothing (the lag bound reached during plain steps), the replays take every entry and
+no pass follows.
 
 A request that wants fewer than K drafts (at the end of the context) still gets K and uses the
 first ones: the draft rows past its pages map to the scratch slot (`_slots_or_scratch`), and a
@@ -191,22 +193,26 @@ class MTPChainGraph:
                 return False
         return True
 
-    def catch_up(self, reqs) -> int:
+    def catch_up(self, reqs, leave: Optional[int] = None) -> int:
         """A late catch-up (`MTPDrafter.max_lag`: passes that drafted nothing left it) on graphs
         instead of one eager pass, which launches every layer's kernels from Python (several
-        milliseconds of host time): while a request's frontiers are more than K + 1 committed
-        tokens back, replay a pass with all but its last K + 1 entries as catch-up rows, at most C
-        per replay (requests already within reach are padding, c = 0), and move its frontiers on.
+        milliseconds of host time): while a request's frontiers are more than `leave` (default
+        K + 1: what the pass that drafts next takes) committed tokens back, replay a pass with all
+        but its last `leave` entries as catch-up rows, at most C per replay (requests already
+        within reach are padding, c = 0), and move its frontiers on. `leave` = 0 when no pass
+        follows (nobody drafts).
         The late catch-up graph (`self.late`, C = max_lag) does it in one replay; past its batch
         sizes this graph does, K + 1 entries a replay, as a steady round's pass whose drafts go
         unused like a rejected round's (their K/V sits past the caught-up entries, hidden by the
         key gap until a later pass overwrites it). `can_run` must hold for `behind` = any lag.
-        Returns how many replays ran; `run` then serves the last K + 1."""
+        Returns how many replays ran; `run` then serves the last `leave`."""
         K, passes = self.K, 0
+        leave = K + 1 if leave is None else leave
+        assert 0 <= leave <= K + 1, leave
         g = self.late if self.late is not None and len(reqs) <= self.late.max_bs else self
         while True:
             first = [r.spec.frontier[0] for r in reqs]
-            counts = [min(max(r.seq_len - F - (K + 1), 0), g.C) for r, F in zip(reqs, first)]
+            counts = [min(max(r.seq_len - F - leave, 0), g.C) for r, F in zip(reqs, first)]
             if not any(counts):
                 return passes
             host = g._tables(reqs, first)
