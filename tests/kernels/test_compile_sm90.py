@@ -302,6 +302,15 @@ def msa_scores() -> None:
                                                     TILE_T=64, DOT_PREC="tf32", PDL=True))
 
 
+def persistent_chain() -> None:
+    """benchmarks/kernel_bench/persistent_chain.py: a `while` over atomic tickets with a spin on
+    another atomic inside an `if` (the benchmark's GPU run must not be where this is found out)."""
+    from benchmarks.kernel_bench.persistent_chain import _chain_kernel
+
+    compile_sm90(_chain_kernel, {"W": "*bf16", "X0": "*bf16", "Y": "*bf16", "DONE": "*i32", "TICKET": "*i32"},
+                 dict(N=2048, K=2048, BLOCK_N=4))
+
+
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
          "conv_qk_norm_store": lambda: conv_qk_norm(True, to_cache=True),
          "extend": lambda: extend_attention(False), "extend_mtp": lambda: extend_attention(True),
@@ -324,7 +333,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "decode_early_kv": lambda: decode_attention(False, merge_here=True, early_kv=True),
          "decode_early_kv_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True),
-         "rope": rope, "msa_scores": msa_scores}
+         "rope": rope, "msa_scores": msa_scores, "persistent_chain": persistent_chain}
 
 
 def test_kernels_compile_for_sm90():

@@ -1,0 +1,177 @@
+"""Would one persistent kernel run a batch-1 GEMV chain nearer its bytes than one launch per GEMV?
+
+    python -m benchmarks.kernel_bench.persistent_chain [--layers 24] [--shapes o,qkvr,8b]
+                                                       [--per-sm 1,2,4,8] [--block-n 2,4,8] [--out F]
+
+CUDA for the timings; the kernel also runs in Triton's interpreter (tests/benchmarks/test_persistent_chain.py).
+
+Issue 4's 70% of the roofline at batch 1 is out of reach for the hybrids (~41%) because each of a
+step's ~15 launches per layer costs ~2-4 us beyond its bytes (docs/benchmarks.md, twenty-second
+and twenty-sixth passes): even with attention, the gate and the MoE cut, the dense GEMVs alone
+took 0.49 ms for 0.20 ms of bytes. Deeper pipelines did not help (`stream_gemv.py`); what was left
+untried is a kernel per layer or per step, whose programs stay resident, hand each other their
+results through device-side counters instead of a kernel boundary, and load the next GEMV's
+weights while the current one is reduced. This measures that idea on the simplest chain before
+anyone builds it into the engine: `--layers` dependent GEMVs y_i = W_i x_i (bf16, distinct
+weights; x_i = the first K entries of y_{i-1}), as
+
+- `kiln` / `kiln+pdl` / `kiln+trigger`: the engine's GEMV, one launch per GEMV from a CUDA graph,
+  without PDL, with it, and with it and the early trigger (what a batch-1 decode graph uses);
+- `persistent PxBN`: one launch of `_chain_kernel` with P programs per SM. Work items are
+  (GEMV i, BN-row tile), taken in order from an atomic ticket; an item loads its weight tile, then
+  waits until every tile of GEMV i - 1 has counted itself done, then reads x_i and stores its rows.
+  An item waits only on items with smaller tickets, which programs already running hold, so the
+  chain cannot deadlock however many programs are resident (and in the interpreter program 0 takes
+  every ticket in order).
+
+Per variant: us per GEMV, the bytes' time at the measured copy bandwidth, their share, and the
+largest error against the fp32 chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {"o": (2048, 2048), "qkvr": (3584, 2048), "8b": (4096, 4096)}
+
+
+@triton.jit
+def _chain_kernel(W, X0, Y, DONE, TICKET, total, tiles, N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Work items t = i * tiles + j (GEMV i, rows j * BLOCK_N ..) from TICKET until `total`:
+    Y[i, rows] = W[i, rows] @ x_i with x_0 = X0 and x_i = Y[i - 1, :K]; DONE[i] counts GEMV i's
+    finished tiles."""
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, K)
+    t = tl.atomic_add(TICKET, 1, sem="relaxed", scope="gpu")
+    while t < total:
+        i = t // tiles
+        rows = (t % tiles) * BLOCK_N + rn
+        # weights first: no item writes them, so they stream while GEMV i - 1 finishes
+        w = tl.load(W + i.to(tl.int64) * N * K + rows[:, None] * K + rk[None, :])
+        if i == 0:
+            x = tl.load(X0 + rk)
+        else:
+            ready = tl.atomic_add(DONE + i - 1, 0, sem="acquire", scope="gpu")
+            while ready < tiles:
+                ready = tl.atomic_add(DONE + i - 1, 0, sem="acquire", scope="gpu")
+            # past L1, which is not coherent with the other SMs' stores
+            x = tl.load(Y + (i - 1).to(tl.int64) * N + rk, cache_modifier=".cg")
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        tl.store(Y + i.to(tl.int64) * N + rows, y.to(Y.dtype.element_ty))
+        # every warp's rows are stored before the release (one thread issues the atomic)
+        tl.debug_barrier()
+        tl.atomic_add(DONE + i, 1, sem="release", scope="gpu")
+        t = tl.atomic_add(TICKET, 1, sem="relaxed", scope="gpu")
+
+
+def persistent_chain(weights: torch.Tensor, x0: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
+                     programs: int, block_n: int = 4) -> torch.Tensor:
+    """The chain of `weights` [L, N, K] (N >= K, N a multiple of block_n, K a power of two) from x0
+    [K] in one launch of `programs` programs; out [L, N] gets every y_i. `counters` is an int32
+    buffer of at least L + 1 zeros (DONE, then TICKET), left at (tiles, .., L * tiles + programs)."""
+    L, N, K = weights.shape
+    assert N >= K and N % block_n == 0 and K & (K - 1) == 0, (N, K, block_n)
+    assert counters.dtype == torch.int32 and counters.numel() >= L + 1
+    tiles = N // block_n
+    _chain_kernel[(programs,)](weights, x0, out, counters, counters[L:], L * tiles, tiles, N=N, K=K,
+                               BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def reference_chain(weights: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """The same chain in fp32 PyTorch, each y_i rounded to the weights' dtype as the kernel stores
+    it: [L, N]."""
+    K = weights.shape[2]
+    x, ys = x0, []
+    for w in weights:
+        y = (w.float() @ x.float()).to(weights.dtype)
+        ys.append(y)
+        x = y[:K]
+    return torch.stack(ys)
+
+
+def _time_graph(run) -> tuple[float, torch.Tensor]:
+    """Median seconds of one replay of `run` captured in a CUDA graph, and what the captured run
+    returned (its static outputs, as the last replay left them)."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = run()
+    return triton.testing.do_bench(graph.replay, rep=200, return_mode="median") * 1e-3, result
+
+
+def main() -> None:
+    from benchmarks.kernel_bench.gemv import copy_bandwidth
+    from kiln.kernels.gemv import gemv
+    from kiln.kernels.launch import early_trigger, set_pdl
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--shapes", default="o,qkvr,8b")
+    ap.add_argument("--per-sm", default="1,2,4,8", help="persistent programs per SM to try")
+    ap.add_argument("--block-n", default="2,4,8", help="rows per persistent work item to try")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}, {sms} SMs", flush=True)
+    results = []
+    for shape in args.shapes.split(","):
+        N, K = SHAPES[shape]
+        L = args.layers
+        weights = (torch.randn(L, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        x0 = torch.randn(K, device="cuda", dtype=torch.bfloat16)
+        want = reference_chain(weights, x0).float()
+        out = torch.empty(L, N, device="cuda", dtype=torch.bfloat16)
+        counters = torch.zeros(L + 1, device="cuda", dtype=torch.int32)
+        bound = N * K * 2 / bw
+        print(f"\n{shape} {N}x{K}, {L} GEMVs: bytes {bound * 1e6:.2f} us per GEMV")
+        print(f"{'variant':<20}{'us':>9}{'share':>9}{'max err':>10}")
+
+        def kiln_chain():
+            x, ys = x0, []
+            for i in range(L):
+                ys.append(gemv(x[None], weights[i])[0])
+                x = ys[-1][:K]
+            return ys
+
+        variants = [(f"kiln{tag}", pdl, trig, None, None)
+                    for tag, pdl, trig in (("", False, False), ("+pdl", True, False), ("+trigger", True, True))]
+        variants += [(f"persistent {p}x{bn}", None, None, p, bn)
+                     for p in map(int, args.per_sm.split(",")) for bn in map(int, args.block_n.split(","))]
+        for name, pdl, trig, per_sm, bn in variants:
+            try:
+                if per_sm is None:
+                    set_pdl(pdl)
+                    with early_trigger(trig):
+                        t, ys = _time_graph(kiln_chain)
+                    got = torch.stack(ys)
+                else:
+                    def run(per_sm=per_sm, bn=bn):
+                        counters.zero_()
+                        return persistent_chain(weights, x0, out, counters, per_sm * sms, bn)
+                    t, got = _time_graph(run)
+                torch.cuda.synchronize()
+                err = (got.float() - want).abs().max().item()
+                assert err < 5e-2 * want.abs().max().item(), f"wrong output: max error {err}"
+            except Exception as e:  # a variant the compiler or the GPU refuses: say so, go on
+                print(f"{name:<20} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            t /= L
+            print(f"{name:<20}{t * 1e6:>9.2f}{bound / t:>9.1%}{err:>10.2e}", flush=True)
+            results.append(dict(shape=shape, variant=name, us=t * 1e6, share=bound / t, err=err))
+        set_pdl(True)
+        del weights, out
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
