@@ -15,7 +15,7 @@ lane0_s35a() {
 }
 
 lane0_s35b() {
-  step chain 200 python -m benchmarks.kernel_bench.persistent_chain --layers 24 --shapes o,qkvr,8b \
+  step chain 240 python -m benchmarks.kernel_bench.persistent_chain --layers 24 --shapes o,qkvr,8b --rows 1,4 \
     --per-sm 1,2,4,8 --block-n 2,4,8 --out "$R/json/persistent_chain.json"
   local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 32 --batch-sizes 1,8,32 --warmup on"
   local mtp="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-adaptive"

@@ -11,12 +11,13 @@ pytest.importorskip("triton")
 from benchmarks.kernel_bench.persistent_chain import persistent_chain, reference_chain  # noqa: E402
 
 
-@pytest.mark.parametrize("layers,n,k,block_n,programs", [(3, 32, 32, 4, 3), (4, 48, 16, 8, 2), (2, 16, 16, 16, 1)])
-def test_persistent_chain_equals_the_reference(layers, n, k, block_n, programs):
+@pytest.mark.parametrize("layers,m,n,k,block_n,programs", [(3, 1, 32, 32, 4, 3), (4, 4, 48, 16, 8, 2),
+                                                            (2, 2, 16, 16, 16, 1)])
+def test_persistent_chain_equals_the_reference(layers, m, n, k, block_n, programs):
     g = torch.Generator().manual_seed(layers * 100 + n)
     weights = (torch.randn(layers, n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    x0 = torch.randn(k, generator=g).to(torch.bfloat16)
-    out = torch.full((layers, n), float("nan"), dtype=torch.bfloat16)
+    x0 = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    out = torch.full((layers, m, n), float("nan"), dtype=torch.bfloat16)
     counters = torch.zeros(layers + 1, dtype=torch.int32)
     persistent_chain(weights, x0, out, counters, programs, block_n)
     want = reference_chain(weights, x0)

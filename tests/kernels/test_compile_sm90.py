@@ -308,7 +308,7 @@ def persistent_chain() -> None:
     from benchmarks.kernel_bench.persistent_chain import _chain_kernel
 
     compile_sm90(_chain_kernel, {"W": "*bf16", "X0": "*bf16", "Y": "*bf16", "DONE": "*i32", "TICKET": "*i32"},
-                 dict(N=2048, K=2048, BLOCK_N=4))
+                 dict(M=4, N=2048, K=2048, BLOCK_N=4))
 
 
 CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda: conv_qk_norm(True),
