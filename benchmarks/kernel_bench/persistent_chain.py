@@ -180,6 +180,13 @@ def main() -> None:
                 results.append(dict(shape=shape, rows=M, variant=name, us=t * 1e6, share=bound / t, err=err))
             set_pdl(True)
         del weights
+    print("\nbest of each kind, us per GEMV (share of the bytes' time):")
+    for key in dict.fromkeys((r["shape"], r["rows"]) for r in results):
+        rows = [r for r in results if (r["shape"], r["rows"]) == key]
+        best = {kind: min((r for r in rows if r["variant"].startswith(kind)), key=lambda r: r["us"], default=None)
+                for kind in ("cublas", "kiln", "persistent")}
+        print(f"  {key[0]} x{key[1]}: " + ", ".join(f"{r['variant']} {r['us']:.2f} ({r['share']:.0%})"
+                                                    for r in best.values() if r is not None))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
