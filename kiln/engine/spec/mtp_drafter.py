@@ -168,8 +168,14 @@ class MTPDrafter:
 
     def _store_queued_h0(self, dev) -> None:
         if self._h0_rows:
-            t = int64_to_device({"rows": self._h0_rows, "locs": self._h0_locs}, dev)
-            self.site(0)[t["locs"]] = self._h0_hidden[t["rows"]].to(self.site(0).dtype)
+            rows, n = self._h0_rows, len(self._h0_rows)
+            if rows == list(range(n)):  # a decode step's rows, in order (padding after): a view, no gather
+                src = self._h0_hidden[:n]
+                t = int64_to_device({"locs": self._h0_locs}, dev)
+            else:
+                t = int64_to_device({"rows": rows, "locs": self._h0_locs}, dev)
+                src = self._h0_hidden[t["rows"]]
+            self.site(0)[t["locs"]] = src.to(self.site(0).dtype)
         self._h0_hidden, self._h0_rows, self._h0_locs = None, [], []
 
     def site(self, k: int) -> torch.Tensor:
