@@ -3,7 +3,9 @@
 # each, in the order of what they decide:
 # `s35c`: benchmarks/kernel_bench/persistent_chain.py (is a persistent GEMV chain, handing results
 #   on through device counters, nearer its bytes than one launch per GEMV with PDL and the early
-#   trigger?), then adaptive MTP at batch 32 (the late catch-up graph captured past batch 8).
+#   trigger?).
+# `s35d`: adaptive MTP at batch 32 (the late catch-up graph captured past batch 8) against the
+#   session's start (carry scratch/base36, below) and plain decode.
 # `s35a`: the whole GPU suite at the session's head (nothing has run it since the extend kernel's
 #   metadata alignment, the early trigger in speculative decode graphs and the catch-up at the lag
 #   bound without a chain pass).
@@ -17,6 +19,9 @@ S35_MTP="--speculative-algorithm mtp --speculative-num-steps 3 --speculative-ada
 lane0_s35c() {
   step chain 200 python -m benchmarks.kernel_bench.persistent_chain --layers 24 --shapes o,qkvr,8b --rows 1,4 \
     --per-sm 1,2,4 --block-n 2,4 --out "$R/json/persistent_chain.json"
+}
+
+lane0_s35d() {
   local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 32 --batch-sizes 32 --warmup on"
   export TRITON_CACHE_DIR=/tmp/triton-s35-$$
   step plain_32 110 $DECODE $ad --out "$R/json/plain_32.json"
