@@ -20,8 +20,9 @@ a K = 3 speculative verify, which the engine sends to cuBLAS), as
 - `kiln` / `kiln+pdl` / `kiln+trigger`: the engine's GEMV, one launch per GEMV from a CUDA graph,
   without PDL, with it, and with it and the early trigger (what a batch-1 decode graph uses);
 - `persistent PxBN`: one launch of `_chain_kernel` with P programs per SM. Work items are
-  (GEMV i, BN-row tile), taken in order from an atomic ticket; an item loads its weight tile, then
-  waits until every tile of GEMV i - 1 has counted itself done, then reads x_i and stores its rows.
+  (GEMV i, a tile of BN weight rows = BN columns of y_i), taken in order from an atomic ticket; an
+  item loads its weight tile, then waits until every tile of GEMV i - 1 has counted itself done,
+  then reads x_i and stores its columns of y_i.
   An item waits only on items with smaller tickets, which programs already running hold, so the
   chain cannot deadlock however many programs are resident (and in the interpreter program 0 takes
   every ticket in order).
@@ -53,9 +54,9 @@ def _chain_kernel(W, X0, Y, DONE, TICKET, total, tiles, M: tl.constexpr, N: tl.c
     t = tl.atomic_add(TICKET, 1, sem="relaxed", scope="gpu")
     while t < total:
         i = t // tiles
-        rows = (t % tiles) * BLOCK_N + rn
+        cols = (t % tiles) * BLOCK_N + rn
         # weights first: no item writes them, so they stream while GEMV i - 1 finishes
-        w = tl.load(W + i.to(tl.int64) * N * K + rows[:, None] * K + rk[None, :])
+        w = tl.load(W + i.to(tl.int64) * N * K + cols[:, None] * K + rk[None, :])
         if i > 0:
             ready = tl.atomic_add(DONE + i - 1, 0, sem="acquire", scope="gpu")
             while ready < tiles:
@@ -67,8 +68,8 @@ def _chain_kernel(W, X0, Y, DONE, TICKET, total, tiles, M: tl.constexpr, N: tl.c
                 # past L1, which is not coherent with the other SMs' stores
                 x = tl.load(Y + ((i - 1).to(tl.int64) * M + m) * N + rk, cache_modifier=".cg")
             y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-            tl.store(Y + (i.to(tl.int64) * M + m) * N + rows, y.to(Y.dtype.element_ty))
-        # every warp's rows are stored before the release (one thread issues the atomic)
+            tl.store(Y + (i.to(tl.int64) * M + m) * N + cols, y.to(Y.dtype.element_ty))
+        # every warp's columns are stored before the release (one thread issues the atomic)
         tl.debug_barrier()
         tl.atomic_add(DONE + i, 1, sem="release", scope="gpu")
         t = tl.atomic_add(TICKET, 1, sem="relaxed", scope="gpu")
