@@ -118,14 +118,17 @@ def test_late_mtp_catch_up_with_graphs_equals_plain(arch, tmp_path):
     res, _, _ = run_spec(core, reqs, max_tokens=96)
     assert {rid: r[1] for rid, r in res.items()} == plain(96)
     # stretches of skipped passes (no eager layer, no chain replay), late catch-ups after them
-    # (lag > K + 1), and rounds on the chain graph again after those. (How many stretches
-    # the 96 tokens reach depends on the drafts accepted: on an H200 llama's were 15, 13 and 3
-    # passes long, inkling's 15, 13, 15 and 14, under `all` and `prompt-lookup` alike.)
+    # (lag > K + 1), and rounds on the chain graph again after those. A 30-step stretch reaches
+    # the lag bound, whose catch-up is a replay of the late graph alone (nobody drafts), so the
+    # stretch goes on past CATCH_UP_LAG passes. (How many stretches the 96 tokens reach depends on
+    # the drafts accepted: on an H100 llama reached one such stretch, inkling two.)
+    from kiln.engine.spec.mtp_drafter import CATCH_UP_LAG
+
     late = [i for i in range(1, len(passes)) if passes[i - 1][1] == 0 and passes[i][1]]
     stretches = [len(s) for s in "".join("0" if n == 0 else "|" for _, n in passes).split("|") if s]
-    assert sum(s >= 10 for s in stretches) >= 2 and any(passes[i][0] > 5 for i in late), passes
+    assert max(stretches) > CATCH_UP_LAG and any(passes[i][0] > 5 for i in late), passes
     assert runs.count(2) >= 5, runs  # rounds fed from the verify on the device (chain graph) in K stretches
-    # lag 16 at K = 4: one replay of the late graph before the pass, in each of two stretches or more
+    # lag 16 at K = 4: one replay of the late graph at the bound, one before the pass that drafts next
     assert spec.drafter.late_passes >= 2 and spec.drafter.graph.late is not None, spec.drafter.late_passes
     # plain steps between plain steps overlap: all of a stretch's but its ends (llama 31 of 31)
     assert len(overlapped) >= sum(stretches) - 2 * len(stretches), (overlapped, stretches)
