@@ -28,7 +28,10 @@ a K = 3 speculative verify, which the engine sends to cuBLAS), as
   every ticket in order).
 
 Per variant: us per GEMV, the bytes' time at the measured copy bandwidth, their share, and the
-largest error against the fp32 chain.
+largest error against the fp32 chain. The answer on an H100 (docs/benchmarks.md, thirty-sixth
+pass): no; the persistent chain costs what the engine's GEMV with PDL and the early trigger costs
+(o: 4.49 against 4.58 us for 2.77 us of bytes) or more, so what a dependent GEMV pays beyond its
+bytes is the hand-off through L2, not the kernel boundary.
 """
 
 from __future__ import annotations
