@@ -315,9 +315,8 @@ def test_late_catch_up_replays_the_chain_graph(tmp_path):
     catch_up, chain_pass, drafter_pass = graph.catch_up, graph.run, drafter.run
     assert late_graph.C == drafter.max_lag == CATCH_UP_LAG and not late_graph.drafts
 
-    def counted(reqs, leave=None):  # (lag, leave, replays, on the late graph); alternately without and with it
+    def counted(reqs, leave):  # (lag, leave, replays, on the late graph); alternately without and with it
         lag = max(r.seq_len - r.spec.frontier[0] for r in reqs)
-        leave = K + 1 if leave is None else leave
         graph.late = late_graph if len(calls) % 2 else None
         calls.append((lag, leave, catch_up(reqs, leave), graph.late is not None))
         events.append(("catch_up", leave))

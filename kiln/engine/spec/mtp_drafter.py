@@ -196,8 +196,7 @@ class MTPDrafter:
         self._store_queued_h0(dev)
         self.flight = None
         if self._may_wait(reqs, num_drafts):
-            for r in reqs:
-                r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
+            _clear_drafts(reqs)
             return
         sampled = self.sample_drafts and any(not r.params.greedy for r in reqs)
         # the graph's pass, after replays that bring a late catch-up within its K + 1 rows; when
@@ -205,13 +204,12 @@ class MTPDrafter:
         # would go unread)
         if self.graph is not None and not sampled and self.graph.can_run(
                 reqs, num_drafts, behind=self.graph.K + 1 + self.max_lag):
-            drafting = any(num_drafts[r.rid] for r in reqs)
             if self.max_lag:
+                drafting = any(num_drafts[r.rid] for r in reqs)
                 self.late_passes += self.graph.catch_up(reqs, leave=self.graph.K + 1 if drafting else 0)
-            if not drafting and self.max_lag:
-                for r in reqs:
-                    r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
-                return
+                if not drafting:
+                    _clear_drafts(reqs)
+                    return
             self._start_flight(self.graph.run(reqs))
             for i, r in enumerate(reqs):
                 self._set_in_flight(r, i, num_drafts[r.rid])
@@ -219,8 +217,7 @@ class MTPDrafter:
         draft_hidden: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft-row output [H]
         draft_token: dict[str, torch.Tensor] = {}  # rid -> previous layer's draft token (0-d, device)
         chain: dict[str, list[torch.Tensor]] = {}  # rid -> draft tokens so far (0-d, device)
-        for r in reqs:
-            r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
+        _clear_drafts(reqs)
         q_rows: dict[str, list[torch.Tensor]] = {}
         prev_frontier = {r.rid: r.num_computed for r in reqs}
         for k, layer in enumerate(self.layers, start=1):
@@ -411,6 +408,12 @@ class MTPDrafter:
         emb = self.model.model.embed_tokens(ids_t)
         keep = (t["keep_rows"], t["keep_locs"]) if keep_rows else None
         return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep
+
+
+def _clear_drafts(reqs: list[Req]) -> None:
+    """No drafts (yet) for this pass: token ids, their logits and q."""
+    for r in reqs:
+        r.spec.drafts, r.spec.draft_logits, r.spec.q = [], [], None
 
 
 def page_slot(view: list, pos: int, page_size: int) -> int:

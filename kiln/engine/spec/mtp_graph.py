@@ -193,11 +193,11 @@ class MTPChainGraph:
                 return False
         return True
 
-    def catch_up(self, reqs, leave: Optional[int] = None) -> int:
+    def catch_up(self, reqs, leave: int) -> int:
         """A late catch-up (`MTPDrafter.max_lag`: passes that drafted nothing left it) on graphs
         instead of one eager pass, which launches every layer's kernels from Python (several
-        milliseconds of host time): while a request's frontiers are more than `leave` (default
-        K + 1: what the pass that drafts next takes) committed tokens back, replay a pass with all
+        milliseconds of host time): while a request's frontiers are more than `leave` (K + 1: what
+        the pass that drafts next takes) committed tokens back, replay a pass with all
         but its last `leave` entries as catch-up rows, at most C per replay (requests already
         within reach are padding, c = 0), and move its frontiers on. `leave` = 0 when no pass
         follows (nobody drafts).
@@ -207,7 +207,6 @@ class MTPChainGraph:
         key gap until a later pass overwrites it). `can_run` must hold for `behind` = any lag.
         Returns how many replays ran; `run` then serves the last `leave`."""
         K, passes = self.K, 0
-        leave = K + 1 if leave is None else leave
         assert 0 <= leave <= K + 1, leave
         g = self.late if self.late is not None and len(reqs) <= self.late.max_bs else self
         while True:
