@@ -99,6 +99,13 @@ class EngineConfig:
         "(kiln/kernels/decode_attention.py, early_kv); larger steps read them after the wait; 0: "
         "never. Bit for bit the same output. On an H200 it made batch 1 1-2%% faster and the 8B "
         "shape 5%% slower at batch 8 and 4%% at 64 (docs/benchmarks.md, seventeenth pass).")
+    attention_prologue_max_bs: int = opt(
+        1, "Inkling decode steps of at most this many sequences run each attention layer's prologue (the k/v "
+        "ShortConvs, the q/k norms, lam and the K/V cache write) inside the decode attention kernel: every "
+        "program norms its query heads, the one holding the new token makes its K/V "
+        "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0: never (the prologue "
+        "kernel, kiln/kernels/conv_qk_norm.py). The same result up to summation order "
+        "(docs/benchmarks.md, thirty-seventh pass).")
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "
@@ -218,6 +225,9 @@ class EngineConfig:
         if self.attention_early_kv_max_bs < 0:
             raise ValueError(f"--attention-early-kv-max-bs takes 0 (never) or more sequences, got "
                              f"{self.attention_early_kv_max_bs}")
+        if self.attention_prologue_max_bs < 0:
+            raise ValueError(f"--attention-prologue-max-bs takes 0 (never) or more sequences, got "
+                             f"{self.attention_prologue_max_bs}")
         if self.pdl_early_trigger_max_tokens < 0:
             raise ValueError(f"--pdl-early-trigger-max-tokens takes 0 (no graph) or more rows, got "
                              f"{self.pdl_early_trigger_max_tokens}")

@@ -48,7 +48,8 @@ class PagedBackend:
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
                  gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
-                 fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, qkv_rope: bool = False,
+                 fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, prologue_max_bs: int = 0,
+                 qkv_rope: bool = False,
                  norm_epilogue: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
@@ -57,6 +58,7 @@ class PagedBackend:
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.early_kv_max_bs = early_kv_max_bs  # decode steps this small read older keys before the PDL wait
+        self.prologue_max_bs = prologue_max_bs  # ... and run Inkling's attention prologue inside the attention
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.norm_epilogue = norm_epilogue  # kiln.layers.decode_gemv: pre-norms in the last GEMV before them
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
@@ -157,8 +159,10 @@ class PagedBackend:
         return self._attend(layer, q, k_cache, v_cache, space, batch, None)
 
     def _attend(self, layer, q, k_cache, v_cache, space: str, batch: ForwardBatch,
-                rel: Optional[torch.Tensor]) -> torch.Tensor:
-        """Attention of this forward's queries over the caches (this forward's K/V already in)."""
+                rel: Optional[torch.Tensor], prologue=None) -> torch.Tensor:
+        """Attention of this forward's queries over the caches (this forward's K/V already in, or,
+        at a decode step, made by the attention kernel from `prologue`)."""
+        assert prologue is None or (self.use_kernels and batch.mode == ForwardMode.DECODE), "prologue: decode kernel only"
         table = self.tables[space]
         win = layer.sliding_window
         gap, offset = getattr(layer, "key_gap", 0), getattr(layer, "cache_offset", 0)
@@ -190,7 +194,7 @@ class PagedBackend:
                 # read them before the wait (measured faster at batch 1, slower at 8 and 64).
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, batch.req_slots, batch.seq_lens_t,
                                                     layer.scale, win, rel, split_counters=self.split_counters,
-                                                    early_kv=q.shape[0] <= self.early_kv_max_bs)
+                                                    early_kv=q.shape[0] <= self.early_kv_max_bs, prologue=prologue)
             if batch.max_extend_len <= SHORT_EXTEND:
                 # A few new tokens per sequence over a long cache (speculative verify): the
                 # extend kernel would run one program per (sequence, head) along the whole
@@ -273,6 +277,15 @@ class PagedBackend:
         k_buf, v_buf = self.conv.layer(layer.k_conv.conv_id), self.conv.layer(layer.v_conv.conv_id)
         self.gate.wait(k_buf, v_buf)
         k_cache, v_cache, space = self._kv(layer.attn)
+        if batch.mode == ForwardMode.DECODE and 0 < q.shape[0] <= self.prologue_max_bs:
+            # one launch: the attention kernel makes the new token's K/V itself (--attention-prologue-max-bs)
+            prologue = self.k_prologue.AttentionPrologue(
+                k, v, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, layer.k_norm.eps,
+                layer.k_conv.weight, layer.v_conv.weight, k_buf, v_buf, self.tables["conv"], batch.positions,
+                batch.win_out_locs["conv"], q_scale)
+            o = self._attend(layer.attn, q.view(q.shape[0], -1, layer.attn.head_dim), k_cache, v_cache, space, batch,
+                             rel, prologue)
+            return o.reshape(q.shape[0], -1)
         rows = batch.req_slots if batch.mode == ForwardMode.DECODE else self._token_slots(batch, q.shape[0])
         q = self.k_prologue.conv_qk_norm_store(
             q, k, v, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, layer.k_norm.eps,

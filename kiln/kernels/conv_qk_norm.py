@@ -34,6 +34,7 @@ the device and the grid depends only on shapes: CUDA-graph capturable. Inference
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -41,6 +42,43 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+
+
+
+@dataclass
+class AttentionPrologue:
+    """The prologue of one Inkling attention layer at a decode step, for
+    `kiln.kernels.decode_attention.decode_attention(prologue=...)` to run inside the attention:
+    `conv_qk_norm_store`'s arguments but q (which the attention takes raw), one row per sequence.
+    The new k' and v' go to the cache slot the attention's page table maps position seq_len - 1
+    to (where `conv_qk_norm_store`'s cache_locs point in a decode step)."""
+
+    k: torch.Tensor  # [B, Hkv*D], a row-strided view of the qkvr projection
+    v: torch.Tensor
+    q_norm_w: torch.Tensor  # [D]
+    k_norm_w: torch.Tensor
+    q_eps: float
+    k_eps: float
+    k_conv_w: torch.Tensor  # [Hkv*D, K]
+    v_conv_w: torch.Tensor
+    k_buf: torch.Tensor  # [slots, Hkv*D], the two sites' conv buffers
+    v_buf: torch.Tensor
+    conv_table: torch.Tensor  # [rows, L]: the conv space's page table (rows: the attention's req_slots)
+    positions: torch.Tensor  # [B]: seq_len - 1
+    out_locs: torch.Tensor  # [B]: each row's conv buffer slot for its new input
+    q_scale: Optional[torch.Tensor] = None  # [B] fp32: lam on full layers
+
+    def check(self, bsz: int, hkv: int, d: int) -> None:
+        """Shapes and layouts the kernel relies on (each tensor's last dim contiguous)."""
+        c = hkv * d
+        assert self.k.shape == self.v.shape == (bsz, c), (self.k.shape, self.v.shape, (bsz, c))
+        assert self.k_conv_w.shape == self.v_conv_w.shape and self.k_conv_w.shape[0] == c, self.k_conv_w.shape
+        assert self.k_buf.shape[1] == self.v_buf.shape[1] == c and self.q_norm_w.shape == self.k_norm_w.shape == (d,)
+        assert self.positions.shape == self.out_locs.shape == (bsz,), (self.positions.shape, self.out_locs.shape)
+        assert self.q_scale is None or self.q_scale.shape == (bsz,)
+        for t in (self.k, self.v, self.k_conv_w, self.v_conv_w, self.k_buf, self.v_buf, self.conv_table,
+                  self.q_norm_w, self.k_norm_w, self.positions, self.out_locs):
+            assert t.stride(-1) == 1, "channel / position dims must be contiguous"
 
 
 @triton.jit
@@ -77,6 +115,42 @@ def _conv_tile(x_ptr, t, stride_x, w_ptr, stride_w, buf_ptr, stride_buf, table_r
         acc = acc + w_j * v
     tl.store(buf_ptr + out_loc * stride_buf + c, x_cur.to(buf_ptr.dtype.element_ty), mask=m)
     return acc + x_cur.to(tl.float32)
+
+
+@triton.jit
+def _normed_query_heads(q_ptr, b, stride_q, stride_h, heads, g_mask, offs_d, d_mask, w_ptr, eps, lam_ptr,
+                        D, HAS_LAM: tl.constexpr):
+    """Query heads `heads` of decode row b, normed and (full layers) scaled by lam as
+    `_conv_qk_norm_kernel` writes them: [BLOCK_G, BLOCK_D] in q's dtype, masked heads 0. For
+    `kiln.kernels.decode_attention`'s PROLOGUE."""
+    m = g_mask[:, None] & d_mask[None, :]
+    x = tl.load(q_ptr + b * stride_q + heads[:, None] * stride_h + offs_d[None, :], mask=m, other=0.0)
+    y = _rms_norm_tile(x.to(tl.float32), w_ptr, offs_d, d_mask, D, eps).to(q_ptr.dtype.element_ty)
+    if HAS_LAM:
+        y = (y.to(tl.float32) * tl.load(lam_ptr + b)).to(q_ptr.dtype.element_ty)
+    return y
+
+
+@triton.jit
+def _new_key_value(k_ptr, v_ptr, b, stride_k, stride_v, kvh, offs_d, d_mask, D, kc_w_ptr, vc_w_ptr,
+                   stride_kcw, stride_vcw, k_buf_ptr, v_buf_ptr, stride_kbuf, stride_vbuf, table_ptr, stride_tab,
+                   slots_ptr, pos_ptr, out_locs_ptr, kn_w_ptr, k_eps, K: tl.constexpr):
+    """KV head kvh of decode row b: (k', v') [1, BLOCK_D] in k's and v's dtypes, computed and
+    rounded as `_conv_qk_norm_kernel` computes them, with both raw inputs written into their conv
+    buffers at out_locs[b] (after the history was read). For `kiln.kernels.decode_attention`'s
+    PROLOGUE, whose program holding the new token calls it once per (row, KV head)."""
+    c = (kvh * D + offs_d)[None, :]
+    m = d_mask[None, :]
+    slot = tl.load(slots_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    out_loc = tl.load(out_locs_ptr + b).to(tl.int64)
+    table_row = table_ptr + slot.to(tl.int64) * stride_tab
+    yk = _conv_tile(k_ptr, b, stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row, slots_ptr, pos_ptr,
+                    slot, pos, out_loc, c, m, K)
+    yk = _rms_norm_tile(yk.to(k_ptr.dtype.element_ty).to(tl.float32), kn_w_ptr, offs_d, d_mask, D, k_eps)
+    yv = _conv_tile(v_ptr, b, stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row, slots_ptr, pos_ptr,
+                    slot, pos, out_loc, c, m, K)
+    return yk.to(k_ptr.dtype.element_ty), yv.to(v_ptr.dtype.element_ty)
 
 
 @triton.jit

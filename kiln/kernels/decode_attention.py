@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.conv_qk_norm import AttentionPrologue, _new_key_value, _normed_query_heads
+from kiln.kernels.decode_splits import _merge_heads, _merge_kernel, _split_len, merge_tile
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.ops.attention import RelProjection
 
@@ -99,20 +101,6 @@ def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.devi
     splits = min(high, max(low, triton.cdiv(max_keys, SPLIT_KEYS)))
     # Never more splits than BLOCK_N-key blocks (64 keys at least per split) or minimum splits.
     return max(1, min(splits, triton.cdiv(max(max_keys, 1), max(64, min_split_keys)), MAX_SPLITS))
-
-
-@triton.jit
-def _split_len(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               MIN_SPLIT: tl.constexpr):
-    """First visible key, keys per split (a multiple of BLOCK_N, at least MIN_SPLIT) and the number
-    of splits that hold keys, of one sequence. Both kernels call this, so the merge sees exactly
-    the splits the attention kernel wrote."""
-    tl.static_assert(MIN_SPLIT >= BLOCK_N and MIN_SPLIT % BLOCK_N == 0)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    return lo, per_split, tl.cdiv(seq_len - lo, per_split)
 
 
 @triton.jit
@@ -193,58 +181,46 @@ def _attend_block(q, k, v, pos, n_mask, m_i, l_i, acc, scale_log2, rel_row, g_ma
 
 
 @triton.jit
-def _merge_heads(Out, MidO, MidLse, b, h0, n_heads, n_splits,
-                 stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                 SPLIT_TILE: tl.constexpr):
-    """Out[b, h] for the n_heads query heads from h0: sum_s exp2(lse_s - m) * o_s / sum_s exp2(lse_s
-    - m) over the first n_splits splits (the ones that held keys; the others were never written).
-    Online over tiles of SPLIT_TILE splits x BLOCK_H heads, each tile's log-sum-exps and partials
-    loaded at once: the merge is a chain of L2 round trips, one per tile (one or two at the 32
-    splits of `MAX_SPLITS` and a group of 4), not one per split. The partials may come from other programs of the same kernel: read through L2
-    (".cg"), never a stale L1 line."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_t = tl.arange(0, SPLIT_TILE)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = h0 + offs_h
-    h_mask = offs_h < n_heads
-    d_mask = offs_d < HEAD_DIM
-    lse_rows = MidLse + b * stride_lb + heads[:, None] * stride_lh
-    o_rows = MidO + b * stride_mb + heads[:, None, None] * stride_mh + offs_d[None, None, :]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in range(0, n_splits, SPLIT_TILE):
-        t_mask = h_mask[:, None] & (s0 + offs_t < n_splits)[None, :]
-        lse = tl.load(lse_rows + s0 + offs_t[None, :], mask=t_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(o_rows + (s0 + offs_t)[None, :, None] * stride_ms, mask=t_mask[:, :, None] & d_mask[None, None, :],
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split of this head yet: no NaN
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        m_i = m_new
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys at all (graph padding): zeros
-    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], acc.to(Out.dtype.element_ty),
-             mask=h_mask[:, None] & d_mask[None, :])
+def _attend_new_key(q, k, v, m_i, l_i, acc, scale_log2, rel_0, g_mask, rel_r, RelW, lam, offs_r, r_mask,
+                    HAS_REL: tl.constexpr, REL_PROJ: tl.constexpr):
+    """Online-softmax update with the query's own key (distance 0), k and v [1, BLOCK_D] as the
+    cache holds them: `_attend_block` for one key (p rounded to v's dtype before it weights v, as
+    the block's dot takes it). rel_0 points at each head's bias for distance 0."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale_log2
+    if HAS_REL:
+        if REL_PROJ:  # the row of P at distance 0, as `_projected_bias`
+            w0 = tl.load(RelW + offs_r, mask=r_mask, other=0.0)
+            bias = tl.sum(rel_r.to(tl.float32) * w0.to(tl.float32)[None, :], axis=1)
+            bias = bias.to(RelW.dtype.element_ty).to(tl.float32) * lam
+        else:
+            bias = tl.sum(tl.load(rel_0, mask=g_mask[:, None], other=0.0).to(tl.float32), axis=1)
+        s += bias * 1.4426950408889634
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
     Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel, Counters, RelW, Lam,
-    scale_log2, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
+    KRaw, VRaw, QNormW, KNormW, KConvW, VConvW, KBuf, VBuf, ConvTable, Positions, ConvLocs, QLam,
+    scale_log2, window, rel_len, num_splits, key_gap, key_offset, rel_dim, q_eps, k_eps,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh, stride_rw,
+    stride_kraw, stride_vraw, stride_kcw, stride_vcw, stride_kbuf, stride_vbuf, stride_ct,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_REL: tl.constexpr, HAS_GAP: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     MERGE_HERE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr,
     REL_PROJ: tl.constexpr = False,
     HAS_LAM: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, EARLY_KV: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = False, CONV_K: tl.constexpr = 4, HAS_QLAM: tl.constexpr = False,
 ):
-    """EARLY_KV: `decode_attention`'s early_kv (the first block of keys read before the PDL wait)."""
+    """EARLY_KV: `decode_attention`'s early_kv (the first block of keys read before the PDL wait).
+    PROLOGUE: its `prologue` (Q holds the raw q; the new token's K/V are not in the cache yet)."""
     if not EARLY_KV:
         wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -254,6 +230,9 @@ def _decode_kernel(
     lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    key_end = end  # the keys this program reads from the cache
+    if PROLOGUE:  # not the new token's: the program holding it makes it (below)
+        key_end = tl.minimum(end, seq_len - 1)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -276,18 +255,22 @@ def _decode_kernel(
     query_pos = seq_len - 1
     # Keys at distance >= R get no bias: only the last R keys (a tail of the range) pay for
     # loading it, in a second loop.
-    rel_start = end
+    rel_start = key_end
     if HAS_REL:
-        rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), end)
+        rel_start = tl.minimum(tl.maximum(seq_len - rel_len, start), key_end)
     if EARLY_KV:  # the first block: in the first loop's range, or the second's when that starts here
         peel_rel = start >= rel_start
-        peel_end = tl.minimum(start + BLOCK_N, tl.where(peel_rel, end, rel_start))
+        peel_end = tl.minimum(start + BLOCK_N, tl.where(peel_rel, key_end, rel_start))
         k0, v0, slots0, pos0, n_mask0 = _load_keys(start, peel_end, token_row, k_base, v_base, stride_ks,
                                                    stride_vs, d_mask, query_pos, key_gap, BLOCK_N, BLOCK_D,
                                                    HAS_GAP, True)
         wait_for_previous(PDL)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if PROLOGUE:
+        q = _normed_query_heads(Q, b, stride_qb, stride_qh, heads, g_mask, offs_d, d_mask, QNormW, q_eps, QLam,
+                                HEAD_DIM, HAS_QLAM)
+    else:
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -306,13 +289,16 @@ def _decode_kernel(
             lam = tl.load(Lam + b)
     first, first_rel = start, rel_start  # where the two loops start
     if EARLY_KV:
-        cur = ((pos0 == query_pos) & n_mask0)[:, None] & d_mask[None, :]  # the query's K/V: the previous kernel's
-        k0 = tl.where(cur, tl.load(k_base + slots0[:, None] * stride_ks + offs_d[None, :], mask=cur, other=0.0), k0)
-        v0 = tl.where(cur, tl.load(v_base + slots0[:, None] * stride_vs + offs_d[None, :], mask=cur, other=0.0), v0)
+        if not PROLOGUE:
+            cur = ((pos0 == query_pos) & n_mask0)[:, None] & d_mask[None, :]  # the query's K/V: the previous kernel's
+            k0 = tl.where(cur, tl.load(k_base + slots0[:, None] * stride_ks + offs_d[None, :], mask=cur, other=0.0),
+                          k0)
+            v0 = tl.where(cur, tl.load(v_base + slots0[:, None] * stride_vs + offs_d[None, :], mask=cur, other=0.0),
+                          v0)
         apply_rel = False
         if HAS_REL:
             apply_rel = peel_rel
-        if start < end:  # (a sequence of length 0 has no keys: the loops would not run either)
+        if start < key_end:  # (a sequence of length 0 has no keys: the loops would not run either)
             if apply_rel:
                 m_i, l_i, acc = _attend_block(q, k0, v0, pos0, n_mask0, m_i, l_i, acc, scale_log2, rel_row, g_mask,
                                               query_pos, rel_r, RelW, stride_rw, lam, offs_r, r_mask, HAS_REL,
@@ -329,11 +315,24 @@ def _decode_kernel(
                                      key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
                                      BLOCK_N, BLOCK_D, False, HAS_GAP, DOT_PRECISION, REL_PROJ)
     if HAS_REL:
-        for n0 in range(first_rel, end, BLOCK_N):
-            m_i, l_i, acc = _attend_keys(q, n0, end, m_i, l_i, acc, token_row, k_base, v_base,
+        for n0 in range(first_rel, key_end, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, n0, key_end, m_i, l_i, acc, token_row, k_base, v_base,
                                          stride_ks, stride_vs, scale_log2, rel_row, g_mask, d_mask, query_pos,
                                          key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
                                          BLOCK_N, BLOCK_D, True, HAS_GAP, DOT_PRECISION, REL_PROJ)
+    if PROLOGUE:
+        if (end == seq_len) & (start < end):  # this program holds the new token: k', v' from the raw k, v
+            k_new, v_new = _new_key_value(KRaw, VRaw, b, stride_kraw, stride_vraw, kvh, offs_d, d_mask, HEAD_DIM,
+                                          KConvW, VConvW, stride_kcw, stride_vcw, KBuf, VBuf, stride_kbuf,
+                                          stride_vbuf, ConvTable, stride_ct, ReqSlots, Positions, ConvLocs,
+                                          KNormW, k_eps, CONV_K)
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = v_new.to(V.dtype.element_ty)
+            slot = tl.load(token_row + query_pos).to(tl.int64)
+            tl.store(k_base + slot * stride_ks + offs_d[None, :], k_new, mask=d_mask[None, :])
+            tl.store(v_base + slot * stride_vs + offs_d[None, :], v_new, mask=d_mask[None, :])
+            m_i, l_i, acc = _attend_new_key(q, k_new, v_new, m_i, l_i, acc, scale_log2, rel_row - query_pos, g_mask,
+                                            rel_r, RelW, lam, offs_r, r_mask, HAS_REL, REL_PROJ)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
@@ -357,37 +356,20 @@ def _decode_kernel(
                              HEAD_DIM, BLOCK_D, BLOCK_H, SPLIT_TILE)
 
 
-@triton.jit
-def _merge_kernel(
-    Out, MidO, MidLse, SeqLens, window, num_splits,
-    stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The merge of one (sequence, KV head)'s query heads, when the attention kernel does not merge
-    (`_merge_heads`)."""
-    wait_for_previous(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
-    _merge_heads(Out, MidO, MidLse, b, kvh * GROUP, GROUP, n_splits,
-                 stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                 HEAD_DIM, BLOCK_D, BLOCK_H, SPLIT_TILE)
 
-
-# fp32 partials in one merge tile: 64 registers a thread at 4 warps.
-MERGE_TILE_VALUES = 8192
-
-
-def merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
-    """(BLOCK_H, SPLIT_TILE) of `_merge_heads`: all of a KV head's query heads, and as many splits
-    as keep a tile of partials within MERGE_TILE_VALUES (at least one split: a group of more than
-    MERGE_TILE_VALUES / D heads, 64 at D 128, exceeds it)."""
-    block_h = max(2, triton.next_power_of_2(group))  # an MHA group of 1 is masked to a tile of 2
-    tile = max(1, min(triton.next_power_of_2(num_splits), MERGE_TILE_VALUES // (block_h * block_d)))
-    return block_h, tile
+def _prologue_args(prologue: Optional[AttentionPrologue], q: torch.Tensor, bsz: int, hkv: int, d: int) -> dict:
+    """`_decode_kernel`'s PROLOGUE arguments: the prologue's tensors, eps and strides, or stand-ins
+    (q, never read) without one."""
+    if prologue is None:
+        return dict(tensors=[q] * 12, eps=(0.0, 0.0), strides=[0] * 7, conv_k=4, has_lam=False)
+    p = prologue
+    p.check(bsz, hkv, d)
+    return dict(tensors=[p.k, p.v, p.q_norm_w, p.k_norm_w, p.k_conv_w, p.v_conv_w, p.k_buf, p.v_buf, p.conv_table,
+                         p.positions, p.out_locs, p.q_scale if p.q_scale is not None else q],
+                eps=(float(p.q_eps), float(p.k_eps)),
+                strides=[p.k.stride(0), p.v.stride(0), p.k_conv_w.stride(0), p.v_conv_w.stride(0), p.k_buf.stride(0),
+                         p.v_buf.stride(0), p.conv_table.stride(0)],
+                conv_k=p.k_conv_w.shape[1], has_lam=p.q_scale is not None)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -396,7 +378,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      rel: Optional[torch.Tensor] = None, max_len: Optional[int] = None,
                      num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0,
                      split_counters: Optional[torch.Tensor] = None,
-                     min_split_keys: Optional[int] = None, early_kv: bool = False) -> torch.Tensor:
+                     min_split_keys: Optional[int] = None, early_kv: bool = False,
+                     prologue: Optional[AttentionPrologue] = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -422,6 +405,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     plain decode step: its metadata from the host, the older keys from earlier steps). Each
     program then reads its first block of keys before its PDL wait, overlapping that kernel (the
     one writing q and the new K/V); the result does not change by a bit. Not with key_gap.
+    prologue (Inkling, a decode step): q is the raw projection (a [B, Hq, D] view of qkvr) and the
+    new token's K/V are not in the cache yet. Every program norms its query heads (and scales
+    them by lam), and the program whose keys end at the new token runs the k/v ShortConvs and
+    k's norm for its KV head, writes the raw inputs into the conv buffers and k', v' into the
+    cache, and attends to the new key from registers: `conv_qk_norm_store` and this function in
+    one launch. Same result up to summation order (on a GPU the conv's products may also
+    contract into FMAs, which `conv_qk_norm_store` is compiled without). Not with key_gap.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -431,8 +421,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         "early_kv needs the caches and the table with a contiguous last dim (no copy before the kernel)"
     assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"
     assert v_cache.shape == k_cache.shape and k_cache.shape[2] == d
+    assert prologue is None or (key_gap <= 1 and key_offset == 0), "the prologue is a main layer's (no key_gap)"
     block_d = head_dim_block(d)
-    out = torch.empty_like(q)
+    out = q.new_empty(b, hq, d)  # q may be a strided view (prologue)
     if b == 0:
         return out
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
@@ -472,13 +463,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert split_counters.dtype == torch.int32 and split_counters.device == q.device
     # never touched without MERGE_HERE; an int32 tensor either way, so that both compile to one variant
     counters = split_counters if merge_here else req_slots.new_empty(1, dtype=torch.int32)
+    pro = _prologue_args(prologue, q, b, hkv, d)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg, counters,
-        rel_w, lam, scale * LOG2E, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        rel_w, lam, *pro["tensors"], scale * LOG2E, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
+        *pro["eps"], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1), rel_w.stride(0),
+        req_to_token.stride(0), rel_arg.stride(0), rel_arg.stride(1), rel_w.stride(0), *pro["strides"],
+        PROLOGUE=prologue is not None, CONV_K=pro["conv_k"], HAS_QLAM=pro["has_lam"],
         REL_PROJ=proj is not None, HAS_LAM=proj is not None and proj.lam is not None,
         BLOCK_R=max(16, triton.next_power_of_2(rel_dim)), EARLY_KV=early_kv,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,

@@ -108,6 +108,36 @@ def test_kernel_path_early_kv_at_batch_1_is_bit_identical(interp_dir, monkeypatc
         assert torch.equal(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]))
 
 
+def _prologue_in_attention(monkeypatch, interp_dir, **kw) -> None:
+    """One Inkling request: decode steps of at most --attention-prologue-max-bs sequences (1 by
+    default) make each layer's K/V inside the decode attention (counted: `prologue` passed, no
+    `conv_qk_norm_store`) and generate what 0 (the prologue kernel) generates; logits within
+    summation-order tolerances."""
+    from kiln.kernels import attention as attn_kernels
+    from kiln.kernels import conv_qk_norm as prologue_kernels
+
+    inside = _count_calls(monkeypatch, attn_kernels, "decode_attention", when=lambda *a, **k: k.get("prologue"))
+    apart = _count_calls(monkeypatch, prologue_kernels, "conv_qk_norm_store")
+    reqs = prompts(1, seed=12, lo=20, hi=30)
+    want_out, want_rows = greedy(make_core(interp_dir, attention_prologue_max_bs=0, **kw), reqs, max_tokens=4)
+    assert inside[0] == 0 and apart[0] > 0
+    calls_apart = apart[0]
+    core = make_core(interp_dir, **kw)
+    got_out, got_rows = greedy(core, reqs, max_tokens=4)
+    # every decode step's layers (on a GPU: the batch-1 graph's capture), none apart
+    assert inside[0] > 0 and inside[0] % core.runner.model.config.num_hidden_layers == 0, inside
+    assert apart[0] == calls_apart
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("interp_dir", ["inkling"], indirect=True)
+def test_kernel_path_prologue_in_attention_at_batch_1(interp_dir, monkeypatch):
+    _prologue_in_attention(monkeypatch, interp_dir, page_size=4, chunked_prefill_size=24, max_prefill_tokens=64,
+                           context_length=INTERP_CONTEXT, kernel_backend="triton")
+
+
 def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
     """[calls] of module.name from now on (a list, so that the caller sees the count grow); with
     `when`, only the calls whose arguments it accepts."""
@@ -275,6 +305,15 @@ def test_decode_gemv_on_cuda_equals_cublas(arch_dir, monkeypatch):
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-3, rtol=1e-3)
     assert _gemv_modules(core, calls) == GEMV_MODULES[arch] | ROUTERS[arch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch_dir", ["inkling"], indirect=True)
+def test_prologue_in_attention_on_cuda_equals_prologue_kernel(arch_dir, monkeypatch):
+    """On the GPU (compiled kernels, CUDA graphs, fp32, the GEMV path): the prologue inside the
+    decode attention at batch 1 generates what the prologue kernel generates."""
+    # graphs of batch 1 only: a larger one's capture would run the prologue kernel (past the flag's 1)
+    _prologue_in_attention(monkeypatch, arch_dir, page_size=4, dtype="float32", device="cuda", cuda_graph_max_bs=1)
 
 
 @pytest.mark.gpu

@@ -171,10 +171,11 @@ def test_decode_cpu_min_split_keys_and_merge_tiles(merge_here, hq, hkv, d, monke
     them in tiles of 2 splits (several tiles, the last one part full); group 3 and D 48 leave
     padded heads and head-dim columns in every tile."""
     from kiln.kernels import decode_attention as module
+    from kiln.kernels import decode_splits
 
     block_h, block_d = (2, 32) if d == 32 else (4, 64)
-    monkeypatch.setattr(module, "MERGE_TILE_VALUES", block_h * 2 * block_d)  # BLOCK_H x 2 splits x BLOCK_D
-    assert module.merge_tile(hq // hkv, block_d, 20) == (block_h, 2)
+    monkeypatch.setattr(decode_splits, "MERGE_TILE_VALUES", block_h * 2 * block_d)  # BLOCK_H x 2 splits x BLOCK_D
+    assert decode_splits.merge_tile(hq // hkv, block_d, 20) == (block_h, 2)
     # Record which partials the attention kernel writes: its scratch starts as NaN.
     written, empty = [], torch.empty
 

@@ -62,16 +62,21 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32", PDL=mtp))
 
 
-def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False, early_kv: bool = False) -> None:
+def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False, early_kv: bool = False,
+                     prologue: bool = False) -> None:
     """merge_here: the splits merged in the kernel (an acq_rel atomic count, then the last program
     of a head group reads the others' partials through L2). rel_proj: Inkling's bias computed per
     key from r and P (`RelProjection`), with a full layer's lam. early_kv: the first block's keys
-    are loaded before the PDL wait."""
+    are loaded before the PDL wait. prologue: Inkling's convs and norms inside (`AttentionPrologue`)."""
     from kiln.kernels.decode_attention import _decode_kernel
 
     types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out", "RelW")}, "MidO": "*fp32", "MidLse": "*fp32",
              "Rel": "*bf16" if rel_proj else "*fp32", "Lam": "*fp32",
              "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}, "Counters": "*i32"}
+    if prologue:
+        types.update({n: "*bf16" for n in ("KRaw", "VRaw", "QNormW", "KNormW", "KConvW", "VConvW", "KBuf", "VBuf")},
+                     QLam="*fp32", q_eps="fp32", k_eps="fp32",
+                     **{n: "*i64" for n in ("ConvTable", "Positions", "ConvLocs")})
     # Pointers and strides are marked multiples of 16, as the engine's are (Triton specialises on
     # that; only MidLse's may not be, and it is not in the loop): without it no load can become an
     # asynchronous copy.
@@ -80,7 +85,8 @@ def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False
                                                    SPLIT=True, HAS_WINDOW=mtp, HAS_REL=mtp or rel_proj, HAS_GAP=mtp,
                                                    DOT_PRECISION="tf32", PDL=True, MERGE_HERE=merge_here,
                                                    MIN_SPLIT=64, BLOCK_H=4, SPLIT_TILE=16, REL_PROJ=rel_proj,
-                                                   HAS_LAM=rel_proj, BLOCK_R=32, EARLY_KV=early_kv),
+                                                   HAS_LAM=rel_proj, BLOCK_R=32, EARLY_KV=early_kv,
+                                                   PROLOGUE=prologue, CONV_K=4, HAS_QLAM=prologue and rel_proj),
                        divisible=aligned)
     ptx = asm["ptx"]
     if early_kv:  # vector loads of the K/V tile (not only the scalar lengths) are issued before the wait
@@ -333,6 +339,9 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True),
          "decode_early_kv": lambda: decode_attention(False, merge_here=True, early_kv=True),
          "decode_early_kv_rel_proj": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True),
+         "decode_prologue": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True,
+                                                     prologue=True),
+         "decode_prologue_sliding": lambda: decode_attention(False, merge_here=True, early_kv=True, prologue=True),
          "rope": rope, "msa_scores": msa_scores, "persistent_chain": persistent_chain}
 
 
