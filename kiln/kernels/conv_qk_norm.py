@@ -132,24 +132,57 @@ def _normed_query_heads(q_ptr, b, stride_q, stride_h, heads, g_mask, offs_d, d_m
 
 
 @triton.jit
-def _new_key_value(k_ptr, v_ptr, b, stride_k, stride_v, kvh, offs_d, d_mask, D, kc_w_ptr, vc_w_ptr,
-                   stride_kcw, stride_vcw, k_buf_ptr, v_buf_ptr, stride_kbuf, stride_vbuf, table_ptr, stride_tab,
-                   slots_ptr, pos_ptr, out_locs_ptr, kn_w_ptr, k_eps, K: tl.constexpr):
-    """KV head kvh of decode row b: (k', v') [1, BLOCK_D] in k's and v's dtypes, computed and
-    rounded as `_conv_qk_norm_kernel` computes them, with both raw inputs written into their conv
-    buffers at out_locs[b] (after the history was read). For `kiln.kernels.decode_attention`'s
-    PROLOGUE, whose program holding the new token calls it once per (row, KV head)."""
+def _conv_history(w_ptr, stride_w, buf_ptr, stride_buf, table_row, pos, c, m, K: tl.constexpr):
+    """The taps before the new input of a decode row's ShortConv, summed in `_conv_tile`'s order
+    (acc = 0; acc += w_j * x_j, j = 0..K-2; fp32): every one from the buffer (a decode row's
+    neighbours are other requests), zeros before the sequence. Mask m off: zeros, nothing read."""
+    acc = tl.zeros(c.shape, dtype=tl.float32)
+    for j in tl.static_range(K - 1):
+        tap = pos - (K - 1 - j)
+        ok = tap >= 0
+        loc = tl.load(table_row + tl.where(ok, tap, 0), mask=ok, other=0).to(tl.int64)
+        w_j = tl.load(w_ptr + c * stride_w + j, mask=m, other=0.0).to(tl.float32)
+        acc = acc + w_j * tl.load(buf_ptr + loc * stride_buf + c, mask=m & ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _new_key_value_history(kc_w_ptr, vc_w_ptr, stride_kcw, stride_vcw, k_buf_ptr, v_buf_ptr, stride_kbuf,
+                           stride_vbuf, table_ptr, stride_tab, slots_ptr, pos_ptr, b, kvh, offs_d, d_mask, D,
+                           K: tl.constexpr):
+    """The first half of `_new_key_value`: the k and v convs' taps before the new input, [1,
+    BLOCK_D] fp32 each (zeros where d_mask is off). It reads only what the host and earlier steps
+    wrote (the page table, positions, older conv inputs), so `kiln.kernels.decode_attention` may
+    call it before its PDL wait."""
     c = (kvh * D + offs_d)[None, :]
     m = d_mask[None, :]
-    slot = tl.load(slots_ptr + b)
+    table_row = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_tab
     pos = tl.load(pos_ptr + b)
+    return (_conv_history(kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row, pos, c, m, K),
+            _conv_history(vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row, pos, c, m, K))
+
+
+@triton.jit
+def _new_key_value(hist_k, hist_v, k_ptr, v_ptr, b, stride_k, stride_v, kvh, offs_d, d_mask, D, kc_w_ptr,
+                   vc_w_ptr, stride_kcw, stride_vcw, k_buf_ptr, v_buf_ptr, stride_kbuf, stride_vbuf, out_locs_ptr,
+                   kn_w_ptr, k_eps, K: tl.constexpr):
+    """KV head kvh of decode row b: (k', v') [1, BLOCK_D] in k's and v's dtypes, computed and
+    rounded as `_conv_qk_norm_kernel` computes them (hist_k / hist_v from
+    `_new_key_value_history`), with both raw inputs written into their conv buffers at
+    out_locs[b]. For `kiln.kernels.decode_attention`'s PROLOGUE, whose program holding the new
+    token calls it once per (row, KV head)."""
+    c = (kvh * D + offs_d)[None, :]
+    m = d_mask[None, :]
     out_loc = tl.load(out_locs_ptr + b).to(tl.int64)
-    table_row = table_ptr + slot.to(tl.int64) * stride_tab
-    yk = _conv_tile(k_ptr, b, stride_k, kc_w_ptr, stride_kcw, k_buf_ptr, stride_kbuf, table_row, slots_ptr, pos_ptr,
-                    slot, pos, out_loc, c, m, K)
+    x_k = tl.load(k_ptr + b * stride_k + c, mask=m, other=0.0)
+    x_v = tl.load(v_ptr + b * stride_v + c, mask=m, other=0.0)
+    w_k = tl.load(kc_w_ptr + c * stride_kcw + K - 1, mask=m, other=0.0).to(tl.float32)
+    w_v = tl.load(vc_w_ptr + c * stride_vcw + K - 1, mask=m, other=0.0).to(tl.float32)
+    tl.store(k_buf_ptr + out_loc * stride_kbuf + c, x_k.to(k_buf_ptr.dtype.element_ty), mask=m)
+    tl.store(v_buf_ptr + out_loc * stride_vbuf + c, x_v.to(v_buf_ptr.dtype.element_ty), mask=m)
+    yk = (hist_k + w_k * x_k.to(tl.float32)) + x_k.to(tl.float32)
     yk = _rms_norm_tile(yk.to(k_ptr.dtype.element_ty).to(tl.float32), kn_w_ptr, offs_d, d_mask, D, k_eps)
-    yv = _conv_tile(v_ptr, b, stride_v, vc_w_ptr, stride_vcw, v_buf_ptr, stride_vbuf, table_row, slots_ptr, pos_ptr,
-                    slot, pos, out_loc, c, m, K)
+    yv = (hist_v + w_v * x_v.to(tl.float32)) + x_v.to(tl.float32)
     return yk.to(k_ptr.dtype.element_ty), yv.to(v_ptr.dtype.element_ty)
 
 

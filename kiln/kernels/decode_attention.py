@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.conv_qk_norm import AttentionPrologue, _new_key_value, _normed_query_heads
+from kiln.kernels.conv_qk_norm import AttentionPrologue, _new_key_value, _new_key_value_history, _normed_query_heads
 from kiln.kernels.decode_splits import _merge_heads, _merge_kernel, _split_len, merge_tile
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.ops.attention import RelProjection
@@ -230,15 +230,20 @@ def _decode_kernel(
     lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    key_end = end  # the keys this program reads from the cache
-    if PROLOGUE:  # not the new token's: the program holding it makes it (below)
-        key_end = tl.minimum(end, seq_len - 1)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    key_end = end  # the keys this program reads from the cache
+    if PROLOGUE:  # not the new token's: the program holding it makes it (below)
+        key_end = tl.minimum(end, seq_len - 1)
+        owner = (end == seq_len) & (start < end)
+        # its convs' older taps: with EARLY_KV still before the wait (the host's and earlier steps' writes)
+        hist_k, hist_v = _new_key_value_history(KConvW, VConvW, stride_kcw, stride_vcw, KBuf, VBuf, stride_kbuf,
+                                                stride_vbuf, ConvTable, stride_ct, ReqSlots, Positions, b, kvh,
+                                                offs_d, d_mask & owner, HEAD_DIM, CONV_K)
     if SPLIT:
         if start >= end:  # past this sequence's keys (the merge skips this split)
             if EARLY_KV:  # every program waits (kiln.kernels.launch), and nothing is written before
@@ -321,11 +326,10 @@ def _decode_kernel(
                                          key_gap, rel_r, RelW, stride_rw, lam, offs_r, r_mask,
                                          BLOCK_N, BLOCK_D, True, HAS_GAP, DOT_PRECISION, REL_PROJ)
     if PROLOGUE:
-        if (end == seq_len) & (start < end):  # this program holds the new token: k', v' from the raw k, v
-            k_new, v_new = _new_key_value(KRaw, VRaw, b, stride_kraw, stride_vraw, kvh, offs_d, d_mask, HEAD_DIM,
-                                          KConvW, VConvW, stride_kcw, stride_vcw, KBuf, VBuf, stride_kbuf,
-                                          stride_vbuf, ConvTable, stride_ct, ReqSlots, Positions, ConvLocs,
-                                          KNormW, k_eps, CONV_K)
+        if owner:  # this program holds the new token: k', v' from the raw k, v
+            k_new, v_new = _new_key_value(hist_k, hist_v, KRaw, VRaw, b, stride_kraw, stride_vraw, kvh, offs_d, d_mask,
+                                          HEAD_DIM, KConvW, VConvW, stride_kcw, stride_vcw, KBuf, VBuf, stride_kbuf,
+                                          stride_vbuf, ConvLocs, KNormW, k_eps, CONV_K)
             k_new = k_new.to(K.dtype.element_ty)
             v_new = v_new.to(V.dtype.element_ty)
             slot = tl.load(token_row + query_pos).to(tl.int64)
