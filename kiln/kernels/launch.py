@@ -18,7 +18,9 @@ its weights, which no kernel writes; with the early trigger, the one-token down 
 (`kiln.kernels.moe_gemv`) the routing its gate/up predecessor also reads; and, in a plain decode
 step (`early_kv`), the decode attention (`kiln.kernels.decode_attention`) its lengths, page-table
 entries and first block of older keys, which the host and earlier steps wrote (the new token's
-K/V row, which its predecessor writes, it reads after the wait). A successor launches only once
+K/V row, which its predecessor writes, it reads after the wait), and with Inkling's prologue
+inside it the older inputs of the k/v ShortConvs (the raw k and v, which its predecessor
+writes, after the wait). A successor launches only once
 every program of its predecessor has triggered (after its wait) or exited, so when such a kernel
 starts, everything before its predecessor has completed.
 
