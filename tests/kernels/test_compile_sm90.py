@@ -298,7 +298,7 @@ def argmax() -> None:
 def msa_scores() -> None:
     """The MSA score kernels loop over blocks with a `while` on a loaded length (the compiler must
     accept the loop-carried block id next to a loaded int64 position)."""
-    from kiln.kernels.msa import _decode_scores_kernel, _extend_scores_kernel
+    from kiln.kernels.msa_scores import _decode_scores_kernel, _extend_scores_kernel
 
     i64 = ("r2t_ptr", "rslot_ptr", "qpos_ptr", "seq_rslot_ptr", "seq_prefix_ptr", "seq_len_ptr", "seq_start_ptr")
     types = {"qI_ptr": "*bf16", "kI_ptr": "*bf16", "s_ptr": "*fp32", "sqrt_di": "fp32", "tile_end_ptr": "*i64",
