@@ -106,6 +106,11 @@ class EngineConfig:
         "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0: never (the prologue "
         "kernel, kiln/kernels/conv_qk_norm.py). The same result up to summation order "
         "(docs/benchmarks.md, thirty-seventh pass).")
+    disable_msa_prologue: bool = opt(
+        False, "On the kernel path, MiniMax-M3's attention runs its q/k norms, both RoPEs (attention and "
+        "indexer) and the cache write of K, V and the indexer keys as one launch per layer "
+        "(kiln/kernels/msa_prologue.py) instead of five; this flag keeps the five. The norms may differ "
+        "by an ulp of the model's dtype (another summation order) (docs/benchmarks.md, thirty-seventh pass).")
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "

@@ -1,27 +1,35 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # thirty-sixth session (2026-12-05). One GPU each:
-# `s36a`: Inkling's attention prologue inside the decode attention (--attention-prologue-max-bs):
-#   its GPU tests, then Inkling `bench` at batch 1 / 8 with the prologue inside (max bs 8) and apart
+# `s36a`: the two prologues' GPU tests; Inkling's attention prologue inside the decode attention
+#   (--attention-prologue-max-bs): Inkling `bench` at batch 1 / 8 with it (max bs 8) and without
 #   (0), alternated twice.
-# `s36b`: s35d (adaptive MTP at batch 32, the late catch-up graph past batch 8; carry scratch/base36
-#   = `git archive 74d99af kiln benchmarks/*.py benchmarks/configs`), then MiniMax-M3 `bench` at
-#   batch 1 (no Inkling prologue: its step must not have moved).
+# `s36b`: MiniMax-M3's prologue in one launch: MiniMax-M3 `bench` at batch 1 / 8 with it (the
+#   default) and with --disable-msa-prologue, alternated twice.
+# `s36c`: s35d (adaptive MTP at batch 32, the late catch-up graph past batch 8; carry scratch/base36
+#   = `git archive 74d99af kiln benchmarks/*.py benchmarks/configs`).
 # shellcheck shell=bash
+
+S36_ARGS="--input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
 
 lane0_s36a() {
   export TRITON_CACHE_DIR=/tmp/triton-s36-$$
   step tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/kernels/test_attention_prologue.py \
-    tests/kernels/test_conv_qk_norm.py tests/kernels/test_attention_kernels.py \
-    tests/engine/test_kernel_path.py -k "prologue or conv_qk_norm or decode or real_shapes or graph"
-  local ad="--model-path $INK --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
+    tests/kernels/test_msa_prologue.py tests/kernels/test_conv_qk_norm.py tests/kernels/test_attention_kernels.py \
+    tests/engine/test_kernel_path.py
   for i in 1 2; do
-    step inside_$i 100 $DECODE $ad --attention-prologue-max-bs 8 --out "$R/json/inside_$i.json"
-    step apart_$i 100 $DECODE $ad --attention-prologue-max-bs 0 --out "$R/json/apart_$i.json"
+    step inside_$i 100 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 8 --out "$R/json/inside_$i.json"
+    step apart_$i 100 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 0 --out "$R/json/apart_$i.json"
   done
 }
 
 lane0_s36b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s36-$$
+  for i in 1 2; do
+    step msa_one_$i 110 $DECODE --model-path $MM $S36_ARGS --out "$R/json/msa_one_$i.json"
+    step msa_five_$i 110 $DECODE --model-path $MM $S36_ARGS --disable-msa-prologue --out "$R/json/msa_five_$i.json"
+  done
+}
+
+lane0_s36c() {
   lane0_s35d
-  local ad="--model-path $MM --input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1 --warmup on"
-  step minimax_1 100 $DECODE $ad --out "$R/json/minimax_1.json"
 }

@@ -49,7 +49,7 @@ class PagedBackend:
                  gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
                  fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, prologue_max_bs: int = 0,
-                 qkv_rope: bool = False,
+                 qkv_rope: bool = False, msa_prologue: bool = False,
                  norm_epilogue: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
@@ -61,11 +61,13 @@ class PagedBackend:
         self.prologue_max_bs = prologue_max_bs  # ... and run Inkling's attention prologue inside the attention
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.norm_epilogue = norm_epilogue  # kiln.layers.decode_gemv: pre-norms in the last GEMV before them
+        self.msa_prologue = msa_prologue and use_kernels  # MiniMax-M3's norms, RoPEs and cache write in one launch
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
             from kiln.kernels import conv_qk_norm as prologue_kernels
             from kiln.kernels import msa as msa_kernels
+            from kiln.kernels.msa_prologue import msa_prologue as k_msa_prologue
             from kiln.kernels import shortconv as conv_kernels
             from kiln.kernels.kv_store import store_kv
             from kiln.kernels.rotary import rope_store
@@ -73,6 +75,7 @@ class PagedBackend:
             self.k_rope_store = rope_store
             self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
             self.k_prologue = prologue_kernels
+            self.k_msa_prologue = k_msa_prologue
         # The cache write of every attention layer: one launch for K and V (and MSA's indexer
         # keys) on the kernel path, per-tensor index_put otherwise.
         self.store_kv = store_kv if use_kernels else attn_ops.store_kv
@@ -310,10 +313,34 @@ class PagedBackend:
 
     # ---- MSA -----------------------------------------------------------------------------
     def msa_attention(self, layer, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache, ki_cache = self._msa_caches(layer)
+        self.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, kI, ki_cache)
+        return self._msa(layer, q, qI, k_cache, v_cache, ki_cache, batch)
+
+    def fuses_msa_prologue(self, batch: ForwardBatch) -> bool:
+        """Whether `msa_prologue_attention` serves this batch: the kernel path with
+        --disable-msa-prologue off (every mode: the prologue is per token)."""
+        return self.msa_prologue
+
+    def msa_prologue_attention(self, layer, positions, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
+        """`msa_attention` from the raw projections: the q/k norms, both RoPEs and the cache write
+        of k', v and kI' in one launch (`kiln.kernels.msa_prologue`), then MSA."""
+        k_cache, v_cache, ki_cache = self._msa_caches(layer)
+        q, qI = self.k_msa_prologue(positions, q, k, v, qI, kI, layer.q_norm.weight, layer.k_norm.weight,
+                                    layer.q_norm.eps, layer.k_norm.eps, layer.rotary.cos, layer.rotary.sin,
+                                    layer.index_rotary.cos, layer.index_rotary.sin, k_cache, v_cache, ki_cache,
+                                    batch.out_cache_loc)
+        return self._msa(layer, q, qI, k_cache, v_cache, ki_cache, batch)
+
+    def _msa_caches(self, layer):
+        """The layer's K, V and indexer-key caches, once HiCache copies into them are done."""
         k_cache, v_cache = self.full_kv.layer(layer.layer_id)
         ki_cache = self.index_k.layer(layer.layer_id)
         self.gate.wait(k_cache, v_cache, ki_cache)
-        self.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, kI, ki_cache)
+        return k_cache, v_cache, ki_cache
+
+    def _msa(self, layer, q, qI, k_cache, v_cache, ki_cache, batch: ForwardBatch) -> torch.Tensor:
+        """MSA of this forward's queries over the caches (this forward's K, V and kI already in)."""
         if self.use_kernels:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,

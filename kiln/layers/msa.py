@@ -20,6 +20,14 @@ selects). qI is never cached.
 
 The trainer's `PackedAttentionBackend` implements it with `kiln.ops.msa.packed_msa_attention`
 (whole packed sequences, no cache).
+
+On the engine's kernel path the norms, both RoPEs and the cache write run as one launch
+(`kiln.kernels.msa_prologue`) when the backend `fuses_msa_prologue`: the layer then hands it the
+raw projections instead,
+
+    o = batch.backend.msa_prologue_attention(layer, positions, q, k, v, qI, kI, batch)
+        q, k, v, qI, kI as above but before the norms and RoPE; layer also gives q_norm, k_norm,
+        rotary and index_rotary
 """
 
 from __future__ import annotations
@@ -86,6 +94,13 @@ class MSAAttention(nn.Module):
         `forward` does after its first GEMV."""
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj.split(qkv)
+        backend = getattr(batch, "backend", None)
+        if getattr(backend, "fuses_msa_prologue", None) is not None and backend.fuses_msa_prologue(batch):
+            qI, kI = self.indexer(x, batch)
+            o = backend.msa_prologue_attention(self, positions, q.view(t, self.num_heads, d),
+                                               k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d),
+                                               qI, kI, batch)
+            return decode_linear(self.o_proj, o.reshape(t, self.num_heads * d), batch)
         q = self.q_norm(q.reshape(t, self.num_heads, d), batch)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d), batch)
         q, k = self.rotary(positions, q, k, batch)

@@ -64,6 +64,9 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
     # Inkling's decode writes K/V in its fused prologue.
     from kiln.kernels import conv_qk_norm as prologue_kernels
     in_prologue = _count_calls(monkeypatch, prologue_kernels, "conv_qk_norm_store")
+    # MiniMax-M3's norms, RoPEs and cache write: one launch (kiln.kernels.msa_prologue) in every mode.
+    from kiln.kernels import msa_prologue
+    in_msa_prologue = _count_calls(monkeypatch, msa_prologue, "msa_prologue")
     # Decode attention merges its splits in the attention kernel (the engine passes its counters):
     # a launch of the separate merge kernel fails the test.
     monkeypatch.setattr(decode_attention, "_merge_kernel", None)
@@ -85,6 +88,7 @@ def test_kernel_path_equals_reference(interp_dir, monkeypatch):
         assert fused[0] > 0 and separate[0] == 0, (fused, separate)
     assert (projected[0] > 0) == (_arch(interp_dir) == "inkling"), projected
     assert (in_prologue[0] > 0) == (_arch(interp_dir) == "inkling"), in_prologue
+    assert (in_msa_prologue[0] > 0) == (_arch(interp_dir) == "minimax_m3"), in_msa_prologue
     assert not core.runner.backend.split_counters.any()  # every call leaves them zeroed
 
 
@@ -127,6 +131,25 @@ def _prologue_in_attention(monkeypatch, interp_dir, **kw) -> None:
     # every decode step's layers (on a GPU: the batch-1 graph's capture), none apart
     assert inside[0] > 0 and inside[0] % core.runner.model.config.num_hidden_layers == 0, inside
     assert apart[0] == calls_apart
+    assert got_out == want_out
+    for rid in want_rows:
+        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("interp_dir", ["minimax_m3"], indirect=True)
+def test_kernel_path_msa_prologue_equals_five_launches(interp_dir, monkeypatch):
+    """MiniMax-M3 on the kernel path, prefill and decode: the one-launch prologue (counted)
+    generates what --disable-msa-prologue (norm, norm, RoPE, RoPE, cache write) generates."""
+    from kiln.kernels import msa_prologue
+
+    calls = _count_calls(monkeypatch, msa_prologue, "msa_prologue")
+    reqs = prompts(2, seed=4, lo=34, hi=40)
+    kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT,
+              kernel_backend="triton")
+    want_out, want_rows = greedy(make_core(interp_dir, disable_msa_prologue=True, **kw), reqs, max_tokens=3)
+    assert calls[0] == 0
+    got_out, got_rows = greedy(make_core(interp_dir, **kw), reqs, max_tokens=3)
+    assert calls[0] > 0
     assert got_out == want_out
     for rid in want_rows:
         torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)

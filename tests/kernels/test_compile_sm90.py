@@ -308,6 +308,17 @@ def msa_scores() -> None:
                                                     TILE_T=64, DOT_PREC="tf32", PDL=True))
 
 
+def msa_prologue() -> None:
+    """MiniMax-M3's prologue: a branch per role (q / k with v / qI / kI), norms in two of them."""
+    from kiln.kernels.msa_prologue import _msa_prologue_kernel
+
+    bf16 = ("q_ptr", "k_ptr", "v_ptr", "qi_ptr", "ki_ptr", "q_out_ptr", "qi_out_ptr", "kc_ptr", "vc_ptr", "kic_ptr",
+            "qn_w_ptr", "kn_w_ptr")
+    types = {**{n: "*bf16" for n in bf16}, **{n: "*fp32" for n in ("cos_ptr", "sin_ptr", "icos_ptr", "isin_ptr")},
+             "pos_ptr": "*i64", "loc_ptr": "*i64", "q_eps": "fp32", "k_eps": "fp32"}
+    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=64, BLOCK_D=64, BLOCK_DI=64, BLOCK_H=4, PDL=True))
+
+
 def persistent_chain() -> None:
     """benchmarks/kernel_bench/persistent_chain.py: a `while` over atomic tickets with a spin on
     another atomic inside an `if` (the benchmark's GPU run must not be where this is found out)."""
@@ -342,7 +353,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode_prologue": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True,
                                                      prologue=True),
          "decode_prologue_sliding": lambda: decode_attention(False, merge_here=True, early_kv=True, prologue=True),
-         "rope": rope, "msa_scores": msa_scores, "persistent_chain": persistent_chain}
+         "rope": rope, "msa_scores": msa_scores, "msa_prologue": msa_prologue, "persistent_chain": persistent_chain}
 
 
 def test_kernels_compile_for_sm90():
