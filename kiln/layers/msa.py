@@ -38,27 +38,31 @@ from torch import nn
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
 from kiln.layers.decode_gemv import decode_linear
-from kiln.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
 
 
 class MSAIndexer(nn.Module):
-    """One indexer head per KV head: qI, kI = a W_qi^T, a W_ki^T, both [T, Hkv, DI]."""
+    """One indexer head per KV head: qI, kI = a W_qi^T, a W_ki^T, both [T, Hkv, DI]. The two
+    weights are stacked (`qk_proj`; on disk `indexer.q_proj` / `indexer.k_proj`), so that a decode
+    step reads them in one GEMV launch."""
 
     def __init__(self, hidden: int, num_kv_heads: int, index_head_dim: int, pc: ParallelContext):
         super().__init__()
         # The indexer heads follow the KV heads, so they shard the same way; replicating KV heads
         # across ranks (Hkv < tp_size) is not supported here yet.
         assert num_kv_heads % pc.tp_size == 0, "MSA indexer needs num_key_value_heads % tp_size == 0"
-        self.q_proj = ColumnParallelLinear(hidden, num_kv_heads * index_head_dim, pc=pc)
-        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * index_head_dim, pc=pc)
+        n = num_kv_heads * index_head_dim
+        self.qk_proj = MergedColumnParallelLinear(hidden, [n, n], pc=pc)
         self.index_head_dim = index_head_dim
 
     def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qI, kI), each a [T, Hkv, DI] view of the stacked projection's rows."""
         t = x.shape[0]
-        return (decode_linear(self.q_proj, x, batch).view(t, -1, self.index_head_dim),
-                decode_linear(self.k_proj, x, batch).view(t, -1, self.index_head_dim))
+        qk = decode_linear(self.qk_proj, x, batch)
+        q, k = qk.split(self.qk_proj.out_sizes_per_rank, dim=-1)
+        return q.view(t, -1, self.index_head_dim), k.view(t, -1, self.index_head_dim)
 
 
 class MSAAttention(nn.Module):

@@ -41,6 +41,8 @@ _STACKED = [
     (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
     (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
     (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".self_attn.indexer.q_proj.", ".self_attn.indexer.qk_proj.", 0),
+    (".self_attn.indexer.k_proj.", ".self_attn.indexer.qk_proj.", 1),
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
 ]
@@ -201,6 +203,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 mod = self.get_submodule(name[: -len(".weight")])
                 for part, w in zip("qkv", mod.split(t.t())):
                     out[name.replace(".qkv_proj.", f".{part}_proj.")] = w.t()
+            elif name.endswith(".indexer.qk_proj.weight"):
+                q, k = t.chunk(2, dim=0)
+                out[name.replace(".qk_proj.", ".q_proj.")] = q
+                out[name.replace(".qk_proj.", ".k_proj.")] = k
             elif name.endswith(".gate_up_proj.weight"):
                 gate, up = t.chunk(2, dim=0)
                 out[name.replace(".gate_up_proj.", ".gate_proj.")] = gate

@@ -231,7 +231,7 @@ GEMV_MODULES = {
     "inkling": {"model.layers.self_attn.qkvr_proj", "model.layers.self_attn.o_proj",
                 "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
     "minimax_m3": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
-                   "model.layers.self_attn.indexer.q_proj", "model.layers.self_attn.indexer.k_proj",
+                   "model.layers.self_attn.indexer.qk_proj",
                    "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
 }
 # Where the MoE kernels run (CUDA; the CPU engine keeps the MoE reference), the routers' logits too.

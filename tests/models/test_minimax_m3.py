@@ -241,7 +241,7 @@ def test_training_gradients_skip_the_frozen_indexer():
     attn = model.model.layers[2].self_attn
     assert attn.qkv_proj.weight.grad.abs().sum() > 0
     assert model.model.layers[2].mlp.gate.weight.grad.abs().sum() > 0
-    assert attn.indexer.q_proj.weight.grad is None and attn.indexer.k_proj.weight.grad is None
+    assert attn.indexer.qk_proj.weight.grad is None
 
 
 def test_state_specs():
