@@ -3,8 +3,10 @@
 # `s36a`: the two prologues' GPU tests; Inkling's attention prologue inside the decode attention
 #   (--attention-prologue-max-bs): Inkling `bench` at batch 1 / 8 with it (max bs 8) and without
 #   (0), alternated twice.
-# `s36b`: MiniMax-M3's prologue in one launch: MiniMax-M3 `bench` at batch 1 / 8 with it (the
-#   default) and with --disable-msa-prologue, alternated twice.
+# `s36b`: MiniMax-M3's prologue in one launch and its stacked indexer projections: MiniMax-M3
+#   `bench` at batch 1 / 8 with the prologue (the default), with --disable-msa-prologue, and at the
+#   session's start (carry scratch/base37 = `git archive e11df81 kiln benchmarks/*.py
+#   benchmarks/configs`), alternated twice.
 # `s36c`: s35d (adaptive MTP at batch 32, the late catch-up graph past batch 8; carry scratch/base36
 #   = `git archive 74d99af kiln benchmarks/*.py benchmarks/configs`).
 # shellcheck shell=bash
@@ -27,6 +29,8 @@ lane0_s36b() {
   for i in 1 2; do
     step msa_one_$i 110 $DECODE --model-path $MM $S36_ARGS --out "$R/json/msa_one_$i.json"
     step msa_five_$i 110 $DECODE --model-path $MM $S36_ARGS --disable-msa-prologue --out "$R/json/msa_five_$i.json"
+    [ "$i" = 1 ] && step msa_base 110 python scratch/base37/benchmarks/decode_batch.py $C --model-path $MM \
+      $S36_ARGS --out "$R/json/msa_base.json"
   done
 }
 
