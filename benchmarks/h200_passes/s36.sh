@@ -37,3 +37,29 @@ lane0_s36b() {
 lane0_s36c() {
   lane0_s35d
 }
+
+# `s36`: s36a and s36b in one call, each comparison once (for a session whose device time is
+# short); `s36r`: the same comparisons again, the other way round.
+lane0_s36() {
+  export TRITON_CACHE_DIR=/tmp/triton-s36-$$
+  step tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/kernels/test_attention_prologue.py \
+    tests/kernels/test_msa_prologue.py tests/kernels/test_conv_qk_norm.py tests/engine/test_kernel_path.py
+  step inside 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 8 --out "$R/json/inside.json"
+  step apart 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 0 --out "$R/json/apart.json"
+  step msa_one 90 $DECODE --model-path $MM $S36_ARGS --out "$R/json/msa_one.json"
+  step msa_five 90 $DECODE --model-path $MM $S36_ARGS --disable-msa-prologue --out "$R/json/msa_five.json"
+  step msa_base 90 python scratch/base37/benchmarks/decode_batch.py $C --model-path $MM $S36_ARGS \
+    --out "$R/json/msa_base.json"
+}
+
+lane0_s36r() {
+  export TRITON_CACHE_DIR=/tmp/triton-s36-$$
+  step msa_base 90 python scratch/base37/benchmarks/decode_batch.py $C --model-path $MM $S36_ARGS \
+    --out "$R/json/msa_base_r.json"
+  step msa_five 90 $DECODE --model-path $MM $S36_ARGS --disable-msa-prologue --out "$R/json/msa_five_r.json"
+  step msa_one 90 $DECODE --model-path $MM $S36_ARGS --out "$R/json/msa_one_r.json"
+  step apart 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 0 --out "$R/json/apart_r.json"
+  step inside 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 8 --out "$R/json/inside_r.json"
+  step ink_base 90 python scratch/base37/benchmarks/decode_batch.py $C --model-path $INK $S36_ARGS \
+    --out "$R/json/ink_base_r.json"
+}
