@@ -345,13 +345,14 @@ class PagedBackend:
             if batch.mode == ForwardMode.DECODE:
                 return self.k_msa.msa_decode(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
                                              batch.seq_lens_t, layer.block_size, layer.topk_blocks, layer.scale,
-                                             q_pos=batch.positions)
+                                             q_pos=batch.positions, split_counters=self.split_counters)
             # A tight bound on the blocks any sequence spans keeps the score grid small; a graph's
             # batch has no host lengths (they are placeholders), so its grid spans the context.
             max_len = None if batch.in_graph else max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
             return self.k_msa.msa_extend(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
                                          batch.prefix_lens_t, batch.extend_lens_t, batch.extend_starts_t,
-                                         layer.block_size, layer.topk_blocks, layer.scale, max_len=max_len)
+                                         layer.block_size, layer.topk_blocks, layer.scale, max_len=max_len,
+                                         split_counters=self.split_counters)
         slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
         return msa_ops.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], slots,
                                            batch.prefix_lens, batch.extend_lens, layer.block_size,

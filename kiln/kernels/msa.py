@@ -104,15 +104,18 @@ def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_ptr,
-                        out_ptr, opart_ptr, mpart_ptr, lpart_ptr,
+                        out_ptr, opart_ptr, mpart_ptr, lpart_ptr, counters_ptr,
                         s_qr, s_qh, s_ks, s_kg, s_vs, s_vg, s_r2t, sel_r, sel_g, s_or, s_oh,
                         scale_log2,
                         HG: tl.constexpr, HG_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr, TOPK: tl.constexpr,
                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                        DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                        DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE_HERE: tl.constexpr = False,
+                        SPLITS_P: tl.constexpr = 1):
     """Attention of the HG query heads of kv head g of one row over its selected blocks
-    BLOCKS_PER_SPLIT * split .. (one split's share), fp32 online softmax in base 2."""
+    BLOCKS_PER_SPLIT * split .. (one split's share), fp32 online softmax in base 2. MERGE_HERE:
+    the split that finishes last (counted in counters_ptr[row, g], left at zero) merges the
+    group's partials, as `_combine_kernel` would."""
     wait_for_previous(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -163,29 +166,47 @@ def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_p
         tl.store(mpart_ptr + part, m, mask=hmask)
         tl.store(lpart_ptr + part, l, mask=hmask)
         tl.store(opart_ptr + part[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+        if MERGE_HERE:
+            counter = counters_ptr + row * tl.num_programs(1) + g
+            # Every warp's partials are written before the release; the last arrival acquires them.
+            tl.debug_barrier()
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                for hh in tl.static_range(HG):  # unrolled: every head's partials are in flight at once
+                    _combine_head(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh, row, g * HG + hh,
+                                  tl.num_programs(1) * HG, D, D_P, SPLITS, SPLITS_P, ".cg")
+
+
+@triton.jit
+def _combine_head(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh, row, h, hq,
+                  D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """out[row, h] = sum_j acc_j 2^(m_j - M) / sum_j l_j 2^(m_j - M) over the splits (hq query
+    heads per row in the partials). CACHE ".cg": partials other programs of the same kernel wrote,
+    read through L2, never a stale L1 line."""
+    offs_j = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, D_P)
+    jmask = offs_j < SPLITS
+    base = (row * hq + h) * SPLITS
+    m = tl.load(mpart_ptr + base + offs_j, mask=jmask, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(lpart_ptr + base + offs_j, mask=jmask, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(opart_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
+                  mask=jmask[:, None] & (offs_d < D)[None, :], other=0.0, cache_modifier=CACHE)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
+    den = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * s_or + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit
 def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh,
                     D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
                     PDL: tl.constexpr):
-    """out[row, h] = sum_j acc_j 2^(m_j - M) / sum_j l_j 2^(m_j - M) over the splits."""
+    """The merge of one (row, query head)'s splits as a launch of its own (`_combine_head`)."""
     wait_for_previous(PDL)
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_j = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, D_P)
-    jmask = offs_j < SPLITS
-    base = (row * tl.num_programs(1) + h) * SPLITS
-    m = tl.load(mpart_ptr + base + offs_j, mask=jmask, other=float("-inf"))
-    l = tl.load(lpart_ptr + base + offs_j, mask=jmask, other=0.0)
-    acc = tl.load(opart_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
-                  mask=jmask[:, None] & (offs_d < D)[None, :], other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty splits weigh nothing
-    den = tl.sum(l * w, axis=0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + row * s_or + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    _combine_head(opart_ptr, mpart_ptr, lpart_ptr, out_ptr, s_or, s_oh, tl.program_id(0), tl.program_id(1),
+                  tl.num_programs(1), D, D_P, SPLITS, SPLITS_P, "")
 
 
 # ---- host wrappers ---------------------------------------------------------------------------
@@ -238,11 +259,15 @@ def _blocks_per_split(rows: int, g: int, topk: int, device: torch.device) -> int
 def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_slots: torch.Tensor, q_pos: torch.Tensor,
                          sel: torch.Tensor, block_size: int, scale: float,
-                         blocks_per_split: Optional[int] = None) -> torch.Tensor:
+                         blocks_per_split: Optional[int] = None,
+                         split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one query per row over the keys t <= q_pos of its selected blocks.
 
     q: [R, Hq, D]; k_cache, v_cache: [slots, G, D]; sel: [R, G, N] (-1 = none). Returns
     [R, Hq, D] in q's dtype. `blocks_per_split` overrides the split heuristic (tests).
+    split_counters: an int32 buffer of zeros with at least R * G entries, the caller's, left
+    zeroed: several splits are then merged inside the attention kernel (as
+    `kiln.kernels.decode_attention` does); too small or None: `_combine_kernel` merges them.
     """
     r, hq, d = q.shape
     g = k_cache.shape[1]
@@ -262,15 +287,21 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         opart = mpart = lpart = out  # unused
     hg = hq // g
     tile_t, warps = _attn_config(block_size)
+    merge_here = splits > 1 and split_counters is not None and split_counters.numel() >= r * g
+    if merge_here:
+        assert split_counters.dtype == torch.int32 and split_counters.device == q.device
+    # never touched without MERGE_HERE; an int32 tensor either way, so that both compile to one variant
+    counters = split_counters if merge_here else req_slots.new_empty(1, dtype=torch.int32)
     _sparse_attn_kernel[(r, g, splits)](
-        q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, out, opart, mpart, lpart,
+        q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, out, opart, mpart, lpart, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_token.stride(0), sel.stride(0), sel.stride(1),
         out.stride(0), out.stride(1), scale * math.log2(math.e),
         HG=hg, HG_P=max(16, _p2(hg)), D=d, D_P=max(16, _p2(d)), BLOCK_SIZE=block_size,
         TILE_T=tile_t, TOPK=topk, BLOCKS_PER_SPLIT=per, SPLITS=splits,
-        DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps, **pdl_launch(q.device))
-    if splits > 1:
+        DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps, MERGE_HERE=merge_here, SPLITS_P=_p2(splits),
+        **pdl_launch(q.device))
+    if splits > 1 and not merge_here:
         _combine_kernel[(r, hq)](opart, mpart, lpart, out, out.stride(0), out.stride(1),
                                  D=d, D_P=_p2(d), SPLITS=splits, SPLITS_P=_p2(splits), num_warps=4,
                                  **pdl_launch(out.device))
@@ -280,7 +311,8 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
                seq_lens: torch.Tensor, block_size: int, topk_blocks: int, scale: float,
-               max_len: Optional[int] = None, q_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+               max_len: Optional[int] = None, q_pos: Optional[torch.Tensor] = None,
+               split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MSA decode: one query per sequence at position seq_len - 1, whose K, V and kI are already
     in the caches. Same result as `kiln.ops.msa.paged_msa_attention` with prefix_lens =
     seq_lens - 1 and extend_lens = 1.
@@ -289,13 +321,15 @@ def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     req_to_token: [rows, L]; req_slots, seq_lens: [B] int64 on the device. `max_len` bounds the
     sequence lengths (default L); it sets the grid of the score kernel, so keep it fixed across
     replays of a captured graph. `q_pos` may pass seq_lens - 1 when the caller has it (the
-    engine's decode positions), saving a launch per layer. Returns [B, Hq, D] in q's dtype.
+    engine's decode positions), saving a launch per layer. `split_counters`: as
+    `msa_sparse_attention`'s. Returns [B, Hq, D] in q's dtype.
     """
     q_pos = seq_lens - 1 if q_pos is None else q_pos
     scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len,
                                select_blocks=topk_blocks)
     sel = msa_select(scores, q_pos, block_size, topk_blocks)
-    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale)
+    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale,
+                                split_counters=split_counters)
 
 
 # ---- chunked prefill -------------------------------------------------------------------------
@@ -304,7 +338,7 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
                ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_starts: torch.Tensor,
                block_size: int, topk_blocks: int, scale: float,
-               max_len: Optional[int] = None) -> torch.Tensor:
+               max_len: Optional[int] = None, split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MSA of each sequence's new queries over its whole cache (chunked prefill, mixed batches):
     `kiln.ops.msa.paged_msa_attention` with device-tensor metadata.
 
@@ -322,4 +356,5 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     scores = msa_extend_scores(qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens,
                                extend_starts, block_size, max_len)
     sel = msa_select(scores, q_pos, block_size, topk_blocks)
-    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, sel, block_size, scale)
+    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, sel, block_size, scale,
+                                split_counters=split_counters)

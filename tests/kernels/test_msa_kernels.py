@@ -214,9 +214,12 @@ def test_scores_stop_at_max_len(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("blocks_per_split", [1, 2, 3])
-def test_sparse_attention_splits(device, blocks_per_split):
-    """Split-softmax merge (`_combine_kernel`), uneven last split and -1 padding included, and
-    the single-split direct write, agree with the reference on the same selection."""
+@pytest.mark.parametrize("merge_here", [False, True], ids=["combine_kernel", "merge_in_kernel"])
+def test_sparse_attention_splits(device, blocks_per_split, merge_here, monkeypatch):
+    """Split-softmax merge (`_combine_kernel`, or with split counters the last split of each
+    group inside the attention kernel), uneven last split and -1 padding included, and the
+    single-split direct write, agree with the reference on the same selection; the counters are
+    left at zero, so a second call merges again."""
     p = dict(TINY, block=8, topk=3, max_len=64)
     lens = [3, 17, 64, 40]  # 1 block (two -1 pads), 3 blocks, 8 blocks, a partial local block
     c = make_case(device, torch.float32, [n - 1 for n in lens], [1] * len(lens), p["hq"], p["g"],
@@ -224,9 +227,15 @@ def test_sparse_attention_splits(device, blocks_per_split):
     scale = 0.3
     q_pos = c.seq_lens - 1
     sel = reference_selection(c, p["block"], p["topk"])
-    out = K.msa_sparse_attention(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_slots, q_pos, sel,
-                                 p["block"], scale, blocks_per_split=blocks_per_split)
-    torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
+    counters = torch.zeros(len(lens) * p["g"] + 2, dtype=torch.int32, device=device) if merge_here else None
+    if merge_here:  # a launch of the combine kernel fails the test
+        monkeypatch.setattr(K, "_combine_kernel", None)
+    for _ in range(2 if merge_here else 1):
+        out = K.msa_sparse_attention(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_slots, q_pos, sel,
+                                     p["block"], scale, blocks_per_split=blocks_per_split, split_counters=counters)
+        torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
+        if merge_here:
+            assert not counters.any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
