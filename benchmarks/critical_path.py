@@ -18,7 +18,9 @@ the same cut; docs/benchmarks.md, twenty-second pass): repeat a run before trust
 - `gate`: the MoE router's selection (sink gate, MiniMax-M3's gate) returns fixed distinct experts
   with equal weights, without a launch (the router GEMV before it still runs). Every cut but
   `norm` implies it (`IMPLIES`), so compare the others with a `gate` run;
-- `prologue`: Inkling's conv + q/k-norm + cache-write attention prologue;
+- `prologue`: Inkling's conv + q/k-norm + cache-write attention prologue (at batch 1 it runs inside
+  the decode attention instead: cut it with `--attention-prologue-max-bs 0`), MiniMax-M3's norms +
+  RoPEs + cache-write prologue;
 - `attention`: decode attention (split kernel and its merge), MSA's scores, selection, sparse
   attention and combine;
 - `experts`: the one-token expert GEMVs (gate/up and down + out_conv);
@@ -43,10 +45,11 @@ import torch
 
 # cut -> the Triton kernels (module, attribute) whose launches become no-ops
 KERNELS: dict[str, list[tuple[str, str]]] = {
-    "prologue": [("kiln.kernels.conv_qk_norm", "_conv_qk_norm_kernel")],
+    "prologue": [("kiln.kernels.conv_qk_norm", "_conv_qk_norm_kernel"),
+                 ("kiln.kernels.msa_prologue", "_msa_prologue_kernel")],
     "attention": [("kiln.kernels.decode_attention", "_decode_kernel"),
                   ("kiln.kernels.decode_attention", "_merge_kernel"),
-                  ("kiln.kernels.msa", "_decode_scores_kernel"), ("kiln.kernels.msa", "_select_kernel"),
+                  ("kiln.kernels.msa_scores", "_decode_scores_kernel"), ("kiln.kernels.msa", "_select_kernel"),
                   ("kiln.kernels.msa", "_sparse_attn_kernel"), ("kiln.kernels.msa", "_combine_kernel")],
     "expert_up": [("kiln.kernels.moe_gemv", "_expert_up_gemv_kernel")],
     "expert_down": [("kiln.kernels.moe_gemv", "_expert_down_gemv_kernel")],
