@@ -42,8 +42,9 @@ lane0_s36c() {
 # short); `s36r`: the same comparisons again, the other way round.
 lane0_s36() {
   export TRITON_CACHE_DIR=/tmp/triton-s36-$$
-  step tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/kernels/test_attention_prologue.py \
-    tests/kernels/test_msa_prologue.py tests/kernels/test_conv_qk_norm.py tests/engine/test_kernel_path.py
+  step tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_attention_prologue.py \
+    tests/kernels/test_msa_prologue.py tests/kernels/test_msa_kernels.py tests/engine/test_kernel_path.py \
+    -k "prologue or msa or sparse or decode_cuda or bench_shapes"
   step inside 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 8 --out "$R/json/inside.json"
   step apart 90 $DECODE --model-path $INK $S36_ARGS --attention-prologue-max-bs 0 --out "$R/json/apart.json"
   step msa_one 90 $DECODE --model-path $MM $S36_ARGS --out "$R/json/msa_one.json"
