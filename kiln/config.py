@@ -100,17 +100,18 @@ class EngineConfig:
         "never. Bit for bit the same output. On an H200 it made batch 1 1-2%% faster and the 8B "
         "shape 5%% slower at batch 8 and 4%% at 64 (docs/benchmarks.md, seventeenth pass).")
     attention_prologue_max_bs: int = opt(
-        1, "Inkling decode steps of at most this many sequences run each attention layer's prologue (the k/v "
+        0, "Inkling decode steps of at most this many sequences run each attention layer's prologue (the k/v "
         "ShortConvs, the q/k norms, lam and the K/V cache write) inside the decode attention kernel: every "
         "program norms its query heads, the one holding the new token makes its K/V "
-        "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0: never (the prologue "
-        "kernel, kiln/kernels/conv_qk_norm.py). The same result up to summation order "
-        "(docs/benchmarks.md, thirty-seventh pass).")
+        "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0 (default, until it is "
+        "timed on a GPU: docs/benchmarks.md, \"Not yet measured\"): never, the prologue kernel "
+        "(kiln/kernels/conv_qk_norm.py). The same result up to summation order.")
     disable_msa_prologue: bool = opt(
         False, "On the kernel path, MiniMax-M3's attention runs its q/k norms, both RoPEs (attention and "
         "indexer) and the cache write of K, V and the indexer keys as one launch per layer "
         "(kiln/kernels/msa_prologue.py) instead of five; this flag keeps the five. The norms may differ "
-        "by an ulp of the model's dtype (another summation order) (docs/benchmarks.md, thirty-seventh pass).")
+        "by an ulp of the model's dtype (another summation order). Not yet timed on a GPU (docs/benchmarks.md, "
+        "\"Not yet measured\").")
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "

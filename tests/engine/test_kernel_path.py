@@ -113,10 +113,10 @@ def test_kernel_path_early_kv_at_batch_1_is_bit_identical(interp_dir, monkeypatc
 
 
 def _prologue_in_attention(monkeypatch, interp_dir, **kw) -> None:
-    """One Inkling request: decode steps of at most --attention-prologue-max-bs sequences (1 by
-    default) make each layer's K/V inside the decode attention (counted: `prologue` passed, no
-    `conv_qk_norm_store`) and generate what 0 (the prologue kernel) generates; logits within
-    summation-order tolerances."""
+    """One Inkling request: decode steps of at most --attention-prologue-max-bs sequences (here 1)
+    make each layer's K/V inside the decode attention (counted: `prologue` passed, no
+    `conv_qk_norm_store`) and generate what 0 (the default: the prologue kernel) generates;
+    logits within summation-order tolerances."""
     from kiln.kernels import attention as attn_kernels
     from kiln.kernels import conv_qk_norm as prologue_kernels
 
@@ -126,7 +126,7 @@ def _prologue_in_attention(monkeypatch, interp_dir, **kw) -> None:
     want_out, want_rows = greedy(make_core(interp_dir, attention_prologue_max_bs=0, **kw), reqs, max_tokens=4)
     assert inside[0] == 0 and apart[0] > 0
     calls_apart = apart[0]
-    core = make_core(interp_dir, **kw)
+    core = make_core(interp_dir, attention_prologue_max_bs=1, **kw)
     got_out, got_rows = greedy(core, reqs, max_tokens=4)
     # every decode step's layers (on a GPU: the batch-1 graph's capture), none apart
     assert inside[0] > 0 and inside[0] % core.runner.model.config.num_hidden_layers == 0, inside
