@@ -30,32 +30,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.rotary import _rotate
-
-
-@triton.jit
-def _norm_rope_heads(x_ptr, stride_h, out_ptr, stride_oh, h0, n_heads, w_ptr, eps, c, s, d, d_ok,
-                     NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Heads h0 .. h0 + BLOCK_H - 1 (below n_heads) of one token: RMSNorm (NORM, weight w_ptr)
-    rounded to x's dtype, then the rotate-half RoPE by fp32 rows c, s, rounded to x's dtype and
-    then to out's."""
-    h = h0 + tl.arange(0, BLOCK_H)
-    m = (h < n_heads)[:, None] & d_ok[None, :]
-    src = x_ptr + h[:, None] * stride_h + d[None, :]
-    x1 = tl.load(src, mask=m, other=0.0)
-    x2 = tl.load(src + HALF, mask=m, other=0.0)
-    dtype = x1.dtype
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    if NORM:  # (x * inv) * w, as kiln.kernels.norm
-        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
-        f1 = ((f1 * inv[:, None]) * w1[None, :]).to(dtype).to(tl.float32)
-        f2 = ((f2 * inv[:, None]) * w2[None, :]).to(dtype).to(tl.float32)
-    o1, o2 = _rotate(f1, f2, c[None, :], s[None, :])
-    dst = out_ptr + h[:, None] * stride_oh + d[None, :]
-    tl.store(dst, o1.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(dst + HALF, o2.to(dtype).to(out_ptr.dtype.element_ty), mask=m)
+from kiln.kernels.rotary import _norm_rope_heads
 
 
 @triton.jit
