@@ -58,7 +58,7 @@ class PagedBackend:
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs
         self.early_kv_max_bs = early_kv_max_bs  # decode steps this small read older keys before the PDL wait
-        self.prologue_max_bs = prologue_max_bs  # ... and run Inkling's attention prologue inside the attention
+        self.prologue_max_bs = prologue_max_bs  # decode steps this small: Inkling's prologue inside the attention
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.norm_epilogue = norm_epilogue  # kiln.layers.decode_gemv: pre-norms in the last GEMV before them
         self.msa_prologue = msa_prologue and use_kernels  # MiniMax-M3's norms, RoPEs and cache write in one launch
