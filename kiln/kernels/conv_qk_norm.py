@@ -70,15 +70,22 @@ class AttentionPrologue:
 
     def check(self, bsz: int, hkv: int, d: int) -> None:
         """Shapes and layouts the kernel relies on (each tensor's last dim contiguous)."""
-        c = hkv * d
-        assert self.k.shape == self.v.shape == (bsz, c), (self.k.shape, self.v.shape, (bsz, c))
-        assert self.k_conv_w.shape == self.v_conv_w.shape and self.k_conv_w.shape[0] == c, self.k_conv_w.shape
-        assert self.k_buf.shape[1] == self.v_buf.shape[1] == c and self.q_norm_w.shape == self.k_norm_w.shape == (d,)
-        assert self.positions.shape == self.out_locs.shape == (bsz,), (self.positions.shape, self.out_locs.shape)
+        assert self.k.shape == self.v.shape == (bsz, hkv * d), (self.k.shape, self.v.shape, (bsz, hkv * d))
+        assert self.k.stride(-1) == 1 and self.v.stride(-1) == 1, "k / v rows must be contiguous"
         assert self.q_scale is None or self.q_scale.shape == (bsz,)
-        for t in (self.k, self.v, self.k_conv_w, self.v_conv_w, self.k_buf, self.v_buf, self.conv_table,
-                  self.q_norm_w, self.k_norm_w, self.positions, self.out_locs):
-            assert t.stride(-1) == 1, "channel / position dims must be contiguous"
+        _check_state(self.q_norm_w, self.k_norm_w, self.k_conv_w, self.v_conv_w, self.k_buf, self.v_buf,
+                     self.conv_table, self.positions, self.out_locs, bsz, hkv * d, d)
+
+
+def _check_state(q_norm_w, k_norm_w, k_conv_w, v_conv_w, k_buf, v_buf, conv_table, positions, out_locs,
+                 bsz: int, c: int, d: int) -> None:
+    """The prologue's weights, conv state and per-row addressing for bsz rows of c = Hkv * D
+    k / v channels (both the prologue kernel's and the decode attention's PROLOGUE rely on them)."""
+    assert k_conv_w.shape == v_conv_w.shape and k_conv_w.shape[0] == c, (k_conv_w.shape, c)
+    assert k_buf.shape[1] == v_buf.shape[1] == c and q_norm_w.shape == k_norm_w.shape == (d,)
+    assert positions.shape == out_locs.shape == (bsz,), (positions.shape, out_locs.shape)
+    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w, positions, out_locs):
+        assert t.stride(-1) == 1, "channel / position dims must be contiguous"
 
 
 @triton.jit
@@ -293,15 +300,12 @@ def _launch(q, k, v, q_norm_w, k_norm_w, q_eps, k_eps, k_conv_w, v_conv_w, k_buf
     bsz = q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     assert q.dim() == k.dim() == v.dim() == 2 and k.shape == v.shape and q.shape[1] % d == 0 and k.shape[1] % d == 0
-    assert row_slots.shape == positions.shape == out_locs.shape == (bsz,), (row_slots.shape, positions.shape)
+    assert row_slots.shape == (bsz,) and row_slots.stride(-1) == 1, row_slots.shape
     hq, hkv = q.shape[1] // d, k.shape[1] // d
     c = hkv * d
-    assert k_conv_w.shape == v_conv_w.shape and k_conv_w.shape[0] == c, (k_conv_w.shape, c)
-    assert k_buf.shape[1] == v_buf.shape[1] == c and q_norm_w.shape == k_norm_w.shape == (d,)
+    _check_state(q_norm_w, k_norm_w, k_conv_w, v_conv_w, k_buf, v_buf, conv_table, positions, out_locs, bsz, c, d)
     assert k_out.shape[1] == v_out.shape[1] == c, (k_out.shape, v_out.shape, c)
-    for t in (k_conv_w, v_conv_w, k_buf, v_buf, conv_table, q_norm_w, k_norm_w, row_slots, positions, out_locs,
-              k_out, v_out):
-        assert t.stride(-1) == 1, "channel / position dims must be contiguous"
+    assert k_out.stride(-1) == 1 and v_out.stride(-1) == 1, "channel / position dims must be contiguous"
     q_out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return q_out
