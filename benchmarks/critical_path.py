@@ -18,9 +18,9 @@ the same cut; docs/benchmarks.md, twenty-second pass): repeat a run before trust
 - `gate`: the MoE router's selection (sink gate, MiniMax-M3's gate) returns fixed distinct experts
   with equal weights, without a launch (the router GEMV before it still runs). Every cut but
   `norm` implies it (`IMPLIES`), so compare the others with a `gate` run;
-- `prologue`: Inkling's conv + q/k-norm + cache-write attention prologue (at batch 1 it runs inside
-  the decode attention instead: cut it with `--attention-prologue-max-bs 0`), MiniMax-M3's norms +
-  RoPEs + cache-write prologue;
+- `prologue`: Inkling's conv + q/k-norm + cache-write attention prologue (with
+  `--attention-prologue-max-bs` above 0 it runs inside the decode attention, which this cut does
+  not touch), MiniMax-M3's norms + RoPEs + cache-write prologue;
 - `attention`: decode attention (split kernel and its merge), MSA's scores, selection, sparse
   attention and combine;
 - `experts`: the one-token expert GEMVs (gate/up and down + out_conv);
