@@ -50,6 +50,10 @@ lane0_s36() {  # most wanted first: a call cut short by the device budget keeps 
   step msa_base 80 python scratch/base37/benchmarks/decode_batch.py $C --model-path $MM $S36_ARGS \
     --out "$R/json/msa_base.json"
   step msa_five 80 $DECODE --model-path $MM $S36_ARGS --disable-msa-prologue --out "$R/json/msa_five.json"
+  # thirty-seventh session: MSA's selection inside the attention kernel; base38 = before it (c4c6fd8)
+  [ -d scratch/base38 ] && step msa_base38 80 python scratch/base38/benchmarks/decode_batch.py $C --model-path $MM \
+    $S36_ARGS --out "$R/json/msa_base38.json"
+  step msa_kernel 60 python -m benchmarks.kernel_bench.msa --batch 1 8 64 --context 1024 8192 32768 --no-reference
   step engine_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     -k "prologue or msa or minimax"
 }

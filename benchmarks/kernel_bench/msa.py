@@ -61,7 +61,10 @@ def main(argv=None) -> None:
 
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# Hq={hq} G={g} D={d} DI={di} block={block} N={topk} {dtype}; times in ms (median)")
-    cols = ["B", "ctx", "ref", "eager", "graph", "speedup", "GB/s", "scores", "select", "attn"]
+    # graph: msa_decode as the engine runs it (selection inside the attention kernel, two launches);
+    # 3-launch: with msa_select apart; attn+sel: the attention kernel selecting from the scores.
+    cols = ["B", "ctx", "ref", "eager", "graph", "3-launch", "speedup", "GB/s", "scores", "select", "attn",
+            "attn+sel"]
     print(" ".join(f"{c:>9}" for c in cols))
     for b in args.batch:
         for ctx in args.context:
@@ -77,6 +80,9 @@ def main(argv=None) -> None:
             with torch.cuda.graph(graph):
                 call()
             t_eager, t_graph = bench(call), bench(graph.replay)
+            apart = lambda: K.msa_decode(q, qI, k_cache, v_cache, ki_cache, table, req_slots, seq_lens,  # noqa: E731
+                                         block, topk, scale, select_in_attention=False)
+            t_apart = graphed(apart)
 
             q_pos = seq_lens - 1
             scores = K.msa_decode_scores(qI, ki_cache, table, req_slots, q_pos, block)
@@ -85,6 +91,8 @@ def main(argv=None) -> None:
             t_select = graphed(lambda: K.msa_select(scores, q_pos, block, topk))
             t_attn = graphed(lambda: K.msa_sparse_attention(q, k_cache, v_cache, table, req_slots, q_pos, sel,
                                                             block, scale))
+            t_attn_sel = graphed(lambda: K.msa_sparse_attention(q, k_cache, v_cache, table, req_slots, q_pos, None,
+                                                                block, scale, scores=scores, topk_blocks=topk))
             t_ref = float("nan")
             if not args.no_reference:
                 ref_call = lambda: R.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, table,  # noqa: E731
@@ -94,7 +102,8 @@ def main(argv=None) -> None:
                 assert err < 5e-2, f"kernel differs from the reference by {err}"
                 t_ref = bench(ref_call)
             gbs = decode_bytes([ctx] * b, g, d, di, block, topk, 2) / (t_graph * 1e-3) / 1e9
-            row = [b, ctx, t_ref, t_eager, t_graph, t_ref / t_graph, gbs, t_scores, t_select, t_attn]
+            row = [b, ctx, t_ref, t_eager, t_graph, t_apart, t_ref / t_graph, gbs, t_scores, t_select, t_attn,
+                   t_attn_sel]
             print(" ".join(f"{x:>9}" if isinstance(x, int) else f"{x:>9.4f}" if x < 100 else f"{x:>9.1f}"
                            for x in row), flush=True)
 

@@ -1,7 +1,7 @@
 """Triton kernels for MSA (MiniMax-M3 sparse attention, MODELS.md 3.1): the fast path of
 `kiln.ops.msa.paged_msa_attention`.
 
-One MSA attention over the paged cache runs as three kernels over "rows" (one row = one query
+One MSA attention over the paged cache runs as three stages over "rows" (one row = one query
 token: the request row of `req_to_token` it reads and its absolute position `q_pos`):
 
 1. block scores  S[row, g, b] = max over keys t of block b with t <= q_pos of qI.kI / sqrt(DI)
@@ -14,16 +14,19 @@ token: the request row of `req_to_token` it reads and its absolute position `q_p
    is bounded by the row's length, not the grid: a grid of one program per block of the longest
    context a graph may see cost MiniMax-M3 `bench` 25 us per layer at a 1K context (131072 / 128
    blocks x 4 heads, nearly all idle).
-2. selection (`_select_kernel`, one program per (row, kv head)): exactly `select_blocks` -
-   all causal blocks when there are at most N, else the N-1 best history blocks, best first,
-   equal scores to the lower id, then the local block; -1 pads. Each block becomes one int64 key
-   ordered like (score desc, id asc), and pick k is the max key below pick k-1: N-1 max
-   reductions, no scratch, exact tie order (torch.topk does not promise one).
+2. selection (`_selected_blocks`): exactly `select_blocks` - all causal blocks when there are
+   at most N, else the N-1 best history blocks, best first, equal scores to the lower id, then
+   the local block; -1 pads. Each block becomes one int64 key ordered like (score desc, id asc),
+   and pick k is the max key below pick k-1: N-1 max reductions, no scratch, exact tie order
+   (torch.topk does not promise one). The engine runs it inside the attention kernel (every
+   program selects for its row and kv head from the scores, one launch and one dependent wait
+   fewer per layer); `msa_select` (`_select_kernel`, one program per (row, kv head)) stores it.
 3. sparse attention (`_sparse_attn_kernel`): one program per (row, kv head, split) gathers its
    share of the selected blocks through `req_to_token`, and runs all query heads of the group
    against them at once (one `tl.dot` per tile) with an fp32 online softmax. With more than one
-   split per row (flash-decoding: small batches need more programs than rows x heads),
-   `_combine_kernel` merges the partial softmaxes.
+   split per row (flash-decoding: small batches need more programs than rows x heads), the last
+   split to finish merges the partial softmaxes (with the caller's split counters), or
+   `_combine_kernel` does.
 
 Everything launches on grids sized from shapes only (the scores' width comes from `max_len`,
 default `req_to_token.shape[1]`), with no host sync: `msa_decode` can be captured in a CUDA graph.
@@ -66,21 +69,17 @@ def _history_keys(base, ids, local):
 
 
 @triton.jit
-def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
-                   BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
-                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    """Sel[row, g, :] by the rule of `kiln.ops.msa.select_blocks`."""
-    wait_for_previous(PDL)
-    row = tl.program_id(0)
-    g = tl.program_id(1)
-    qp = tl.load(qpos_ptr + row)
+def _selected_blocks(base, qp, BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+                     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    """The selection [TOPK_P] int64 of the query at position qp from its row's scores at `base`,
+    by the rule of `kiln.ops.msa.select_blocks` (-1 pads; entries past TOPK are not part of it).
+    A row with at most TOPK causal blocks reads no score."""
     n_causal = qp // BLOCK_SIZE + 1
     local = n_causal - 1
     offs_k = tl.arange(0, TOPK_P)
     # Dense case: all causal blocks, in order, then -1.
     out = tl.where(offs_k < n_causal, offs_k.to(tl.int64), -1)
     if n_causal > TOPK:
-        base = s_ptr + row * s_sr + g * s_sg
         offs_c = tl.arange(0, CHUNK)
         if NUM_CHUNKS == 1:
             keys = _history_keys(base, offs_c, local)  # read once, kept in registers
@@ -97,6 +96,20 @@ def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
             out = tl.where(offs_k == k, 2147483647 - (best % 2147483648), out)
             prev = best
         out = tl.where(offs_k == TOPK - 1, local, out)
+    return out
+
+
+@triton.jit
+def _select_kernel(s_ptr, qpos_ptr, sel_ptr, s_sr, s_sg, sel_r, sel_g,
+                   BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    """Sel[row, g, :] by the rule of `kiln.ops.msa.select_blocks` (`_selected_blocks`)."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    qp = tl.load(qpos_ptr + row)
+    out = _selected_blocks(s_ptr + row * s_sr + g * s_sg, qp, BLOCK_SIZE, TOPK, TOPK_P, CHUNK, NUM_CHUNKS)
+    offs_k = tl.arange(0, TOPK_P)
     tl.store(sel_ptr + row * sel_r + g * sel_g + offs_k, out, mask=offs_k < TOPK)
 
 
@@ -111,11 +124,14 @@ def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_p
                         BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr, TOPK: tl.constexpr,
                         BLOCKS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                         DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE_HERE: tl.constexpr = False,
-                        SPLITS_P: tl.constexpr = 1):
+                        SPLITS_P: tl.constexpr = 1, SELECT_HERE: tl.constexpr = False,
+                        TOPK_P: tl.constexpr = 1, CHUNK: tl.constexpr = 1, NUM_CHUNKS: tl.constexpr = 1):
     """Attention of the HG query heads of kv head g of one row over its selected blocks
     BLOCKS_PER_SPLIT * split .. (one split's share), fp32 online softmax in base 2. MERGE_HERE:
     the split that finishes last (counted in counters_ptr[row, g], left at zero) merges the
-    group's partials, as `_combine_kernel` would."""
+    group's partials, as `_combine_kernel` would. SELECT_HERE: sel_ptr holds the block scores
+    [rows, G, NB] (strides sel_r, sel_g) and every program selects from them itself
+    (`_selected_blocks`, what `_select_kernel` stores), one launch fewer per attention."""
     wait_for_previous(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -133,9 +149,15 @@ def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, rslot_ptr, qpos_ptr, sel_p
     m = tl.full([HG_P], float("-inf"), tl.float32)
     l = tl.zeros([HG_P], tl.float32)
     acc = tl.zeros([HG_P, D_P], tl.float32)
+    if SELECT_HERE:
+        picks = _selected_blocks(sel_ptr + row * sel_r + g * sel_g, qp, BLOCK_SIZE, TOPK, TOPK_P, CHUNK, NUM_CHUNKS)
+        offs_k = tl.arange(0, TOPK_P)
     for jj in range(BLOCKS_PER_SPLIT):
         j = split * BLOCKS_PER_SPLIT + jj
-        blk = tl.load(sel_ptr + row * sel_r + g * sel_g + j, mask=j < TOPK, other=-1)
+        if SELECT_HERE:
+            blk = tl.where(j < TOPK, tl.sum(tl.where(offs_k == j, picks, 0), axis=0), -1)
+        else:
+            blk = tl.load(sel_ptr + row * sel_r + g * sel_g + j, mask=j < TOPK, other=-1)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
             t = t0 + offs_t
             pos = blk * BLOCK_SIZE + t
@@ -258,20 +280,35 @@ def _blocks_per_split(rows: int, g: int, topk: int, device: torch.device) -> int
 
 def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          req_to_token: torch.Tensor, req_slots: torch.Tensor, q_pos: torch.Tensor,
-                         sel: torch.Tensor, block_size: int, scale: float,
+                         sel: Optional[torch.Tensor], block_size: int, scale: float,
                          blocks_per_split: Optional[int] = None,
-                         split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         split_counters: Optional[torch.Tensor] = None,
+                         scores: Optional[torch.Tensor] = None, topk_blocks: int = 0,
+                         select_chunk: Optional[int] = None) -> torch.Tensor:
     """Attention of one query per row over the keys t <= q_pos of its selected blocks.
 
-    q: [R, Hq, D]; k_cache, v_cache: [slots, G, D]; sel: [R, G, N] (-1 = none). Returns
-    [R, Hq, D] in q's dtype. `blocks_per_split` overrides the split heuristic (tests).
+    q: [R, Hq, D]; k_cache, v_cache: [slots, G, D]; sel: [R, G, N] (-1 = none). Or, with sel
+    None, the block scores [R, G, NB] (`scores`) and N (`topk_blocks`): the kernel then selects
+    as `msa_select` would, in the same launch. Returns [R, Hq, D] in q's dtype.
+    `blocks_per_split` overrides the split heuristic, `select_chunk` `msa_select`'s `chunk` (tests).
     split_counters: an int32 buffer of zeros with at least R * G entries, the caller's, left
     zeroed: several splits are then merged inside the attention kernel (as
     `kiln.kernels.decode_attention` does); too small or None: `_combine_kernel` merges them.
     """
     r, hq, d = q.shape
     g = k_cache.shape[1]
-    topk = sel.shape[-1]
+    select_here = sel is None
+    assert select_here == (scores is not None), "pass either sel or scores"
+    if select_here:
+        assert topk_blocks > 0, "selecting in the kernel needs topk_blocks"
+        sel, topk = scores, topk_blocks
+        nb = scores.shape[-1]
+        chunk = select_chunk or min(_SELECT_CHUNK, _p2(nb))
+        assert scores.stride(-1) == 1
+        select_args = dict(SELECT_HERE=True, TOPK_P=_p2(topk), CHUNK=chunk, NUM_CHUNKS=-(-nb // chunk))
+    else:
+        topk = sel.shape[-1]
+        select_args = {}
     assert hq % g == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert sel.stride(-1) == 1 and req_to_token.stride(-1) == 1
     out = torch.empty_like(q)
@@ -300,7 +337,7 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         HG=hg, HG_P=max(16, _p2(hg)), D=d, D_P=max(16, _p2(d)), BLOCK_SIZE=block_size,
         TILE_T=tile_t, TOPK=topk, BLOCKS_PER_SPLIT=per, SPLITS=splits,
         DOT_PREC=_dot_precision(k_cache.dtype), num_warps=warps, MERGE_HERE=merge_here, SPLITS_P=_p2(splits),
-        **pdl_launch(q.device))
+        **select_args, **pdl_launch(q.device))
     if splits > 1 and not merge_here:
         _combine_kernel[(r, hq)](opart, mpart, lpart, out, out.stride(0), out.stride(1),
                                  D=d, D_P=_p2(d), SPLITS=splits, SPLITS_P=_p2(splits), num_warps=4,
@@ -312,7 +349,7 @@ def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
                ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
                seq_lens: torch.Tensor, block_size: int, topk_blocks: int, scale: float,
                max_len: Optional[int] = None, q_pos: Optional[torch.Tensor] = None,
-               split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+               split_counters: Optional[torch.Tensor] = None, select_in_attention: bool = True) -> torch.Tensor:
     """MSA decode: one query per sequence at position seq_len - 1, whose K, V and kI are already
     in the caches. Same result as `kiln.ops.msa.paged_msa_attention` with prefix_lens =
     seq_lens - 1 and extend_lens = 1.
@@ -322,13 +359,24 @@ def msa_decode(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     sequence lengths (default L); it sets the grid of the score kernel, so keep it fixed across
     replays of a captured graph. `q_pos` may pass seq_lens - 1 when the caller has it (the
     engine's decode positions), saving a launch per layer. `split_counters`: as
-    `msa_sparse_attention`'s. Returns [B, Hq, D] in q's dtype.
+    `msa_sparse_attention`'s. `select_in_attention`: the attention kernel selects the blocks
+    itself (two launches; False: scores, `msa_select`, attention). Returns [B, Hq, D] in q's dtype.
     """
     q_pos = seq_lens - 1 if q_pos is None else q_pos
     scores = msa_decode_scores(qI, ki_cache, req_to_token, req_slots, q_pos, block_size, max_len,
                                select_blocks=topk_blocks)
+    return _select_and_attend(q, k_cache, v_cache, req_to_token, req_slots, q_pos, scores, block_size,
+                              topk_blocks, scale, split_counters, select_in_attention)
+
+
+def _select_and_attend(q, k_cache, v_cache, req_to_token, row_slots, q_pos, scores, block_size, topk_blocks,
+                       scale, split_counters, select_in_attention: bool) -> torch.Tensor:
+    """Stages 2 and 3 from the scores: in one launch, or `msa_select` then the attention."""
+    if select_in_attention:
+        return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, None, block_size, scale,
+                                    split_counters=split_counters, scores=scores, topk_blocks=topk_blocks)
     sel = msa_select(scores, q_pos, block_size, topk_blocks)
-    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, req_slots, q_pos, sel, block_size, scale,
+    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, sel, block_size, scale,
                                 split_counters=split_counters)
 
 
@@ -338,14 +386,16 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
                ki_cache: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_starts: torch.Tensor,
                block_size: int, topk_blocks: int, scale: float,
-               max_len: Optional[int] = None, split_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+               max_len: Optional[int] = None, split_counters: Optional[torch.Tensor] = None,
+               select_in_attention: bool = True) -> torch.Tensor:
     """MSA of each sequence's new queries over its whole cache (chunked prefill, mixed batches):
     `kiln.ops.msa.paged_msa_attention` with device-tensor metadata.
 
     q: [T, Hq, D], qI: [T, G, DI], sequences concatenated; req_slots, prefix_lens, extend_lens,
     extend_starts: [S] int64 on the device (sequence s owns rows extend_starts[s] ..
     + extend_lens[s], at positions prefix_lens[s] ..). No host sync. Selection and attention run
-    per query row with the decode kernels (each row gathers its own N blocks).
+    per query row with the decode kernels (each row gathers its own N blocks);
+    `select_in_attention` as `msa_decode`'s.
     """
     t = q.shape[0]
     rows = torch.arange(t, device=q.device)
@@ -355,6 +405,5 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     row_slots = req_slots[seq]
     scores = msa_extend_scores(qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens,
                                extend_starts, block_size, max_len)
-    sel = msa_select(scores, q_pos, block_size, topk_blocks)
-    return msa_sparse_attention(q, k_cache, v_cache, req_to_token, row_slots, q_pos, sel, block_size, scale,
-                                split_counters=split_counters)
+    return _select_and_attend(q, k_cache, v_cache, req_to_token, row_slots, q_pos, scores, block_size,
+                              topk_blocks, scale, split_counters, select_in_attention)

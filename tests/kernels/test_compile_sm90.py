@@ -318,8 +318,24 @@ def msa_sparse_merge() -> None:
              **{n: "*i64" for n in ("r2t_ptr", "rslot_ptr", "qpos_ptr", "sel_ptr")}, "scale_log2": "fp32"}
     asm = compile_sm90(_sparse_attn_kernel, types, dict(HG=4, HG_P=16, D=128, D_P=128, BLOCK_SIZE=128, TILE_T=128,
                                                          TOPK=16, BLOCKS_PER_SPLIT=1, SPLITS=16, DOT_PREC="tf32",
-                                                         PDL=True, MERGE_HERE=True, SPLITS_P=16))
+                                                         PDL=True, MERGE_HERE=True, SPLITS_P=16, SELECT_HERE=False,
+                                                         TOPK_P=16, CHUNK=1, NUM_CHUNKS=1))
     assert "atom.global.gpu.acq_rel.add" in asm["ptx"] and "ld.global.cg" in asm["ptx"]
+
+
+def msa_select_here() -> None:
+    """MSA's sparse attention selecting its blocks from the scores itself (the selection's serial
+    chain of int64 max reductions inside the attention kernel), one chunk and several."""
+    from kiln.kernels.msa import _sparse_attn_kernel
+
+    types = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+             **{n: "*fp32" for n in ("opart_ptr", "mpart_ptr", "lpart_ptr", "sel_ptr")}, "counters_ptr": "*i32",
+             **{n: "*i64" for n in ("r2t_ptr", "rslot_ptr", "qpos_ptr")}, "scale_log2": "fp32"}
+    for chunks in (1, 4):
+        compile_sm90(_sparse_attn_kernel, types, dict(HG=4, HG_P=16, D=128, D_P=128, BLOCK_SIZE=128, TILE_T=128,
+                                                      TOPK=16, BLOCKS_PER_SPLIT=1, SPLITS=16, DOT_PREC="tf32",
+                                                      PDL=True, MERGE_HERE=True, SPLITS_P=16, SELECT_HERE=True,
+                                                      TOPK_P=16, CHUNK=64, NUM_CHUNKS=chunks))
 
 
 def msa_prologue() -> None:
@@ -367,7 +383,8 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode_prologue": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True,
                                                      prologue=True),
          "decode_prologue_sliding": lambda: decode_attention(False, merge_here=True, early_kv=True, prologue=True),
-         "rope": rope, "msa_scores": msa_scores, "msa_prologue": msa_prologue, "msa_sparse_merge": msa_sparse_merge, "persistent_chain": persistent_chain}
+         "rope": rope, "msa_scores": msa_scores, "msa_prologue": msa_prologue, "msa_sparse_merge": msa_sparse_merge,
+         "msa_select_here": msa_select_here, "persistent_chain": persistent_chain}
 
 
 def test_kernels_compile_for_sm90():

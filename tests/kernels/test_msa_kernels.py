@@ -239,6 +239,39 @@ def test_sparse_attention_splits(device, blocks_per_split, merge_here, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks_per_split,chunk", [(1, None), (2, 4), (3, None)])
+def test_selection_inside_attention_equals_select_kernel(device, blocks_per_split, chunk):
+    """With the scores instead of the selection, the attention kernel selects itself: bit for
+    bit the output of `msa_select` + attention on the same scores. Rows with fewer causal blocks
+    than N, exactly N, and many more; ties (zeros of both signs); several chunks of scores per
+    row (chunk=4); uneven splits (3 blocks of N = 5). Scores past each query's history are NaN
+    and huge, so reading one changes the result."""
+    block, topk = 4, 5
+    lens = [3, 20, 21, 64, 45, 30]
+    c = make_case(device, torch.float32, [n - 1 for n in lens], [1] * len(lens), 4, 2, 16, 16, 64, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    nb = 64 // block
+    scores = torch.randint(-1, 2, (len(lens), 2, nb), generator=gen).float()
+    scores[torch.rand(scores.shape, generator=gen) < 0.3] = -0.0
+    scores = scores.to(device)
+    q_pos = c.seq_lens - 1
+    ids = torch.arange(nb, device=device)
+    local = (q_pos // block)[:, None, None]
+    poison = torch.where(ids % 2 == 0, torch.full_like(scores, float("nan")), torch.full_like(scores, 1e30))
+    poisoned = torch.where(ids >= local, poison, scores)
+    sel = K.msa_select(poisoned, q_pos, block, topk)
+    args = (c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_slots, q_pos)
+    want = K.msa_sparse_attention(*args, sel, block, 0.3, blocks_per_split=blocks_per_split)
+    got = K.msa_sparse_attention(*args, None, block, 0.3, blocks_per_split=blocks_per_split, scores=poisoned,
+                                 topk_blocks=topk, select_chunk=chunk)
+    assert torch.equal(got, want)
+    for select_in_attention in (True, False):  # both routes of msa_decode reach the reference
+        out = K.msa_decode(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
+                           c.seq_lens, block, topk, 0.3, select_in_attention=select_in_attention)
+        torch.testing.assert_close(out, reference(c, block, topk, 0.3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ties,chunk", [(False, None), (True, None), (True, 16)])
 def test_select_matches_select_blocks(device, ties, chunk):
     """Selection alone on given scores: exact ids and order, ties to the lower id (also across
@@ -293,9 +326,11 @@ def test_extend_matches_reference(device, kind):
     scores = K.msa_extend_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, dev(prefix), dev(ext),
                                  starts, p["block"])
     check_scores(scores, c, p["block"])
-    out = K.msa_extend(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
-                       dev(prefix), dev(ext), starts, p["block"], p["topk"], scale)
-    torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
+    for select_in_attention in (True, False):
+        out = K.msa_extend(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
+                           dev(prefix), dev(ext), starts, p["block"], p["topk"], scale,
+                           select_in_attention=select_in_attention)
+        torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
 
 
 # ---- bench shapes on the GPU -----------------------------------------------------------------
