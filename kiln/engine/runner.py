@@ -277,6 +277,7 @@ class ModelRunner:
             init_dummy_weights(model, self.config.seed)
         else:
             model.load_weights(iter_weights(source))
+        _stack_decode_weights(model)
         return model.eval()
 
     @torch.inference_mode()
@@ -382,5 +383,14 @@ class ModelRunner:
     def resume_weights(self) -> None:
         if self.weights_released:
             self._pinned.restore(self._weight_modules(), self.device)
+            _stack_decode_weights(self.model)  # restored weights are separate tensors again
             self._weights_on_cpu = False
             self._recapture_graphs()
+
+
+def _stack_decode_weights(model: torch.nn.Module) -> None:
+    """Lay out the weights that a model's decode step reads as one matrix (`stack_decode_weights`,
+    `kiln.layers.stacked_weights`), where it has such."""
+    stack = getattr(model, "stack_decode_weights", None)
+    if stack is not None:
+        stack()

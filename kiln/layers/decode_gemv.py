@@ -90,12 +90,13 @@ def decode_swiglu(gate_up: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
     return silu_and_mul(decode_linear(gate_up, x, batch), batch)
 
 
-def decode_linear(linear: nn.Module, x: torch.Tensor, batch) -> torch.Tensor:
+def decode_linear(linear: nn.Module, x: torch.Tensor, batch, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """linear(x), through the GEMV when `gemv_path` allows (then the all-reduce of a row-parallel
-    layer, as its forward does)."""
+    layer, as its forward does). `weight`: a column-parallel linear's weight with more rows stacked
+    after it (`kiln.layers.stacked_weights`), read by the GEMV instead (the output has them all)."""
     if not gemv_path(batch, x, linear):
         return linear(x)
-    y = _kernels().gemv(x, linear.weight, prefetch_bytes=_prefetch_bytes(batch))
+    y = _kernels().gemv(x, linear.weight if weight is None else weight, prefetch_bytes=_prefetch_bytes(batch))
     if isinstance(linear, RowParallelLinear) and linear.reduce_output:
         y = linear.pc.all_reduce(y)
     return y
@@ -154,7 +155,7 @@ def _folds_norm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torc
 
 def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: torch.Tensor,
                    residual: Optional[torch.Tensor], batch, glu: bool = False, keep_normed: bool = False,
-                   router: bool = False, rope: Optional[tuple] = None
+                   router: bool = False, rope: Optional[tuple] = None, weight: Optional[torch.Tensor] = None
                    ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """The pre-norm of `sublayer`, whose first projection is `linear`: x = norm(h + residual)
     (norm(h) when residual is None). Returns (y, h + residual, x):
@@ -164,10 +165,12 @@ def decode_prenorm(norm: nn.Module, sublayer: nn.Module, linear: nn.Module, h: t
       `keep_normed` only (for other readers of it), else None. The caller then runs the rest of
       the sublayer from y. With `rope` (`qkv_rope_args`) y is the rotated q of a qkv projection
       whose k and v are in the cache;
-    - otherwise the norm runs as before and y is None: the caller calls the sublayer on x."""
+    - otherwise the norm runs as before and y is None: the caller calls the sublayer on x.
+    `weight`: as `decode_linear`'s (linear's weight with more rows after it, so y has them too)."""
     if _folds_norm(norm, sublayer, linear, h, residual, batch, router):
         # no L2 prefetch for a router, as `router_logits` has none
-        return _kernels().gemv_prenorm(h, residual, norm.weight, norm.eps, linear.weight, glu=glu,
+        w = linear.weight if weight is None else weight
+        return _kernels().gemv_prenorm(h, residual, norm.weight, norm.eps, w, glu=glu,
                                        keep_normed=keep_normed, prefetch_bytes=0 if router else _prefetch_bytes(batch),
                                        rope=rope)
     x, residual = (norm(h, batch), h) if residual is None else norm(h, batch, residual)

@@ -32,15 +32,18 @@ raw projections instead,
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.batch import ForwardBatch
-from kiln.layers.decode_gemv import decode_linear
+from kiln.layers.decode_gemv import decode_linear, gemv_path, hooked
 from kiln.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding
+from kiln.layers.stacked_weights import stack_weights, stacked_weight
 
 
 class MSAIndexer(nn.Module):
@@ -90,17 +93,41 @@ class MSAAttention(nn.Module):
         self.block_size = cfg.index_block_size
         self.topk_blocks = cfg.index_topk_blocks
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.attend(positions, decode_linear(self.qkv_proj, x, batch), x, batch)
+    def stack_decode_weights(self) -> None:
+        """Lay qkv_proj's and the indexer's weights back to back in memory, so that a decode step
+        projects both in one GEMV (`qkv_index_weight`; `kiln.layers.stacked_weights`)."""
+        stack_weights(self.qkv_proj, self.indexer.qk_proj)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The attention from its qkv projection of x on (x still feeds the indexer): what
-        `forward` does after its first GEMV."""
-        t, d = x.shape[0], self.head_dim
+    def qkv_index_weight(self, batch, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """qkv_proj's weight with the indexer's rows after it, one [Nqkv + 2 Hkv DI, H] matrix, when
+        this forward's qkv projection of x may compute the indexer's too: the weights lie back to
+        back (`stack_decode_weights`), the indexer is a plain `MSAIndexer` without hooks whose
+        projection is on the GEMV path (the qkv projection's own conditions are its caller's).
+        None otherwise: the indexer projects x itself."""
+        ix = self.indexer
+        if type(ix).forward is not MSAIndexer.forward or hooked(ix) or not gemv_path(batch, x, ix.qk_proj):
+            return None
+        return stacked_weight(self.qkv_proj, ix.qk_proj)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        w = self.qkv_index_weight(batch, x)
+        return self.attend(positions, decode_linear(self.qkv_proj, x, batch, weight=w), x, batch)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, x: Optional[torch.Tensor],
+               batch: ForwardBatch) -> torch.Tensor:
+        """The attention from its qkv projection of x on: what `forward` does after its first GEMV.
+        When that GEMV also projected the indexer (`qkv_index_weight`: qkv has its rows after q, k
+        and v) x may be None; otherwise x feeds the indexer."""
+        t, d = qkv.shape[0], self.head_dim
+        nqkv = self.qkv_proj.weight.shape[0]
+        if qkv.shape[-1] > nqkv:  # the indexer's rows came with it
+            qkv, qk = qkv[:, :nqkv], qkv[:, nqkv:]
+            qI, kI = (y.view(t, -1, self.index_head_dim) for y in qk.split(self.indexer.qk_proj.out_sizes_per_rank, -1))
+        else:
+            qI, kI = self.indexer(x, batch)
         q, k, v = self.qkv_proj.split(qkv)
         backend = getattr(batch, "backend", None)
         if getattr(backend, "fuses_msa_prologue", None) is not None and backend.fuses_msa_prologue(batch):
-            qI, kI = self.indexer(x, batch)
             o = backend.msa_prologue_attention(self, positions, q.view(t, self.num_heads, d),
                                                k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d),
                                                qI, kI, batch)
@@ -109,7 +136,6 @@ class MSAAttention(nn.Module):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d), batch)
         q, k = self.rotary(positions, q, k, batch)
         v = v.reshape(t, self.num_kv_heads, d)
-        qI, kI = self.indexer(x, batch)
         qI, kI = self.index_rotary(positions, qI, kI, batch)
         o = self._attend(q, k, v, qI, kI, batch)
         return decode_linear(self.o_proj, o.reshape(t, self.num_heads * d), batch)

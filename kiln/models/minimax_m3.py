@@ -65,11 +65,15 @@ class MiniMaxM3DecoderLayer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Input h + residual (h alone when residual is None), output f + residual as returned
         (the residual stream carried apart, see `LlamaDecoderLayer.forward`). With --fold-norms-max-hidden at
-        decode the input norm runs in the qkv GEMV's prologue (which also writes the normed rows for
-        the indexer) and the post-attention norm in the router's or a dense MLP's gate_up's
+        decode the input norm runs in the qkv GEMV's prologue (which also projects the indexer when
+        its weight is stacked after qkv_proj's, `MSAAttention.qkv_index_weight`, else writes the
+        normed rows for it) and the post-attention norm in the router's or a dense MLP's gate_up's
         (`decode_prenorm`)."""
+        # with the indexer's weight stacked after qkv_proj's, one GEMV projects both (and the
+        # normed rows are not needed again)
+        w = self.self_attn.qkv_index_weight(batch, h)
         qkv, residual, x = decode_prenorm(self.input_layernorm, self.self_attn, self.self_attn.qkv_proj, h, residual,
-                                          batch, keep_normed=True)
+                                          batch, keep_normed=w is None, weight=w)
         a = self.self_attn(positions, x, batch) if qkv is None else self.self_attn.attend(positions, qkv, x, batch)
         if self.is_moe:  # folded: the gate's GEMV normalises, and keeps the rows for the experts
             z, residual, m = decode_prenorm(self.post_attention_layernorm, self.mlp, self.mlp.gate, a, residual,
@@ -124,6 +128,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.dspark = DSpark(cfg.dspark_config, max_positions) if cfg.dspark_config is not None else None
         if cfg.vision_config is not None:
             logger.warning("MiniMax-M3: vision_config is not supported yet; serving text only")
+
+    def stack_decode_weights(self) -> None:
+        """Engine only (after loading, and after weights come back to the device): each layer's qkv
+        and indexer weights back to back, for one decode GEMV (`MSAAttention.stack_decode_weights`)."""
+        for layer in self.model.layers:
+            layer.self_attn.stack_decode_weights()
 
     def state_specs(self) -> list[StateSpec]:
         """Per-token state of every layer: K and V (FULL_KV) and the indexer key kI (INDEX_K)."""

@@ -176,12 +176,12 @@ def _count_calls(monkeypatch, module, name: str, when=None) -> list[int]:
 
 def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | None = None,
                 norm_calls: dict | None = None, rope_calls: dict | None = None,
-                norm_out_calls: dict | None = None) -> dict:
+                norm_out_calls: dict | None = None, rows: dict | None = None) -> dict:
     """Count `kiln.kernels.gemv.gemv`, `gemv_prenorm` and `gemv_add_norm` calls per weight (by data
     pointer) from now on; those with the SiLU-and-mul folded in (glu=True) also into `glu_calls`,
     those with a ShortConv epilogue into `conv_calls`, those with a norm prologue into
     `norm_calls`, those with RoPE and the cache write in their epilogue into `rope_calls`, those
-    with a norm epilogue into `norm_out_calls`."""
+    with a norm epilogue into `norm_out_calls`; `rows` maps each pointer to its weight's rows."""
     from kiln.kernels import gemv as gemv_module
 
     calls: dict[int, int] = {}
@@ -189,6 +189,8 @@ def _count_gemv(monkeypatch, glu_calls: dict | None = None, conv_calls: dict | N
     def count(into, weight):
         if into is not None:
             into[weight.data_ptr()] = into.get(weight.data_ptr(), 0) + 1
+        if rows is not None:
+            rows[weight.data_ptr()] = weight.shape[0]
 
     real, real_prenorm, real_add_norm = gemv_module.gemv, gemv_module.gemv_prenorm, gemv_module.gemv_add_norm
 
@@ -230,8 +232,8 @@ GEMV_MODULES = {
               "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
     "inkling": {"model.layers.self_attn.qkvr_proj", "model.layers.self_attn.o_proj",
                 "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
+    # (MiniMax-M3's indexer.qk_proj: in the qkv_proj GEMV, its weight stacked after qkv_proj's)
     "minimax_m3": {"model.layers.self_attn.qkv_proj", "model.layers.self_attn.o_proj",
-                   "model.layers.self_attn.indexer.qk_proj",
                    "model.layers.mlp.gate_up_proj", "model.layers.mlp.down_proj", "lm_head"},
 }
 # Where the MoE kernels run (CUDA; the CPU engine keeps the MoE reference), the routers' logits too.
@@ -261,7 +263,8 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
     norm_calls: dict[int, int] = {}
     rope_calls: dict[int, int] = {}
     norm_out_calls: dict[int, int] = {}
-    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls, rope_calls, norm_out_calls)
+    weight_rows: dict[int, int] = {}
+    calls = _count_gemv(monkeypatch, glu_calls, conv_calls, norm_calls, rope_calls, norm_out_calls, weight_rows)
     llama = arch == "llama"
     # hybrids: prompts past the tiny sliding window and MSA's selection start, as above
     reqs = prompts(3, seed=2, lo=20, hi=30) if llama else prompts(2, seed=2, lo=34, hi=40)
@@ -279,6 +282,11 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         for rid in want_rows:
             torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
         assert _gemv_modules(core, calls) == GEMV_MODULES[arch]
+        if arch == "minimax_m3":  # each qkv GEMV also projects the indexer: one launch for both
+            for layer in core.runner.model.model.layers:
+                a = layer.self_attn
+                assert weight_rows[a.qkv_proj.weight.data_ptr()] == a.qkv_proj.weight.shape[0] + \
+                    a.indexer.qk_proj.weight.shape[0]
         if llama:  # 3 decode steps of 3 rows, 2 layers x 4 projections (prefill chunks are longer), and the
             # LM head on those steps and on prefill chunks that want at most 4 rows of logits
             head = core.runner.model.lm_head.weight.data_ptr()
@@ -290,7 +298,7 @@ def test_decode_gemv_path_equals_reference(interp_dir, monkeypatch):
         # the MoE reference).
         assert _gemv_modules(core, conv_calls) == (
             {"model.layers.self_attn.o_proj", "model.layers.mlp.down_proj"} if arch == "inkling" else set())
-        # Folded norms: the input norm into qkv(r) (MiniMax-M3's indexer reads the rows it keeps),
+        # Folded norms: the input norm into qkv(r) (and MiniMax-M3's indexer, stacked after it),
         # a dense MLP's post-attention norm into gate_up; MoE layers keep theirs on the CPU (the
         # MoE reference computes its own logits; on CUDA the router GEMV takes it).
         assert _gemv_modules(core, norm_calls) == ({m for m in GEMV_MODULES[arch] if "qkv" in m or "gate_up" in m}

@@ -59,6 +59,10 @@ def test_release_frees_the_gpu_and_resume_serves_the_same_and_new_weights(arch_d
     assert not core.runner.kv_released and not core.runner.weights_released
     assert core.runner.graphs is not None and core.runner.graphs.graphs  # captured again
     assert len(forwards) == len(core.runner.graphs.graphs), forwards
+    from kiln.layers.stacked_weights import stacked_weight
+    for m in core.runner.model.modules():  # MiniMax-M3: qkv and indexer weights stacked again
+        if hasattr(m, "qkv_index_weight"):
+            assert stacked_weight(m.qkv_proj, m.indexer.qk_proj) is not None
     after, rows_after = greedy(core, reqs, max_tokens=10)
     assert after == before
     for rid in before:
