@@ -55,7 +55,7 @@ lane0_s36() {  # most wanted first: a call cut short by the device budget keeps 
     $S36_ARGS --out "$R/json/msa_base38.json"
   step msa_kernel 60 python -m benchmarks.kernel_bench.msa --batch 1 8 64 --context 1024 8192 32768 --no-reference
   step engine_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
-    -k "prologue or msa or minimax"
+    tests/engine/test_memory_release.py -k "prologue or msa or minimax"
 }
 
 lane0_s36r() {
