@@ -68,17 +68,20 @@ def _msa_prologue_kernel(
             tl.store(vc_ptr + slot * stride_vcs + h[:, None] * stride_vch + dv[None, :],
                      x.to(vc_ptr.dtype.element_ty), mask=m)
     else:  # the indexer's heads: its table, no norm
-        d = tl.arange(0, BLOCK_DI)
-        d_ok = d < IHALF
-        c = tl.load(icos_ptr + pos * stride_ics + d, mask=d_ok, other=0.0)
-        s = tl.load(isin_ptr + pos * stride_ics + d, mask=d_ok, other=0.0)
+        # Names of their own: Triton merges a name assigned in both branches of an `if`, and the
+        # index table's rows are shorter than the attention's when DI < D.
+        di = tl.arange(0, BLOCK_DI)
+        di_ok = di < IHALF
+        ic = tl.load(icos_ptr + pos * stride_ics + di, mask=di_ok, other=0.0)
+        isn = tl.load(isin_ptr + pos * stride_ics + di, mask=di_ok, other=0.0)
         if blk < NQB + NKB + NIB:
             _norm_rope_heads(qi_ptr + t * stride_qit, stride_qih, qi_out_ptr + t * G * 2 * IHALF, 2 * IHALF,
-                             (blk - NQB - NKB) * BLOCK_H, G, qn_w_ptr, q_eps, c, s, d, d_ok, False, IHALF, BLOCK_H)
+                             (blk - NQB - NKB) * BLOCK_H, G, qn_w_ptr, q_eps, ic, isn, di, di_ok, False, IHALF,
+                             BLOCK_H)
         else:
-            slot = tl.load(loc_ptr + t).to(tl.int64)
-            _norm_rope_heads(ki_ptr + t * stride_kit, stride_kih, kic_ptr + slot * stride_kics, stride_kich,
-                             (blk - NQB - NKB - NIB) * BLOCK_H, G, qn_w_ptr, q_eps, c, s, d, d_ok, False, IHALF,
+            islot = tl.load(loc_ptr + t).to(tl.int64)
+            _norm_rope_heads(ki_ptr + t * stride_kit, stride_kih, kic_ptr + islot * stride_kics, stride_kich,
+                             (blk - NQB - NKB - NIB) * BLOCK_H, G, qn_w_ptr, q_eps, ic, isn, di, di_ok, False, IHALF,
                              BLOCK_H)
 
 

@@ -347,6 +347,8 @@ def msa_prologue() -> None:
     types = {**{n: "*bf16" for n in bf16}, **{n: "*fp32" for n in ("cos_ptr", "sin_ptr", "icos_ptr", "isin_ptr")},
              "pos_ptr": "*i64", "loc_ptr": "*i64", "q_eps": "fp32", "k_eps": "fp32"}
     compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=64, BLOCK_D=64, BLOCK_DI=64, BLOCK_H=4, PDL=True))
+    # index heads of another size than the attention's: no value may change shape across the branches
+    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=32, BLOCK_D=64, BLOCK_DI=32, BLOCK_H=4, PDL=True))
 
 
 def persistent_chain() -> None:
