@@ -49,6 +49,10 @@ from kiln.kernels.msa_scores import _dot_precision, _p2, _programs_wanted, msa_d
 
 # Blocks of scores one selection pass looks at per step (bounds its registers for long contexts).
 _SELECT_CHUNK = 1024
+# Rows of at most this many blocks (8K tokens at MiniMax-M3's 128) select by rank, in one step: a
+# [blocks, blocks] comparison, 32 int64 values per thread of 4 warps at 64; longer ones by the
+# chain of N-1 max reductions.
+RANK_MAX_BLOCKS = tl.constexpr(64)
 
 
 # ---- 1. block scores: kiln/kernels/msa_scores.py ---------------------------------------------
@@ -81,20 +85,30 @@ def _selected_blocks(base, qp, BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, TOP
     out = tl.where(offs_k < n_causal, offs_k.to(tl.int64), -1)
     if n_causal > TOPK:
         offs_c = tl.arange(0, CHUNK)
-        if NUM_CHUNKS == 1:
-            keys = _history_keys(base, offs_c, local)  # read once, kept in registers
-        # Pick k is the largest key below pick k-1: the order of a stable descending sort.
-        prev = tl.full([], 9223372036854775807, tl.int64)
-        for k in range(TOPK - 1):
+        if NUM_CHUNKS == 1 and CHUNK <= RANK_MAX_BLOCKS:
+            # Short rows: every block's rank among the history keys at once (keys are distinct),
+            # and pick k is the block of rank k. One step instead of N-1 dependent reductions.
+            keys = _history_keys(base, offs_c, local)
+            # (the other blocks' key, -1, ranks after every history block: never below N - 1)
+            rank = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+            hit = rank[None, :] == offs_k[:, None]
+            picked = tl.sum(tl.where(hit, offs_c[None, :].to(tl.int64), 0), axis=1)
+            out = tl.where(offs_k < TOPK - 1, picked, out)
+        else:
             if NUM_CHUNKS == 1:
-                best = tl.max(tl.where(keys < prev, keys, -1), axis=0)
-            else:
-                best = tl.full([], -1, tl.int64)
-                for c in range(NUM_CHUNKS):  # chunks past the local block load nothing
-                    ck = _history_keys(base, c * CHUNK + offs_c, local)
-                    best = tl.maximum(best, tl.max(tl.where(ck < prev, ck, -1), axis=0))
-            out = tl.where(offs_k == k, 2147483647 - (best % 2147483648), out)
-            prev = best
+                keys = _history_keys(base, offs_c, local)  # read once, kept in registers
+            # Pick k is the largest key below pick k-1: the order of a stable descending sort.
+            prev = tl.full([], 9223372036854775807, tl.int64)
+            for k in range(TOPK - 1):
+                if NUM_CHUNKS == 1:
+                    best = tl.max(tl.where(keys < prev, keys, -1), axis=0)
+                else:
+                    best = tl.full([], -1, tl.int64)
+                    for c in range(NUM_CHUNKS):  # chunks past the local block load nothing
+                        ck = _history_keys(base, c * CHUNK + offs_c, local)
+                        best = tl.maximum(best, tl.max(tl.where(ck < prev, ck, -1), axis=0))
+                out = tl.where(offs_k == k, 2147483647 - (best % 2147483648), out)
+                prev = best
         out = tl.where(offs_k == TOPK - 1, local, out)
     return out
 

@@ -272,13 +272,15 @@ def test_selection_inside_attention_equals_select_kernel(device, blocks_per_spli
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ties,chunk", [(False, None), (True, None), (True, 16)])
-def test_select_matches_select_blocks(device, ties, chunk):
-    """Selection alone on given scores: exact ids and order, ties to the lower id (also across
-    chunks of a long row, chunk=16). Scores past each query's history hold huge values, which must
-    not be read; zeros of both signs tie."""
+@pytest.mark.parametrize("ties,chunk,nb", [(False, None, 40), (True, None, 40), (True, None, 100), (True, 16, 40)])
+def test_select_matches_select_blocks(device, ties, chunk, nb):
+    """Selection alone on given scores: exact ids and order, ties to the lower id: by rank (rows
+    of at most RANK_MAX_BLOCKS blocks), by the chain of max reductions (longer rows, nb=100), also
+    across chunks of a row (chunk=16). Scores past each query's history hold huge values, which
+    must not be read; zeros of both signs tie."""
+    assert 40 <= K.RANK_MAX_BLOCKS < 100
     gen = torch.Generator().manual_seed(3)
-    rows, g, nb, block, topk = 12, 3, 40, 4, 5
+    rows, g, block, topk = 12, 3, 4, 5
     if ties:
         scores = torch.randint(-1, 2, (rows, g, nb), generator=gen).float()
         scores[torch.rand(rows, g, nb, generator=gen) < 0.3] = -0.0
