@@ -103,9 +103,10 @@ class EngineConfig:
         0, "Inkling decode steps of at most this many sequences run each attention layer's prologue (the k/v "
         "ShortConvs, the q/k norms, lam and the K/V cache write) inside the decode attention kernel: every "
         "program norms its query heads, the one holding the new token makes its K/V "
-        "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0 (default, until it is "
-        "timed on a GPU: docs/benchmarks.md, \"Not yet measured\"): never, the prologue kernel "
-        "(kiln/kernels/conv_qk_norm.py). The same result up to summation order.")
+        "(kiln/kernels/decode_attention.py, prologue); one launch fewer per layer. 0 (default): never, the "
+        "prologue kernel (kiln/kernels/conv_qk_norm.py), which was faster on an H200: Inkling bench 1.17 "
+        "against 1.24 ms at batch 1 (docs/benchmarks.md, thirty-seventh pass). The same result up to "
+        "summation order.")
     disable_msa_prologue: bool = opt(
         False, "On the kernel path, MiniMax-M3's attention runs its q/k norms, both RoPEs (attention and "
         "indexer) and the cache write of K, V and the indexer keys as one launch per layer "
