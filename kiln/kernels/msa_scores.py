@@ -42,33 +42,24 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
-                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_blocks, select_blocks,
-                          DI: tl.constexpr, DI_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          TILE_T: tl.constexpr, PDL: tl.constexpr):
-    """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max.
-
-    Program p of a (head, row) scores blocks p, p + P, .. (P = the grid's first dimension) up to
-    the query's own block, a loop bounded by the row's length: the grid is sized to fill the GPU,
-    not by the longest possible context (a captured graph's grid spans the context, which cost
-    one program per block of it, nearly all idle). Blocks past the query's are not written.
-    With select_blocks = N > 0 only what selection reads is scored: the history blocks (before
-    the query's own) of rows with more than N causal blocks; nothing for the others."""
-    wait_for_previous(PDL)
-    g = tl.program_id(1)
-    row = tl.program_id(2)
-    qp = tl.load(qpos_ptr + row)
-    rslot = tl.load(rslot_ptr + row).to(tl.int64)
-    offs_d = tl.arange(0, DI_P)
-    dmask = offs_d < DI
-    q = tl.load(qI_ptr + row * s_qr + g * s_qg + offs_d, mask=dmask, other=0.0).to(tl.float32)
+def _score_blocks(q1, q2, kI_ptr, r2t_ptr, rslot, qp, s_row_ptr, g, s_ks, s_kg, s_r2t, sqrt_di, num_blocks,
+                  select_blocks, first, step, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr):
+    """S[blk] at s_row_ptr for blocks first, first + step, .. of one (row, head) whose query is at
+    position qp, its halves q1, q2 [BLOCK_HALF] fp32 (the rotate-half layout's halves, so that a
+    kernel that has just rotated the query passes them on): the max over the block's keys up to
+    qp of qI.kI, divided by sqrt(DI). Blocks past the query's are not written. With
+    select_blocks = N > 0 only what selection reads: the history blocks (before the query's own)
+    of rows with more than N causal blocks; nothing for the others."""
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
     offs_t = tl.arange(0, TILE_T)
-    blk = tl.program_id(0)
     local = qp // BLOCK_SIZE
     last = local
     if select_blocks > 0:
         last = tl.where(local + 1 > select_blocks, local - 1, -1)
     last = tl.minimum(last, num_blocks - 1)  # a row longer than max_len: no store past NB
+    blk = first
     while blk <= last:
         best = tl.full([TILE_T], float("-inf"), tl.float32)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
@@ -78,15 +69,44 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
             # or zero slots there.
             tmask = (t < BLOCK_SIZE) & (pos <= qp)
             slot = tl.load(r2t_ptr + rslot * s_r2t + pos, mask=tmask, other=0).to(tl.int64)
-            k = tl.load(kI_ptr + slot[:, None] * s_ks + g * s_kg + offs_d[None, :],
-                        mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            logit = tl.sum(k * q[None, :], axis=1)
+            m = tmask[:, None] & dmask[None, :]
+            k = kI_ptr + slot[:, None] * s_ks + g * s_kg + d[None, :]
+            k1 = tl.load(k, mask=m, other=0.0).to(tl.float32)
+            k2 = tl.load(k + HALF, mask=m, other=0.0).to(tl.float32)
+            logit = tl.sum(k1 * q1[None, :] + k2 * q2[None, :], axis=1)
             best = tl.maximum(best, tl.where(tmask, logit, float("-inf")))
         # max commutes with the division (rounding is monotone), so this equals the reference's
         # max of (qI.kI / sqrt(DI)) up to the order of the dot product's sum.
         score = tl.max(best, axis=0) / sqrt_di
-        tl.store(s_ptr + row * s_sr + g * s_sg + blk, score)
-        blk += tl.num_programs(0)
+        tl.store(s_row_ptr + blk, score)
+        blk += step
+
+
+@triton.jit
+def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
+                          s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_blocks, select_blocks,
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          TILE_T: tl.constexpr, PDL: tl.constexpr):
+    """S[row, g, blk] for one query per row: GEMV of one block's index keys, then max
+    (`_score_blocks`).
+
+    Program p of a (head, row) scores blocks p, p + P, .. (P = the grid's first dimension) up to
+    the query's own block, a loop bounded by the row's length: the grid is sized to fill the GPU,
+    not by the longest possible context (a captured graph's grid spans the context, which cost
+    one program per block of it, nearly all idle)."""
+    wait_for_previous(PDL)
+    g = tl.program_id(1)
+    row = tl.program_id(2)
+    qp = tl.load(qpos_ptr + row)
+    rslot = tl.load(rslot_ptr + row).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    q = qI_ptr + row * s_qr + g * s_qg + d
+    q1 = tl.load(q, mask=dmask, other=0.0).to(tl.float32)
+    q2 = tl.load(q + HALF, mask=dmask, other=0.0).to(tl.float32)
+    _score_blocks(q1, q2, kI_ptr, r2t_ptr, rslot, qp, s_ptr + row * s_sr + g * s_sg, g, s_ks, s_kg, s_r2t, sqrt_di,
+                  num_blocks, select_blocks, tl.program_id(0), tl.num_programs(0), HALF, BLOCK_HALF, BLOCK_SIZE,
+                  TILE_T)
 
 
 @triton.jit
@@ -183,6 +203,7 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     """
     r, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
+    assert di % 2 == 0, "index heads are RoPE'd, so of even size"
     nb = _num_blocks(req_to_token, block_size, max_len)
     assert g <= 65535 and r <= 65535
     scores = torch.empty(r, g, nb, dtype=torch.float32, device=qI.device)
@@ -194,7 +215,8 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
         qI, ki_cache, req_to_token, req_slots, q_pos, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di), nb, select_blocks,
-        DI=di, DI_P=_p2(di), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps, **pdl_launch(qI.device))
+        HALF=di // 2, BLOCK_HALF=_p2(di // 2), BLOCK_SIZE=block_size, TILE_T=tile_t, num_warps=warps,
+        **pdl_launch(qI.device))
     return scores
 
 
