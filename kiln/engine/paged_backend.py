@@ -67,6 +67,7 @@ class PagedBackend:
             from kiln.kernels import attention as attn_kernels
             from kiln.kernels import conv_qk_norm as prologue_kernels
             from kiln.kernels import msa as msa_kernels
+            from kiln.kernels.msa_prologue import DecodeScores as k_msa_prologue_scores
             from kiln.kernels.msa_prologue import msa_prologue as k_msa_prologue
             from kiln.kernels import shortconv as conv_kernels
             from kiln.kernels.kv_store import store_kv
@@ -76,6 +77,7 @@ class PagedBackend:
             self.k_attn, self.k_msa, self.k_conv = attn_kernels, msa_kernels, conv_kernels
             self.k_prologue = prologue_kernels
             self.k_msa_prologue = k_msa_prologue
+            self.k_msa_prologue_scores = k_msa_prologue_scores
         # The cache write of every attention layer: one launch for K and V (and MSA's indexer
         # keys) on the kernel path, per-tensor index_put otherwise.
         self.store_kv = store_kv if use_kernels else attn_ops.store_kv
@@ -324,13 +326,23 @@ class PagedBackend:
 
     def msa_prologue_attention(self, layer, positions, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
         """`msa_attention` from the raw projections: the q/k norms, both RoPEs and the cache write
-        of k', v and kI' in one launch (`kiln.kernels.msa_prologue`), then MSA."""
+        of k', v and kI' in one launch (`kiln.kernels.msa_prologue`), then MSA. At decode the same
+        launch scores the blocks (their keys are older than this step), and the sparse attention
+        selects from the scores: two launches for the whole attention."""
         k_cache, v_cache, ki_cache = self._msa_caches(layer)
-        q, qI = self.k_msa_prologue(positions, q, k, v, qI, kI, layer.q_norm.weight, layer.k_norm.weight,
-                                    layer.q_norm.eps, layer.k_norm.eps, layer.rotary.cos, layer.rotary.sin,
-                                    layer.index_rotary.cos, layer.index_rotary.sin, k_cache, v_cache, ki_cache,
-                                    batch.out_cache_loc)
-        return self._msa(layer, q, qI, k_cache, v_cache, ki_cache, batch)
+        table = self.tables["main"]
+        decode = batch.mode == ForwardMode.DECODE
+        scores = (self.k_msa_prologue_scores(table, batch.req_slots, layer.block_size, layer.topk_blocks)
+                  if decode else None)
+        q, qI, s = self.k_msa_prologue(positions, q, k, v, qI, kI, layer.q_norm.weight, layer.k_norm.weight,
+                                       layer.q_norm.eps, layer.k_norm.eps, layer.rotary.cos, layer.rotary.sin,
+                                       layer.index_rotary.cos, layer.index_rotary.sin, k_cache, v_cache, ki_cache,
+                                       batch.out_cache_loc, scores=scores)
+        if not decode:
+            return self._msa(layer, q, qI, k_cache, v_cache, ki_cache, batch)
+        return self.k_msa.msa_sparse_attention(q, k_cache, v_cache, table, batch.req_slots, positions, None,
+                                               layer.block_size, layer.scale, split_counters=self.split_counters,
+                                               scores=s, topk_blocks=layer.topk_blocks)
 
     def _msa_caches(self, layer):
         """The layer's K, V and indexer-key caches, once HiCache copies into them are done."""

@@ -25,12 +25,42 @@ shapes: CUDA-graph capturable. Inference only.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.rotary import _norm_rope_heads
+from kiln.kernels.msa_scores import _num_blocks, _score_blocks, _score_programs, _scores_config
+from kiln.kernels.rotary import _norm_rope_heads, _rotate
+
+
+@triton.jit
+def _prologue_scores(t, sp, pos, qi_ptr, kic_ptr, icos_ptr, isin_ptr, r2t_ptr, rslot_ptr, s_ptr, G,
+                     stride_qit, stride_qih, stride_ics, stride_kics, stride_kich, s_r2t, s_sr, s_sg, sqrt_di,
+                     num_blocks, select_blocks, score_programs, IHALF: tl.constexpr, BLOCK_DI: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr):
+    """Score program sp of decode row t: kv head sp % G, every (score_programs)-th history block
+    from sp // G, its query qI' rotated here from the raw qI."""
+    g = sp % G
+    d = tl.arange(0, BLOCK_DI)
+    d_ok = d < IHALF
+    c = tl.load(icos_ptr + pos * stride_ics + d, mask=d_ok, other=0.0)
+    s = tl.load(isin_ptr + pos * stride_ics + d, mask=d_ok, other=0.0)
+    src = qi_ptr + t * stride_qit + g * stride_qih + d
+    x1 = tl.load(src, mask=d_ok, other=0.0)
+    x2 = tl.load(src + IHALF, mask=d_ok, other=0.0)
+    r1, r2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c, s)
+    # rounded as qI' is stored (`_norm_rope_heads`), so the scores equal those of the stored query
+    q1 = r1.to(x1.dtype).to(tl.float32)
+    q2 = r2.to(x1.dtype).to(tl.float32)
+    rslot = tl.load(rslot_ptr + t).to(tl.int64)
+    _score_blocks(q1, q2, kic_ptr, r2t_ptr, rslot, pos, s_ptr + t * s_sr + g * s_sg, g, stride_kics, stride_kich,
+                  s_r2t, sqrt_di, num_blocks, select_blocks, sp // G, score_programs, IHALF, BLOCK_DI,
+                  BLOCK_SIZE, TILE_T)
 
 
 @triton.jit
@@ -41,14 +71,25 @@ def _msa_prologue_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qit, stride_qih,
     stride_kit, stride_kih, stride_cs, stride_ics, stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_kics, stride_kich,
+    r2t_ptr, rslot_ptr, s_ptr, s_r2t, s_sr, s_sg, sqrt_di, num_blocks, select_blocks, score_programs,
     HALF: tl.constexpr, IHALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr, SCORES: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
+    TILE_T: tl.constexpr = 1,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    if blk < NQB + NKB:  # the attention's heads: its table
+    if blk >= NQB + NKB + 2 * NIB:  # (the grid has such programs only with SCORES)
+        # MSA's block scores of decode row t (`kiln.kernels.msa_scores`): only history blocks are
+        # scored, whose index keys earlier steps wrote, so they need this launch's qI' alone,
+        # which each program rotates for itself (as the qI branch does: the same rounding).
+        if SCORES:
+            _prologue_scores(t, blk - (NQB + NKB + 2 * NIB), pos, qi_ptr, kic_ptr, icos_ptr, isin_ptr, r2t_ptr,
+                             rslot_ptr, s_ptr, G, stride_qit, stride_qih, stride_ics, stride_kics, stride_kich,
+                             s_r2t, s_sr, s_sg, sqrt_di, num_blocks, select_blocks, score_programs, IHALF,
+                             BLOCK_DI, BLOCK_SIZE, TILE_T)
+    elif blk < NQB + NKB:  # the attention's heads: its table
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HALF
         c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
@@ -85,19 +126,36 @@ def _msa_prologue_kernel(
                              BLOCK_H)
 
 
+@dataclass
+class DecodeScores:
+    """Asks `msa_prologue` for MSA's decode block scores too (one query per row, at its position),
+    what `kiln.kernels.msa_scores.msa_decode_scores(qI', ..., select_blocks=N)` returns: the
+    request table, each row's table row, the block size, N, and `max_len` as there."""
+
+    req_to_token: torch.Tensor
+    req_slots: torch.Tensor
+    block_size: int
+    select_blocks: int
+    max_len: Optional[int] = None
+    programs: Optional[int] = None  # score programs per (row, head) (tests)
+
+
 def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qI: torch.Tensor,
                  kI: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, q_eps: float, k_eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, index_cos: torch.Tensor, index_sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, ki_cache: torch.Tensor,
-                 loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 loc: torch.Tensor, scores: Optional[DecodeScores] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """positions, loc [T] (device, integer); q [T, Hq, D], k / v [T, Hkv, D], qI / kI [T, G, DI]
     (last dim contiguous, any token / head strides: views of the projections are read in place);
     norm weights [D]; cos / sin [max_positions, D/2] and index_cos / index_sin [max_positions,
     DI/2] fp32 tables; caches [slots, Hkv, D] and [slots, G, DI] written in place at loc.
 
-    Returns (q_out [T, Hq, D], qI_out [T, G, DI]), new contiguous tensors in the inputs' dtypes:
-    `rope(positions, rms_norm(q), rms_norm(k))`, `rope(positions, qI, kI)` on the index tables
-    and `store_kv(k', v, ..., kI', ki_cache)` in one launch."""
+    Returns (q_out [T, Hq, D], qI_out [T, G, DI], S): q_out and qI_out new contiguous tensors in
+    the inputs' dtypes, `rope(positions, rms_norm(q), rms_norm(k))`, `rope(positions, qI, kI)` on
+    the index tables and `store_kv(k', v, ..., kI', ki_cache)` in one launch; with `scores` (decode:
+    row t's query at positions[t]) that launch also scores the history blocks selection reads,
+    S [T, G, NB] fp32 as `msa_decode_scores` gives it (one launch fewer); else S is None."""
     t, hq, dim = q.shape
     hk, g, di = k.shape[1], qI.shape[1], qI.shape[2]
     assert k.shape == v.shape == (t, hk, dim) and kI.shape == qI.shape and qI.shape[0] == t, \
@@ -110,21 +168,38 @@ def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         assert x.stride(-1) == 1, "last dims must be contiguous (caches are written in place)"
     q_out = torch.empty(t, hq, dim, dtype=q.dtype, device=q.device)
     qi_out = torch.empty(t, g, di, dtype=qI.dtype, device=qI.device)
+    s_out = None
+    warps, score_args = 4, {}
+    per_row = 0
+    if scores is not None:
+        table = scores.req_to_token
+        assert table.stride(-1) == 1 and scores.req_slots.shape == (t,)
+        nb = _num_blocks(table, scores.block_size, scores.max_len)
+        s_out = torch.empty(t, g, nb, dtype=torch.float32, device=q.device)
+        tile_t, warps = _scores_config(scores.block_size)
+        per_row = scores.programs or _score_programs(t, g, nb, q.device)
+        score_args = dict(SCORES=True, BLOCK_SIZE=scores.block_size, TILE_T=tile_t)
     if t == 0:
-        return q_out, qi_out
+        return q_out, qi_out, s_out
     half, ihalf = dim // 2, di // 2
     block_d, block_di = triton.next_power_of_2(half), triton.next_power_of_2(ihalf)
     # ~512 elements per program, as Inkling's prologue: a few dozen programs share a decode step's few KB
     block_h = max(1, min(triton.next_power_of_2(max(hq, hk, g)), 256 // max(block_d, block_di)))
     nqb, nkb, nib = triton.cdiv(hq, block_h), triton.cdiv(hk, block_h), triton.cdiv(g, block_h)
-    _msa_prologue_kernel[(t, nqb + nkb + 2 * nib)](
+    # (without scores their arguments are never read; any tensors of the right kinds do)
+    table = scores.req_to_token if scores is not None else loc
+    slots = scores.req_slots if scores is not None else loc
+    s_arg = s_out if s_out is not None else cos
+    _msa_prologue_kernel[(t, nqb + nkb + 2 * nib + per_row * g)](
         q, k, v, qI, kI, q_out, qi_out, k_cache, v_cache, ki_cache,
         q_norm_w, k_norm_w, cos, sin, index_cos, index_sin, positions, loc, float(q_eps), float(k_eps),
         hq, hk, g, nqb, nkb, nib,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), qI.stride(0), qI.stride(1),
         kI.stride(0), kI.stride(1), cos.stride(0), index_cos.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), ki_cache.stride(0), ki_cache.stride(1),
-        HALF=half, IHALF=ihalf, BLOCK_D=block_d, BLOCK_DI=block_di, BLOCK_H=block_h, num_warps=4,
-        enable_fp_fusion=False, **pdl_launch(q.device),
+        table, slots, s_arg, table.stride(0), s_arg.stride(0), s_arg.stride(1), math.sqrt(di),
+        s_arg.shape[-1] if s_out is not None else 0, scores.select_blocks if scores is not None else 0, per_row,
+        HALF=half, IHALF=ihalf, BLOCK_D=block_d, BLOCK_DI=block_di, BLOCK_H=block_h, num_warps=warps,
+        enable_fp_fusion=False, **score_args, **pdl_launch(q.device),
     )
-    return q_out, qi_out
+    return q_out, qi_out, s_out

@@ -345,10 +345,17 @@ def msa_prologue() -> None:
     bf16 = ("q_ptr", "k_ptr", "v_ptr", "qi_ptr", "ki_ptr", "q_out_ptr", "qi_out_ptr", "kc_ptr", "vc_ptr", "kic_ptr",
             "qn_w_ptr", "kn_w_ptr")
     types = {**{n: "*bf16" for n in bf16}, **{n: "*fp32" for n in ("cos_ptr", "sin_ptr", "icos_ptr", "isin_ptr")},
-             "pos_ptr": "*i64", "loc_ptr": "*i64", "q_eps": "fp32", "k_eps": "fp32"}
-    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=64, BLOCK_D=64, BLOCK_DI=64, BLOCK_H=4, PDL=True))
+             "pos_ptr": "*i64", "loc_ptr": "*i64", "q_eps": "fp32", "k_eps": "fp32", "r2t_ptr": "*i64",
+             "rslot_ptr": "*i64", "s_ptr": "*fp32", "sqrt_di": "fp32"}
+    off = dict(SCORES=False, BLOCK_SIZE=1, TILE_T=1)
+    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=64, BLOCK_D=64, BLOCK_DI=64, BLOCK_H=4, PDL=True,
+                                                   **off))
     # index heads of another size than the attention's: no value may change shape across the branches
-    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=32, BLOCK_D=64, BLOCK_DI=32, BLOCK_H=4, PDL=True))
+    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=32, BLOCK_D=64, BLOCK_DI=32, BLOCK_H=4, PDL=True,
+                                                   **off))
+    # with MSA's decode scores in the same launch (16 warps, as the score kernel)
+    compile_sm90(_msa_prologue_kernel, types, dict(HALF=64, IHALF=64, BLOCK_D=64, BLOCK_DI=64, BLOCK_H=4, PDL=True,
+                                                   SCORES=True, BLOCK_SIZE=128, TILE_T=64), num_warps=16)
 
 
 def persistent_chain() -> None:

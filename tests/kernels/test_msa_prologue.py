@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.kernels.kv_store import store_kv  # noqa: E402
-from kiln.kernels.msa_prologue import msa_prologue  # noqa: E402
+from kiln.kernels.msa_prologue import DecodeScores, msa_prologue  # noqa: E402
+from kiln.kernels.msa_scores import msa_decode_scores  # noqa: E402
 from kiln.layers.norm import rms_norm  # noqa: E402
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
@@ -59,8 +60,9 @@ def _reference(c):
 
 def _run(c):
     caches = [x.clone() for x in c["caches"]]
-    q, qI = msa_prologue(c["positions"], c["q"], c["k"], c["v"], c["qI"], c["kI"], c["qn_w"], c["kn_w"], EPS, EPS,
-                         c["rope"].cos, c["rope"].sin, c["irope"].cos, c["irope"].sin, *caches, c["loc"])
+    q, qI, s = msa_prologue(c["positions"], c["q"], c["k"], c["v"], c["qI"], c["kI"], c["qn_w"], c["kn_w"], EPS,
+                            EPS, c["rope"].cos, c["rope"].sin, c["irope"].cos, c["irope"].sin, *caches, c["loc"])
+    assert s is None
     return q, qI, caches
 
 
@@ -96,6 +98,41 @@ def test_cache_of_another_dtype(device, dtype):
     assert torch.equal(got[2][1], want[2][1]) and torch.equal(got[2][2], want[2][2])
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("programs", [1, 3])
+def test_decode_scores_in_the_same_launch(device, dtype, programs):
+    """With `scores`, the launch also gives MSA's decode block scores: on every block selection
+    reads (the history of rows with more than N causal blocks) what `msa_decode_scores` gives on
+    the stored qI' and the caches after the step; the prologue's own results do not change. Rows
+    of 2, 4 (exactly N), 8 and 12 blocks of 4; each of `programs` programs per (row, head) scores
+    every programs-th block."""
+    block, n, max_len, rows = 4, 4, 48, 4
+    c = _case(rows, 4, 2, 16, 16, dtype, device, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    n_slots = 7 * max_len
+    c["caches"] = [torch.randn(n_slots, 2, 16, generator=gen).to(dtype).to(device) for _ in range(3)]
+    table = torch.randperm(n_slots, generator=gen)[:6 * max_len].view(6, max_len).to(device)
+    req_slots = torch.randperm(6, generator=gen)[:rows].to(device)
+    c["positions"] = torch.tensor([5, 13, 30, 47], device=device)
+    c["loc"] = table[req_slots, c["positions"]]
+    want = _reference(c)
+    caches = [x.clone() for x in c["caches"]]
+    q, qI, s = msa_prologue(c["positions"], c["q"], c["k"], c["v"], c["qI"], c["kI"], c["qn_w"], c["kn_w"], EPS, EPS,
+                            c["rope"].cos, c["rope"].sin, c["irope"].cos, c["irope"].sin, *caches, c["loc"],
+                            scores=DecodeScores(table, req_slots, block, n, programs=programs))
+    assert torch.equal(qI, want[1]) and torch.equal(caches[1], want[2][1]) and torch.equal(caches[2], want[2][2])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(caches[0], want[2][0], **tol)  # k': the norm's summation order
+    s_want = msa_decode_scores(want[1], want[2][2], table, req_slots, c["positions"], block, select_blocks=n)
+    assert s.shape == s_want.shape == (rows, 2, max_len // block)
+    for r, p in enumerate(c["positions"].tolist()):
+        history = p // block if p // block + 1 > n else 0  # blocks selection reads
+        torch.testing.assert_close(s[r, :, :history], s_want[r, :, :history], rtol=1e-6, atol=1e-6)
+        if device == "cpu":
+            assert torch.equal(s[r, :, :history], s_want[r, :, :history])
+    assert sum(p // block for p in c["positions"].tolist() if p // block + 1 > n) > 0
+
+
 @pytest.mark.gpu
 def test_captures_in_a_cuda_graph():
     c = _case(4, 16, 4, 128, 128, torch.bfloat16, "cuda", seed=1)
@@ -109,7 +146,7 @@ def test_captures_in_a_cuda_graph():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, qI = call()
+        q, qI, _ = call()
     fresh = _case(4, 16, 4, 128, 128, torch.bfloat16, "cuda", seed=2)
     for name in ("q", "k", "v", "qI", "kI", "positions"):
         c[name].copy_(fresh[name])
