@@ -1,11 +1,13 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # thirty-seventh session (2026-12-06). One GPU:
 # `s37`: MiniMax-M3 after this session's cuts (MSA's selection inside the attention kernel, by rank
-#   for rows of at most 64 blocks; the indexer's projection inside the qkv GEMV) against the
-#   thirty-sixth session's head (carry scratch/base38 = `git archive c4c6fd8 kiln benchmarks/*.py
-#   benchmarks/configs`), alternated, at 1K (batch 1 / 8) and 8K (batch 1) context; the MSA kernel
-#   table (2 launches against 3, the selection's cost inside the attention); the GPU tests of the
-#   MSA kernels (the prologue's DI < D cases failed to compile in pass 37a) and of MiniMax-M3's engine.
+#   for rows of at most 64 blocks; the indexer's projection inside the qkv GEMV; the block scores
+#   inside the prologue launch) against the thirty-sixth session's head (carry scratch/base38 =
+#   `git archive c4c6fd8 kiln benchmarks/*.py benchmarks/configs`) and against this session before
+#   the scores moved into the prologue (carry scratch/base39 = `git archive 46edc69 kiln benchmarks/*.py benchmarks/configs`), at 1K
+#   (batch 1 / 8) and 8K (batch 1) context; the MSA kernel table (2 launches against 3); the GPU
+#   tests of the MSA kernels (the prologue's DI < D cases failed to compile in the thirty-seventh
+#   pass) and of MiniMax-M3's engine.
 # shellcheck shell=bash
 
 S37_ARGS="--input-len 1024 --output-len 256 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
@@ -13,16 +15,17 @@ S37_LONG="--input-len 8192 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 
 
 lane0_s37() {
   export TRITON_CACHE_DIR=/tmp/triton-s37-$$
-  local base="python scratch/base38/benchmarks/decode_batch.py $C"
+  local b38="python scratch/base38/benchmarks/decode_batch.py $C" b39="python scratch/base39/benchmarks/decode_batch.py $C"
   step kernel_tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
     tests/kernels/test_msa_kernels.py
-  step msa_kernel 90 python -m benchmarks.kernel_bench.msa --batch 1 8 64 --context 1024 8192 16384 32768 --no-reference
-  step base38_a 70 $base --model-path $MM $S37_ARGS --out "$R/json/base38_a.json"
   step now_a 70 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
-  step now_b 70 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_b.json"
-  step base38_b 70 $base --model-path $MM $S37_ARGS --out "$R/json/base38_b.json"
+  step base38_a 70 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_a.json"
+  step base39_a 70 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
   step long_now 90 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
-  step long_base38 90 $base --model-path $MM $S37_LONG --out "$R/json/long_base38.json"
+  step long_base39 90 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step msa_kernel 90 python -m benchmarks.kernel_bench.msa --batch 1 8 64 --context 1024 8192 16384 32768 --no-reference
+  step base38_b 70 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_b.json"
+  step now_b 70 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_b.json"
   step engine_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     tests/engine/test_memory_release.py -k "msa or minimax"
 }
