@@ -29,3 +29,18 @@ lane0_s37() {
   step engine_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     tests/engine/test_memory_release.py -k "msa or minimax"
 }
+
+# `s37s`: s37 without the kernel table and the repeats (for a call the device budget cuts short).
+lane0_s37s() {
+  export TRITON_CACHE_DIR=/tmp/triton-s37-$$
+  local b38="python scratch/base38/benchmarks/decode_batch.py $C" b39="python scratch/base39/benchmarks/decode_batch.py $C"
+  step kernel_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
+    tests/kernels/test_msa_kernels.py
+  step now_a 60 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
+  step base39_a 60 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
+  step long_now 80 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
+  step long_base39 80 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step base38_a 60 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_a.json"
+  step engine_tests 90 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
+    tests/engine/test_memory_release.py -k "msa or minimax"
+}
