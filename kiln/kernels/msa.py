@@ -10,7 +10,9 @@ token: the request row of `req_to_token` it reads and its absolute position `q_p
    programs, and each streams every P-th block's index keys once, up to the query's own block
    (`_decode_scores_kernel`, in `kiln.kernels.msa_scores` with the other stage-1 code). Chunked
    prefill scores a tile of queries of one sequence against a block with one `tl.dot`
-   (`_extend_scores_kernel`), with the same loop over blocks. The loop
+   (`_extend_scores_kernel`), with the same loop over blocks. At decode the engine runs the
+   scores inside MiniMax-M3's prologue launch instead (`kiln.kernels.msa_prologue`, `scores=`):
+   they read only history blocks, which that step does not write. The loop
    is bounded by the row's length, not the grid: a grid of one program per block of the longest
    context a graph may see cost MiniMax-M3 `bench` 25 us per layer at a 1K context (131072 / 128
    blocks x 4 heads, nearly all idle).

@@ -18,8 +18,16 @@ Compiled without FMA contraction (`enable_fp_fusion=False`), RoPE matches `kiln.
 (and so the reference) bit for bit; the norms differ from `kiln.kernels.norm` only by the fp32
 summation order (two half-row sums, for the rotate-half layout).
 
+At decode it can also compute MSA's block scores (`scores=DecodeScores(...)`): selection reads
+only the history blocks (before the query's own), whose index keys earlier steps wrote, so the
+scores need this step's rotated qI alone, which each score program rotates for itself with the
+rounding the qI programs store. The attention then selects from the scores itself
+(`kiln.kernels.msa`): MiniMax-M3's whole attention in two launches.
+
 Programs: one per (row, block of BLOCK_H heads) of q, then of k (with the same heads of v), then
-of qI, then of kI. Positions and cache slots are read on the device and the grid depends only on
+of qI, then of kI, then (with scores) `msa_scores._score_programs` per (row, kv head), each
+scoring every P-th history block as `msa_scores._decode_scores_kernel` does; 16 warps then, the
+score kernel's. Positions and cache slots are read on the device and the grid depends only on
 shapes: CUDA-graph capturable. Inference only.
 """
 
