@@ -20,7 +20,8 @@ token: the request row of `req_to_token` it reads and its absolute position `q_p
    at most N, else the N-1 best history blocks, best first, equal scores to the lower id, then
    the local block; -1 pads. Each block becomes one int64 key ordered like (score desc, id asc),
    and pick k is the max key below pick k-1: N-1 max reductions, no scratch, exact tie order
-   (torch.topk does not promise one). The engine runs it inside the attention kernel (every
+   (torch.topk does not promise one); rows of at most RANK_MAX_BLOCKS blocks take the block of
+   rank k instead, all ranks in one [blocks, blocks] comparison. The engine runs it inside the attention kernel (every
    program selects for its row and kv head from the scores, one launch and one dependent wait
    fewer per layer); `msa_select` (`_select_kernel`, one program per (row, kv head)) stores it.
 3. sparse attention (`_sparse_attn_kernel`): one program per (row, kv head, split) gathers its
