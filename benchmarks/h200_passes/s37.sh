@@ -44,3 +44,18 @@ lane0_s37s() {
   step engine_tests 90 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     tests/engine/test_memory_release.py -k "msa or minimax"
 }
+
+# `s37t`: the least of s37 (a session with ~6 minutes of device time left): the GPU tests, and the
+# scores inside the prologue against the session before them (base39) at 1K and 8K.
+lane0_s37t() {
+  export TRITON_CACHE_DIR=/tmp/triton-s37-$$
+  local b39="python scratch/base39/benchmarks/decode_batch.py $C"
+  step kernel_tests 80 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
+    tests/kernels/test_msa_kernels.py
+  step now_a 45 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
+  step base39_a 45 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
+  step long_now 55 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
+  step long_base39 55 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step engine_tests 60 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
+    tests/engine/test_memory_release.py -k "msa or minimax"
+}
