@@ -111,8 +111,12 @@ class EngineConfig:
         False, "On the kernel path, MiniMax-M3's attention runs its q/k norms, both RoPEs (attention and "
         "indexer) and the cache write of K, V and the indexer keys as one launch per layer "
         "(kiln/kernels/msa_prologue.py) instead of five; this flag keeps the five. The norms may differ "
-        "by an ulp of the model's dtype (another summation order). Not yet timed on a GPU (docs/benchmarks.md, "
-        "\"Not yet measured\").")
+        "by an ulp of the model's dtype (another summation order). On an H200 the one launch made "
+        "MiniMax-M3 bench's batch-1 step 1.11 ms against 1.25 (docs/benchmarks.md, thirty-seventh pass).")
+    disable_msa_prologue_scores: bool = opt(
+        False, "At decode MiniMax-M3's prologue launch (above) also computes MSA's block scores, so the "
+        "attention after it is one launch; this flag keeps the scores in a launch of their own. Not yet "
+        "timed on a GPU (docs/benchmarks.md, \"Not yet measured\").")
     disable_fused_qkv_rope: bool = opt(
         False, "At decode on the GEMV path (--gemv-max-rows), the Llama family's qkv GEMV rotates q and k "
         "and writes k and v into the cache in its epilogue (kiln/kernels/rotary.py, rope_epilogue), "

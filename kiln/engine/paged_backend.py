@@ -49,7 +49,7 @@ class PagedBackend:
                  gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
                  fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, prologue_max_bs: int = 0,
-                 qkv_rope: bool = False, msa_prologue: bool = False,
+                 qkv_rope: bool = False, msa_prologue: bool = False, msa_prologue_scores: bool = True,
                  norm_epilogue: bool = False):
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
@@ -62,6 +62,7 @@ class PagedBackend:
         self.qkv_rope = qkv_rope  # a decode qkv GEMV may rotate and write the cache (decode_rope_args)
         self.norm_epilogue = norm_epilogue  # kiln.layers.decode_gemv: pre-norms in the last GEMV before them
         self.msa_prologue = msa_prologue and use_kernels  # MiniMax-M3's norms, RoPEs and cache write in one launch
+        self.msa_prologue_scores = msa_prologue_scores  # ... and at decode MSA's block scores in it too
         self.gate = gate if gate is not None else LayerGate()  # HiCache copies still running on a layer's buffers
         if use_kernels:  # imported only here: the CPU build of torch ships without Triton
             from kiln.kernels import attention as attn_kernels
@@ -327,11 +328,12 @@ class PagedBackend:
     def msa_prologue_attention(self, layer, positions, q, k, v, qI, kI, batch: ForwardBatch) -> torch.Tensor:
         """`msa_attention` from the raw projections: the q/k norms, both RoPEs and the cache write
         of k', v and kI' in one launch (`kiln.kernels.msa_prologue`), then MSA. At decode the same
-        launch scores the blocks (their keys are older than this step), and the sparse attention
-        selects from the scores: two launches for the whole attention."""
+        launch scores the blocks (their keys are older than this step; unless
+        --disable-msa-prologue-scores), and the sparse attention selects from the scores: two
+        launches for the whole attention."""
         k_cache, v_cache, ki_cache = self._msa_caches(layer)
         table = self.tables["main"]
-        decode = batch.mode == ForwardMode.DECODE
+        decode = batch.mode == ForwardMode.DECODE and self.msa_prologue_scores
         scores = (self.k_msa_prologue_scores(table, batch.req_slots, layer.block_size, layer.topk_blocks)
                   if decode else None)
         q, qI, s = self.k_msa_prologue(positions, q, k, v, qI, kI, layer.q_norm.weight, layer.k_norm.weight,

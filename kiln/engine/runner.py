@@ -207,6 +207,7 @@ class ModelRunner:
                                     early_kv_max_bs=self.config.attention_early_kv_max_bs,
                                     prologue_max_bs=self.config.attention_prologue_max_bs,
                                     msa_prologue=not self.config.disable_msa_prologue,
+                                    msa_prologue_scores=not self.config.disable_msa_prologue_scores,
                                     qkv_rope=not self.config.disable_fused_qkv_rope,
                                     norm_epilogue=not self.config.disable_norm_epilogue)
         total = sum(p.nbytes() for p in (self.full_kv, self.index_k, self.draft_kv, self.swa_kv, self.conv)

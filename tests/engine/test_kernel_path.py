@@ -138,21 +138,26 @@ def _prologue_in_attention(monkeypatch, interp_dir, **kw) -> None:
 
 @pytest.mark.parametrize("interp_dir", ["minimax_m3"], indirect=True)
 def test_kernel_path_msa_prologue_equals_five_launches(interp_dir, monkeypatch):
-    """MiniMax-M3 on the kernel path, prefill and decode: the one-launch prologue (counted)
-    generates what --disable-msa-prologue (norm, norm, RoPE, RoPE, cache write) generates."""
+    """MiniMax-M3 on the kernel path, prefill and decode: the one-launch prologue (counted), which
+    at decode also scores MSA's blocks (counted), generates what --disable-msa-prologue (norm, norm,
+    RoPE, RoPE, cache write) generates, and so does the prologue with the scores in a launch of
+    their own (--disable-msa-prologue-scores)."""
     from kiln.kernels import msa_prologue
 
     calls = _count_calls(monkeypatch, msa_prologue, "msa_prologue")
+    scored = _count_calls(monkeypatch, msa_prologue, "msa_prologue", when=lambda *a, **kw: kw.get("scores"))
     reqs = prompts(1, seed=4, lo=34, hi=40)  # past MSA's selection start (32): two chunks, then decode
     kw = dict(page_size=4, chunked_prefill_size=24, max_prefill_tokens=64, context_length=INTERP_CONTEXT,
               kernel_backend="triton")
     want_out, want_rows = greedy(make_core(interp_dir, disable_msa_prologue=True, **kw), reqs, max_tokens=3)
     assert calls[0] == 0
-    got_out, got_rows = greedy(make_core(interp_dir, **kw), reqs, max_tokens=3)
-    assert calls[0] > 0
-    assert got_out == want_out
-    for rid in want_rows:
-        torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
+    for flags in ({}, {"disable_msa_prologue_scores": True}):
+        calls[0] = scored[0] = 0
+        got_out, got_rows = greedy(make_core(interp_dir, **flags, **kw), reqs, max_tokens=3)
+        assert calls[0] > 0 and (scored[0] > 0) == (not flags), (calls, scored)
+        assert got_out == want_out
+        for rid in want_rows:
+            torch.testing.assert_close(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("interp_dir", ["inkling"], indirect=True)
