@@ -3,8 +3,8 @@
 # `s37`: MiniMax-M3 after this session's cuts (MSA's selection inside the attention kernel, by rank
 #   for rows of at most 64 blocks; the indexer's projection inside the qkv GEMV; the block scores
 #   inside the prologue launch) against the thirty-sixth session's head (carry scratch/base38 =
-#   `git archive c4c6fd8 kiln benchmarks/*.py benchmarks/configs`) and against this session before
-#   the scores moved into the prologue (carry scratch/base39 = `git archive 46edc69 kiln benchmarks/*.py benchmarks/configs`), at 1K
+#   `git archive c4c6fd8 kiln benchmarks/*.py benchmarks/configs`) and against the scores in a
+#   launch of their own (`--disable-msa-prologue-scores`, "sep" below), at 1K
 #   (batch 1 / 8) and 8K (batch 1) context; the MSA kernel table (2 launches against 3); the GPU
 #   tests of the MSA kernels (the prologue's DI < D cases failed to compile in the thirty-seventh
 #   pass) and of MiniMax-M3's engine.
@@ -15,14 +15,14 @@ S37_LONG="--input-len 8192 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 
 
 lane0_s37() {
   export TRITON_CACHE_DIR=/tmp/triton-s37-$$
-  local b38="python scratch/base38/benchmarks/decode_batch.py $C" b39="python scratch/base39/benchmarks/decode_batch.py $C"
+  local b38="python scratch/base38/benchmarks/decode_batch.py $C" sep="--disable-msa-prologue-scores"
   step kernel_tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
     tests/kernels/test_msa_kernels.py
   step now_a 70 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
   step base38_a 70 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_a.json"
-  step base39_a 70 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
+  step sep_a 70 $DECODE --model-path $MM $S37_ARGS $sep --out "$R/json/sep_a.json"
   step long_now 90 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
-  step long_base39 90 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step long_sep 90 $DECODE --model-path $MM $S37_LONG $sep --out "$R/json/long_sep.json"
   step msa_kernel 90 python -m benchmarks.kernel_bench.msa --batch 1 8 64 --context 1024 8192 16384 32768 --no-reference
   step base38_b 70 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_b.json"
   step now_b 70 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_b.json"
@@ -33,29 +33,29 @@ lane0_s37() {
 # `s37s`: s37 without the kernel table and the repeats (for a call the device budget cuts short).
 lane0_s37s() {
   export TRITON_CACHE_DIR=/tmp/triton-s37-$$
-  local b38="python scratch/base38/benchmarks/decode_batch.py $C" b39="python scratch/base39/benchmarks/decode_batch.py $C"
+  local b38="python scratch/base38/benchmarks/decode_batch.py $C" sep="--disable-msa-prologue-scores"
   step kernel_tests 100 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
     tests/kernels/test_msa_kernels.py
   step now_a 60 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
-  step base39_a 60 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
+  step sep_a 60 $DECODE --model-path $MM $S37_ARGS $sep --out "$R/json/sep_a.json"
   step long_now 80 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
-  step long_base39 80 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step long_sep 80 $DECODE --model-path $MM $S37_LONG $sep --out "$R/json/long_sep.json"
   step base38_a 60 $b38 --model-path $MM $S37_ARGS --out "$R/json/base38_a.json"
   step engine_tests 90 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     tests/engine/test_memory_release.py -k "msa or minimax"
 }
 
 # `s37t`: the least of s37 (a session with ~6 minutes of device time left): the GPU tests, and the
-# scores inside the prologue against the session before them (base39) at 1K and 8K.
+# scores inside the prologue against --disable-msa-prologue-scores at 1K and 8K.
 lane0_s37t() {
   export TRITON_CACHE_DIR=/tmp/triton-s37-$$
-  local b39="python scratch/base39/benchmarks/decode_batch.py $C"
+  local sep="--disable-msa-prologue-scores"
   step kernel_tests 80 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests/kernels/test_msa_prologue.py \
     tests/kernels/test_msa_kernels.py
   step now_a 45 $DECODE --model-path $MM $S37_ARGS --out "$R/json/now_a.json"
-  step base39_a 45 $b39 --model-path $MM $S37_ARGS --out "$R/json/base39_a.json"
+  step sep_a 45 $DECODE --model-path $MM $S37_ARGS $sep --out "$R/json/sep_a.json"
   step long_now 55 $DECODE --model-path $MM $S37_LONG --out "$R/json/long_now.json"
-  step long_base39 55 $b39 --model-path $MM $S37_LONG --out "$R/json/long_base39.json"
+  step long_sep 55 $DECODE --model-path $MM $S37_LONG $sep --out "$R/json/long_sep.json"
   step engine_tests 60 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_kernel_path.py \
     tests/engine/test_memory_release.py -k "msa or minimax"
 }
