@@ -333,14 +333,14 @@ class PagedBackend:
         launches for the whole attention."""
         k_cache, v_cache, ki_cache = self._msa_caches(layer)
         table = self.tables["main"]
-        decode = batch.mode == ForwardMode.DECODE and self.msa_prologue_scores
+        scored = batch.mode == ForwardMode.DECODE and self.msa_prologue_scores  # the scores in the same launch
         scores = (self.k_msa_prologue_scores(table, batch.req_slots, layer.block_size, layer.topk_blocks)
-                  if decode else None)
+                  if scored else None)
         q, qI, s = self.k_msa_prologue(positions, q, k, v, qI, kI, layer.q_norm.weight, layer.k_norm.weight,
                                        layer.q_norm.eps, layer.k_norm.eps, layer.rotary.cos, layer.rotary.sin,
                                        layer.index_rotary.cos, layer.index_rotary.sin, k_cache, v_cache, ki_cache,
                                        batch.out_cache_loc, scores=scores)
-        if not decode:
+        if not scored:
             return self._msa(layer, q, qI, k_cache, v_cache, ki_cache, batch)
         return self.k_msa.msa_sparse_attention(q, k_cache, v_cache, table, batch.req_slots, positions, None,
                                                layer.block_size, layer.scale, split_counters=self.split_counters,
