@@ -176,14 +176,14 @@ def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         assert x.stride(-1) == 1, "last dims must be contiguous (caches are written in place)"
     q_out = torch.empty(t, hq, dim, dtype=q.dtype, device=q.device)
     qi_out = torch.empty(t, g, di, dtype=qI.dtype, device=qI.device)
-    s_out = None
-    warps, score_args = 4, {}
-    per_row = 0
+    # Without scores their arguments are never read: any tensors of the right kinds stand in.
+    s_out, table, slots, s_arg, nb, select = None, loc, loc, cos, 0, 0
+    warps, score_args, per_row = 4, {}, 0
     if scores is not None:
-        table = scores.req_to_token
-        assert table.stride(-1) == 1 and scores.req_slots.shape == (t,)
+        table, slots, select = scores.req_to_token, scores.req_slots, scores.select_blocks
+        assert table.stride(-1) == 1 and slots.shape == (t,)
         nb = _num_blocks(table, scores.block_size, scores.max_len)
-        s_out = torch.empty(t, g, nb, dtype=torch.float32, device=q.device)
+        s_out = s_arg = torch.empty(t, g, nb, dtype=torch.float32, device=q.device)
         tile_t, warps = _scores_config(scores.block_size)
         per_row = scores.programs or _score_programs(t, g, nb, q.device)
         score_args = dict(SCORES=True, BLOCK_SIZE=scores.block_size, TILE_T=tile_t)
@@ -194,10 +194,6 @@ def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     # ~512 elements per program, as Inkling's prologue: a few dozen programs share a decode step's few KB
     block_h = max(1, min(triton.next_power_of_2(max(hq, hk, g)), 256 // max(block_d, block_di)))
     nqb, nkb, nib = triton.cdiv(hq, block_h), triton.cdiv(hk, block_h), triton.cdiv(g, block_h)
-    # (without scores their arguments are never read; any tensors of the right kinds do)
-    table = scores.req_to_token if scores is not None else loc
-    slots = scores.req_slots if scores is not None else loc
-    s_arg = s_out if s_out is not None else cos
     _msa_prologue_kernel[(t, nqb + nkb + 2 * nib + per_row * g)](
         q, k, v, qI, kI, q_out, qi_out, k_cache, v_cache, ki_cache,
         q_norm_w, k_norm_w, cos, sin, index_cos, index_sin, positions, loc, float(q_eps), float(k_eps),
@@ -205,8 +201,7 @@ def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), qI.stride(0), qI.stride(1),
         kI.stride(0), kI.stride(1), cos.stride(0), index_cos.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), ki_cache.stride(0), ki_cache.stride(1),
-        table, slots, s_arg, table.stride(0), s_arg.stride(0), s_arg.stride(1), math.sqrt(di),
-        s_arg.shape[-1] if s_out is not None else 0, scores.select_blocks if scores is not None else 0, per_row,
+        table, slots, s_arg, table.stride(0), s_arg.stride(0), s_arg.stride(1), math.sqrt(di), nb, select, per_row,
         HALF=half, IHALF=ihalf, BLOCK_D=block_d, BLOCK_DI=block_di, BLOCK_H=block_h, num_warps=warps,
         enable_fp_fusion=False, **score_args, **pdl_launch(q.device),
     )
