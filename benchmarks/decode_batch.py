@@ -8,7 +8,7 @@
     python benchmarks/decode_batch.py --quick --device cpu --model-path preset:inkling/tiny   # CPU smoke run
 
 For each batch size B, B requests of `--input-len` random tokens generate exactly `--output-len`
-tokens each (ignore_eos, greedy), all submitted at once. Reported per B:
+tokens each (ignore_eos; greedy, or sampled with `--temperature`), all submitted at once. Reported per B:
 - `prefill_s`: until every request has its first token;
 - `decode_tok_s`: B * (output_len - 1) / (time from the last first token to the end), the steady
   decode rate, and `step_ms` its time per step;
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(`NgramIndex.fallback`) when nothing matches, so that random weights time full rounds "
                         "(their outputs rarely repeat the prompt).")
     p.add_argument("--time-limit", type=float, default=None, help="Abort a batch size after this many seconds.")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="Sampling temperature of every request (0: greedy). Sampled requests get seeds "
+                        "(--seed + their index), so a sampled run repeats; with --speculative-use-rejection-sampling "
+                        "or --speculative-use-block-verification their drafts are verified exactly.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Top-p of every request (with --temperature > 0).")
+    p.add_argument("--top-k", type=int, default=0, help="Top-k of every request (0: off; with --temperature > 0).")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
                         "Triton compiles the eager paths' kernels outside the measurement. auto: on with "
@@ -184,11 +190,13 @@ def _spec_counts(core):
 
 def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     rng = random.Random(args.seed + bs)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     core.flush_cache()
     first, done, steps = {}, {}, 0
     start = time.perf_counter()
     for i in range(bs):
+        params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed + i if args.temperature > 0 else None,
+                                ignore_eos=True)
         core.add_request(GenerateReq(rid=f"b{bs}-{i}", input_ids=common.random_token_ids(rng, args.input_len, vocab),
                                      params=params))
     def close_profile(prof, n: int) -> Optional[float]:
@@ -349,7 +357,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         log(f"batch {bs}: {common.format_table([row], COLUMNS)}")
         rows.append(row)
     title = (f"Decode at fixed batch: {common.model_name(config.model_path)}, {dtype}, {device}, "
-             f"input {args.input_len}, output {args.output_len}, greedy")
+             f"input {args.input_len}, output {args.output_len}, "
+             + (f"temperature {args.temperature}" if args.temperature > 0 else "greedy"))
     meta = common.run_meta("decode_batch", argv, hw, config, dtype, device, measured_bandwidth=bw,
                            cuda_graphs=getattr(core.runner, "graphs", None) is not None,
                            kernels=getattr(core.runner, "use_kernels", False))

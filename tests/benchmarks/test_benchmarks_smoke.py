@@ -137,6 +137,18 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
     assert json.loads(out.read_text())["meta"]["benchmark"] == "decode_batch"
 
 
+def test_decode_batch_samples_with_seeds(tiny_dir, one_thread, monkeypatch, capsys):
+    """`--temperature`: every request samples (top-p / top-k passed on) with its own seed."""
+    made = []
+    real = decode_batch.GenerateReq
+    monkeypatch.setattr(decode_batch, "GenerateReq", lambda **kw: (made.append(kw["params"]), real(**kw))[1])
+    decode_batch.main(["--model-path", tiny_dir, "--device", "cpu", "--threads", "1", "--batch-sizes", "2",
+                       "--input-len", "8", "--output-len", "4", "--temperature", "0.7", "--top-p", "0.9",
+                       "--top-k", "5", "--seed", "3"])
+    assert [(p.temperature, p.top_p, p.top_k, p.seed) for p in made] == [(0.7, 0.9, 5, 3), (0.7, 0.9, 5, 4)]
+    assert "temperature 0.7" in capsys.readouterr().out
+
+
 def test_decode_batch_times_full_ngram_rounds_on_random_weights(tiny_dir, one_thread, monkeypatch):
     """`--ngram-always-draft`: every decode round verifies K drafts even though random weights
     rarely repeat their prompt (guesses from `NgramIndex.fallback`), so `round_ms` is the time of

@@ -35,7 +35,9 @@ there (docs/speculative.md).
 Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s tokens when one is
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
-counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`).
+counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`). The chain
+graph draws them too when their processing reads no output (`chain_sampling`); then a round of
+sampled requests runs on the device like a greedy one (`device_round_samples`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.pools import position_slots
 from kiln.engine.request import Req
 from kiln.engine.sampler import greedy_ids
+from kiln.engine.spec import chain_sampling
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -123,13 +126,16 @@ class MTPDrafter:
         self.late_passes = 0  # graph passes of late catch-ups (`MTPChainGraph.catch_up`) so far
         self.flight = None  # the last pass's drafts when the graph made them (still on the device)
         self._flight_logits = None  # their logits, when keep_logits
+        self._flight_q = None  # their q rows [K, n, V], when the graph drew sampled drafts
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the pass of steady decode rounds (`kiln.engine.spec.mtp_graph`) up to `max_bs`,
         and with `max_lag` the late catch-up's pass of up to `max_lag` rows per request."""
         from kiln.engine.spec.mtp_graph import MTPChainGraph
 
-        self.graph = MTPChainGraph(self, max_bs)
+        # under exact verification the graph draws sampled requests' drafts too (chain_sampling)
+        seed = self.runner.config.seed if self.sample_drafts else None
+        self.graph = MTPChainGraph(self, max_bs, sample_seed=seed)
         self.graph.capture(capturer)
         if self.max_lag:
             self.graph.late = MTPChainGraph(self, max_bs, catch_up_rows=self.max_lag)
@@ -202,7 +208,7 @@ class MTPDrafter:
         # the graph's pass, after replays that bring a late catch-up within its K + 1 rows; when
         # nobody drafts, the catch-up replays take every entry and the pass is skipped (its drafts
         # would go unread)
-        if self.graph is not None and not sampled and self.graph.can_run(
+        if self.graph is not None and (not sampled or self._graph_draws(reqs)) and self.graph.can_run(
                 reqs, num_drafts, behind=self.graph.K + 1 + self.max_lag):
             if self.max_lag:
                 drafting = any(num_drafts[r.rid] for r in reqs)
@@ -306,15 +312,32 @@ class MTPDrafter:
         within `max_lag` of its committed tokens once the next step commits one more."""
         return r.num_computed == seq_len - 1 and seq_len + 1 - r.spec.complete <= self.max_lag
 
-    def _start_flight(self, logits: torch.Tensor) -> None:
-        """The chain graph's draft logits [K, n, draft vocabulary] -> drafts kept on the device
-        (`DraftsInFlight`): not read back here, the next verify gathers them there."""
-        self.flight = DraftsInFlight.start(self.vocab.tokens(greedy_ids(logits)).t().contiguous())
+    def _graph_draws(self, reqs: list[Req]) -> bool:
+        """Whether the chain graph can draw every request's drafts (`chain_sampling`)."""
+        return self.graph.sampling is not None and all(chain_sampling.eligible(r) for r in reqs)
+
+    def device_round_samples(self, r: Req, k: int) -> bool:
+        """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
+        device (`SpecDecoder._device_round`): the graph draws for it and its q rows are at hand."""
+        return (self.graph is not None and self.graph.sampling is not None and chain_sampling.eligible(r)
+                and r.spec.q is not None and r.spec.q.shape[0] >= k)
+
+    def _start_flight(self, out) -> None:
+        """The chain graph's output -> drafts kept on the device (`DraftsInFlight`): not read back
+        here, the next verify gathers them there. `out`: the draft logits [K, n, draft vocabulary]
+        (argmax drafts), or (logits, drafts [K, n], q [K, n, V]) when the graph drew them; q is
+        copied out of the graph's static tensor for the verify (the next replay rewrites it)."""
+        logits, tokens, q = out if isinstance(out, tuple) else (out, None, None)
+        if tokens is None:
+            tokens = self.vocab.tokens(greedy_ids(logits))
+        self.flight = DraftsInFlight.start(tokens.t().contiguous())
         self._flight_logits = logits if self.keep_logits else None
+        self._flight_q = q.clone() if q is not None else None
 
     def _set_in_flight(self, r: Req, row: int, k: int) -> None:
         r.spec.set_in_flight(self.flight, row, k)
-        r.spec.q = None
+        q = self._flight_q
+        r.spec.q = q[:k, row] if q is not None and self.sample_drafts and not r.params.greedy else None
         logits = self._flight_logits
         r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[j, row].clone()) for j in range(k)]
 

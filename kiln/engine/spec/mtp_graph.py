@@ -21,12 +21,15 @@ host (passes after a mixed or non-uniform step).
 
 Inside the graph the draft token and hidden state of layer k - 1 go into layer k's draft row by
 index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
-land in one static tensor. Padding rows (and padding requests, c = 0) read slot 0 and write to
+land in one static tensor. Under exact verification of sampled requests (`sampling`, the
+`--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the graph
+(`kiln.engine.spec.chain_sampling`), and the drafts and q rows land in static tensors too. Padding rows (and padding requests, c = 0) read slot 0 and write to
 slot 0 of every space (the scratch slots), and have extend length 0 in attention.
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
-1 <= c_b <= K + 1 and its drafts are greedy (sampled drafts need the host between layers);
-anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of up to
+1 <= c_b <= K + 1 and its drafts are greedy or drawn from constants alone
+(`chain_sampling.eligible`: a penalty counts the earlier drafts, which needs the host between
+layers); anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of up to
 `MTPDrafter.max_lag` + K + 1 entries (adaptive plain steps left it), which `catch_up` brings
 within K + 1 first: in one replay of the late catch-up graph (the same pass with C = max_lag
 catch-up rows per request, no draft rows and no draft heads), or, past that graph's batch sizes,
@@ -51,15 +54,18 @@ import torch
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.sampler import greedy_ids
+from kiln.engine.spec.chain_sampling import ChainSampling
 
 
 class MTPChainGraph:
     """Per batch size, one graph of the whole MTP pass of `drafter` (an `MTPDrafter`).
 
     `catch_up_rows` C makes it the late catch-up graph instead: up to C catch-up rows per request
-    and nothing drafted (no draft rows, no draft heads; `catch_up` replays it)."""
+    and nothing drafted (no draft rows, no draft heads; `catch_up` replays it). `sample_seed`
+    (not None): sampled requests' drafts are drawn in the graph (`ChainSampling`, its stream for
+    unseeded requests seeded with it), and a pass returns (logits, drafts [K, n], q [K, n, V])."""
 
-    def __init__(self, drafter, max_bs: int, catch_up_rows: Optional[int] = None):
+    def __init__(self, drafter, max_bs: int, catch_up_rows: Optional[int] = None, sample_seed: Optional[int] = None):
         self.drafter = drafter
         self.K = drafter.num_layers
         self.drafts = catch_up_rows is None
@@ -86,6 +92,7 @@ class MTPChainGraph:
         self.graphs: dict[int, tuple] = {}
         self._ptrs: Optional[tuple] = None
         self.late: Optional[MTPChainGraph] = None  # the late catch-up graph (`MTPDrafter.use_graphs`)
+        self.sampling = ChainSampling(n, K, dev, sample_seed) if self.drafts and sample_seed is not None else None
 
     # ---- capture -----------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -145,14 +152,14 @@ class MTPChainGraph:
                     draft_in=(base + torch.where(live, c, R - 1)).reshape(bs))
         return rows
 
-    def _chain(self, bs: int) -> Optional[torch.Tensor]:
+    def _chain(self, bs: int):
         """The pass on the static buffers of the first `bs` requests -> logits [K, bs, N] (fp32)
-        over the draft vocabulary (`DraftVocab`: N = V without a token map); None for the late
-        catch-up graph."""
+        over the draft vocabulary (`DraftVocab`: N = V without a token map); with `sampling`,
+        (logits, drafts [K, bs], q [K, bs, V]); None for the late catch-up graph."""
         d, R = self.drafter, self.R
         rows = self._rows(bs)
         prev_tok = prev_h = None
-        out_logits = []
+        out_logits, out_tokens, out_q = [], [], []
         for k, layer in enumerate(d.layers, start=1):
             ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
             if k > 1 and self.drafts:  # layer k - 1's draft token and hidden state feed layer k's draft row
@@ -176,7 +183,15 @@ class MTPChainGraph:
             logits = d.vocab.logits(layer.final_norm(prev_h))  # over the draft vocabulary
             prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
-        return torch.stack(out_logits) if self.drafts else None
+            if self.sampling is not None:
+                prev_tok, q = self.sampling.draw(k - 1, d.vocab.full(logits), prev_tok)
+                out_tokens.append(prev_tok)
+                out_q.append(q)
+        if not self.drafts:
+            return None
+        if self.sampling is not None:
+            return torch.stack(out_logits), torch.stack(out_tokens), torch.stack(out_q)
+        return torch.stack(out_logits)
 
     # ---- one pass ----------------------------------------------------------------------------
     def can_run(self, reqs, num_drafts: dict[str, int], behind: Optional[int] = None) -> bool:
@@ -219,7 +234,7 @@ class MTPChainGraph:
             host["tokens"] = []
             for r, F, n in zip(reqs, first, counts):
                 host["tokens"] += r.token_ids(F, F + n) + [0] * (g.C - n)
-            g._pass(len(reqs), host)
+            g._pass(len(reqs), host)  # drafts nothing anyone reads: every row takes the argmax
             for r, F, n in zip(reqs, first, counts):
                 if n:
                     r.spec.frontier = [F + n] * K
@@ -237,11 +252,13 @@ class MTPChainGraph:
             slots.append(r.slot)
         return {"first": first, "conv": conv, "swa": swa, "slots": slots}
 
-    def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None) -> Optional[torch.Tensor]:
+    def _pass(self, n: int, host: dict[str, list[int]], count=None, tokens=None, reqs=None):
         """Copy the host tables (one transfer) and the counts / tokens (from `host` when None)
         into the static inputs of the smallest captured size >= n (the rest are padding
-        requests), replay, and return the draft logits [K, n, N] (a view of a static tensor: read
-        it before the next replay; None for the late catch-up graph)."""
+        requests), and with `sampling` the sampling inputs of `reqs` (None: every row argmax),
+        replay, and return the draft logits [K, n, N] (with `sampling`: (logits, drafts, q)),
+        views of static tensors: read them before the next replay; None for the late catch-up
+        graph."""
         if self._ptrs != self._addresses():  # pools or weights were reallocated (RL release / resume)
             self.capture()
         C = self.C
@@ -254,17 +271,21 @@ class MTPChainGraph:
         self.tokens[:n, :C].copy_(t["tokens"].view(n, C) if tokens is None else tokens)
         if bs > n:
             torch._foreach_zero_([self.count[n:bs], self.req_slots[n:bs]])
-        replay, logits = self.graphs[bs]
+        if self.sampling is not None:
+            self.sampling.fill(reqs, bs)
+        replay, out = self.graphs[bs]
         # a replay cannot wait between layers: HiCache copies of pages the pass writes (backups of
         # pages evicted to grow this round's) must land first, as before the verify's replay
         self.drafter.runner.load_gate.wait_all()
         replay()
-        return logits[:, :n] if logits is not None else None
+        if isinstance(out, tuple):
+            return tuple(o[:, :n] for o in out)
+        return out[:, :n] if out is not None else None
 
-    def run(self, reqs) -> torch.Tensor:
+    def run(self, reqs):
         """Fill the inputs for `reqs` (`can_run` said yes) from the host, replay, advance the
-        frontiers to T and return the draft logits [K, len(reqs), N] (a view of a static tensor:
-        read it before the next replay)."""
+        frontiers to T and return the draft logits [K, len(reqs), N] (with `sampling`: (logits,
+        drafts, q); views of static tensors: read them before the next replay)."""
         K = self.K
         first = [r.spec.frontier[0] for r in reqs]
         host = self._tables(reqs, first)
@@ -273,18 +294,18 @@ class MTPChainGraph:
         for r, F in zip(reqs, first):
             ids = r.token_ids(F, r.seq_len)
             host["tokens"] += ids + [0] * (self.C - len(ids))
-        logits = self._pass(len(reqs), host)
+        out = self._pass(len(reqs), host, reqs=reqs)
         for r in reqs:
             r.spec.frontier = [r.seq_len] * K
-        return logits
+        return out
 
-    def run_after_verify(self, reqs, tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    def run_after_verify(self, reqs, tokens: torch.Tensor, count: torch.Tensor):
         """The pass right after a verify that is still on the device: request b (seq_len L_b, L_b - 1
         computed, frontiers at L_b, pages up to L_b + 2K or more) committed `count[b]` tokens
         `tokens[b, :count[b]]` ([n, K + 1] and [n] on the device). Nothing is read on the host;
-        the caller advances the frontiers once it knows the counts. Returns the draft logits
-        [K, n, N] (a view of a static tensor)."""
-        return self._pass(len(reqs), self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens)
+        the caller advances the frontiers once it knows the counts. Returns what `run` returns."""
+        return self._pass(len(reqs), self._tables(reqs, [r.seq_len for r in reqs]), count=count, tokens=tokens,
+                          reqs=reqs)
 
 
 def _slots_or_scratch(view: list, start: int, end: int, page_size: int) -> list[int]:

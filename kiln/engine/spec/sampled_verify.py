@@ -122,10 +122,30 @@ def verify_rounds(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: l
         d = torch.tensor([drafts[i] for i in idx.tolist()], dtype=torch.long, device=dev).reshape(len(idx), k)
         ui = u[idx.to(dev)]
         n, y = fn(p[rows], q[q_rows], d, ui[:, :k], ui[:, k])
-        emitted = torch.cat([d, y.unsqueeze(1)], 1)  # d_1..d_k, y ...
-        j = torch.arange(k + 1, device=dev).unsqueeze(0)
-        emitted = torch.where(j < n.unsqueeze(1), emitted, 0)
-        emitted = emitted.scatter(1, n.unsqueeze(1), y.unsqueeze(1))  # ... is d_1..d_n, y, 0..
-        tokens[rows.reshape(-1)] = emitted.reshape(-1)
+        tokens[rows.reshape(-1)] = _emitted(d, n, y).reshape(-1)
         accepted[idx] = n.cpu()
     return attach_logprobs(SampleOutput(token_ids=tokens), logits, batch), accepted.tolist()
+
+
+def verify_on_device(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor, q: torch.Tensor,
+                     generators: list, method: str) -> tuple[SampleOutput, torch.Tensor]:
+    """`verify_rounds` for B rounds of k drafts each, with nothing read back: drafts [B, k] and q
+    [B, k, V] on the device (a round on the device, `SpecDecoder._device_round`, where the drafts
+    are still the chain graph's). A greedy round passes one-hot q rows at its drafts: it is then
+    verified exactly as by point masses (accepted while the draft is the argmax; the residual
+    max(0, p - q) and the bonus are the argmax). Returns (out, num_accepted [B] on the device);
+    the uniforms are drawn as `verify_rounds` draws them."""
+    B, k = drafts.shape
+    p = processed_probs(logits, batch).view(B, k + 1, -1)
+    u = sampler.uniforms(generators, [k + 1] * B, logits.device)
+    n, y = METHODS[method](p, q, drafts, u[:, :k], u[:, k])
+    out = SampleOutput(token_ids=_emitted(drafts, n, y).reshape(-1))
+    return attach_logprobs(out, logits, batch), n
+
+
+def _emitted(d: torch.Tensor, n: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[b, k + 1] rows d_1..d_n, y, 0.. of rounds with drafts d [b, k], n accepted and next token y."""
+    emitted = torch.cat([d, y.unsqueeze(1)], 1)  # d_1..d_k, y ...
+    j = torch.arange(d.shape[1] + 1, device=d.device).unsqueeze(0)
+    emitted = torch.where(j < n.unsqueeze(1), emitted, 0)
+    return emitted.scatter(1, n.unsqueeze(1), y.unsqueeze(1))  # ... is d_1..d_n, y, 0..

@@ -62,7 +62,7 @@ from kiln.engine.sampler import SamplingBatch, select_rows
 from kiln.engine.spec.adaptive import AdaptiveDraftLength
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
-from kiln.engine.spec.sampled_verify import verify_method, verify_rounds, verify_views
+from kiln.engine.spec.sampled_verify import verify_method, verify_on_device, verify_rounds, verify_views
 from kiln.engine.spec.verify import accepted_prefixes
 from kiln.engine.spec.verify_ahead import VerifyAhead
 from kiln.engine.step_inputs import PENDING
@@ -316,17 +316,20 @@ class SpecDecoder:
         (the MTP chain graph, a block drafter's paged pass on graphs: `device_round_ready`): the
         forward is the plan's rounds and nothing else (a verify queued ahead may hold rows of
         requests that finished since), every request of it verifies K greedy-drafted (point-mass)
-        tokens, and its pages grow to what the pass of a round of any acceptance and the next
-        round's verify queued ahead write (`device_round_reach`), inside the context. Anything
-        else takes the host path (`_verify_and_commit` + `drafter.run`)."""
+        tokens or, under exact verification, K tokens drawn from q rows the drafter can draw on the
+        device too (`device_round_samples`), and its pages grow to what the pass of a round of any
+        acceptance and the next round's verify queued ahead write (`device_round_reach`), inside
+        the context. Anything else takes the host path (`_verify_and_commit` + `drafter.run`)."""
         drafter, K = self.drafter, self.num_steps
         ready = getattr(drafter, "device_round_ready", None)
+        samples_ok = getattr(drafter, "device_round_samples", None)
         if ready is None or not plan or len(sample_reqs) != len(plan) or rows != len(plan) * (K + 1):
             return False
         for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
+            exact = self.method is not None and not r.params.greedy
             if (s is not r or srow != i * (K + 1) or r.finished or start != L - 1 or end != L + K
-                    or r.spec.q is not None or (self.method is not None and not r.params.greedy)
+                    or (r.spec.q is not None if not exact else samples_ok is None or not samples_ok(r, K))
                     or drafter.device_round_reach(L, K) > self.sched.context_length):
                 return False
         reqs = [r for r, _, _ in plan]
@@ -335,17 +338,28 @@ class SpecDecoder:
     def _device_round(self, plan, logits: torch.Tensor, batch, row_starts: list[int]) -> None:
         """Verify, then queue the drafter's pass fed from the verify's samples on the device (the
         accepted counts and committed tokens never visit the host first), then read the samples
-        back and commit while the GPU drafts. The host's acceptance must equal the device's."""
+        back and commit while the GPU drafts. The host's acceptance must equal the device's.
+        A round with sampled requests under exact verification verifies every request by
+        `verify_on_device` (greedy ones with one-hot q rows: the same tokens as point masses)."""
         dev, K, drafter = self.runner.device, self.num_steps, self.drafter
         reqs = [r for r, _, _ in plan]
         n = len(reqs)
         assert logits.shape[0] == n * (K + 1), (logits.shape, n, K)
         drafts = [r.spec.drafts[:K] for r in reqs]
         views = [v for r, d in zip(reqs, drafts) for v in verify_views(r, d, dev)]
-        out = self.runner.sampler(logits, SamplingBatch.from_reqs(views, dev))  # every row is a verify row
-        samples = out.token_ids.view(n, K + 1)
+        sb = SamplingBatch.from_reqs(views, dev)  # every row is a verify row
         on_device = batch.input_ids.view(n, K + 1)[:, 1:]  # the drafts as the verify read them
-        count = (samples[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
+        exact = self.method is not None and not all(r.params.greedy for r in reqs)
+        if exact:
+            one_hot = torch.zeros(n, K, logits.shape[1], device=dev).scatter_(2, on_device.unsqueeze(2), 1.0)
+            q = torch.stack([one_hot[i] if r.params.greedy else r.spec.q[:K] for i, r in enumerate(reqs)])
+            out, accepted_t = verify_on_device(self.runner.sampler, logits, sb, on_device, q,
+                                               [r.generator for r in reqs], self.method)
+            count = accepted_t + 1
+        else:
+            out = self.runner.sampler(logits, sb)
+            count = (out.token_ids.view(n, K + 1)[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
+        samples = out.token_ids.view(n, K + 1)
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         drafter.run_after_verify(reqs, batch, row_starts, samples, count)
         if self.ahead.after_device_rounds and self.ahead.may_queue(batch, reqs, K, self.next_k, self.sched):
@@ -353,6 +367,9 @@ class SpecDecoder:
                              [drafter.device_round_reach(r.seq_len, K) for r in reqs], flight=self.flight)
         got = readback.lists()
         accepted = accepted_prefixes(drafts, got["token_ids"])
+        if exact:  # a rejected draft's replacement may equal it: the count says where the run stopped
+            assert all(a + 1 >= c for a, c in zip(accepted, got["count"])), (accepted, got["count"])
+            accepted = [c - 1 for c in got["count"]]
         assert [a + 1 for a in accepted] == got["count"], (accepted, got["count"])
         self._commit([(r, d, 0, None) for r, d in zip(reqs, drafts)], got, accepted)
         if all(r.finished for r in reqs):
@@ -465,9 +482,10 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
         from kiln.engine.spec.mtp_drafter import MTPDrafter
 
         drafter = MTPDrafter(runner, runner.spec_steps, token_map, max_lag=runner.mtp_catch_up_lag)
+        spec = SpecDecoder(scheduler, drafter)  # first: it tells the drafter whether drafts are sampled
         if runner.graphs is not None:  # CUDA graphs on: the steady-decode pass too
             drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
-        return SpecDecoder(scheduler, drafter)
+        return spec
     if algo in ("dflash", "dspark"):
         from kiln.engine.spec.block_drafter import BlockDraftRunner
 
