@@ -17,7 +17,9 @@ the last bit). Exp(1) noise is -log(u) in float64, whose smallest values (the ra
 keep full precision when cast to float32.
 
 Integer products wrap modulo 2^64 (torch's int64 arithmetic on both devices); right shifts of
-negative int64 are arithmetic, so each is masked to a logical shift.
+negative int64 are arithmetic, so each is masked to a logical shift. On a GPU with Triton the same
+values come from one kernel launch (`kiln.kernels.seeded_noise`) instead of ~20 elementwise ops
+over int64 temporaries.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kiln.engine.batch import host_tensor
+from kiln.kernels import kernels_supported
 
 _M64 = 1 << 64
 
@@ -95,7 +98,30 @@ def stream_keys(streams: list[SeededStream], device) -> torch.Tensor:
 
 
 def exponentials(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """[S, width] float32 Exp(1) values, row i from the draw `keys[i]`."""
+    """[S, width] float32 Exp(1) values, row i from the draw `keys[i]` (on a GPU with Triton: one
+    launch, `kiln.kernels.seeded_noise`)."""
+    if _one_launch(keys):
+        from kiln.kernels.seeded_noise import noise
+
+        return noise(keys, width, exponential=True)
+    return _exponentials_ref(keys, width)
+
+
+def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """[S, width] float32 U(0, 1) values (odd multiples of 2^-24: never 0, never 1)."""
+    if _one_launch(keys):
+        from kiln.kernels.seeded_noise import noise
+
+        return noise(keys, width, exponential=False)
+    return _uniforms_ref(keys, width)
+
+
+def _one_launch(keys: torch.Tensor) -> bool:
+    return keys.is_cuda and kernels_supported(keys.device)
+
+
+def _exponentials_ref(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """`exponentials` in torch ops (the kernel's reference; the CPU path)."""
     def values(bits: torch.Tensor) -> torch.Tensor:
         u = _shr(bits, 11).double().add_(0.5).mul_(2.0 ** -53)
         return u.log_().neg_().float()
@@ -103,6 +129,6 @@ def exponentials(keys: torch.Tensor, width: int) -> torch.Tensor:
     return _per_chunk(keys, width, values)
 
 
-def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """[S, width] float32 U(0, 1) values (odd multiples of 2^-24: never 0, never 1)."""
+def _uniforms_ref(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """`uniforms` in torch ops (the kernel's reference; the CPU path)."""
     return _per_chunk(keys, width, lambda bits: _shr(bits, 41).double().add_(0.5).mul_(2.0 ** -23).float())

@@ -295,6 +295,15 @@ def argmax() -> None:
                  dict(BLOCK=16, PDL=True))
 
 
+def seeded_noise() -> None:
+    """The counter-based noise (uint64 arithmetic with constants past 2^63, a float64 logarithm)."""
+    from kiln.kernels.seeded_noise import _noise_kernel
+
+    for exponential in (True, False):
+        compile_sm90(_noise_kernel, {"keys_ptr": "*i64", "out_ptr": "*fp32"},
+                     dict(EXPONENTIAL=exponential, BLOCK=1024, PDL=True))
+
+
 def msa_scores() -> None:
     """The MSA score kernels loop over blocks with a `while` on a loaded length (the compiler must
     accept the loop-carried block id next to a loaded int64 position)."""
@@ -375,7 +384,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
-         "argmax": argmax,
+         "argmax": argmax, "seeded_noise": seeded_noise,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
