@@ -57,3 +57,28 @@ lane0_s38b() {
   step plain_base40 120 $b40 $plain $t1 --out "$R/json/plain_base40.json"
   step plain_greedy 120 $DECODE $plain --out "$R/json/plain_greedy.json"
 }
+
+# `s38c`: the block drafters' sampled drafts drawn on the device in their device round
+# (BlockDraftRunner._draw_on_device) against the commit before (carry scratch/base41 = `git archive
+# 29bb87a kiln benchmarks/configs` plus benchmarks/*.py): the GPU tests of sampled drafts and of the block
+# rounds; DFlash K = 3 rounds (a dummy one-layer drafter, as lane `experts`) at temperature 1 with
+# rejection sampling at batch 1 / 8; and the sampled plain decode's first batch-64 step, twice in one
+# process (the ~6 s wait of lane s38b: once, or every time?).
+lane0_s38c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s38-$$
+  local df="--model-path $INK --batch-sizes 1,8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --warmup on
+    --speculative-algorithm dflash --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3
+    --temperature 1.0 --speculative-use-rejection-sampling"
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_chain_sampling.py \
+    tests/engine/test_block_rounds_on_device.py tests/engine/test_block_drafter.py
+  for i in 1 2; do
+    step df_now_$i 120 $DECODE $df --out "$R/json/df_now_$i.json"
+    step df_base41_$i 120 python scratch/base41/benchmarks/decode_batch.py $C $df --out "$R/json/df_base41_$i.json"
+  done
+  step plain64 120 $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 64 \
+    --batch-sizes 64,64 --temperature 1.0 --out "$R/json/plain64.json"
+}

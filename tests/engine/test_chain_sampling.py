@@ -151,6 +151,33 @@ def test_sampled_rounds_on_the_device_equal_the_host_path(method, tmp_path):
     assert 0 < counts.accepted_tokens < sum(counts.proposed)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampled_block_rounds_on_the_device_equal_the_host_path(device, tmp_path_factory):
+    # DFlash on Llama, K = 3, rejection sampling: the paged block pass on graphs (recomputed on the
+    # CPU) with the sampled requests' drafts drawn on the device after it (`_draw_on_device`),
+    # against the same engine without graphs (host path, drafts drawn position by position).
+    from tests.engine.test_block_drafter import make_target, spec_core
+    from tests.engine.test_block_rounds_on_device import block_graph_core
+    from tests.engine.test_speculative import run_spec
+
+    target = make_target("llama", tmp_path_factory)
+    ps = prompts(2, seed=33, lo=8, hi=14)
+    params = [SamplingParams(max_tokens=9, temperature=1.5, min_p=0.01, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    kw = dict(page_size=4, chunked_prefill_size=16, max_prefill_tokens=64, speculative_use_rejection_sampling=True)
+    host = dict(kernel_backend="triton") if device == "cpu" else dict(device="cuda", dtype="float32",
+                                                                       disable_cuda_graph=True)
+    want, _, _ = run_spec(spec_core(target, 3, **host, **kw), ps, params=params)
+    core = block_graph_core(target, 3, device, 2, **kw)
+    spec, drawn = core.scheduler.spec, []
+    draw = spec.drafter._draw_on_device
+    spec.drafter._draw_on_device = lambda reqs, *a: (drawn.append(len(reqs)), draw(reqs, *a))[1]
+    got, _, _ = run_spec(core, ps, params=params)
+    assert {rid: r[1] for rid, r in got.items()} == {rid: r[1] for rid, r in want.items()}
+    assert drawn, "no sampled drafts were drawn on the device"
+    assert core.stats().spec.accepted[2] > 0, "no third draft accepted: later positions' draws untested"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["tokenwise", "block"])
 def test_sampled_rounds_with_graphs_on_cuda(method, tmp_path):

@@ -32,7 +32,8 @@ in `DraftState.q` for the verify. Every ready request's block runs in one batch:
   selector: the block rows' own K/V are written into the pool past the committed prefix and the
   blocks attend over the paged context, from one CUDA graph per batch size; greedy drafts stay on
   the device (`DraftsInFlight`) for the next verify to gather, sampled ones are drawn from the
-  pass's logits on the host;
+  pass's logits on the host, or on the device in a round on the device (`_draw_on_device`, when
+  their processing reads only constants: `chain_sampling.eligible`);
 - otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
   padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """
@@ -46,6 +47,8 @@ import torch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
 from kiln.engine.sampler import greedy_ids
+from kiln.engine.spec import chain_sampling
+from kiln.engine.spec.chain_sampling import ChainSampling
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftState, DraftsInFlight
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -129,6 +132,8 @@ class BlockDraftRunner:
                 self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, DRAFT_GRAPH_MAX_BS))
         self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
         self._flight_logits = None  # their logits, when keep_logits (`run_after_verify`)
+        self._flight_q = None  # their q rows [n, K, V], when sampled requests' drafts were drawn on the device
+        self.sampling = None  # ChainSampling: sampled drafts drawn on the device in a device round (`use_graphs`)
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to
@@ -138,6 +143,8 @@ class BlockDraftRunner:
         assert self.paged is not None, "no paged block pass on this path"
         self.paged = PagedBlockPass(self, max_bs)
         self.paged.capture(capturer)
+        if self.sample_drafts:  # a device round draws sampled requests' drafts from the pass's logits
+            self.sampling = ChainSampling(max_bs, self.num_steps, self.runner.device, self.runner.config.seed)
 
     # ---- the drafter contract --------------------------------------------------------------
     def new_state(self, r: Req) -> DraftState:
@@ -213,9 +220,17 @@ class BlockDraftRunner:
     def device_round_ready(self, reqs: list[Req]) -> bool:
         """Whether a round of `reqs` can run its pass on the verify's device values
         (`run_after_verify`): the paged pass is captured for the batch. (The caller checks that
-        every request is greedy-drafted and inside the context at `device_round_reach`.)"""
+        every request is greedy-drafted, or `device_round_samples`, and inside the context at
+        `device_round_reach`.)"""
         p = self.paged
         return p is not None and bool(p.graphs) and len(reqs) <= p.max_bs
+
+    def device_round_samples(self, r: Req, k: int) -> bool:
+        """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
+        device: its processing reads only constants (`chain_sampling.eligible`; positions are drawn
+        independently of each other, so all K at once) and its q rows are at hand."""
+        return (self.sampling is not None and chain_sampling.eligible(r) and r.spec.q is not None
+                and r.spec.q.shape[0] >= k)
 
     def device_round_reach(self, seq_len: int, k: int) -> int:
         """Positions a request's pages must cover for such a round at seq_len L: the block at
@@ -232,13 +247,27 @@ class BlockDraftRunner:
         (its rejected rows lie past the anchor, rewritten before a block reads them). The drafts
         stay on the device; `adopt_in_flight` hands them to each request after the commit."""
         tokens, logits = self.paged.run_after_verify(reqs, samples, count)
+        self._flight_q = None
+        if self.sampling is not None and not all(r.params.greedy for r in reqs):
+            tokens, self._flight_q = self._draw_on_device(reqs, tokens, logits)
         self.flight = DraftsInFlight.start(tokens.clone())
         self._flight_logits = logits if self.keep_logits else None
+
+    def _draw_on_device(self, reqs: list[Req], tokens: torch.Tensor, logits: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass's drafts with the sampled requests' drawn from q (`ChainSampling`: each
+        request's stream gives K draws, one per position in order, as `_sample` takes them on the
+        host): (drafts [n, K], q [n, K, V]); greedy requests keep the argmax (one-hot q)."""
+        n, K = tokens.shape
+        self.sampling.fill(reqs, n)
+        drawn = [self.sampling.draw(j, self.vocab.full(logits[:, j]), tokens[:, j]) for j in range(K)]
+        return torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
 
     def adopt_in_flight(self, r: Req, row: int, k: int) -> None:
         """After `run_after_verify` and the commit: request `r`'s next k drafts are row `row` of the pass."""
         r.spec.set_in_flight(self.flight, row, k)
-        r.spec.q = None
+        q = self._flight_q
+        r.spec.q = q[row, :k] if q is not None and not r.params.greedy else None
         logits = self._flight_logits
         r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[row, j].clone()) for j in range(k)]
 

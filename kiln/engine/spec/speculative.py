@@ -490,9 +490,10 @@ def make_spec_decoder(scheduler) -> Optional[SpecDecoder]:
         from kiln.engine.spec.block_drafter import BlockDraftRunner
 
         drafter = BlockDraftRunner(runner, runner.spec_steps, token_map)
+        spec = SpecDecoder(scheduler, drafter)  # first: it tells the drafter whether drafts are sampled
         if runner.graphs is not None and drafter.paged is not None:  # CUDA graphs on: the block pass too
             drafter.use_graphs(min(runner.graphs.max_bs, DRAFT_GRAPH_MAX_BS))
-        return SpecDecoder(scheduler, drafter)
+        return spec
     if algo == "ngram":
         from kiln.engine.spec.ngram_drafter import NgramDrafter
 
