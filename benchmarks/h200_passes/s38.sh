@@ -82,3 +82,12 @@ lane0_s38c() {
   step plain64 120 $DECODE --model-path $INK --input-len 1024 --output-len 64 --cuda-graph-max-bs 64 \
     --batch-sizes 64,64 --temperature 1.0 --out "$R/json/plain64.json"
 }
+
+# `s38d`: which Triton variant the first sampled batch-64 step compiles (lane s38c: ~6.4 s once per
+# Triton cache): benchmarks/compile_watch.py on an empty cache, sampled then greedy.
+lane0_s38d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s38d-$$
+  local a="--dummy-init auto --model-path $INK --input-len 1024 --output-len 32 --cuda-graph-max-bs 64 --batch-sizes 64,64"
+  step watch_sampled 200 python benchmarks/compile_watch.py $a --temperature 1.0
+  step watch_greedy 120 python benchmarks/compile_watch.py $a
+}
