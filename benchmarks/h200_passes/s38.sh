@@ -91,3 +91,13 @@ lane0_s38d() {
   step watch_sampled 200 python benchmarks/compile_watch.py $a --temperature 1.0
   step watch_greedy 120 python benchmarks/compile_watch.py $a
 }
+
+# `s38e`: the selection kernel unspecialised on its parameter pointers' alignment (lane s38d found
+# three variants of it, ~2.3 s each, at the first sampled batch of 64): its GPU test, and
+# compile_watch on an empty cache again.
+lane0_s38e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s38e-$$
+  local a="--dummy-init auto --model-path $INK --input-len 1024 --output-len 32 --cuda-graph-max-bs 64 --batch-sizes 64,64"
+  step gpu_tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/kernels/test_sampling_kernels.py
+  step watch_sampled 200 python benchmarks/compile_watch.py $a --temperature 1.0
+}

@@ -181,7 +181,11 @@ def _search(row_ptr, V, scratch_ptr, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, k
 # ------------------------------------------------------------------------------ the kernels
 
 
-@triton.jit
+# The three per-row parameters are one scalar load each: not specialised on their pointers' 16-byte
+# alignment, which the sampler's views into one copied [6, B] float buffer (`SamplingBatch.from_reqs`)
+# change with B. Specialised, each new alignment compiled this kernel again (~2.3 s on an H100,
+# three times at the first sampled batch of 64; docs/benchmarks.md, thirty-eighth pass).
+@triton.jit(do_not_specialize_on_alignment=["top_ks_ptr", "top_ps_ptr", "min_ps_ptr"])
 def _select_kernel(
     probs_ptr, meta_i_ptr, meta_f_ptr, scratch_ptr,
     top_ks_ptr, top_ps_ptr, min_ps_ptr,

@@ -300,3 +300,29 @@ def test_sampler_cuda_path_has_no_host_sync_and_matches_reference(host_greedy):
     drawn = (probs / e.clamp_min(TINY)).argmax(dim=-1)
     want[idx] = torch.where(torch.tensor(greedy, device="cuda")[idx], want[idx], drawn)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_select_kernel_compiles_once_whatever_the_parameters_alignment(monkeypatch):
+    # The sampler's per-row parameters are views into one [6, B] buffer, so their pointers' 16-byte
+    # alignment changes with B; the selection kernel must not compile a variant per alignment
+    # (thirty-eighth pass: three variants, ~2.3 s each, at the first sampled batch of 64).
+    import triton.runtime.jit as jit
+
+    compiled = []
+    original = jit.JITFunction._do_compile
+
+    def counted(fn, *a, **kw):
+        if getattr(fn, "__name__", None) == "_select_kernel" or getattr(getattr(fn, "fn", None), "__name__", "") == \
+                "_select_kernel":
+            compiled.append(1)
+        return original(fn, *a, **kw)
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", counted)
+    logits = torch.randn(8, 3000, device="cuda")
+    # views at offsets of 0..7 elements into one buffer each: every 16-byte alignment
+    ps, mins = torch.rand(16, device="cuda") * 0.5 + 0.5, torch.rand(16, device="cuda") * 0.1
+    ks = torch.full((16,), 20, device="cuda", dtype=torch.int64)
+    for b in range(8):
+        sampling.filtered_probs(logits, torch.ones(8, device="cuda"), ks[b:b + 8], ps[b:b + 8], mins[b:b + 8])
+    assert len(compiled) <= 1, f"{len(compiled)} variants of the selection kernel"
