@@ -12,6 +12,17 @@
 
 S38_ARGS="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 1,8 --warmup on"
 S38_MTP="--speculative-algorithm mtp --speculative-num-steps 3"
+# DFlash K = 3 sampled rounds with a dummy one-layer drafter (the config of lane `experts`)
+S38_DFLASH="--model-path $INK --batch-sizes 1,8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --warmup on
+  --speculative-algorithm dflash --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3
+  --temperature 1.0 --speculative-use-rejection-sampling"
+
+_s38_dflash_config() {
+  mkdir -p "$R/dflash-bench"
+  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+}
 
 lane0_s38() {
   export TRITON_CACHE_DIR=/tmp/triton-s38-$$
@@ -66,13 +77,8 @@ lane0_s38b() {
 # process (the ~6 s wait of lane s38b: once, or every time?).
 lane0_s38c() {
   export TRITON_CACHE_DIR=/tmp/triton-s38-$$
-  local df="--model-path $INK --batch-sizes 1,8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --warmup on
-    --speculative-algorithm dflash --speculative-draft-model-path $R/dflash-bench --speculative-num-steps 3
-    --temperature 1.0 --speculative-use-rejection-sampling"
-  mkdir -p "$R/dflash-bench"
-  echo '{"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215, "hidden_size": 2048,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "target_layer_ids": [1, 12, 22]}' > "$R/dflash-bench/config.json"
+  local df="$S38_DFLASH"
+  _s38_dflash_config
   step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_chain_sampling.py \
     tests/engine/test_block_rounds_on_device.py tests/engine/test_block_drafter.py
   for i in 1 2; do
@@ -100,4 +106,17 @@ lane0_s38e() {
   local a="--dummy-init auto --model-path $INK --input-len 1024 --output-len 32 --cuda-graph-max-bs 64 --batch-sizes 64,64"
   step gpu_tests 120 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/kernels/test_sampling_kernels.py
   step watch_sampled 200 python benchmarks/compile_watch.py $a --temperature 1.0
+}
+
+# `s38f`: after the selection kernel's fix, the sampled device rounds on an empty Triton cache: DFlash
+# (its first run compiled inside the measurement in s38c) three times, MTP once.
+lane0_s38f() {
+  export TRITON_CACHE_DIR=/tmp/triton-s38f-$$
+  local df="$S38_DFLASH"
+  _s38_dflash_config
+  for i in 1 2 3; do
+    step df_now_$i 120 $DECODE $df --out "$R/json/df_now_$i.json"
+  done
+  step rs_now 120 $DECODE $S38_ARGS $S38_MTP --temperature 1.0 --speculative-use-rejection-sampling \
+    --out "$R/json/rs_now.json"
 }

@@ -19,12 +19,13 @@ from tests.engine.test_graph_buffers import RecomputeCapturer
 from tests.engine.test_hybrid_engine import prompts
 from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
 
-SAMPLED = [SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, seed=6),
+SAMPLED = [SamplingParams(temperature=0.8, top_k=20, seed=5),
+           SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, seed=6),
            SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_k=1, seed=8),
            SamplingParams(temperature=1.3, top_k=7, top_p=0.8, seed=2 ** 63 + 11)]
 
 
-def _req(params: SamplingParams, output=(), min_tokens_ok=True) -> SimpleNamespace:
+def _req(params: SamplingParams, output=()) -> SimpleNamespace:
     return SimpleNamespace(params=params, prompt_ids=[1, 2], output_ids=list(output), eos_token_ids=(),
                            generator=None, sampling_row=SamplingRow.of(params, ()), num_output=len(output))
 

@@ -313,8 +313,7 @@ def test_select_kernel_compiles_once_whatever_the_parameters_alignment(monkeypat
     original = jit.JITFunction._do_compile
 
     def counted(fn, *a, **kw):
-        if getattr(fn, "__name__", None) == "_select_kernel" or getattr(getattr(fn, "fn", None), "__name__", "") == \
-                "_select_kernel":
+        if (getattr(fn, "__name__", None) or fn.fn.__name__) == "_select_kernel":
             compiled.append(1)
         return original(fn, *a, **kw)
 

@@ -337,7 +337,7 @@ class MTPDrafter:
     def _set_in_flight(self, r: Req, row: int, k: int) -> None:
         r.spec.set_in_flight(self.flight, row, k)
         q = self._flight_q
-        r.spec.q = q[:k, row] if q is not None and self.sample_drafts and not r.params.greedy else None
+        r.spec.q = q[:k, row] if q is not None and not r.params.greedy else None
         logits = self._flight_logits
         r.spec.draft_logits = [] if logits is None else [self.vocab.full(logits[j, row].clone()) for j in range(k)]
 

@@ -22,9 +22,10 @@ host (passes after a mixed or non-uniform step).
 Inside the graph the draft token and hidden state of layer k - 1 go into layer k's draft row by
 index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
 land in one static tensor. Under exact verification of sampled requests (`sampling`, the
-`--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the graph
-(`kiln.engine.spec.chain_sampling`), and the drafts and q rows land in static tensors too. Padding rows (and padding requests, c = 0) read slot 0 and write to
-slot 0 of every space (the scratch slots), and have extend length 0 in attention.
+`--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the
+graph (`kiln.engine.spec.chain_sampling`), and the drafts and q rows land in static tensors too.
+Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
+scratch slots), and have extend length 0 in attention.
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy or drawn from constants alone

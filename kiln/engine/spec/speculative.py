@@ -322,18 +322,25 @@ class SpecDecoder:
         the context. Anything else takes the host path (`_verify_and_commit` + `drafter.run`)."""
         drafter, K = self.drafter, self.num_steps
         ready = getattr(drafter, "device_round_ready", None)
-        samples_ok = getattr(drafter, "device_round_samples", None)
         if ready is None or not plan or len(sample_reqs) != len(plan) or rows != len(plan) * (K + 1):
             return False
         for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
-            exact = self.method is not None and not r.params.greedy
             if (s is not r or srow != i * (K + 1) or r.finished or start != L - 1 or end != L + K
-                    or (r.spec.q is not None if not exact else samples_ok is None or not samples_ok(r, K))
+                    or not self._drafts_verify_on_device(r, K)
                     or drafter.device_round_reach(L, K) > self.sched.context_length):
                 return False
         reqs = [r for r, _, _ in plan]
         return ready(reqs) and all(self.cache.grow(r, drafter.device_round_reach(r.seq_len, K)) for r in reqs)
+
+    def _drafts_verify_on_device(self, r: Req, k: int) -> bool:
+        """Whether r's k drafts can be verified in a round on the device: argmax drafts (no q rows:
+        point masses), or, for a sampled request under exact verification, drafts the drafter can
+        draw on the device too (`device_round_samples`)."""
+        if self.method is None or r.params.greedy:
+            return r.spec.q is None
+        samples_ok = getattr(self.drafter, "device_round_samples", None)
+        return samples_ok is not None and samples_ok(r, k)
 
     def _device_round(self, plan, logits: torch.Tensor, batch, row_starts: list[int]) -> None:
         """Verify, then queue the drafter's pass fed from the verify's samples on the device (the
