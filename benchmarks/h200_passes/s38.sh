@@ -1,6 +1,6 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
 # thirty-eighth session (2026-12-06).
-# `s38`: sampled drafts inside the MTP chain graph (kiln/engine/spec/chain_sampling.py), so that
+# `s38`: sampled drafts inside the MTP chain graph (kiln/engine/spec/draft_sampling.py), so that
 #   rounds of sampled requests under exact verification run on the device like greedy ones. First
 #   the GPU tests (the new ones, the chain graph's and exact verification's, and the GPU twin of
 #   Inkling's prologue inside the attention, unrun since the thirty-sixth session); then Inkling
@@ -27,7 +27,7 @@ _s38_dflash_config() {
 lane0_s38() {
   export TRITON_CACHE_DIR=/tmp/triton-s38-$$
   local b39="python scratch/base39/benchmarks/decode_batch.py $C" t1="--temperature 1.0"
-  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_chain_sampling.py \
+  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_draft_sampling.py \
     tests/engine/test_spec_sampled.py tests/engine/test_cuda_graph.py tests/kernels/test_attention_prologue.py \
     "tests/engine/test_kernel_path.py::test_prologue_in_attention_on_cuda_equals_prologue_kernel"
   step greedy 120 $DECODE $S38_ARGS $S38_MTP --out "$R/json/greedy.json"
@@ -42,7 +42,7 @@ lane0_s38() {
 # against before at batch 1 and 8.
 lane0_s38s() {
   export TRITON_CACHE_DIR=/tmp/triton-s38-$$
-  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_chain_sampling.py
+  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_draft_sampling.py
   step rs_now 120 $DECODE $S38_ARGS $S38_MTP --temperature 1.0 --speculative-use-rejection-sampling \
     --out "$R/json/rs_now.json"
   step rs_base 120 python scratch/base39/benchmarks/decode_batch.py $C $S38_ARGS $S38_MTP --temperature 1.0 \
@@ -59,7 +59,7 @@ lane0_s38b() {
   local rs="--speculative-use-rejection-sampling"
   local plain="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --batch-sizes 1,8,64"
   step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/kernels/test_seeded_noise_kernel.py \
-    tests/engine/test_chain_sampling.py tests/engine/test_sampler.py tests/engine/test_seeded_noise.py
+    tests/engine/test_draft_sampling.py tests/engine/test_sampler.py tests/engine/test_seeded_noise.py
   for i in 1 2; do
     step rs_now_$i 120 $DECODE $S38_ARGS $S38_MTP $t1 $rs --out "$R/json/rs_now_$i.json"
     step rs_base40_$i 120 $b40 $S38_ARGS $S38_MTP $t1 $rs --out "$R/json/rs_base40_$i.json"
@@ -79,7 +79,7 @@ lane0_s38c() {
   export TRITON_CACHE_DIR=/tmp/triton-s38-$$
   local df="$S38_DFLASH"
   _s38_dflash_config
-  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_chain_sampling.py \
+  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests/engine/test_draft_sampling.py \
     tests/engine/test_block_rounds_on_device.py tests/engine/test_block_drafter.py
   for i in 1 2; do
     step df_now_$i 120 $DECODE $df --out "$R/json/df_now_$i.json"

@@ -33,7 +33,7 @@ in `DraftState.q` for the verify. Every ready request's block runs in one batch:
   blocks attend over the paged context, from one CUDA graph per batch size; greedy drafts stay on
   the device (`DraftsInFlight`) for the next verify to gather, sampled ones are drawn from the
   pass's logits on the host, or on the device in a round on the device (`_draw_on_device`, when
-  their processing reads only constants: `chain_sampling.eligible`);
+  their processing reads only constants: `draft_sampling.eligible`);
 - otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
   padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """
@@ -47,8 +47,8 @@ import torch
 from kiln.engine.cache.components import ComponentKind, StateSpec
 from kiln.engine.request import Req
 from kiln.engine.sampler import greedy_ids
-from kiln.engine.spec import chain_sampling
-from kiln.engine.spec.chain_sampling import ChainSampling
+from kiln.engine.spec import draft_sampling
+from kiln.engine.spec.draft_sampling import DraftSampling
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftState, DraftsInFlight
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -133,7 +133,7 @@ class BlockDraftRunner:
         self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
         self._flight_logits = None  # their logits, when keep_logits (`run_after_verify`)
         self._flight_q = None  # their q rows [n, K, V], when sampled requests' drafts were drawn on the device
-        self.sampling = None  # ChainSampling: sampled drafts drawn on the device in a device round (`use_graphs`)
+        self.sampling = None  # DraftSampling: sampled drafts drawn on the device in a device round (`use_graphs`)
 
     def use_graphs(self, max_bs: int, capturer=None) -> None:
         """Capture the paged block pass (`kiln.engine.spec.block_pass`) for batch sizes up to
@@ -144,7 +144,7 @@ class BlockDraftRunner:
         self.paged = PagedBlockPass(self, max_bs)
         self.paged.capture(capturer)
         if self.sample_drafts:  # a device round draws sampled requests' drafts from the pass's logits
-            self.sampling = ChainSampling(max_bs, self.num_steps, self.runner.device, self.runner.config.seed)
+            self.sampling = DraftSampling(max_bs, self.num_steps, self.runner.device, self.runner.config.seed)
 
     # ---- the drafter contract --------------------------------------------------------------
     def new_state(self, r: Req) -> DraftState:
@@ -227,9 +227,9 @@ class BlockDraftRunner:
 
     def device_round_samples(self, r: Req, k: int) -> bool:
         """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
-        device: its processing reads only constants (`chain_sampling.eligible`; positions are drawn
+        device: its processing reads only constants (`draft_sampling.eligible`; positions are drawn
         independently of each other, so all K at once) and its q rows are at hand."""
-        return (self.sampling is not None and chain_sampling.eligible(r) and r.spec.q is not None
+        return (self.sampling is not None and draft_sampling.eligible(r) and r.spec.q is not None
                 and r.spec.q.shape[0] >= k)
 
     def device_round_reach(self, seq_len: int, k: int) -> int:
@@ -255,7 +255,7 @@ class BlockDraftRunner:
 
     def _draw_on_device(self, reqs: list[Req], tokens: torch.Tensor, logits: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass's drafts with the sampled requests' drawn from q (`ChainSampling`: each
+        """The pass's drafts with the sampled requests' drawn from q (`DraftSampling`: each
         request's stream gives K draws, one per position in order, as `_sample` takes them on the
         host): (drafts [n, K], q [n, K, V]); greedy requests keep the argmax (one-hot q)."""
         n, K = tokens.shape

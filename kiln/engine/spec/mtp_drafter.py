@@ -36,7 +36,7 @@ Drafts are the argmax of each layer's logits (over `--speculative-token-map`'s t
 given: `DraftVocab`), except for sampled requests when exact verification
 is on (`sample_drafts`): those draw d_k from q_k = the sampler's processing of the logits (d_1..d_{k-1}
 counted as output) and keep q in `DraftState.q` for the verify (`sampled_verify`). The chain
-graph draws them too when their processing reads no output (`chain_sampling`); then a round of
+graph draws them too when their processing reads no output (`draft_sampling`); then a round of
 sampled requests runs on the device like a greedy one (`device_round_samples`).
 """
 
@@ -51,7 +51,7 @@ from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.pools import position_slots
 from kiln.engine.request import Req
 from kiln.engine.sampler import greedy_ids
-from kiln.engine.spec import chain_sampling
+from kiln.engine.spec import draft_sampling
 from kiln.engine.spec.draft_vocab import DraftVocab
 from kiln.engine.spec.drafter import DraftsInFlight, DraftState
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
@@ -133,7 +133,7 @@ class MTPDrafter:
         and with `max_lag` the late catch-up's pass of up to `max_lag` rows per request."""
         from kiln.engine.spec.mtp_graph import MTPChainGraph
 
-        # under exact verification the graph draws sampled requests' drafts too (chain_sampling)
+        # under exact verification the graph draws sampled requests' drafts too (draft_sampling)
         seed = self.runner.config.seed if self.sample_drafts else None
         self.graph = MTPChainGraph(self, max_bs, sample_seed=seed)
         self.graph.capture(capturer)
@@ -313,13 +313,13 @@ class MTPDrafter:
         return r.num_computed == seq_len - 1 and seq_len + 1 - r.spec.complete <= self.max_lag
 
     def _graph_draws(self, reqs: list[Req]) -> bool:
-        """Whether the chain graph can draw every request's drafts (`chain_sampling`)."""
-        return self.graph.sampling is not None and all(chain_sampling.eligible(r) for r in reqs)
+        """Whether the chain graph can draw every request's drafts (`draft_sampling`)."""
+        return self.graph.sampling is not None and all(draft_sampling.eligible(r) for r in reqs)
 
     def device_round_samples(self, r: Req, k: int) -> bool:
         """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
         device (`SpecDecoder._device_round`): the graph draws for it and its q rows are at hand."""
-        return (self.graph is not None and self.graph.sampling is not None and chain_sampling.eligible(r)
+        return (self.graph is not None and self.graph.sampling is not None and draft_sampling.eligible(r)
                 and r.spec.q is not None and r.spec.q.shape[0] >= k)
 
     def _start_flight(self, out) -> None:

@@ -23,13 +23,13 @@ Inside the graph the draft token and hidden state of layer k - 1 go into layer k
 index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
 land in one static tensor. Under exact verification of sampled requests (`sampling`, the
 `--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the
-graph (`kiln.engine.spec.chain_sampling`), and the drafts and q rows land in static tensors too.
+graph (`kiln.engine.spec.draft_sampling`), and the drafts and q rows land in static tensors too.
 Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
 scratch slots), and have extend length 0 in attention.
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy or drawn from constants alone
-(`chain_sampling.eligible`: a penalty counts the earlier drafts, which needs the host between
+(`draft_sampling.eligible`: a penalty counts the earlier drafts, which needs the host between
 layers); anything else runs the eager pass (`MTPDrafter.run`), except a late catch-up of up to
 `MTPDrafter.max_lag` + K + 1 entries (adaptive plain steps left it), which `catch_up` brings
 within K + 1 first: in one replay of the late catch-up graph (the same pass with C = max_lag
@@ -55,7 +55,7 @@ import torch
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.sampler import greedy_ids
-from kiln.engine.spec.chain_sampling import ChainSampling
+from kiln.engine.spec.draft_sampling import DraftSampling
 
 
 class MTPChainGraph:
@@ -63,7 +63,7 @@ class MTPChainGraph:
 
     `catch_up_rows` C makes it the late catch-up graph instead: up to C catch-up rows per request
     and nothing drafted (no draft rows, no draft heads; `catch_up` replays it). `sample_seed`
-    (not None): sampled requests' drafts are drawn in the graph (`ChainSampling`, its stream for
+    (not None): sampled requests' drafts are drawn in the graph (`DraftSampling`, its stream for
     unseeded requests seeded with it), and a pass returns (logits, drafts [K, n], q [K, n, V])."""
 
     def __init__(self, drafter, max_bs: int, catch_up_rows: Optional[int] = None, sample_seed: Optional[int] = None):
@@ -93,7 +93,7 @@ class MTPChainGraph:
         self.graphs: dict[int, tuple] = {}
         self._ptrs: Optional[tuple] = None
         self.late: Optional[MTPChainGraph] = None  # the late catch-up graph (`MTPDrafter.use_graphs`)
-        self.sampling = ChainSampling(n, K, dev, sample_seed) if self.drafts and sample_seed is not None else None
+        self.sampling = DraftSampling(n, K, dev, sample_seed) if self.drafts and sample_seed is not None else None
 
     # ---- capture -----------------------------------------------------------------------------
     def _addresses(self) -> tuple:

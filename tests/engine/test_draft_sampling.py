@@ -1,7 +1,7 @@
-"""Sampled drafts inside the MTP chain graph (`kiln.engine.spec.chain_sampling`): the graph's
-draws and q rows equal the eager pass's for seeded requests, and rounds of sampled requests under
-exact verification run on the device (verify -> draft without the host) with the tokens of the
-host path."""
+"""Sampled drafts drawn on the device (`kiln.engine.spec.draft_sampling`): inside the MTP chain
+graph and after a block drafter's paged pass, the draws and q rows equal the host path's for
+seeded requests, and rounds of sampled requests under exact verification run on the device
+(verify -> draft without the host) with the tokens of the host path."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from kiln.engine.request import SamplingParams, SamplingRow
 from kiln.engine.sampler import Sampler
-from kiln.engine.spec.chain_sampling import ChainSampling, eligible
+from kiln.engine.spec.draft_sampling import DraftSampling, eligible
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from tests.engine.test_graph_buffers import RecomputeCapturer
 from tests.engine.test_hybrid_engine import prompts
@@ -41,7 +41,7 @@ def test_graph_draws_equal_the_eager_draws():
     eager = [_req(p) for p in SAMPLED]
     graph = [_req(p) for p in SAMPLED]
     sampler = Sampler(seed=0)
-    cs = ChainSampling(8, K, "cpu", seed=0)
+    cs = DraftSampling(8, K, "cpu", seed=0)
     cs.fill(graph, 8)
     for k in range(K):
         argmax = logits[k].argmax(dim=-1)
@@ -62,7 +62,7 @@ def test_graph_draws_equal_the_eager_draws():
 
 
 def test_unseeded_requests_draw_fresh_keys_every_pass():
-    cs = ChainSampling(2, 2, "cpu", seed=3)
+    cs = DraftSampling(2, 2, "cpu", seed=3)
     r = _req(SamplingParams(temperature=1.0))
     cs.fill([r], 2)
     first = cs.keys[0].clone()

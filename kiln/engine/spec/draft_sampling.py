@@ -1,4 +1,5 @@
-"""`ChainSampling`: sampled drafts drawn inside the MTP chain graph.
+"""`DraftSampling`: sampled requests' drafts drawn on the device (inside the MTP chain graph, or
+right after a block drafter's paged pass), so that their rounds stay on the device.
 
 Under `--speculative-use-rejection-sampling` / `--speculative-use-block-verification` a sampled
 request's draft d_k is a draw from q_k, the drafter's final sampling distribution processed like
@@ -15,7 +16,9 @@ those constants, whether it draws (greedy requests and padding take the argmax),
 and draws d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), which is
 what `Sampler.draw` does for a seeded stream. So a seeded request's drafts and q rows are the
 eager pass's bit for bit, its stream advances by K draws per pass as the eager one does, and q
-lands in a static [K, n, V] tensor for the next verify.
+lands in a static [K, n, V] tensor for the next verify. A block drafter's positions do not depend
+on each other's drafts, so `BlockDraftRunner._draw_on_device` calls `draw` for its K positions
+right after the paged pass (eagerly, on the device), as its host path draws them one by one.
 
 Unseeded requests take their keys from the drafter's own stream (`shared`, seeded from the
 engine's `--seed`) rather than the sampler's shared torch generator: a replay draws fresh noise
@@ -51,9 +54,9 @@ def eligible(r: Req) -> bool:
             and (r.generator is None or isinstance(r.generator, SeededStream)))
 
 
-class ChainSampling:
-    """The chain graph's static sampling inputs for up to `max_bs` requests and `K` draws each,
-    and the draw its layers make (`draw`, inside the graph)."""
+class DraftSampling:
+    """Static sampling inputs for up to `max_bs` requests and `K` draws each (the chain graph's,
+    or a block drafter's), and the draw of one draft position (`draw`)."""
 
     def __init__(self, max_bs: int, K: int, device, seed: int):
         self.K = K
