@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3|split|split2|verify8|tables8|prof8k|spec29a|spec29b|spec30a|spec31a|spec32a|spec32b|spec32c|spec32d|spec33a|spec33b|spec34a|spec34b|spec34c|spec34d|spec34e|spec34f|s35a|s35b|s35c|s35d|s36|s36r|s36a|s36b|s36c|s37|s37s|s37t|s38|s38s|s38b|s38c|s38d|s38e|s38f: later passes (see the lane functions in benchmarks/h200_passes/); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3|split|split2|verify8|tables8|prof8k|spec29a|spec29b|spec30a|spec31a|spec32a|spec32b|spec32c|spec32d|spec33a|spec33b|spec34a|spec34b|spec34c|spec34d|spec34e|spec34f|s35a|s35b|s35c|s35d|s36|s36r|s36a|s36b|s36c|s37|s37s|s37t|s38|s38s|s38b|s38c|s38d|s38e|s38f|s39: later passes (see the lane functions in benchmarks/h200_passes/); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=pf|pf2 and later: one lane (no lane1 function), on one GPU; the log's tail is printed
