@@ -34,7 +34,7 @@ from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsErro
 from kiln.engine.sampled_step import SampledStep
 from kiln.engine.sampler import SamplingBatch, compute_logprobs, select_rows
 from kiln.engine.seeded_noise import SeededStream
-from kiln.engine.spec.speculative import make_spec_decoder
+from kiln.engine.spec.build import make_spec_decoder
 from kiln.engine.step_inputs import PENDING, StepInputs
 
 logger = logging.getLogger(__name__)

@@ -56,73 +56,57 @@ def test_steady_decode_steps_do_not_wait_for_the_gpu(arch_dir):
         core.step()
 
 
-@pytest.mark.parametrize("alpha", [0.01, 0.0])
-def test_speculative_rounds_do_not_wait_for_the_gpu_between_verify_and_draft(tmp_path, alpha):
-    # MTP rounds (K = 3) on CUDA graphs: the verify's samples feed the chain graph on the device
-    # (`SpecDecoder._device_round`), and the host's only waits are event waits on the samples
-    # and on the drafts. alpha 0.01: partial acceptance; 0: every draft accepted.
+def _assert_steady_rounds_do_not_wait(tmp_path, kinds: list[dict], seed: int, **kw):
+    """MTP rounds (K = 3) of Inkling on CUDA graphs for requests sampling with `kinds`: after the
+    prefills and the first eager passes, ten steps are ten rounds of the whole batch on the device
+    (`SpecDecoder._device_round`) in which the host waits for nothing but the samples' and the
+    drafts' events. Returns the engine."""
     import json
 
     from tests.engine.test_speculative import SPEC_ARCHS, spec_core
 
     (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS["inkling"]))
-    core = spec_core(str(tmp_path), 3, alpha=alpha, device="cuda", page_size=4, cuda_graph_max_bs=16)
+    core = spec_core(str(tmp_path), 3, device="cuda", page_size=4, cuda_graph_max_bs=16, **kw)
     core.scheduler.check_after_step = False
     spec = core.scheduler.spec
     assert spec.drafter.graph is not None
     rounds = []
     device_round = spec._device_round
     spec._device_round = lambda plan, *a: (rounds.append(len(plan)), device_round(plan, *a))[1]
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
-             dict(temperature=0.7, top_k=20, repetition_penalty=1.2, frequency_penalty=0.3)]
-    reqs = prompts(3, seed=4, lo=20, hi=60)
-    for i, ids in enumerate(reqs):
+    for i, ids in enumerate(prompts(len(kinds), seed=seed, lo=20, hi=60)):
         params = SamplingParams(max_tokens=200, ignore_eos=True, **kinds[i])
         core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
-    for _ in range(6):  # prefills, the first eager passes
+    for _ in range(6):  # prefills, the first eager passes (they give sampled requests their q rows)
         core.step()
     before = len(rounds)
     with HostSyncAudit(frames=6) as audit:
         for _ in range(10):
             core.step()
     assert audit.count == 0, audit.report()
-    assert len(rounds) - before == 10 and set(rounds[before:]) == {3}, rounds
+    assert len(rounds) - before == 10 and set(rounds[before:]) == {len(kinds)}, rounds
     while core.has_work():
         core.step()
+    return core
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.0])
+def test_speculative_rounds_do_not_wait_for_the_gpu_between_verify_and_draft(tmp_path, alpha):
+    # Point-mass verification: the verify's samples feed the chain graph on the device, whatever
+    # the requests' processing (penalties included). alpha 0.01: partial acceptance; 0: every
+    # draft accepted.
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+             dict(temperature=0.7, top_k=20, repetition_penalty=1.2, frequency_penalty=0.3)]
+    _assert_steady_rounds_do_not_wait(tmp_path, kinds, seed=4, alpha=alpha)
 
 
 @pytest.mark.parametrize("flag", ["speculative_use_rejection_sampling", "speculative_use_block_verification"])
 def test_sampled_rounds_under_exact_verification_do_not_wait_for_the_gpu(tmp_path, flag):
     # Sampled requests whose drafts the chain graph draws (`kiln.engine.spec.draft_sampling`: no
-    # penalty) verify on the device too (`verify_on_device`): the steady rounds wait for nothing
-    # but the samples' and the drafts' events, as greedy rounds do.
-    import json
-
-    from tests.engine.test_speculative import SPEC_ARCHS, spec_core
-
-    (tmp_path / "config.json").write_text(json.dumps(SPEC_ARCHS["inkling"]))
-    core = spec_core(str(tmp_path), 3, alpha=0.01, device="cuda", page_size=4, cuda_graph_max_bs=16, **{flag: True})
-    core.scheduler.check_after_step = False
-    spec = core.scheduler.spec
-    assert spec.drafter.graph is not None and spec.drafter.graph.sampling is not None
-    rounds = []
-    device_round = spec._device_round
-    spec._device_round = lambda plan, *a: (rounds.append(len(plan)), device_round(plan, *a))[1]
+    # penalty) verify on the device too (`verify_on_device`), as greedy rounds do.
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
              dict(temperature=1.0, min_p=0.05)]
-    for i, ids in enumerate(prompts(3, seed=5, lo=20, hi=60)):
-        params = SamplingParams(max_tokens=200, ignore_eos=True, **kinds[i])
-        core.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, params=params))
-    for _ in range(6):  # prefills, the first eager passes (they give the sampled requests their q rows)
-        core.step()
-    before = len(rounds)
-    with HostSyncAudit(frames=6) as audit:
-        for _ in range(10):
-            core.step()
-    assert audit.count == 0, audit.report()
-    assert len(rounds) - before == 10 and set(rounds[before:]) == {3}, rounds
-    while core.has_work():
-        core.step()
+    core = _assert_steady_rounds_do_not_wait(tmp_path, kinds, seed=5, alpha=0.01, **{flag: True})
+    assert core.scheduler.spec.drafter.graph.sampling is not None
 
 
 def test_routing_capture_does_not_wait_for_the_gpu(model_dir):

@@ -127,7 +127,7 @@ class BlockDraftRunner:
 
             self.route = LayerRoute(runner.backend)
             if self.drafter.candidate_selector is None:
-                from kiln.engine.spec.speculative import DRAFT_GRAPH_MAX_BS
+                from kiln.engine.spec.build import DRAFT_GRAPH_MAX_BS
 
                 self.paged = PagedBlockPass(self, max_bs=min(runner.config.max_running_requests, DRAFT_GRAPH_MAX_BS))
         self.flight = None  # the last pass's drafts when the paged pass made them (still on the device)
