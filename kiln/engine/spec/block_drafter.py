@@ -229,8 +229,7 @@ class BlockDraftRunner:
         """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
         device: its processing reads only constants (`draft_sampling.eligible`; positions are drawn
         independently of each other, so all K at once) and its q rows are at hand."""
-        return (self.sampling is not None and draft_sampling.eligible(r) and r.spec.q is not None
-                and r.spec.q.shape[0] >= k)
+        return draft_sampling.verifies_on_device(self.sampling, r, k)
 
     def device_round_reach(self, seq_len: int, k: int) -> int:
         """Positions a request's pages must cover for such a round at seq_len L: the block at

@@ -54,6 +54,13 @@ def eligible(r: Req) -> bool:
             and (r.generator is None or isinstance(r.generator, SeededStream)))
 
 
+def verifies_on_device(sampling: Optional["DraftSampling"], r: Req, k: int) -> bool:
+    """Whether sampled request `r`, under exact verification, can verify its k drafts and have its
+    next ones drawn on the device by a drafter holding `sampling` (None: it draws on the host): its
+    processing reads only constants (`eligible`) and its k q rows are at hand."""
+    return sampling is not None and eligible(r) and r.spec.q is not None and r.spec.q.shape[0] >= k
+
+
 class DraftSampling:
     """Static sampling inputs for up to `max_bs` requests and `K` draws each (the chain graph's,
     or a block drafter's), and the draw of one draft position (`draw`)."""

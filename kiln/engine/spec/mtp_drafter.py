@@ -319,8 +319,7 @@ class MTPDrafter:
     def device_round_samples(self, r: Req, k: int) -> bool:
         """Whether sampled request `r` can verify its k drafts and have its next ones drawn on the
         device (`SpecDecoder._device_round`): the graph draws for it and its q rows are at hand."""
-        return (self.graph is not None and self.graph.sampling is not None and draft_sampling.eligible(r)
-                and r.spec.q is not None and r.spec.q.shape[0] >= k)
+        return draft_sampling.verifies_on_device(self.graph.sampling if self.graph is not None else None, r, k)
 
     def _start_flight(self, out) -> None:
         """The chain graph's output -> drafts kept on the device (`DraftsInFlight`): not read back
