@@ -352,7 +352,8 @@ class SpecDecoder:
         on_device = batch.input_ids.view(n, K + 1)[:, 1:]  # the drafts as the verify read them
         exact = self.method is not None and not all(r.params.greedy for r in reqs)
         if exact:
-            one_hot = torch.zeros(n, K, logits.shape[1], device=dev).scatter_(2, on_device.unsqueeze(2), 1.0)
+            one_hot = (torch.zeros(n, K, logits.shape[1], device=dev).scatter_(2, on_device.unsqueeze(2), 1.0)
+                       if any(r.params.greedy for r in reqs) else None)
             q = torch.stack([one_hot[i] if r.params.greedy else r.spec.q[:K] for i, r in enumerate(reqs)])
             out, accepted_t = verify_on_device(self.runner.sampler, logits, sb, on_device, q,
                                                [r.generator for r in reqs], self.method)
