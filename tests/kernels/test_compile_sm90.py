@@ -304,6 +304,19 @@ def seeded_noise() -> None:
                      dict(EXPONENTIAL=exponential, BLOCK=1024, PDL=True))
 
 
+def spec_verify() -> None:
+    """Exact verification: a runtime loop over the drafts carrying scalar weights, a scalar `if`
+    inside it, and cumsums over the chunk sums and a chunk."""
+    from kiln.kernels.spec_verify import _partials_kernel, _sample_kernel
+
+    types = {**{n: "*fp32" for n in ("p_ptr", "q_ptr", "ua_ptr", "ur_ptr", "part_r_ptr", "part_p_ptr")},
+             **{n: "*i64" for n in ("d_ptr", "n_ptr", "y_ptr", "out_ptr")}}
+    for block in (False, True):
+        compile_sm90(_partials_kernel, types, dict(BLOCKWISE=block, G=4, CHUNK=4096, BLOCK=1024, PDL=True))
+        compile_sm90(_sample_kernel, types, dict(BLOCKWISE=block, G=4, G1=4, CP2=16, CHUNK=4096, BLOCK=1024,
+                                                 PDL=True))
+
+
 def msa_scores() -> None:
     """The MSA score kernels loop over blocks with a `while` on a loaded length (the compiler must
     accept the loop-carried block id next to a loaded int64 position)."""
@@ -384,7 +397,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
-         "argmax": argmax, "seeded_noise": seeded_noise,
+         "argmax": argmax, "seeded_noise": seeded_noise, "spec_verify": spec_verify,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),

@@ -26,6 +26,7 @@ from kiln.engine.request import SamplingRow
 from kiln.engine.sampler import SampleOutput, SamplingBatch, attach_logprobs, processed_probs
 from kiln.engine.seeded_noise import SeededStream
 from kiln.engine.spec.verify import verify_block, verify_tokenwise
+from kiln.kernels import kernels_supported
 
 METHODS = {"tokenwise": verify_tokenwise, "block": verify_block}
 
@@ -104,7 +105,6 @@ def verify_rounds(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: l
 
     Returns (out, num_accepted): `out.token_ids[R]` holds, at round b's rows 0..n_b, the emitted
     tokens d_1..d_{n_b}, y (0 beyond), with logprobs when the batch asks; num_accepted[b] = n_b."""
-    fn = METHODS[method]
     dev = logits.device
     p = processed_probs(logits, batch)
     ks = [len(d) for d in drafts]
@@ -121,8 +121,8 @@ def verify_rounds(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: l
         q_rows = (q_starts[idx].unsqueeze(1) + torch.arange(k)).to(dev)  # [b, k]
         d = torch.tensor([drafts[i] for i in idx.tolist()], dtype=torch.long, device=dev).reshape(len(idx), k)
         ui = u[idx.to(dev)]
-        n, y = fn(p[rows], q[q_rows], d, ui[:, :k], ui[:, k])
-        tokens[rows.reshape(-1)] = _emitted(d, n, y).reshape(-1)
+        n, _, emitted = verify_drafts(method, p[rows], q[q_rows], d, ui[:, :k], ui[:, k])
+        tokens[rows.reshape(-1)] = emitted.reshape(-1)
         accepted[idx] = n.cpu()
     return attach_logprobs(SampleOutput(token_ids=tokens), logits, batch), accepted.tolist()
 
@@ -138,9 +138,22 @@ def verify_on_device(sampler, logits: torch.Tensor, batch: SamplingBatch, drafts
     B, k = drafts.shape
     p = processed_probs(logits, batch).view(B, k + 1, -1)
     u = sampler.uniforms(generators, [k + 1] * B, logits.device)
-    n, y = METHODS[method](p, q, drafts, u[:, :k], u[:, k])
-    out = SampleOutput(token_ids=_emitted(drafts, n, y).reshape(-1))
-    return attach_logprobs(out, logits, batch), n
+    n, _, emitted = verify_drafts(method, p, q, drafts, u[:, :k], u[:, k])
+    return attach_logprobs(SampleOutput(token_ids=emitted.reshape(-1)), logits, batch), n
+
+
+def verify_drafts(method: str, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor,
+                  residual_uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`METHODS[method]` for rounds of k drafts (p [b, k + 1, V], q [b, k, V]), plus the emitted
+    rows [b, k + 1] (`_emitted`): (num_accepted, next_token, emitted). On CUDA with Triton, the
+    two launches of `kiln.kernels.spec_verify` instead of ~30 torch ops (the host path and the
+    device round take the same one, so they emit the same tokens)."""
+    if p.is_cuda and p.dtype == q.dtype == torch.float32 and kernels_supported(p.device):
+        from kiln.kernels import spec_verify
+
+        return spec_verify.verify(p, q, drafts, uniforms.float(), residual_uniform.float(), block=method == "block")
+    n, y = METHODS[method](p, q, drafts, uniforms, residual_uniform)
+    return n, y, _emitted(drafts, n, y)
 
 
 def _emitted(d: torch.Tensor, n: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
