@@ -301,7 +301,7 @@ def _greedy_mask(batch: SamplingBatch) -> torch.Tensor:
     return (batch.temperatures == 0) | (batch.top_ks == 1)
 
 
-def _filter_fn(device):
+def filter_fn(device):
     """`filtered_probs` for logits on `device`: the Triton kernel on CUDA, the reference elsewhere."""
     if kernels_supported(device):
         from kiln.kernels import sampling  # the CPU build of torch ships without Triton
@@ -313,7 +313,7 @@ def _filter_fn(device):
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The distribution each row samples from, `[B, V]`: one-hot at the argmax for greedy rows."""
     x = processed_logits(logits, batch)
-    probs = _filter_fn(x.device)(x, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
+    probs = filter_fn(x.device)(x, batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps)
     if batch.greedy is not None and not any(batch.greedy):  # the host knows no row is greedy
         return probs
     one_hot = torch.zeros_like(probs).scatter_(1, greedy_ids(x).unsqueeze(1), 1.0)

@@ -52,9 +52,7 @@ def test_graph_draws_equal_the_eager_draws():
         want[sampled] = torch.tensor(drawn)
         assert torch.equal(tokens[:len(SAMPLED)], want), k
         assert torch.equal(q[sampled], q_eager), k
-        for i, p in enumerate(SAMPLED):
-            if p.greedy:  # a one-hot q at the argmax draft
-                assert q[i, argmax[i]] == 1 and q[i].sum() == 1
+        # the q rows of greedy requests are nobody's (their rounds verify with one-hot rows)
         assert torch.equal(tokens[len(SAMPLED):], argmax[:3])  # padding rows take the argmax
     assert [r.generator.draws if r.generator else None for r in graph] == \
         [r.generator.draws if r.generator else None for r in eager]

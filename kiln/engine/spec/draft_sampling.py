@@ -12,8 +12,8 @@ The graph draws them itself when every sampled request's processing reads nothin
 constants (`eligible`): temperature, top-k, top-p and min-p, no penalty (which would count the
 earlier drafts as output) and no min_tokens suppression left. Its static inputs per request are
 those constants, whether it draws (greedy requests and padding take the argmax), and the
-(seed, draw index) keys of its K draws; layer k computes q_k = `processed_probs` of its logits
-and draws d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), which is
+(seed, draw index) keys of its K draws; layer k computes q_k, the filter of its logits (what
+`processed_probs` gives a drawing row when nothing reads the output), and draws d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), which is
 what `Sampler.draw` does for a seeded stream. So a seeded request's drafts and q rows are the
 eager pass's bit for bit, its stream advances by K draws per pass as the eager one does, and q
 lands in a static [K, n, V] tensor for the next verify. A block drafter's positions do not depend
@@ -34,7 +34,7 @@ import torch
 from kiln.engine import seeded_noise
 from kiln.engine.batch import int64_to_device
 from kiln.engine.request import Req
-from kiln.engine.sampler import SamplingBatch, _race, list_to_device, processed_probs
+from kiln.engine.sampler import _race, filter_fn, list_to_device
 from kiln.engine.seeded_noise import SeededStream
 
 # Added to the engine seed for the stream of unseeded requests' draft keys, so that it is not the
@@ -73,7 +73,6 @@ class DraftSampling:
         self.temps, self.top_ps, self.min_ps = (torch.zeros(max_bs, **f32) for _ in range(3))
         self.top_ks, self.draws = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
         self.keys = torch.zeros(max_bs, K, 2, **i64)
-        self.ones, self.zeros = torch.ones(max_bs, **f32), torch.zeros(max_bs, **f32)
         self.shared = SeededStream(seed + _SHARED_STREAM_SALT)
 
     def fill(self, reqs: Optional[list[Req]], bs: int) -> None:
@@ -111,19 +110,12 @@ class DraftSampling:
     def draw(self, k: int, logits: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer k's (0-based) drafts and q rows of the first bs = len(logits) requests, in the
         graph: `logits` [bs, V] fp32 over the whole vocabulary (-inf off a token map), `argmax`
-        [bs] the greedy draft of each row. Returns (tokens [bs], q [bs, V]); argmax rows get a
-        one-hot q at their token."""
+        [bs] the greedy draft of each row. Returns (tokens [bs], q [bs, V]). The q rows of argmax
+        rows (greedy requests, padding) are left as they come: nobody reads them (a greedy round
+        is verified with one-hot rows at its drafts), so they cost no one-hot launches."""
         bs, V = logits.shape
-        empty = [[]] * bs
-        batch = SamplingBatch(
-            temperatures=self.temps[:bs], top_ps=self.top_ps[:bs], top_ks=self.top_ks[:bs], min_ps=self.min_ps[:bs],
-            repetition_penalties=self.ones[:bs], frequency_penalties=self.zeros[:bs],
-            presence_penalties=self.zeros[:bs], generators=[None] * bs, prompt_token_ids=empty,
-            output_token_ids=empty, suppress_ids=empty, num_top_logprobs=[-1] * bs,
-            id_pairs={"output": None, "prompt": None, "suppress": None})
-        q = processed_probs(logits, batch)
+        # an eligible request's processing reads no output: penalties and suppression are off, so
+        # its q is the filter alone, as `processed_probs` computes it for a row that draws
+        q = filter_fn(logits.device)(logits, self.temps[:bs], self.top_ks[:bs], self.top_ps[:bs], self.min_ps[:bs])
         drawn = _race(q, seeded_noise.exponentials(self.keys[:bs, k], V))
-        draws = self.draws[:bs].bool()
-        tokens = torch.where(draws, drawn, argmax)
-        one_hot = torch.zeros_like(q).scatter_(1, argmax.unsqueeze(1), 1.0)
-        return tokens, torch.where(draws.unsqueeze(1), q, one_hot)
+        return torch.where(self.draws[:bs].bool(), drawn, argmax), q
