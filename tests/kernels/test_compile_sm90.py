@@ -295,6 +295,15 @@ def argmax() -> None:
                  dict(BLOCK=16, PDL=True))
 
 
+def softmax() -> None:
+    """The sampler's two-launch softmax (bf16 logits read as fp32, an IEEE division)."""
+    from kiln.kernels.sampling import _softmax_kernel, _softmax_stats_kernel
+
+    types = {"logits_ptr": "*bf16", "t_ptr": "*fp32", "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "out_ptr": "*fp32"}
+    compile_sm90(_softmax_stats_kernel, types, dict(CHUNK=1024, PDL=True))
+    compile_sm90(_softmax_kernel, types, dict(CHUNK=1024, CP2=64, PDL=True))
+
+
 def seeded_noise() -> None:
     """The counter-based noise (uint64 arithmetic with constants past 2^63, a float64 logarithm)."""
     from kiln.kernels.seeded_noise import _noise_kernel
@@ -397,7 +406,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
-         "argmax": argmax, "seeded_noise": seeded_noise, "spec_verify": spec_verify,
+         "argmax": argmax, "seeded_noise": seeded_noise, "spec_verify": spec_verify, "softmax": softmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),

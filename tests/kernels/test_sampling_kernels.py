@@ -114,7 +114,7 @@ def test_ties_across_blocks_keep_the_lowest_ids(device, monkeypatch):
     inside the ties, min_p = 1 keeps exactly the tokens equal to the maximum, top_p = 0 keeps
     only the first of them."""
     monkeypatch.setattr(sampling, "SELECT", {**sampling.SELECT, "BLOCK": 512, "BLOCK_P": 256})
-    monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 1024, "BLOCK": 256})
+    monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 512, "BLOCK": 256})
     v = 2501
     gen = torch.Generator().manual_seed(7)
     logits = torch.cat([torch.zeros(3, v), _logits("ties", 3, v, gen)]).to(device)
@@ -155,7 +155,29 @@ def test_search_passes_over_the_whole_row(device):
 
 def _small_chunks(monkeypatch):
     """Several chunks per row on the CPU too, so the per-chunk maxima are merged across chunks."""
-    monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 1024, "BLOCK": 256})
+    monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 512, "BLOCK": 256})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v", [37, 1024, 5000, 49216])
+def test_softmax_is_torch_softmax_over_temperature(device, v):
+    """The two-launch softmax of logits / T (T = 0 read as 1) against torch's, to float rounding:
+    several chunks per row, a chunk of -inf logits alone (off a token map), equal logits giving
+    equal probabilities, bf16 logits read as fp32."""
+    gen = torch.Generator().manual_seed(v)
+    logits = torch.randn(5, v, generator=gen) * 4
+    logits[1, : min(v, 2048)] = float("-inf")  # (a whole first chunk at v > 1024)
+    logits[1, -1] = 0.0
+    logits[2] = 1.5
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.05])
+    want = torch.softmax(logits / torch.where(temps == 0, 1.0, temps)[:, None], -1)
+    got = sampling._softmax(logits.to(device), temps.to(device)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-12)
+    assert (got[2] == got[2, 0]).all() and (got[1, : min(v, 2048) - (v <= 2048)] == 0).all()
+    half = logits.to(torch.bfloat16)
+    want = torch.softmax(half.float() / torch.where(temps == 0, 1.0, temps)[:, None], -1)
+    torch.testing.assert_close(sampling._softmax(half.to(device), temps.to(device)).cpu(), want, rtol=1e-5,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
