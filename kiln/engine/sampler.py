@@ -42,13 +42,15 @@ uniforms with `Sampler.uniforms`.
 Which code runs where:
 - CPU (and any device without Triton): the torch reference below, `filtered_probs` with one
   stable sort of the vocabulary, then `argmax(probs / e)`.
-- CUDA with Triton (`kiln.kernels.kernels_supported`): penalties, suppression, the softmax and the
-  noise are the same torch ops, but filtering and the draw are `kiln.kernels.sampling`: a
-  threshold search instead of the sort, fused with the exponential race (the filtered
-  distribution is never written out); `processed_probs` uses the kernel's `filtered_probs`, and
-  greedy rows take `kiln.kernels.argmax` (`greedy_ids`). The kept set is the reference's (ties
-  by token id included) except that a token whose top-p mass-before lies within float rounding
-  of the threshold may fall the other way (see that module). This path never waits for the device: row selection uses the host-side
+- CUDA with Triton (`kiln.kernels.kernels_supported`): penalties and suppression are the same
+  torch ops and the noise the same values (`kiln.kernels.seeded_noise`), but the softmax,
+  filtering and the draw are `kiln.kernels.sampling`: the softmax in two launches (its values
+  equal torch's to float rounding), a threshold search instead of the sort, fused with the
+  exponential race (the filtered distribution is never written out); `processed_probs` uses the
+  kernel's `filtered_probs`, and greedy rows and the race's argmax take Kiln's kernels
+  (`greedy_ids`, `sampling.sample_from_probs`). The kept set is the reference's (ties by token
+  id included) except that a token within float rounding of the top-p or min-p threshold may
+  fall the other way (see that module). This path never waits for the device: row selection uses the host-side
   `SamplingBatch.greedy` list. A batch built without it (`greedy=None`, e.g. by hand) is not
   synced on CUDA either: every row draws noise and greedy rows take the argmax on the device
   (their own generator, if any, then advances; it is never used for anything else).
