@@ -6,12 +6,12 @@ draws from that distribution with the sampler's exponential race, argmax(probs /
 writing it out; `sample_from_probs` is the race alone. Everything runs on the device on grids that
 depend only on shapes, so all three can be captured in a CUDA graph.
 
-Launches: the softmax of logits / T in two (`_softmax_stats_kernel`, `_softmax_kernel`, over
-(row, chunk of 1K tokens)), then `_select_kernel`, one program per row, which finds the kept set,
-then `_apply_kernel` over (row, chunk of 1K tokens), which writes the renormalised row or the
-chunk's best draw, and for draws `_argmax_kernel`, which merges the chunks. (Until the
-thirty-ninth session the softmax was torch's own ops, bit-identical to the reference's; 18.7 us
-for one 49K-token row on an H100 against the kernels' two short launches.)
+Launches: the softmax of logits / T in two (`kiln.kernels.softmax`), then `_select_kernel`, one
+program per row, which finds the kept set, then `_apply_kernel` over (row, chunk of 1K tokens),
+which writes the renormalised row or the chunk's best draw, and for draws `_argmax_kernel`,
+which merges the chunks. (Until the thirty-ninth session the softmax was torch's own ops,
+bit-identical to the reference's; 18.7 us for one 49K-token row on an H100 against 5.9 for the
+kernels' two launches.)
 
 How the kept set is found without sorting
 -----------------------------------------
@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.kernels.softmax import temperature_softmax as _softmax
 
 
 CAP = 4096  # scratch tokens per row: the search leaves whole-row passes once the bracket fits
@@ -359,79 +360,11 @@ def _argmax_kernel(part_v_ptr, part_i_ptr, ids_ptr, n_chunks, BLOCK: tl.constexp
     tl.store(ids_ptr + row, tl.min(tl.where(v == m, i, 0x7FFFFFFF), axis=0).to(tl.int64))
 
 
-@triton.jit
-def _scaled_chunk(logits_ptr, t_ptr, row, chunk, V, stride, CHUNK: tl.constexpr):
-    """The chunk's logits / T as float32 (T = 0 read as 1; -inf past the row), and its offsets."""
-    t = tl.load(t_ptr + row)
-    t = tl.where(t == 0, 1.0, t)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < V
-    x = tl.load(logits_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
-    return tl.where(ok, tl.math.div_rn(x, t), float("-inf")), offs, ok
-
-
-@triton.jit
-def _softmax_stats_kernel(logits_ptr, t_ptr, part_m_ptr, part_s_ptr, V, stride, n_chunks, CHUNK: tl.constexpr,
-                          PDL: tl.constexpr):
-    """Program (row, chunk): the chunk's max m of logits / T and sum of exp(x - m)."""
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    x, _, _ = _scaled_chunk(logits_ptr, t_ptr, row, chunk, V, stride, CHUNK)
-    m = tl.max(x, axis=0)
-    tl.store(part_m_ptr + row * n_chunks + chunk, m)
-    # a chunk of -inf logits alone (off a draft token map) has no mass, not exp(-inf - -inf) = NaN
-    tl.store(part_s_ptr + row * n_chunks + chunk, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0))
-
-
-@triton.jit
-def _softmax_kernel(logits_ptr, t_ptr, part_m_ptr, part_s_ptr, out_ptr, V, stride, n_chunks, CHUNK: tl.constexpr,
-                    CP2: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, chunk): the row's max M and sum S from the chunks' (m, s), then
-    exp(x - M) / S over the chunk."""
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    c = tl.arange(0, CP2)
-    c_ok = c < n_chunks
-    m = tl.load(part_m_ptr + row * n_chunks + c, mask=c_ok, other=float("-inf"))
-    s = tl.load(part_s_ptr + row * n_chunks + c, mask=c_ok, other=0.0)
-    big = tl.max(m, axis=0)
-    total = tl.sum(tl.where(c_ok, s * tl.exp(m - big), 0.0), axis=0)
-    x, offs, ok = _scaled_chunk(logits_ptr, t_ptr, row, chunk, V, stride, CHUNK)
-    tl.store(out_ptr + row * V + offs, tl.math.div_rn(tl.exp(x - big), total), mask=ok)
-
-
 # ------------------------------------------------------------------------------ host wrappers
 
 # Launch shapes (module attributes so a sweep can change them).
 SELECT = dict(BLOCK=4096, BLOCK_P=1024, NP=8, BLOCK_S=256, NP_S=16, num_warps=8)
 APPLY = dict(CHUNK=1024, BLOCK=1024, num_warps=4)  # 1024: 3.5 against 11.4 us per 49K row at 8192 (H100)
-SOFTMAX = dict(CHUNK=1024, num_warps=4)
-
-
-def _softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) per row (T = 0 read as 1), [N, V] float32: the reference's first two
-    steps in two launches over (row, chunk) programs (`_softmax_stats_kernel`, `_softmax_kernel`).
-    torch's division and softmax took 18.7 us for one 49K-token row on an H100, its softmax one
-    thread block per row (docs/benchmarks.md, thirty-ninth pass). The division is IEEE as torch's;
-    the exponential and the row's sum are Triton's, so values differ from torch's by float rounding."""
-    n, v = logits.shape
-    assert logits.stride(1) == 1 and temperatures.shape == (n,)
-    out = torch.empty(n, v, dtype=torch.float32, device=logits.device)
-    if n == 0:
-        return out
-    chunk = min(SOFTMAX["CHUNK"], triton.next_power_of_2(v))
-    n_chunks = triton.cdiv(v, chunk)
-    part_m = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
-    part_s = torch.empty_like(part_m)
-    t = temperatures.float()
-    _softmax_stats_kernel[(n, n_chunks)](logits, t, part_m, part_s, v, logits.stride(0), n_chunks, CHUNK=chunk,
-                                         num_warps=SOFTMAX["num_warps"], **pdl_launch(logits.device))
-    _softmax_kernel[(n, n_chunks)](logits, t, part_m, part_s, out, v, logits.stride(0), n_chunks, CHUNK=chunk,
-                                   CP2=triton.next_power_of_2(n_chunks), num_warps=SOFTMAX["num_warps"],
-                                   **pdl_launch(logits.device))
-    return out
 
 
 def _apply(probs, meta_i, meta_f, e):

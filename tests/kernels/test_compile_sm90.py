@@ -297,7 +297,7 @@ def argmax() -> None:
 
 def softmax() -> None:
     """The sampler's two-launch softmax (bf16 logits read as fp32, an IEEE division)."""
-    from kiln.kernels.sampling import _softmax_kernel, _softmax_stats_kernel
+    from kiln.kernels.softmax import _softmax_kernel, _softmax_stats_kernel
 
     types = {"logits_ptr": "*bf16", "t_ptr": "*fp32", "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "out_ptr": "*fp32"}
     compile_sm90(_softmax_stats_kernel, types, dict(CHUNK=1024, PDL=True))

@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 from kiln.engine import sampler as sampler_mod  # noqa: E402
 from kiln.engine.sampler import Sampler, SamplingBatch, make_generator  # noqa: E402
 from kiln.kernels import sampling  # noqa: E402
+from kiln.kernels.softmax import temperature_softmax  # noqa: E402
 from tests.kernels.devices import DEVICES  # noqa: E402
 
 TINY = torch.finfo(torch.float32).tiny
@@ -171,12 +172,12 @@ def test_softmax_is_torch_softmax_over_temperature(device, v):
     logits[2] = 1.5
     temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.05])
     want = torch.softmax(logits / torch.where(temps == 0, 1.0, temps)[:, None], -1)
-    got = sampling._softmax(logits.to(device), temps.to(device)).cpu()
+    got = temperature_softmax(logits.to(device), temps.to(device)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-12)
     assert (got[2] == got[2, 0]).all() and (got[1, : min(v, 2048) - (v <= 2048)] == 0).all()
     half = logits.to(torch.bfloat16)
     want = torch.softmax(half.float() / torch.where(temps == 0, 1.0, temps)[:, None], -1)
-    torch.testing.assert_close(sampling._softmax(half.to(device), temps.to(device)).cpu(), want, rtol=1e-5,
+    torch.testing.assert_close(temperature_softmax(half.to(device), temps.to(device)).cpu(), want, rtol=1e-5,
                                atol=1e-12)
 
 
