@@ -120,22 +120,3 @@ lane0_s38f() {
   step rs_now 120 $DECODE $S38_ARGS $S38_MTP --temperature 1.0 --speculative-use-rejection-sampling \
     --out "$R/json/rs_now.json"
 }
-
-# `s39`: for the next session (not run yet): the GPU test written after this session's last call
-# (no host sync in steady sampled rounds under exact verification), the draft-sampling GPU tests,
-# then the sampled MTP rounds and plain sampled decode of `s38`/`s38b` on whatever card comes (an
-# H200 would give the pass's numbers there), with the base of the session's start (carry
-# scratch/base39 as for `s38`).
-lane0_s39() {
-  export TRITON_CACHE_DIR=/tmp/triton-s39-$$
-  local t1="--temperature 1.0" rs="--speculative-use-rejection-sampling"
-  local plain="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --batch-sizes 1,8,64"
-  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_host_sync.py \
-    tests/engine/test_draft_sampling.py
-  step rs_now 120 $DECODE $S38_ARGS $S38_MTP $t1 $rs --out "$R/json/rs_now.json"
-  step rs_base39 120 python scratch/base39/benchmarks/decode_batch.py $C $S38_ARGS $S38_MTP $t1 $rs \
-    --out "$R/json/rs_base39.json"
-  step rs_now_2 120 $DECODE $S38_ARGS $S38_MTP $t1 $rs --out "$R/json/rs_now_2.json"
-  step plain_t1 120 $DECODE $plain $t1 --out "$R/json/plain_t1.json"
-  step plain_greedy 120 $DECODE $plain --out "$R/json/plain_greedy.json"
-}

@@ -4,7 +4,8 @@
 #   rounds under exact verification) and the draft-sampling GPU tests; then where a sampled MTP
 #   round's extra ~0.5 ms over a greedy one goes at batch 1: Inkling `bench` K = 3 rounds, greedy
 #   and sampled (T = 1, rejection sampling), each with the GPU kernel table (--profile) and the
-#   host's phases (--host-phases); then plain sampled and greedy decode at batch 1/8/64.
+#   host's phases (--host-phases); then plain sampled and greedy decode at batch 1/8/64. (It replaced
+#   lane `s39`, which the thirty-eighth session had prepared: the same tests, without the profiles.)
 # shellcheck shell=bash
 
 S39_PROF="--profile --profile-steps 10 --kernel-rows 45 --host-phases"
