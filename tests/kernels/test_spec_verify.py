@@ -26,7 +26,9 @@ def _rounds(B: int, k: int, V: int, seed: int, sharp: float = 2.0):
     p = torch.softmax(logits, -1)
     q_logits = logits[:, :k] + torch.randn(B, k, V, generator=g) * 0.5
     q = torch.softmax(q_logits, -1)
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, k) if k else torch.zeros(B, 0, dtype=torch.long)
+    drafts = torch.zeros(B, 0, dtype=torch.long)
+    if k:
+        drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, k)
     u = torch.rand(B, k + 1, generator=g)
     return p, q, drafts, u
 

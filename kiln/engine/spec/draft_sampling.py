@@ -13,8 +13,9 @@ constants (`eligible`): temperature, top-k, top-p and min-p, no penalty (which w
 earlier drafts as output) and no min_tokens suppression left. Its static inputs per request are
 those constants, whether it draws (greedy requests and padding take the argmax), and the
 (seed, draw index) keys of its K draws; layer k computes q_k, the filter of its logits (what
-`processed_probs` gives a drawing row when nothing reads the output), and draws d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), which is
-what `Sampler.draw` does for a seeded stream. So a seeded request's drafts and q rows are the
+`processed_probs` gives a drawing row when nothing reads the output), and draws
+d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), which is what
+`Sampler.draw` does for a seeded stream. So a seeded request's drafts and q rows are the
 eager pass's bit for bit, its stream advances by K draws per pass as the eager one does, and q
 lands in a static [K, n, V] tensor for the next verify. A block drafter's positions do not depend
 on each other's drafts, so `BlockDraftRunner._draw_on_device` calls `draw` for its K positions
