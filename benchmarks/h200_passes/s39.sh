@@ -112,3 +112,17 @@ lane0_s39d() {
   step dflash_now 60 $DECODE $S38_DFLASH --out "$R/json/dflash_now.json"
   step greedy 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/greedy.json"
 }
+
+# `s39e`: the sampling kernels' GPU tests after the softmax moved to kiln/kernels/softmax.py, and
+#   what top-p costs: the filter's `_select_kernel` per launch shape (`sampled_round --select`),
+#   plain sampled decode at top-p 0.9 and 1.0 (batch 1/8/64).
+lane0_s39e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s39e-$$
+  local plain="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --batch-sizes 1,8,64"
+  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/kernels/test_sampling_kernels.py \
+    tests/kernels/test_spec_verify.py
+  step select 90 python -m benchmarks.kernel_bench.sampled_round --rows 1,8,64 \
+    --select 8:4096:1024:8,16:4096:1024:8,32:8192:2048:8,8:4096:1024:16,8:4096:512:4,16:8192:1024:16
+  step plain_p09 60 $DECODE $plain --temperature 1.0 --top-p 0.9 --out "$R/json/plain_p09.json"
+  step plain_p10 60 $DECODE $plain --temperature 1.0 --out "$R/json/plain_p10.json"
+}
