@@ -126,3 +126,18 @@ lane0_s39e() {
   step plain_p09 60 $DECODE $plain --temperature 1.0 --top-p 0.9 --out "$R/json/plain_p09.json"
   step plain_p10 60 $DECODE $plain --temperature 1.0 --out "$R/json/plain_p10.json"
 }
+
+# `s39f`: the ShortConv kernel unspecialised on its metadata pointers' alignment and on T and B
+#   (five variants at the first prefill batch of 64 in the thirty-eighth pass): its GPU tests (one
+#   variant per mode), compile_watch on an empty cache at a first sampled batch of 64, and plain
+#   greedy decode at batch 1/8/64 against the code before (carry scratch/base43 = `git archive
+#   38c6dd6 kiln benchmarks/configs` plus this commit's benchmarks/*.py).
+lane0_s39f() {
+  export TRITON_CACHE_DIR=/tmp/triton-s39f-$$
+  local a="--dummy-init auto --model-path $INK --input-len 1024 --output-len 32 --cuda-graph-max-bs 64 --batch-sizes 64,64"
+  local plain="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --batch-sizes 1,8,64"
+  step gpu_tests 60 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/kernels/test_shortconv_kernels.py
+  step watch_sampled 100 python benchmarks/compile_watch.py $a --temperature 1.0
+  step plain_now 45 $DECODE $plain --out "$R/json/plain_now.json"
+  step plain_base43 60 python scratch/base43/benchmarks/decode_batch.py $C $plain --out "$R/json/plain_base43.json"
+}

@@ -33,7 +33,14 @@ from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
 
-@triton.jit
+# The metadata pointers are gathered a few int64 per program and T and B only bound its rows and
+# its scan over the sequences: not specialised on their 16-byte alignment / divisibility by 16,
+# which change with the batch (views into the step's metadata buffers, the graph ladder's sizes).
+# Specialised, the first prefill batch of 64 compiled this kernel five times (0.5-0.7 s each on an
+# H100 with a cold cache), of which four differed only there (docs/benchmarks.md, thirty-eighth
+# pass, compile_watch).
+@triton.jit(do_not_specialize=["T", "B"],
+            do_not_specialize_on_alignment=["slots_ptr", "prefix_ptr", "lens_ptr", "starts_ptr", "out_locs_ptr"])
 def _short_conv_kernel(
     x_ptr, w_ptr, y_ptr, buf_ptr, table_ptr,
     slots_ptr, prefix_ptr, lens_ptr, starts_ptr, out_locs_ptr,
