@@ -18,3 +18,21 @@ DEVICES = [pytest.param("cpu", marks=INTERPRETER_ONLY), pytest.param("cuda", mar
 DEVICE_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-fp32", marks=INTERPRETER_ONLY),
                  pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
                  pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu)]
+
+
+def count_compiles(monkeypatch, kernel_name: str) -> list:
+    """A list that gains an entry each time Triton compiles (or loads from its disk cache) a new
+    variant of the kernel named `kernel_name` in this process, for the tests that check a kernel
+    is not specialised on what changes from batch to batch."""
+    import triton.runtime.jit as jit
+
+    compiled = []
+    original = jit.JITFunction._do_compile
+
+    def counted(fn, *a, **kw):
+        if (getattr(fn, "__name__", None) or fn.fn.__name__) == kernel_name:
+            compiled.append(1)
+        return original(fn, *a, **kw)
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", counted)
+    return compiled

@@ -25,7 +25,7 @@ from kiln.engine import sampler as sampler_mod  # noqa: E402
 from kiln.engine.sampler import Sampler, SamplingBatch, make_generator  # noqa: E402
 from kiln.kernels import sampling  # noqa: E402
 from kiln.kernels.softmax import temperature_softmax  # noqa: E402
-from tests.kernels.devices import DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICES, count_compiles  # noqa: E402
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -330,17 +330,7 @@ def test_select_kernel_compiles_once_whatever_the_parameters_alignment(monkeypat
     # The sampler's per-row parameters are views into one [6, B] buffer, so their pointers' 16-byte
     # alignment changes with B; the selection kernel must not compile a variant per alignment
     # (thirty-eighth pass: three variants, ~2.3 s each, at the first sampled batch of 64).
-    import triton.runtime.jit as jit
-
-    compiled = []
-    original = jit.JITFunction._do_compile
-
-    def counted(fn, *a, **kw):
-        if (getattr(fn, "__name__", None) or fn.fn.__name__) == "_select_kernel":
-            compiled.append(1)
-        return original(fn, *a, **kw)
-
-    monkeypatch.setattr(jit.JITFunction, "_do_compile", counted)
+    compiled = count_compiles(monkeypatch, "_select_kernel")
     logits = torch.randn(8, 3000, device="cuda")
     # views at offsets of 0..7 elements into one buffer each: every 16-byte alignment
     ps, mins = torch.rand(16, device="cuda") * 0.5 + 0.5, torch.rand(16, device="cuda") * 0.1

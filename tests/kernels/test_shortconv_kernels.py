@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from kiln.kernels.shortconv import short_conv_decode, short_conv_extend  # noqa: E402
 from kiln.ops.shortconv import short_conv  # noqa: E402
-from tests.kernels.devices import DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICES, count_compiles  # noqa: E402
 
 
 
@@ -216,17 +216,7 @@ def test_one_variant_per_mode_whatever_the_batch_and_the_metadata_alignment(monk
     # the batch) and the row / sequence counts follow the graph ladder (1, 16, 24, 64, ...): one
     # compiled variant per mode (decode, extend) for all of them, not one per alignment and per
     # divisibility by 16 (thirty-eighth pass: five variants at the first prefill batch of 64).
-    import triton.runtime.jit as jit
-
-    compiled = []
-    original = jit.JITFunction._do_compile
-
-    def counted(fn, *a, **kw):
-        if (getattr(fn, "__name__", None) or fn.fn.__name__) == "_short_conv_kernel":
-            compiled.append(1)
-        return original(fn, *a, **kw)
-
-    monkeypatch.setattr(jit.JITFunction, "_do_compile", counted)
+    compiled = count_compiles(monkeypatch, "_short_conv_kernel")
     dev, c, k = "cuda", 256, 4
     for offset, bsz in ((0, 1), (1, 16), (2, 24), (3, 64)):
         for mode in ("decode", "extend"):
