@@ -151,7 +151,7 @@ def verify_drafts(method: str, p: torch.Tensor, q: torch.Tensor, drafts: torch.T
     if p.is_cuda and p.dtype == q.dtype == torch.float32 and kernels_supported(p.device):
         from kiln.kernels import spec_verify
 
-        return spec_verify.verify(p, q, drafts, uniforms.float(), residual_uniform.float(), block=method == "block")
+        return spec_verify.verify(p, q, drafts, uniforms, residual_uniform, block=method == "block")
     n, y = METHODS[method](p, q, drafts, uniforms, residual_uniform)
     return n, y, _emitted(drafts, n, y)
 
