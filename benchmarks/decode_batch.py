@@ -19,6 +19,9 @@ tokens each (ignore_eos; greedy, or sampled with `--temperature`), all submitted
 - `round_ms`: decode time / scheduler steps in the decode phase (one speculative round each with
   `--speculative-algorithm`; = `step_ms` without), and `accept_len`: tokens per round per request
   (accepted drafts + 1, from the engine's speculative counters; None without speculation);
+- `round_p50_ms` / `round_max_ms`: the median and the largest gap between two `core.step()`
+  returns in the decode phase (the mean, `round_ms`, moves with a few stalls; the median does not),
+  and the note names the step of the largest gap;
 - with `--profile`: `gpu_idle_frac`, measured with torch.profiler over `--profile-steps` decode
   steps in the middle of the decode phase: 1 - (union of the GPU kernel and memcpy intervals) /
   (wall time from the first to the last GPU activity). A CUDA-graph replay appears as its kernels.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from typing import Optional
@@ -41,7 +45,8 @@ from common import log  # noqa: E402
 from kiln.engine.io import GenerateReq  # noqa: E402
 from kiln.engine.request import SamplingParams  # noqa: E402
 
-COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "round_ms", "accept_len", "decode_tok_s",
+COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "round_ms", "round_p50_ms", "round_max_ms",
+           "accept_len", "decode_tok_s",
            "total_tok_s", "roofline_tok_s", "frac_of_roofline", "gpu_idle_frac", "note"]
 
 
@@ -192,7 +197,8 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     rng = random.Random(args.seed + bs)
     core.flush_cache()
     first, done, steps = {}, {}, 0
-    start = time.perf_counter()
+    gaps = []  # seconds between consecutive step returns in the decode phase
+    start = last = time.perf_counter()
     for i in range(bs):
         params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed + i if args.temperature > 0 else None,
@@ -236,6 +242,9 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
                 f"{phases.report(args.profile_steps)}")
             phases_from = None
         now = time.perf_counter()
+        if decode_step is not None:
+            gaps.append(now - last)
+        last = now
         for o in outs:
             if o.new_token_ids and o.rid not in first:
                 first[o.rid] = now
@@ -302,9 +311,14 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
         note += "steps at k " + " ".join(f"{k}:{c}" for k, c in by_k if c) + "; "
     if spec0 is not None and spec1 is not None and spec1.verifies_queued_ahead > spec0.verifies_queued_ahead:
         note += f"{spec1.verifies_queued_ahead - spec0.verifies_queued_ahead} verifies queued ahead; "
+    if gaps:
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        note += f"largest gap at decode step {worst + 1} of {len(gaps)}; "
     return {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
             "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
-            "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None, "accept_len": accept_len,
+            "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None,
+            "round_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
+            "round_max_ms": max(gaps) * 1e3 if gaps else None, "accept_len": accept_len,
             "decode_tok_s": len(done) * steps_decode / decode_s if decode_s > 0 else None,
             "total_tok_s": len(done) * args.output_len / (end - start), "gpu_idle_frac": idle,
             "note": note + f"{steps} steps"}

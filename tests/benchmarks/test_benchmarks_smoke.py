@@ -131,6 +131,9 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
         for key in ("prefill_s", "step_ms", "decode_tok_s", "total_tok_s", "roofline_tok_s", "frac_of_roofline"):
             assert _positive(r[key]), (r["batch"], key, r[key])
         assert r["gpu_idle_frac"] is None  # profiling is CUDA-only
+        # 8 tokens: 7 decode steps after the first token, each one gap; the median is one of them
+        assert 0 < r["round_p50_ms"] <= r["round_max_ms"], r
+        assert "largest gap at decode step" in r["note"] and "of 7;" in r["note"], r["note"]
     # More sequences read more state per step, so the batch-4 roofline is higher but not 2x+.
     assert rows[0]["roofline_tok_s"] < rows[1]["roofline_tok_s"] < 2.01 * rows[0]["roofline_tok_s"]
     assert "Decode at fixed batch" in capsys.readouterr().out
