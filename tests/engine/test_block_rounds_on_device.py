@@ -43,7 +43,8 @@ def device_oracle(core, truth: dict[str, list[int]]) -> list[tuple[list[str], to
     rows: dict[str, torch.Tensor] = {}
     run = paged.run_after_verify
 
-    def rigged(reqs, samples, count):
+    def rigged(reqs, samples, count, sampled=False):
+        assert not sampled, "the oracle drafts greedy rounds"
         tokens, logits = run(reqs, samples, count)
         n, K = tokens.shape
         dev = tokens.device

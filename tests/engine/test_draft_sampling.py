@@ -153,7 +153,7 @@ def test_sampled_rounds_on_the_device_equal_the_host_path(method, tmp_path):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_sampled_block_rounds_on_the_device_equal_the_host_path(device, tmp_path_factory):
     # DFlash on Llama, K = 3, rejection sampling: the paged block pass on graphs (recomputed on the
-    # CPU) with the sampled requests' drafts drawn on the device after it (`_draw_on_device`),
+    # CPU) that draw the sampled requests' drafts themselves (`PagedBlockPass._block(draw=True)`),
     # against the same engine without graphs (host path, drafts drawn position by position).
     from tests.engine.test_block_drafter import make_target, spec_core
     from tests.engine.test_block_rounds_on_device import block_graph_core
@@ -169,8 +169,11 @@ def test_sampled_block_rounds_on_the_device_equal_the_host_path(device, tmp_path
     want, _, _ = run_spec(spec_core(target, 3, **host, **kw), ps, params=params)
     core = block_graph_core(target, 3, device, 2, **kw)
     spec, drawn = core.scheduler.spec, []
-    draw = spec.drafter._draw_on_device
-    spec.drafter._draw_on_device = lambda reqs, *a: (drawn.append(len(reqs)), draw(reqs, *a))[1]
+    paged = spec.drafter.paged
+    assert paged.draws, "the pass's graphs do not draw"
+    run_after_verify = paged.run_after_verify
+    paged.run_after_verify = lambda reqs, *a, sampled=False: (
+        drawn.append(len(reqs)) if sampled else None, run_after_verify(reqs, *a, sampled=sampled))[1]
     got, _, _ = run_spec(core, ps, params=params)
     assert {rid: r[1] for rid, r in got.items()} == {rid: r[1] for rid, r in want.items()}
     assert drawn, "no sampled drafts were drawn on the device"

@@ -32,8 +32,8 @@ in `DraftState.q` for the verify. Every ready request's block runs in one batch:
   selector: the block rows' own K/V are written into the pool past the committed prefix and the
   blocks attend over the paged context, from one CUDA graph per batch size; greedy drafts stay on
   the device (`DraftsInFlight`) for the next verify to gather, sampled ones are drawn from the
-  pass's logits on the host, or on the device in a round on the device (`_draw_on_device`, when
-  their processing reads only constants: `draft_sampling.eligible`);
+  pass's logits on the host, or inside the pass's graph in a round on the device (when their
+  processing reads only constants: `draft_sampling.eligible`);
 - otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
   padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """
@@ -142,9 +142,10 @@ class BlockDraftRunner:
 
         assert self.paged is not None, "no paged block pass on this path"
         self.paged = PagedBlockPass(self, max_bs)
+        if self.sample_drafts:  # a device round's pass draws sampled requests' drafts in its graphs
+            self.sampling = DraftSampling(self.paged.max_bs, self.num_steps, self.runner.device,
+                                          self.runner.config.seed)
         self.paged.capture(capturer)
-        if self.sample_drafts:  # a device round draws sampled requests' drafts from the pass's logits
-            self.sampling = DraftSampling(max_bs, self.num_steps, self.runner.device, self.runner.config.seed)
 
     # ---- the drafter contract --------------------------------------------------------------
     def new_state(self, r: Req) -> DraftState:
@@ -245,22 +246,13 @@ class BlockDraftRunner:
         (`PagedBlockPass.run_after_verify`). `on_forward` stored the verify's context K/V already
         (its rejected rows lie past the anchor, rewritten before a block reads them). The drafts
         stay on the device; `adopt_in_flight` hands them to each request after the commit."""
-        tokens, logits = self.paged.run_after_verify(reqs, samples, count)
-        self._flight_q = None
-        if self.sampling is not None and not all(r.params.greedy for r in reqs):
-            tokens, self._flight_q = self._draw_on_device(reqs, tokens, logits)
+        sampled = self.sampling is not None and not all(r.params.greedy for r in reqs)
+        out = self.paged.run_after_verify(reqs, samples, count, sampled=sampled)
+        tokens, logits = out[0], out[1]
+        # q: the graph's static rows, read by the next verify before the next pass rewrites them
+        self._flight_q = out[2] if sampled else None
         self.flight = DraftsInFlight.start(tokens.clone())
         self._flight_logits = logits if self.keep_logits else None
-
-    def _draw_on_device(self, reqs: list[Req], tokens: torch.Tensor, logits: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass's drafts with the sampled requests' drawn from q (`DraftSampling`: each
-        request's stream gives K draws, one per position in order, as `_sample` takes them on the
-        host): (drafts [n, K], q [n, K, V]); greedy requests keep the argmax (one-hot q)."""
-        n, K = tokens.shape
-        self.sampling.fill(reqs, n)
-        drawn = [self.sampling.draw(j, self.vocab.full(logits[:, j]), tokens[:, j]) for j in range(K)]
-        return torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
 
     def adopt_in_flight(self, r: Req, row: int, k: int) -> None:
         """After `run_after_verify` and the commit: request `r`'s next k drafts are row `row` of the pass."""

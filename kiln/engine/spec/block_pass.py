@@ -29,6 +29,13 @@ verification takes this pass too, its drafts drawn from the pass's logits on the
 pages for it takes the reference path, and so does every request with DFlash2's candidate
 selector. In a steady round on the device (`SpecDecoder._device_round`) the anchors come from the
 verify's acceptance counts on the device instead of the host (`run_after_verify`).
+
+Under exact verification (the owner's `sampling`, a `DraftSampling`) the graphs also draw the
+sampled requests' K drafts from the pass's logits and keep their q rows, as the MTP chain graph
+does (`kiln.engine.spec.draft_sampling`): drawn eagerly after the replay, the K positions' filters
+and races were ~30 launches from Python per round, and a batch-1 sampled DFlash round waited on
+the host (3.1 ms of host work for a ~3 ms round on an H100, docs/benchmarks.md, fortieth pass).
+Rows that do not draw (greedy requests, padding, a pass outside a device round) take the argmax.
 """
 
 from __future__ import annotations
@@ -75,10 +82,12 @@ class PagedBlockPass:
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return self.anchor_ids, self.anchor_pos, self.req_slots, self.live
 
-    def _block(self, bs: int, inputs: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block(self, bs: int, inputs: Optional[tuple[torch.Tensor, ...]] = None, draw: bool = False) -> tuple:
         """The blocks of the first `bs` requests of the static buffers (or of `inputs`, tensors
         like them) -> (drafts [bs, K] token ids, their logits [bs, K, N] over the draft
-        vocabulary, processed as `BlockDrafter.process_logits` does)."""
+        vocabulary, processed as `BlockDrafter.process_logits` does). `draw`: also the drafts
+        with the sampled rows' drawn from q (the owner's `DraftSampling`, filled for these rows)
+        [bs, K] and q [bs, K, V]."""
         o = self.owner
         drafter, pool, table = o.drafter, o.pool, o.table
         B, K = self.block_size, self.K
@@ -107,7 +116,12 @@ class PagedBlockPass:
                                   [layer_cache(i) for i in range(len(drafter.layers))])
         h = h.view(bs, B, -1)[:, 1:K + 1].reshape(bs * K, -1)
         logits = drafter.process_logits(o.vocab.logits(h.to(emb.dtype))).view(bs, K, -1)
-        return o.vocab.tokens(greedy_ids(logits)), logits
+        tokens = o.vocab.tokens(greedy_ids(logits))
+        if not draw:
+            return tokens, logits
+        # positions do not depend on each other's drafts: each draws from its own logits, with its key
+        drawn = [o.sampling.draw(j, o.vocab.full(logits[:, j]), tokens[:, j]) for j in range(K)]
+        return tokens, logits, torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
 
     # ---- capture ------------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -125,11 +139,19 @@ class PagedBlockPass:
         self.graphs = {}
         for buf in self._buffers():
             buf.zero_()  # warm-up and capture run on padding requests (scratch slot 0)
+        draw = self.draws
+        if draw:
+            self.owner.sampling.fill(None, self.max_bs)  # warm-ups and capture: argmax rows
         for bs in reversed(self.sizes):
-            replay, out = capturer.capture(lambda bs=bs: self._block(bs))
+            replay, out = capturer.capture(lambda bs=bs: self._block(bs, draw=draw))
             self.graphs[bs] = (replay, out)
         capturer.done(self.sizes)
         self._ptrs = self._addresses()
+
+    @property
+    def draws(self) -> bool:
+        """Whether the graphs draw sampled drafts (the owner holds a `DraftSampling`)."""
+        return self.owner.sampling is not None
 
     # ---- one pass -----------------------------------------------------------------------------
     def can_run(self, reqs: list[Req]) -> bool:
@@ -159,15 +181,21 @@ class PagedBlockPass:
         if bs is None and n > self.max_bs:  # eager, wider than the static buffers: its own inputs
             return self._block(n, inputs)
         self._load(n, bs or n, inputs)
-        return self._block(n) if bs is None else self._replay(n, bs)
+        if bs is None:
+            return self._block(n)
+        if self.draws:  # nobody reads the graph's draws here: every row takes the argmax
+            self.owner.sampling.fill(None, bs)
+        return self._replay(n, bs)[:2]
 
     @torch.inference_mode()
-    def run_after_verify(self, reqs: list[Req], samples: torch.Tensor, count: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_after_verify(self, reqs: list[Req], samples: torch.Tensor, count: torch.Tensor,
+                         sampled: bool = False) -> tuple:
         """`run` right after a verify still on the device, from a graph: request b (seq_len L_b,
         pages covering L_b + K + B positions) committed the first `count[b]` of `samples[b]`
         ([n, K + 1] and [n] on the device), so its anchor is position L_b - 1 + count[b] with the
-        token samples[b, count[b] - 1]. Nothing is read on the host."""
+        token samples[b, count[b] - 1]. Nothing is read on the host. Returns (drafts, logits), or
+        with `sampled` (the graphs draw: `draws`) (drafts with the sampled requests' drawn [n, K],
+        logits, q [n, K, V]), each request's K draws taken from its stream."""
         n = len(reqs)
         assert self.graphs and n <= self.max_bs, (n, self.max_bs)
         ps = self.owner.runner.page_size  # a block at any count writes up to L_b + K + B - 2
@@ -180,7 +208,11 @@ class PagedBlockPass:
         anchor = samples.gather(1, (count - 1)[:, None])[:, 0].long()
         bs = next(s for s in self.sizes if s >= n)
         self._load(n, bs, (anchor, t["pos"] + count, t["slots"], t["live"]))
-        return self._replay(n, bs)
+        assert self.draws or not sampled, "sampled drafts need graphs that draw (the owner's sampling)"
+        if self.draws:
+            self.owner.sampling.fill(reqs if sampled else None, bs)
+        out = self._replay(n, bs)
+        return (out[2], out[1], out[3]) if sampled else out[:2]
 
     def _load(self, n: int, width: int, inputs: tuple[torch.Tensor, ...]) -> None:
         """The first n requests' inputs into the static buffers in one multi-tensor copy (see
@@ -190,8 +222,9 @@ class PagedBlockPass:
         if width > n:
             torch._foreach_zero_([b[n:width] for b in bufs])
 
-    def _replay(self, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        replay, (tokens, logits) = self.graphs[bs]
+    def _replay(self, n: int, bs: int) -> tuple[torch.Tensor, ...]:
+        """Replay the graph of batch size bs; its outputs' first n rows (views of static tensors)."""
+        replay, out = self.graphs[bs]
         self.owner.runner.load_gate.wait_all()  # HiCache copies land first (`MTPChainGraph._pass`)
         replay()
-        return tokens[:n], logits[:n]
+        return tuple(t[:n] for t in out)
