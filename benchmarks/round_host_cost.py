@@ -1,7 +1,7 @@
 """The host's cost of steady speculative rounds, on the CPU: no GPU needed.
 
     python benchmarks/round_host_cost.py [--bs 1] [--steps 300] [--ops] [--cprofile] [--verify-ahead]
-                                         [--drafter mtp|dflash] [--host-path]
+                                         [--drafter mtp|dflash] [--host-path] [--temperature T]
 
 Builds the tiny Inkling test preset with K = 3 MTP drafts (tests/engine/test_speculative.py's
 `spec_core`, fewer layers), or with `--drafter dflash` the tiny Llama with a 2-layer DFlash
@@ -18,7 +18,10 @@ docs/benchmarks.md, eighteenth pass, has what it found. `--verify-ahead` turns o
 queued before the samples are read back (`kiln/engine/spec/verify_ahead.py`, the default on CUDA):
 the host's work per round is then off the GPU's critical path as long as it is shorter than a
 round's GPU time. `--host-path` times the host path instead (`_verify_and_commit`, then the
-drafter's pass from host lists), what block drafters took before the thirty-first session."""
+drafter's pass from host lists), what block drafters took before the thirty-first session.
+`--temperature T` (> 0) samples every request (seeded) under exact verification (rejection
+sampling): the sampled rounds' eager kernels then run in Triton's interpreter, so their times here
+are not a GPU host's, but `--ops` also counts their Triton launches by issuing line."""
 
 from __future__ import annotations
 
@@ -77,6 +80,31 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class count_triton_launches:
+    """Count Triton kernel launches (under the interpreter) into `counts` as (site, "triton NAME")."""
+
+    def __init__(self, counts: Counter):
+        self.counts = counts
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.cls, self.run = InterpretedFunction, InterpretedFunction.run
+        counts, run = self.counts, self.run
+
+        def counted(fn, *args, **kwargs):
+            site = next((f"{f.filename.split('/kiln/')[-1]}:{f.lineno} {f.name}"
+                         for f in reversed(traceback.extract_stack(limit=12)[:-1]) if "/kiln/" in f.filename), "?")
+            counts[(site, f"triton {fn.fn.__name__}")] += 1
+            return run(fn, *args, **kwargs)
+
+        InterpretedFunction.run = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.run = self.run
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", type=int, default=1, help="requests decoding together")
@@ -87,13 +115,16 @@ def main(argv=None) -> None:
     ap.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
                     help="MTP on tiny Inkling, or DFlash on tiny Llama")
     ap.add_argument("--host-path", action="store_true", help="rounds on the host path instead of the device round")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled requests (seeded) under rejection sampling")
     a = ap.parse_args(argv)
     from tests.engine.test_hybrid_engine import prompts
 
     torch.set_num_threads(1)
     bs = max(4, a.bs)
+    sampled = dict(speculative_use_rejection_sampling=True) if a.temperature > 0 else {}
     core = tiny_core(a.drafter, page_size=16, kernel_backend="triton", cuda_graph_max_bs=bs, context_length=8192,
-                     max_total_tokens=400000)
+                     max_total_tokens=400000, **sampled)
     core.scheduler.check_after_step = False
     runner, spec = core.runner, core.scheduler.spec
     forward, chain = switch_capturer(), switch_capturer()
@@ -103,7 +134,8 @@ def main(argv=None) -> None:
     spec.ahead.enabled = spec.ahead.after_device_rounds = a.verify_ahead
     for i, p in enumerate(prompts(a.bs, seed=4, lo=10, hi=30)):
         core.add_request(GenerateReq(rid=f"r{i}", input_ids=p,
-                                     params=SamplingParams(max_tokens=6000, temperature=0.0, ignore_eos=True)))
+                                     params=SamplingParams(max_tokens=6000, temperature=a.temperature, seed=i,
+                                                           ignore_eos=True)))
     for _ in range(6):  # prefill and the first rounds, computed
         core.step()
     forward.compute = chain.compute = False
@@ -132,11 +164,13 @@ def main(argv=None) -> None:
     print(hp.report(a.steps))
     if a.ops:
         n = 20
-        with OpCounter() as oc:
+        with OpCounter() as oc, count_triton_launches(oc.counts):
             for _ in range(n):
                 core.step()
         real = {k: v for k, v in oc.counts.items() if not any(x in k[1] for x in VIEWS)}
-        print(f"aten ops per round: {sum(oc.counts.values()) / n:.1f}, of which not views: {sum(real.values()) / n:.1f}")
+        launches = sum(v for k, v in real.items() if k[1].startswith("triton "))
+        print(f"aten ops per round: {sum(oc.counts.values()) / n - launches / n:.1f}, of which not views: "
+              f"{sum(real.values()) / n - launches / n:.1f}; Triton launches: {launches / n:.1f}")
         for (site, op), v in sorted(real.items(), key=lambda kv: -kv[1])[:40]:
             print(f"{v / n:6.1f}  {op:40s} {site}")
     if a.cprofile:

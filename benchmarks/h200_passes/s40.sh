@@ -18,3 +18,46 @@ lane0_s40a() {
   step rs 60 $DECODE $S38_ARGS $S38_MTP --batch-sizes 1 --temperature 1.0 --speculative-use-rejection-sampling \
     --out "$R/json/rs.json"
 }
+
+# `s40b`: the block pass's graphs draw the sampled drafts (c95c8ce): the GPU tests of the block
+#   drafters' device rounds and draws, then DFlash K = 3 sampled rounds (T = 1, rejection sampling)
+#   at batch 1 and 8 alternated against the session's start (carry scratch/base44 = `git archive
+#   e37c5de kiln benchmarks/configs` plus this commit's benchmarks/*.py), the new code's host
+#   phases at batch 1, and greedy DFlash rounds as the control; the traced selection again.
+lane0_s40b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40b-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C"
+  _s38_dflash_config
+  step gpu_tests 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_draft_sampling.py \
+    tests/engine/test_block_rounds_on_device.py tests/engine/test_block_pass.py tests/engine/test_block_drafter.py
+  step select_trace 60 python scratch/t/select_trace.py
+  for i in 1 2; do
+    step df_now_$i 90 $DECODE $S38_DFLASH --out "$R/json/df_now_$i.json"
+    step df_base_$i 90 $b44 $S38_DFLASH --out "$R/json/df_base_$i.json"
+  done
+  step df_now_phases 60 $DECODE $S38_DFLASH --batch-sizes 1 --host-phases --profile-steps 30 --out "$R/json/df_now_phases.json"
+  step df_greedy 60 $DECODE ${S38_DFLASH/--temperature 1.0 --speculative-use-rejection-sampling/} --out "$R/json/df_greedy.json"
+}
+
+# `s40c`: the filter's threshold table over chunks and its first search's copy in chunks
+#   (`_table_kernel`, `_copy_kernel`): the GPU tests of the sampling kernels and of the samplers
+#   that use them, the kernels alone against the session's start (scratch/t/select_ab.py: the
+#   base's sampling.py from scratch/base44), then Inkling `bench` plain sampled decode at top-p 0.9
+#   and at T = 1 without filters, and MTP K = 3 sampled rounds (T = 1), alternated against the
+#   session's start (carry scratch/base44 and scratch/t).
+lane0_s40c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40c-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C" t1="--temperature 1.0"
+  local plain="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 64 --batch-sizes 1,8,64"
+  step gpu_tests 240 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/kernels/test_sampling_kernels.py \
+    tests/engine/test_sampler.py tests/engine/test_spec_sampled.py tests/engine/test_draft_sampling.py
+  step select_ab 150 python scratch/t/select_ab.py
+  step p09_now 60 $DECODE $plain $t1 --top-p 0.9 --out "$R/json/p09_now.json"
+  step p09_base 60 $b44 $plain $t1 --top-p 0.9 --out "$R/json/p09_base.json"
+  step t1_now 60 $DECODE $plain $t1 --out "$R/json/t1_now.json"
+  step t1_base 60 $b44 $plain $t1 --out "$R/json/t1_base.json"
+  step rs_now 60 $DECODE $S38_ARGS $S38_MTP $t1 --speculative-use-rejection-sampling --out "$R/json/rs_now.json"
+  step rs_base 60 $b44 $S38_ARGS $S38_MTP $t1 --speculative-use-rejection-sampling --out "$R/json/rs_base.json"
+  step p09_now_2 60 $DECODE $plain $t1 --top-p 0.9 --out "$R/json/p09_now_2.json"
+  step p09_base_2 60 $b44 $plain $t1 --top-p 0.9 --out "$R/json/p09_base_2.json"
+}

@@ -304,6 +304,21 @@ def softmax() -> None:
     compile_sm90(_softmax_kernel, types, dict(CHUNK=1024, CP2=64, PDL=True))
 
 
+def sampling_select() -> None:
+    """The filter's table over chunks and its selection (data-dependent `while` loops, a scratch copy
+    through a cumsum, scalar `if`s)."""
+    from kiln.kernels.sampling import _copy_kernel, _select_kernel, _table_kernel
+
+    types = {**{n: "*fp32" for n in ("probs_ptr", "part_m_ptr", "part_x_ptr", "meta_f_ptr", "scratch_ptr",
+                                     "top_ps_ptr", "min_ps_ptr", "pre_f_ptr")},
+             "part_c_ptr": "*i32", "meta_i_ptr": "*i32", "pre_i_ptr": "*i32", "top_ks_ptr": "*i64"}
+    compile_sm90(_table_kernel, types, dict(CHUNK=1024, BLOCK=128, NT=64, PDL=True), num_warps=8)
+    compile_sm90(_copy_kernel, types, dict(CAP=4096, CHUNK=1024, NT=64, CHUNKS=64, PDL=True), num_warps=8)
+    for pre in (False, True):
+        compile_sm90(_select_kernel, types, dict(CAP=4096, BLOCK=4096, BLOCK_P=1024, NP=8, BLOCK_S=256, NP_S=16,
+                                                 NT=64, CHUNKS=64, PRE=pre, PDL=True), num_warps=8)
+
+
 def seeded_noise() -> None:
     """The counter-based noise (uint64 arithmetic with constants past 2^63, a float64 logarithm)."""
     from kiln.kernels.seeded_noise import _noise_kernel
@@ -406,7 +421,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
-         "argmax": argmax, "seeded_noise": seeded_noise, "spec_verify": spec_verify, "softmax": softmax,
+         "argmax": argmax, "seeded_noise": seeded_noise, "sampling_select": sampling_select, "spec_verify": spec_verify, "softmax": softmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),

@@ -116,6 +116,7 @@ def test_ties_across_blocks_keep_the_lowest_ids(device, monkeypatch):
     only the first of them."""
     monkeypatch.setattr(sampling, "SELECT", {**sampling.SELECT, "BLOCK": 512, "BLOCK_P": 256})
     monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 512, "BLOCK": 256})
+    monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "CHUNK": 256, "BLOCK": 64})  # 10 chunks, 16 padded
     v = 2501
     gen = torch.Generator().manual_seed(7)
     logits = torch.cat([torch.zeros(3, v), _logits("ties", 3, v, gen)]).to(device)
@@ -149,6 +150,35 @@ def test_search_passes_over_the_whole_row(device):
     logits = torch.cat([_logits("random", 2, v, gen), _logits("ties", 2, v, gen)]).to(device)
     temps, ks, ps, ms = _rows(device, [0, 40, 7, 150], [0.9, 0.75, 1.0, 0.9], [0.0, 0.01, 0.0, 0.0], [1.0] * 4)
     _check_filtered(logits, temps, ks, ps, ms, cap=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_search_copied_in_chunks(device, monkeypatch):
+    """The copy kernel's three modes, each against the reference and against the selection
+    without it (`TABLE["PRE"]` off: `_search` brackets and copies in one program): every token
+    >= the table's bracket copied (mode 2; a top-k + top-p row then searches twice in it), the
+    bracket's tokens alone (1: a small scratch), neither (0: a smaller one, or min-p on). Ten
+    chunks of 300 tokens, so offsets add up across chunks."""
+    monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "CHUNK": 256, "BLOCK": 64})
+    gen = torch.Generator().manual_seed(5)
+    v = 2600
+    logits = (_logits("random", 8, v, gen) * 3).to(device)
+    temps, ks, ps, ms = _rows(device, [0, 30, 0, 0, 200, 0, 0, 0], [0.9, 0.8, 0.5, 1.0, 1.0, 0.99, 0.9, 0.9],
+                              [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0], [1.0] * 8)
+    probs = sampling._softmax(logits, temps)
+    seen = set()
+    for cap in (4096, 64, 16):
+        got = _check_filtered(logits, temps, ks, ps, ms, cap=cap)
+        _, _, pre = sampling._select(probs, ks, ps, ms, cap)
+        row_modes = pre[:, 0].tolist()
+        assert row_modes[3] == 0 and row_modes[6] == 0, row_modes  # no filter; min-p
+        seen.update(row_modes)
+        monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "PRE": False})
+        without = sampling.filtered_probs(logits, temps, ks, ps, ms, cap=cap)
+        monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "PRE": True})
+        assert torch.equal(got > 0, without > 0)
+        torch.testing.assert_close(got, without, rtol=1e-5, atol=1e-9)
+    assert seen == {0, 1, 2}, seen
 
 
 # ---------------------------------------------------------------------------------- draws
