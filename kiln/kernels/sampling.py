@@ -202,25 +202,29 @@ def _table_pivots(NT: tl.constexpr):
 
 
 @triton.jit
-def _table_kernel(probs_ptr, part_c_ptr, part_m_ptr, part_x_ptr, V, stride_p, n_chunks,
+def _table_kernel(probs_ptr, part_c_ptr, part_m_ptr, part_x_ptr, top_ks_ptr, top_ps_ptr, V, stride_p, n_chunks,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows, chunks of CHUNK tokens): the chunk's maximum and sum, and how many of its
     tokens are >= each table pivot (`_table_pivots`) and their mass. `_select_kernel` adds the
     chunks up, in chunk order: the row's maximum and total, and cnt / mass at NT thresholds, which
     bracket every search's crossing to half an octave without a pass over the row (those passes,
-    on one program per row, were most of its time: ~27 us each for a 49K-token row on an H100)."""
+    on one program per row, were most of its time: ~27 us each for a 49K-token row on an H100).
+    The table is NT x the ALU work of such a pass, spread over the chunks: only rows that search
+    (top-k or top-p) build it, and only small batches take this path (`TABLE["MAX_ROWS"]`)."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     start = chunk * CHUNK
     n = tl.minimum(V - start, CHUNK)
     ptr = probs_ptr + row * stride_p + start
-    cnt, mass, _, _ = _pivot_stats(ptr, n, _table_pivots(NT), 0, 0, BLOCK, NT)
+    k = tl.load(top_ks_ptr + row)
+    at = row * n_chunks + chunk
+    if ((k > 0) & (k < V)) | (tl.load(top_ps_ptr + row) < 1.0):
+        cnt, mass, _, _ = _pivot_stats(ptr, n, _table_pivots(NT), 0, 0, BLOCK, NT)
+        tl.store(part_c_ptr + at * NT + tl.arange(0, NT), cnt)
+        tl.store(part_m_ptr + at * NT + tl.arange(0, NT), mass)
     offs = tl.arange(0, CHUNK)
     p = tl.load(ptr + offs, mask=offs < n, other=0.0)
-    at = row * n_chunks + chunk
-    tl.store(part_c_ptr + at * NT + tl.arange(0, NT), cnt)
-    tl.store(part_m_ptr + at * NT + tl.arange(0, NT), mass)
     tl.store(part_x_ptr + at * 2, tl.max(p, axis=0))
     tl.store(part_x_ptr + at * 2 + 1, tl.sum(p, axis=0))
 
@@ -240,31 +244,48 @@ def _copy_kernel(probs_ptr, scratch_ptr, part_c_ptr, part_m_ptr, part_x_ptr, pre
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    c = tl.arange(0, CHUNKS)
-    in_row = c < n_chunks
-    at = row * n_chunks + c
-    p_max = tl.max(tl.load(part_x_ptr + at * 2, mask=in_row, other=0.0), axis=0)
-    total = tl.sum(tl.load(part_x_ptr + at * 2 + 1, mask=in_row, other=0.0), axis=0)
-    t_at = at[:, None] * NT + tl.arange(0, NT)[None, :]
-    chunk_c = tl.load(part_c_ptr + t_at, mask=in_row[:, None], other=0)  # [CHUNKS, NT]
-    tab_c = tl.sum(chunk_c, axis=0)
-    tab_m = tl.sum(tl.load(part_m_ptr + t_at, mask=in_row[:, None], other=0.0), axis=0)
-    tab_p = _table_pivots(NT)
-
     k = tl.load(top_ks_ptr + row)
     k = tl.where((k <= 0) | (k > V), V, k).to(tl.int32)
     top_p = tl.load(top_ps_ptr + row)
     use_k = k < V
     use_p = top_p < 1.0
     first = (use_k | use_p) & (tl.load(min_ps_ptr + row) <= 0.0)
-    # the first search: the k-th value (top-k, with or without top-p), else top-p's crossing
-    thr = tl.where(use_k, float("inf"), top_p * total)
-    rm = tl.where(use_k, V + 1, V)
+    c = tl.arange(0, CHUNKS)
+    in_row = c < n_chunks
+    at = row * n_chunks + c
+    p_max = tl.max(tl.load(part_x_ptr + at * 2, mask=in_row, other=0.0), axis=0)
+    total = tl.sum(tl.load(part_x_ptr + at * 2 + 1, mask=in_row, other=0.0), axis=0)
     zero_i = tl.full([], 0, tl.int32)
-    lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
-        tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, zero_i, zero_i + V, total, _bits(p_max) + 1, zero_i,
-        tl.full([], 0.0, tl.float32), k, thr, rm)
-    mode = tl.where(first & (cnt_lo <= CAP), 2, tl.where(first & (cnt_lo - cnt_hi <= CAP), 1, 0))
+    zero_f = tl.full([], 0.0, tl.float32)
+    mode, lo, cnt_lo, hi, cnt_hi, mass_lo, mass_hi = zero_i, zero_i, zero_i, zero_i, zero_i, zero_f, zero_f
+    if first:
+        t_at = at[:, None] * NT + tl.arange(0, NT)[None, :]
+        chunk_c = tl.load(part_c_ptr + t_at, mask=in_row[:, None], other=0)  # [CHUNKS, NT]
+        tab_c = tl.sum(chunk_c, axis=0)
+        tab_m = tl.sum(tl.load(part_m_ptr + t_at, mask=in_row[:, None], other=0.0), axis=0)
+        tab_p = _table_pivots(NT)
+        # the first search: the k-th value (top-k, with or without top-p), else top-p's crossing
+        thr = tl.where(use_k, float("inf"), top_p * total)
+        rm = tl.where(use_k, V + 1, V)
+        lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
+            tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, zero_i, zero_i + V, total, _bits(p_max) + 1, zero_i, zero_f,
+            k, thr, rm)
+        mode = tl.where(cnt_lo <= CAP, 2, tl.where(cnt_lo - cnt_hi <= CAP, 1, 0))
+        if mode > 0:
+            # each chunk's tokens >= lo (and, mode 1, >= hi): lo is 0 or a table pivot; hi a pivot
+            # or above the maximum
+            n_here = tl.minimum(V - c * CHUNK, CHUNK)
+            ge_lo = tl.where(lo == 0, n_here, tl.sum(tl.where(tab_p[None, :] == lo, chunk_c, 0), axis=1))
+            ge_hi = tl.sum(tl.where(tab_p[None, :] == hi, chunk_c, 0), axis=1)
+            per_chunk = tl.where(in_row, ge_lo - tl.where(mode == 1, ge_hi, 0), 0)
+            offset = tl.sum(tl.where(c < chunk, per_chunk, 0), axis=0)
+            offs = chunk * CHUNK + tl.arange(0, CHUNK)
+            ok = offs < V
+            p = tl.load(probs_ptr + row * stride_p + offs, mask=ok, other=0.0)
+            b = _bits(p)
+            inside = ok & (b >= lo) & ((mode == 2) | (b < hi))
+            dst = offset + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(scratch_ptr + row * CAP + dst, p, mask=inside)
     if chunk == 0:
         tl.store(pre_i_ptr + row * 5, mode)
         tl.store(pre_i_ptr + row * 5 + 1, lo)
@@ -275,22 +296,6 @@ def _copy_kernel(probs_ptr, scratch_ptr, part_c_ptr, part_m_ptr, part_x_ptr, pre
         tl.store(pre_f_ptr + row * 4 + 1, mass_hi)
         tl.store(pre_f_ptr + row * 4 + 2, p_max)
         tl.store(pre_f_ptr + row * 4 + 3, total)
-    if mode > 0:
-        # each chunk's tokens >= lo (and, mode 1, >= hi): lo is 0 or a table pivot; hi a pivot or
-        # above the maximum
-        ids = tl.arange(0, CHUNK)
-        n_here = tl.minimum(V - c * CHUNK, CHUNK)
-        ge_lo = tl.where(lo == 0, n_here, tl.sum(tl.where(tab_p[None, :] == lo, chunk_c, 0), axis=1))
-        ge_hi = tl.sum(tl.where(tab_p[None, :] == hi, chunk_c, 0), axis=1)
-        per_chunk = tl.where(in_row, ge_lo - tl.where(mode == 1, ge_hi, 0), 0)
-        offset = tl.sum(tl.where(c < chunk, per_chunk, 0), axis=0)
-        offs = chunk * CHUNK + ids
-        ok = offs < V
-        p = tl.load(probs_ptr + row * stride_p + offs, mask=ok, other=0.0)
-        b = _bits(p)
-        inside = ok & (b >= lo) & ((mode == 2) | (b < hi))
-        dst = offset + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-        tl.store(scratch_ptr + row * CAP + dst, p, mask=inside)
 
 
 # The three per-row parameters are one scalar load each: not specialised on their pointers' 16-byte
@@ -304,27 +309,41 @@ def _select_kernel(
     V, stride_p, n_chunks,
     CAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
     NP: tl.constexpr, BLOCK_S: tl.constexpr, NP_S: tl.constexpr, NT: tl.constexpr, CHUNKS: tl.constexpr,
-    PRE: tl.constexpr, PDL: tl.constexpr,
+    TABLE: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row: find the kept prefix as in the module docstring and store it as
     (vb, cut, norm): token i is kept iff bits(p_i) > vb, or bits(p_i) == vb and i <= cut; kept
-    tokens are renormalised by norm. The row itself is written by `_apply_kernel`; its maximum,
-    total and threshold table come from `_table_kernel`'s chunks."""
+    tokens are renormalised by norm. The row itself is written by `_apply_kernel`. With TABLE
+    its maximum, total and threshold table come from `_table_kernel`'s chunks (else pass 1 finds
+    the first two and every search starts from the whole range)."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * stride_p
     scratch = scratch_ptr + row * CAP
-
-    # The chunks' maxima, sums and table, added up in chunk order.
-    c = tl.arange(0, CHUNKS)
-    in_row = c < n_chunks
-    at = row * n_chunks + c
-    p_max = tl.max(tl.load(part_x_ptr + at * 2, mask=in_row, other=0.0), axis=0)
-    total = tl.sum(tl.load(part_x_ptr + at * 2 + 1, mask=in_row, other=0.0), axis=0)
-    t_at = at[:, None] * NT + tl.arange(0, NT)[None, :]
-    tab_c = tl.sum(tl.load(part_c_ptr + t_at, mask=in_row[:, None], other=0), axis=0)
-    tab_m = tl.sum(tl.load(part_m_ptr + t_at, mask=in_row[:, None], other=0.0), axis=0)
     tab_p = _table_pivots(NT)
+    tab_c = tl.zeros([NT], dtype=tl.int32)
+    tab_m = tl.zeros([NT], dtype=tl.float32)
+    if TABLE:  # the chunks' maxima, sums and table, added up in chunk order
+        c = tl.arange(0, CHUNKS)
+        in_row = c < n_chunks
+        at = row * n_chunks + c
+        p_max = tl.max(tl.load(part_x_ptr + at * 2, mask=in_row, other=0.0), axis=0)
+        total = tl.sum(tl.load(part_x_ptr + at * 2 + 1, mask=in_row, other=0.0), axis=0)
+        k0 = tl.load(top_ks_ptr + row)
+        if ((k0 > 0) & (k0 < V)) | (tl.load(top_ps_ptr + row) < 1.0):  # rows that search built it
+            t_at = at[:, None] * NT + tl.arange(0, NT)[None, :]
+            tab_c = tl.sum(tl.load(part_c_ptr + t_at, mask=in_row[:, None], other=0), axis=0)
+            tab_m = tl.sum(tl.load(part_m_ptr + t_at, mask=in_row[:, None], other=0.0), axis=0)
+    else:  # pass 1: maximum and total mass (elementwise accumulators, one reduction at the end)
+        mx_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        s_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            p = tl.load(row_ptr + offs, mask=offs < V, other=0.0)
+            mx_acc = tl.maximum(mx_acc, p)
+            s_acc += p
+        p_max = tl.max(mx_acc, axis=0)
+        total = tl.sum(s_acc, axis=0)
     # `_copy_kernel`'s decision (PRE): the first search's bracket and whether the scratch holds it
     mode = tl.full([], 0, tl.int32)
     if PRE:
@@ -392,8 +411,10 @@ def _select_kernel(
                     scratch, n_pre, base_c, base_m, pre_lo, pre_cnt_lo, pre_mass_lo, pre_hi, pre_cnt_hi,
                     pre_mass_hi, k, inf, V + 1, BLOCK_S, NP_S)
             else:
-                lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
-                    tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, lo, cnt_lo, mass_lo, top, zero_i, zero_f, k, inf, V + 1)
+                hi, cnt_hi, mass_hi = top, zero_i, zero_f
+                if TABLE:
+                    lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
+                        tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, k, inf, V + 1)
                 lo, cnt_lo, mass_lo, hi_k, cnt_gt_k, mass_gt_k = _search(
                     row_ptr, V, scratch, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, k, inf, V + 1,
                     CAP, BLOCK, BLOCK_P, NP, BLOCK_S, NP_S)
@@ -413,8 +434,10 @@ def _select_kernel(
         else:
             # The final search starts at v_k when known (P holds there: cnt >= k), inside the
             # table's bracket.
-            lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
-                tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, lo, cnt_lo, mass_lo, top, zero_i, zero_f, k, thr_p, r_m)
+            hi, cnt_hi, mass_hi = top, zero_i, zero_f
+            if TABLE:
+                lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi = _narrow(
+                    tab_p, tab_c, tab_m, 0x7FFFFFFF, -1, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, k, thr_p, r_m)
             lo, cnt_lo, mass_lo, hi, cnt_gt, mass_gt = _search(
                 row_ptr, V, scratch, lo, cnt_lo, mass_lo, hi, cnt_hi, mass_hi, k, thr_p, r_m,
                 CAP, BLOCK, BLOCK_P, NP, BLOCK_S, NP_S)
@@ -512,8 +535,12 @@ def _argmax_kernel(part_v_ptr, part_i_ptr, ids_ptr, n_chunks, BLOCK: tl.constexp
 
 # Launch shapes (module attributes so a sweep can change them).
 SELECT = dict(BLOCK=4096, BLOCK_P=1024, NP=8, BLOCK_S=256, NP_S=16, num_warps=8)
-# NT half octaves (down to 2^-31.5); PRE: the first search's copy by `_copy_kernel` (False: `_search` copies)
-TABLE = dict(CHUNK=1024, BLOCK=128, NT=64, PRE=True, num_warps=8)
+# The threshold table over chunks (`_table_kernel`) for batches of at most MAX_ROWS rows: NT half
+# octaves (down to 2^-31.5); PRE: the first search's copy by `_copy_kernel` (False: `_search` copies).
+# Larger batches already fill the GPU with one program per row, and the table's ALU work (NT
+# thresholds per token) made them slower (64 rows: 115 -> 209 us at top-p 0.9, 29 -> 174 us
+# without a filter, on an H100; docs/benchmarks.md, fortieth pass).
+TABLE = dict(CHUNK=1024, BLOCK=128, NT=64, PRE=True, MAX_ROWS=8, num_warps=8)
 APPLY = dict(CHUNK=1024, BLOCK=1024, num_warps=4)  # 1024: 3.5 against 11.4 us per 49K row at 8192 (H100)
 
 
@@ -564,15 +591,18 @@ def _select(probs, top_ks, top_ps, min_ps, cap):
     tab = TABLE
     chunk = min(tab["CHUNK"], triton.next_power_of_2(v))
     n_chunks = triton.cdiv(v, chunk)
-    part_c = torch.empty(n, n_chunks, tab["NT"], dtype=torch.int32, device=dev)
-    part_m = torch.empty(n, n_chunks, tab["NT"], dtype=torch.float32, device=dev)
-    part_x = torch.empty(n, n_chunks, 2, dtype=torch.float32, device=dev)
-    _table_kernel[(n, n_chunks)](probs, part_c, part_m, part_x, v, probs.stride(0), n_chunks, CHUNK=chunk,
-                                 BLOCK=min(tab["BLOCK"], chunk), NT=tab["NT"], num_warps=tab["num_warps"],
-                                 **pdl_launch(dev))
     params = (top_ks.to(torch.int64), top_ps.float(), min_ps.float())
+    table = n <= tab["MAX_ROWS"]
+    part_c, part_m, part_x = meta_i, meta_f, meta_f  # unread without the table
+    if table:
+        part_c = torch.empty(n, n_chunks, tab["NT"], dtype=torch.int32, device=dev)
+        part_m = torch.empty(n, n_chunks, tab["NT"], dtype=torch.float32, device=dev)
+        part_x = torch.empty(n, n_chunks, 2, dtype=torch.float32, device=dev)
+        _table_kernel[(n, n_chunks)](probs, part_c, part_m, part_x, *params[:2], v, probs.stride(0), n_chunks,
+                                     CHUNK=chunk, BLOCK=min(tab["BLOCK"], chunk), NT=tab["NT"],
+                                     num_warps=tab["num_warps"], **pdl_launch(dev))
     chunks = triton.next_power_of_2(n_chunks)
-    pre = tab["PRE"]
+    pre = table and tab["PRE"]
     pre_i = torch.empty(n, 5, dtype=torch.int32, device=dev) if pre else meta_i
     pre_f = torch.empty(n, 4, dtype=torch.float32, device=dev) if pre else meta_f
     if pre:
@@ -583,7 +613,8 @@ def _select(probs, top_ks, top_ps, min_ps, cap):
     _select_kernel[(n,)](
         probs, meta_i, meta_f, scratch, part_c, part_m, part_x, pre_i, pre_f, *params, v, probs.stride(0), n_chunks,
         CAP=cap, BLOCK=cfg["BLOCK"], BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"], BLOCK_S=cfg["BLOCK_S"],
-        NP_S=cfg["NP_S"], NT=tab["NT"], CHUNKS=chunks, PRE=pre, num_warps=cfg["num_warps"], **pdl_launch(dev),
+        NP_S=cfg["NP_S"], NT=tab["NT"], CHUNKS=chunks, TABLE=table, PRE=pre, num_warps=cfg["num_warps"],
+        **pdl_launch(dev),
     )
     return meta_i, meta_f, pre_i if pre else None
 

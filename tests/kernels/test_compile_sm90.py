@@ -314,9 +314,9 @@ def sampling_select() -> None:
              "part_c_ptr": "*i32", "meta_i_ptr": "*i32", "pre_i_ptr": "*i32", "top_ks_ptr": "*i64"}
     compile_sm90(_table_kernel, types, dict(CHUNK=1024, BLOCK=128, NT=64, PDL=True), num_warps=8)
     compile_sm90(_copy_kernel, types, dict(CAP=4096, CHUNK=1024, NT=64, CHUNKS=64, PDL=True), num_warps=8)
-    for pre in (False, True):
+    for table, pre in ((False, False), (True, False), (True, True)):
         compile_sm90(_select_kernel, types, dict(CAP=4096, BLOCK=4096, BLOCK_P=1024, NP=8, BLOCK_S=256, NP_S=16,
-                                                 NT=64, CHUNKS=64, PRE=pre, PDL=True), num_warps=8)
+                                                 NT=64, CHUNKS=64, TABLE=table, PRE=pre, PDL=True), num_warps=8)
 
 
 def seeded_noise() -> None:

@@ -109,14 +109,16 @@ def test_filtered_probs_grid(device, kind, top_k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ties_across_blocks_keep_the_lowest_ids(device, monkeypatch):
+@pytest.mark.parametrize("max_rows", [8, 0])  # with the threshold table over chunks, and without
+def test_ties_across_blocks_keep_the_lowest_ids(device, max_rows, monkeypatch):
     """Uniform and four-level rows spanning several blocks and chunks (launch shapes shrunk): the
     kept ties are counted across blocks in id order. top_p * V is not an integer, top_k cuts
     inside the ties, min_p = 1 keeps exactly the tokens equal to the maximum, top_p = 0 keeps
     only the first of them."""
     monkeypatch.setattr(sampling, "SELECT", {**sampling.SELECT, "BLOCK": 512, "BLOCK_P": 256})
     monkeypatch.setattr(sampling, "APPLY", {**sampling.APPLY, "CHUNK": 512, "BLOCK": 256})
-    monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "CHUNK": 256, "BLOCK": 64})  # 10 chunks, 16 padded
+    monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "CHUNK": 256, "BLOCK": 64,  # 10 chunks, 16 padded
+                                            "MAX_ROWS": max_rows})
     v = 2501
     gen = torch.Generator().manual_seed(7)
     logits = torch.cat([torch.zeros(3, v), _logits("ties", 3, v, gen)]).to(device)
@@ -142,9 +144,12 @@ def test_disabled_and_extreme_parameters(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_search_passes_over_the_whole_row(device):
+@pytest.mark.parametrize("max_rows", [8, 0])
+def test_search_passes_over_the_whole_row(device, max_rows, monkeypatch):
     """A scratch of 4 tokens forces every search through its whole-row passes (first octaves,
-    then evenly spaced bit patterns) instead of the copy."""
+    then evenly spaced bit patterns) instead of the copy, from the table's bracket and without
+    the table."""
+    monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "MAX_ROWS": max_rows})
     gen = torch.Generator().manual_seed(11)
     v = 301
     logits = torch.cat([_logits("random", 2, v, gen), _logits("ties", 2, v, gen)]).to(device)
@@ -178,6 +183,12 @@ def test_first_search_copied_in_chunks(device, monkeypatch):
         monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "PRE": True})
         assert torch.equal(got > 0, without > 0)
         torch.testing.assert_close(got, without, rtol=1e-5, atol=1e-9)
+        monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "MAX_ROWS": 0})  # no table: a large batch's path
+        assert sampling._select(probs, ks, ps, ms, cap)[2] is None
+        no_table = sampling.filtered_probs(logits, temps, ks, ps, ms, cap=cap)
+        monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "MAX_ROWS": 8})
+        assert torch.equal(got > 0, no_table > 0)
+        torch.testing.assert_close(got, no_table, rtol=1e-5, atol=1e-9)
     assert seen == {0, 1, 2}, seen
 
 
