@@ -61,3 +61,16 @@ lane0_s40c() {
   step p09_now_2 60 $DECODE $plain $t1 --top-p 0.9 --out "$R/json/p09_now_2.json"
   step p09_base_2 60 $b44 $plain $t1 --top-p 0.9 --out "$R/json/p09_base_2.json"
 }
+
+# `s40d`: why plain sampled decode at top-p 0.9 did not follow the filter's kernel time at batch 1
+#   (1.44 ms, now and at the session's start, against 1.34 at T = 1 without a filter): both with
+#   the GPU kernel table (--profile) and the host's phases, at batch 1 (carry scratch/base44).
+lane0_s40d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40d-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C"
+  local a="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 1 --temperature 1.0"
+  local prof="--profile --profile-steps 10 --kernel-rows 30 --host-phases"
+  step p09_now_prof 90 $DECODE $a --top-p 0.9 $prof --out "$R/json/p09_now_prof.json"
+  step p09_base_prof 90 $b44 $a --top-p 0.9 $prof --out "$R/json/p09_base_prof.json"
+  step t1_now_prof 60 $DECODE $a $prof --out "$R/json/t1_now_prof.json"
+}
