@@ -20,8 +20,9 @@ the host's work per round is then off the GPU's critical path as long as it is s
 round's GPU time. `--host-path` times the host path instead (`_verify_and_commit`, then the
 drafter's pass from host lists), what block drafters took before the thirty-first session.
 `--temperature T` (> 0) samples every request (seeded) under exact verification (rejection
-sampling): the sampled rounds' eager kernels then run in Triton's interpreter, so their times here
-are not a GPU host's, but `--ops` also counts their Triton launches by issuing line."""
+sampling). On the CPU the sampler and the verification take their PyTorch references, so `--ops`
+counts their torch ops where a GPU launches Triton kernels instead; launches made under Triton's
+interpreter are counted too ("triton NAME" rows)."""
 
 from __future__ import annotations
 
