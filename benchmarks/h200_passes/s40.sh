@@ -74,3 +74,17 @@ lane0_s40d() {
   step p09_base_prof 90 $b44 $a --top-p 0.9 $prof --out "$R/json/p09_base_prof.json"
   step t1_now_prof 60 $DECODE $a $prof --out "$R/json/t1_now_prof.json"
 }
+
+# `s40e`: where a sampled round's ~3 ms of host work goes at batch 1: DFlash and MTP K = 3 rounds
+#   (T = 1, rejection sampling) with the host's phases and a cProfile of 10 steady rounds after the
+#   GPU profile window (own time per function), and MTP's greedy rounds' phases as the control.
+lane0_s40e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40e-$$
+  local t1="--temperature 1.0" rs="--speculative-use-rejection-sampling"
+  local hp="--batch-sizes 1 --profile --profile-steps 10 --kernel-rows 12 --host-profile --host-rows 45 --host-phases"
+  _s38_dflash_config
+  step df_host 90 $DECODE $S38_DFLASH $hp --out "$R/json/df_host.json"
+  step rs_host 60 $DECODE $S38_ARGS $S38_MTP $t1 $rs $hp --out "$R/json/rs_host.json"
+  step greedy_phases 60 $DECODE $S38_ARGS $S38_MTP --batch-sizes 1 --host-phases --profile-steps 20 \
+    --out "$R/json/greedy_phases.json"
+}
