@@ -185,6 +185,12 @@ def print_host_profile(prof, steps: int, top: int = 15) -> None:
     rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
     for (file, line, fn), (cc, nc, tt, ct, _) in rows:
         log(f"  {tt / steps * 1e6:9.1f} us  x{nc / steps:6.1f}  {os.path.basename(file)}:{line} {fn}")
+    # inclusive time of Kiln's own functions: which of its calls the own times above belong to
+    kiln_rows = sorted(((k, v) for k, v in st.stats.items() if f"{os.sep}kiln{os.sep}" in k[0]),
+                       key=lambda kv: -kv[1][3])[:top]
+    log("top inclusive time, Kiln's functions:")
+    for (file, line, fn), (cc, nc, tt, ct, _) in kiln_rows:
+        log(f"  {ct / steps * 1e6:9.1f} us  x{nc / steps:6.1f}  {file.split(os.sep + 'kiln' + os.sep)[-1]}:{line} {fn}")
 
 
 def _spec_counts(core):
