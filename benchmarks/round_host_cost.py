@@ -5,7 +5,7 @@
 
 Builds the tiny Inkling test preset with K = 3 MTP drafts (tests/engine/test_speculative.py's
 `spec_core`, fewer layers), or with `--drafter dflash` the tiny Llama with a 2-layer DFlash
-drafter (tests/engine/test_block_drafter.py; its context store after each forward, eager device
+drafter (tests/engine/test_block_drafter.py; its context store inside each forward, device
 work, is skipped once timing starts), captures the verify and drafter "graphs" (the MTP
 chain, the paged block pass) with a capturer whose
 replay runs the forward during a warm-up and then does nothing, and times steady rounds on the
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
         core.step()
     forward.compute = chain.compute = False
     if a.drafter == "dflash":  # the context store's eager kernels would run in Triton's interpreter
-        spec.drafter.store_context = lambda *x: None
+        runner.store_draft_context = lambda *x: None
     # the verify-ahead's input moves are one kernel launch (kiln.kernels.verify_moves), device work
     # like the replays: not run here (a real host pays its launch, ~10-20 us, which this omits)
     runner.graphs.move_inputs = lambda *x: None

@@ -302,7 +302,19 @@ class ModelRunner:
         batch.record_routing = self.routing is not None
         hidden = self.model(batch)
         batch.extras["hidden"] = hidden  # final hidden states [T, H] (speculative decoding's drafter reads them)
+        if self.draft_model is not None and batch.num_tokens:
+            self.store_draft_context(batch)
         return self.model.compute_logits(hidden, batch)
+
+    def store_draft_context(self, batch: ForwardBatch) -> None:
+        """A block drafter's context K/V of every row of this forward, from its taps
+        (`kiln.engine.spec.block_drafter.store_context`): inside the forward, so that a CUDA graph
+        replays it with the forward."""
+        from kiln.engine.spec.block_drafter import store_context
+
+        store_context(self.draft_model, self.draft_kv, batch if self.use_kernels else None, batch.taps(),
+                      batch.positions, batch.out_cache_loc)
+        batch.captured.clear()  # the taps are not needed any more
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> set[str]:

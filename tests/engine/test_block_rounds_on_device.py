@@ -94,16 +94,16 @@ def block_graph_core(target, k: int, device: str, max_bs: int, **kw):
 
 def watch_released_slots(core, page_size: int) -> list[int]:
     """Slots on free pages that the drafter's context store writes (every forward row's context
-    K/V, `BlockDraftRunner.on_forward`): the list gets them."""
-    drafter, alloc = core.scheduler.spec.drafter, core.cache.allocator
-    store, stale = drafter.store_context, []
+    K/V, inside the forward: `ModelRunner.store_draft_context`): the list gets them."""
+    runner, alloc = core.runner, core.cache.allocator
+    store, stale = runner.store_draft_context, []
 
-    def checked(taps, positions, slots):
+    def checked(batch):
         free = alloc.free_pages()
-        stale.extend(s for s in slots.tolist() if s and s // page_size in free)
-        store(taps, positions, slots)
+        stale.extend(s for s in batch.out_cache_loc.tolist() if s and s // page_size in free)
+        store(batch)
 
-    drafter.store_context = checked
+    runner.store_draft_context = checked
     return stale
 
 

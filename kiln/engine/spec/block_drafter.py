@@ -6,8 +6,9 @@ keys and values of the context feature c_j = RMSNorm(fc(taps_j)), with taps_j th
 states entering `target_layer_ids` at j. Those K/V depend on the tokens up to j and nothing later,
 so the engine keeps them as one more per-token component of the target's main page space
 (`ComponentKind.DRAFT_KV`, one K and one V per drafter layer, stored at the target's token slot of
-position j). Every target forward computes them for all its rows (`on_forward`, right after the
-forward, before verification), exactly as the target writes its own K/V. Then:
+position j). Every target forward computes them for all its rows (`store_context`, called by the
+runner inside the forward, so that a CUDA graph replays it with the forward; before
+verification), exactly as the target writes its own K/V. Then:
 
 - rollback is bookkeeping: rows of rejected drafts lie past `num_computed` and are overwritten
   before any block reads them (a block for anchor position T - 1 reads the context below T - 1
@@ -90,6 +91,23 @@ def resolve_block_drafter(config, source, model, context_length: int, device, dt
     return drafter, k, identity
 
 
+def store_context(drafter: BlockDrafter, pool, route, taps: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """The drafter's context K/V of forward rows (taps [T, len(target_layer_ids) * H], their
+    positions and token slots) into its DRAFT_KV `pool`. `route`: None for the reference ops, or
+    what the drafter's layers read their kernel path from (a `ForwardBatch` or `LayerRoute`). The
+    runner calls it inside every target forward (`ModelRunner.store_draft_context`), so a CUDA
+    graph replays it with the forward: run eagerly after the forward, its ~10 launches were on a
+    round's host path (fortieth session)."""
+    c = drafter.context_features(taps.to(drafter.fc.weight.dtype), route)
+    if route is not None:  # one launch per layer instead of two index_puts
+        from kiln.kernels.kv_store import store_kv
+    else:
+        from kiln.ops.attention import store_kv
+    for layer, (k, v) in enumerate(drafter.context_kv(c, positions, route)):
+        store_kv(k, v, *pool.layer(layer), slots)
+
+
 def draft_kv_spec(drafter: BlockDrafter) -> StateSpec:
     """The drafter's context K/V as a main-space component: K and V per drafter layer per token."""
     cfg = drafter.config
@@ -164,29 +182,16 @@ class BlockDraftRunner:
         whose pages stop short of its block drafts there (`_split_paged`)."""
         return seq_len
 
-    @torch.inference_mode()
     def on_forward(self, batch) -> None:
-        """Context K/V of every row of the target forward, at the rows' token slots."""
-        if batch.num_tokens == 0:
-            return
-        self.store_context(batch.taps(), batch.positions, batch.out_cache_loc)
-        batch.captured.clear()  # the taps are not needed any more
+        """Nothing: the runner stored the context K/V of every row of the target forward inside
+        it (`ModelRunner.store_draft_context`, `store_context` below)."""
 
     def on_commit(self, r: Req, first_pos: int, rows: slice, batch) -> None:
-        """Nothing: `on_forward` stored every row."""
+        """Nothing: the forward stored every row."""
 
     def on_weights_changed(self) -> None:
         """The draft head's copy of the hot LM-head rows follows the new weights."""
         self.vocab.refresh()
-
-    def store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        c = self.drafter.context_features(taps.to(self.drafter.fc.weight.dtype), self.route)
-        if self.runner.use_kernels:  # one launch per layer instead of two index_puts
-            from kiln.kernels.kv_store import store_kv
-        else:
-            from kiln.ops.attention import store_kv
-        for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions, self.route)):
-            store_kv(k, v, *self.pool.layer(layer), slots)
 
     def context_kv(self, r: Req, n: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per drafter layer, the kept K and V [n, Hkv, D] of the request's positions 0..n-1
@@ -196,7 +201,7 @@ class BlockDraftRunner:
         return [(self.pool.k[i][slots], self.pool.v[i][slots]) for i in range(len(self.pool.k))]
 
     def can_defer(self, reqs: list[Req]) -> bool:
-        """A pass that drafts nothing does nothing (`on_forward` stored every row's context), so it
+        """A pass that drafts nothing does nothing (the forward stored every row's context), so it
         may run while a plain step's tokens are still on the device (`run_while_pending`)."""
         return True
 
@@ -243,7 +248,7 @@ class BlockDraftRunner:
                          count: torch.Tensor) -> None:
         """The pass of a round whose verify is still on the device: request b committed the first
         `count[b]` of `samples[b]`, so its block's anchor is its last committed token
-        (`PagedBlockPass.run_after_verify`). `on_forward` stored the verify's context K/V already
+        (`PagedBlockPass.run_after_verify`). The verify's forward stored its context K/V already
         (its rejected rows lie past the anchor, rewritten before a block reads them). The drafts
         stay on the device; `adopt_in_flight` hands them to each request after the commit."""
         sampled = self.sampling is not None and not all(r.params.greedy for r in reqs)

@@ -16,7 +16,7 @@ row) in static buffers, every row's token, position and slot derived on the devi
 
 Why writing the block rows into the pool is safe: positions >= anchor = `num_computed` are past
 the committed prefix. The next target forward stores the context K/V of every row it computes
-(`BlockDraftRunner.on_forward`) before any block reads them, and a later block reads the
+(`block_drafter.store_context`, inside the forward) before any block reads them, and a later block reads the
 context below its own anchor, which is again the committed length, and its own rows, which it
 writes first. The request's pages must cover anchor + B
 positions (`pages_needed`), so the writes land in its own pages; padding requests write the
