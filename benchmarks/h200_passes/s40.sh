@@ -88,3 +88,23 @@ lane0_s40e() {
   step greedy_phases 60 $DECODE $S38_ARGS $S38_MTP --batch-sizes 1 --host-phases --profile-steps 20 \
     --out "$R/json/greedy_phases.json"
 }
+
+# `s40f`: the block drafter's context store inside the target forward (so inside its CUDA graphs):
+#   the GPU tests of the block drafters and graphs, then DFlash K = 3 rounds, sampled (T = 1,
+#   rejection sampling) and greedy, at batch 1 and 8, alternated against the session's start
+#   (carry scratch/base44), and the new code's host phases at batch 1 (sampled).
+lane0_s40f() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40f-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C"
+  local greedy="${S38_DFLASH/--temperature 1.0 --speculative-use-rejection-sampling/}"
+  _s38_dflash_config
+  step gpu_tests 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_block_rounds_on_device.py \
+    tests/engine/test_draft_sampling.py tests/engine/test_block_drafter.py tests/engine/test_cuda_graph.py
+  for i in 1 2; do
+    step df_now_$i 90 $DECODE $S38_DFLASH --out "$R/json/df_now_$i.json"
+    step df_base_$i 60 $b44 $S38_DFLASH --out "$R/json/df_base_$i.json"
+  done
+  step greedy_now 60 $DECODE $greedy --out "$R/json/greedy_now.json"
+  step greedy_base 60 $b44 $greedy --out "$R/json/greedy_base.json"
+  step df_now_phases 60 $DECODE $S38_DFLASH --batch-sizes 1 --host-phases --profile-steps 30 --out "$R/json/df_now_phases.json"
+}
