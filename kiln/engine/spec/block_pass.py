@@ -30,12 +30,16 @@ pages for it takes the reference path, and so does every request with DFlash2's 
 selector. In a steady round on the device (`SpecDecoder._device_round`) the anchors come from the
 verify's acceptance counts on the device instead of the host (`run_after_verify`).
 
-Under exact verification (the owner's `sampling`, a `DraftSampling`) the graphs also draw the
-sampled requests' K drafts from the pass's logits and keep their q rows, as the MTP chain graph
-does (`kiln.engine.spec.draft_sampling`): drawn eagerly after the replay, the K positions' filters
-and races were ~30 launches from Python per round, and a batch-1 sampled DFlash round waited on
-the host (3.1 ms of host work for a ~3 ms round on an H100, docs/benchmarks.md, fortieth pass).
-Rows that do not draw (greedy requests, padding, a pass outside a device round) take the argmax.
+Under exact verification (the owner's `sampling`, a `DraftSampling`) a second graph per batch
+size draws the sampled requests' K drafts from the pass's logits and keeps their q rows, as the
+MTP chain graph does (`kiln.engine.spec.draft_sampling`): drawn eagerly after the replay, the K
+positions' filters and races were ~30 launches from Python per round, and a batch-1 sampled
+DFlash round waited on the host (3.1 ms of host work for a ~3 ms round on an H100,
+docs/benchmarks.md, fortieth pass). It is a graph of its own, replayed after the pass's, because
+its inputs (`DraftSampling.fill`: each request's draw keys, taken from its stream after the
+verify's) are set on the host between the two: inside the pass's graph they delayed the pass's
+launch (batch 8: 5.37 -> 5.55 ms rounds). Rows that do not draw (greedy requests, padding) take
+the argmax; a round without a sampled request replays the pass alone.
 """
 
 from __future__ import annotations
@@ -76,18 +80,17 @@ class PagedBlockPass:
         self.anchor_ids, self.anchor_pos, self.req_slots, self.live = (z(self.max_bs) for _ in range(4))
         self.offsets = torch.arange(self.block_size, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, tuple] = {}
+        self.draw_graphs: dict[int, tuple] = {}  # under exact verification (`draws`)
         self._ptrs: Optional[tuple] = None
 
     # ---- the pass on the static buffers -----------------------------------------------------------
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return self.anchor_ids, self.anchor_pos, self.req_slots, self.live
 
-    def _block(self, bs: int, inputs: Optional[tuple[torch.Tensor, ...]] = None, draw: bool = False) -> tuple:
+    def _block(self, bs: int, inputs: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of the first `bs` requests of the static buffers (or of `inputs`, tensors
         like them) -> (drafts [bs, K] token ids, their logits [bs, K, N] over the draft
-        vocabulary, processed as `BlockDrafter.process_logits` does). `draw`: also the drafts
-        with the sampled rows' drawn from q (the owner's `DraftSampling`, filled for these rows)
-        [bs, K] and q [bs, K, V]."""
+        vocabulary, processed as `BlockDrafter.process_logits` does)."""
         o = self.owner
         drafter, pool, table = o.drafter, o.pool, o.table
         B, K = self.block_size, self.K
@@ -116,12 +119,15 @@ class PagedBlockPass:
                                   [layer_cache(i) for i in range(len(drafter.layers))])
         h = h.view(bs, B, -1)[:, 1:K + 1].reshape(bs * K, -1)
         logits = drafter.process_logits(o.vocab.logits(h.to(emb.dtype))).view(bs, K, -1)
-        tokens = o.vocab.tokens(greedy_ids(logits))
-        if not draw:
-            return tokens, logits
-        # positions do not depend on each other's drafts: each draws from its own logits, with its key
-        drawn = [o.sampling.draw(j, o.vocab.full(logits[:, j]), tokens[:, j]) for j in range(K)]
-        return tokens, logits, torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
+        return o.vocab.tokens(greedy_ids(logits)), logits
+
+    def _draws(self, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass's drafts with the sampled rows' drawn from q (the owner's `DraftSampling`, filled
+        for these rows) [bs, K], and q [bs, K, V]. Positions do not depend on each other's drafts:
+        each draws from its own logits, with its own key."""
+        o = self.owner
+        drawn = [o.sampling.draw(j, o.vocab.full(logits[:, j]), tokens[:, j]) for j in range(self.K)]
+        return torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
 
     # ---- capture ------------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -139,18 +145,20 @@ class PagedBlockPass:
         self.graphs = {}
         for buf in self._buffers():
             buf.zero_()  # warm-up and capture run on padding requests (scratch slot 0)
-        draw = self.draws
-        if draw:
+        self.draw_graphs = {}
+        if self.draws:
             self.owner.sampling.fill(None, self.max_bs)  # warm-ups and capture: argmax rows
         for bs in reversed(self.sizes):
-            replay, out = capturer.capture(lambda bs=bs: self._block(bs, draw=draw))
+            replay, out = capturer.capture(lambda bs=bs: self._block(bs))
             self.graphs[bs] = (replay, out)
+            if self.draws:
+                self.draw_graphs[bs] = capturer.capture(lambda out=out: self._draws(*out))
         capturer.done(self.sizes)
         self._ptrs = self._addresses()
 
     @property
     def draws(self) -> bool:
-        """Whether the graphs draw sampled drafts (the owner holds a `DraftSampling`)."""
+        """Whether draw graphs follow the pass's (the owner holds a `DraftSampling`)."""
         return self.owner.sampling is not None
 
     # ---- one pass -----------------------------------------------------------------------------
@@ -181,11 +189,7 @@ class PagedBlockPass:
         if bs is None and n > self.max_bs:  # eager, wider than the static buffers: its own inputs
             return self._block(n, inputs)
         self._load(n, bs or n, inputs)
-        if bs is None:
-            return self._block(n)
-        if self.draws:  # nobody reads the graph's draws here: every row takes the argmax
-            self.owner.sampling.fill(None, bs)
-        return self._replay(n, bs)[:2]
+        return self._block(n) if bs is None else self._replay(n, bs)
 
     @torch.inference_mode()
     def run_after_verify(self, reqs: list[Req], samples: torch.Tensor, count: torch.Tensor,
@@ -194,8 +198,8 @@ class PagedBlockPass:
         pages covering L_b + K + B positions) committed the first `count[b]` of `samples[b]`
         ([n, K + 1] and [n] on the device), so its anchor is position L_b - 1 + count[b] with the
         token samples[b, count[b] - 1]. Nothing is read on the host. Returns (drafts, logits), or
-        with `sampled` (the graphs draw: `draws`) (drafts with the sampled requests' drawn [n, K],
-        logits, q [n, K, V]), each request's K draws taken from its stream."""
+        with `sampled` (draw graphs captured: `draws`) (drafts with the sampled requests' drawn
+        [n, K], logits, q [n, K, V]), each request's K draws taken from its stream."""
         n = len(reqs)
         assert self.graphs and n <= self.max_bs, (n, self.max_bs)
         ps = self.owner.runner.page_size  # a block at any count writes up to L_b + K + B - 2
@@ -208,11 +212,14 @@ class PagedBlockPass:
         anchor = samples.gather(1, (count - 1)[:, None])[:, 0].long()
         bs = next(s for s in self.sizes if s >= n)
         self._load(n, bs, (anchor, t["pos"] + count, t["slots"], t["live"]))
-        assert self.draws or not sampled, "sampled drafts need graphs that draw (the owner's sampling)"
-        if self.draws:
-            self.owner.sampling.fill(reqs if sampled else None, bs)
-        out = self._replay(n, bs)
-        return (out[2], out[1], out[3]) if sampled else out[:2]
+        assert self.draws or not sampled, "sampled drafts need draw graphs (the owner's sampling)"
+        tokens, logits = self._replay(n, bs)
+        if not sampled:
+            return tokens, logits
+        self.owner.sampling.fill(reqs, bs)  # after the pass's launch: the host works while it runs
+        replay, (drafts, q) = self.draw_graphs[bs]
+        replay()
+        return drafts[:n], logits, q[:n]
 
     def _load(self, n: int, width: int, inputs: tuple[torch.Tensor, ...]) -> None:
         """The first n requests' inputs into the static buffers in one multi-tensor copy (see
@@ -222,9 +229,8 @@ class PagedBlockPass:
         if width > n:
             torch._foreach_zero_([b[n:width] for b in bufs])
 
-    def _replay(self, n: int, bs: int) -> tuple[torch.Tensor, ...]:
-        """Replay the graph of batch size bs; its outputs' first n rows (views of static tensors)."""
-        replay, out = self.graphs[bs]
+    def _replay(self, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        replay, (tokens, logits) = self.graphs[bs]
         self.owner.runner.load_gate.wait_all()  # HiCache copies land first (`MTPChainGraph._pass`)
         replay()
-        return tuple(t[:n] for t in out)
+        return tokens[:n], logits[:n]
