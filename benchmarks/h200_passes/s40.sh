@@ -108,3 +108,17 @@ lane0_s40f() {
   step greedy_base 60 $b44 $greedy --out "$R/json/greedy_base.json"
   step df_now_phases 60 $DECODE $S38_DFLASH --batch-sizes 1 --host-phases --profile-steps 30 --out "$R/json/df_now_phases.json"
 }
+
+# `s40g`: the draws in a graph of their own after the pass's: the block drafters' sampled GPU test,
+#   then DFlash K = 3 sampled rounds at batch 1 and 8 alternated against the session's start
+#   (carry scratch/base44). The session's last device seconds: nothing else.
+lane0_s40g() {
+  export TRITON_CACHE_DIR=/tmp/triton-s40g-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C"
+  _s38_dflash_config
+  step gpu_tests 60 python -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/engine/test_draft_sampling.py -k block
+  for i in 1 2; do
+    step df_now_$i 80 $DECODE $S38_DFLASH --out "$R/json/df_now_$i.json"
+    step df_base_$i 40 $b44 $S38_DFLASH --out "$R/json/df_base_$i.json"
+  done
+}
