@@ -18,8 +18,8 @@ d_k = argmax(q_k / e) with e hashed from key k (`seeded_noise.exponentials`), wh
 `Sampler.draw` does for a seeded stream. So a seeded request's drafts and q rows are the
 eager pass's bit for bit, its stream advances by K draws per pass as the eager one does, and q
 lands in a static [K, n, V] tensor for the next verify. A block drafter's positions do not depend
-on each other's drafts, so its paged pass's graphs (`PagedBlockPass`) call `draw` for the K
-positions after the block's logits, as its host path draws them one by one.
+on each other's drafts, so a graph replayed after its paged pass's (`PagedBlockPass`) calls
+`draw` for the K positions on the block's logits, as its host path draws them one by one.
 
 Unseeded requests take their keys from the drafter's own stream (`shared`, seeded from the
 engine's `--seed`) rather than the sampler's shared torch generator: a replay draws fresh noise
