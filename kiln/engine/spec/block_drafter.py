@@ -33,8 +33,8 @@ in `DraftState.q` for the verify. Every ready request's block runs in one batch:
   selector: the block rows' own K/V are written into the pool past the committed prefix and the
   blocks attend over the paged context, from one CUDA graph per batch size; greedy drafts stay on
   the device (`DraftsInFlight`) for the next verify to gather, sampled ones are drawn from the
-  pass's logits on the host, or inside the pass's graph in a round on the device (when their
-  processing reads only constants: `draft_sampling.eligible`);
+  pass's logits on the host, or in a graph replayed after the pass's in a round on the device
+  (when their processing reads only constants: `draft_sampling.eligible`);
 - otherwise (the reference path): contexts gathered, padded and masked, split into groups when the
   padded contexts would exceed `max_padded_tokens`; the drafts are read back after the pass.
 """

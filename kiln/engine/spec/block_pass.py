@@ -35,11 +35,10 @@ size draws the sampled requests' K drafts from the pass's logits and keeps their
 MTP chain graph does (`kiln.engine.spec.draft_sampling`): drawn eagerly after the replay, the K
 positions' filters and races were ~30 launches from Python per round, and a batch-1 sampled
 DFlash round waited on the host (3.1 ms of host work for a ~3 ms round on an H100,
-docs/benchmarks.md, fortieth pass). It is a graph of its own, replayed after the pass's, because
-its inputs (`DraftSampling.fill`: each request's draw keys, taken from its stream after the
-verify's) are set on the host between the two: inside the pass's graph they delayed the pass's
-launch (batch 8: 5.37 -> 5.55 ms rounds). Rows that do not draw (greedy requests, padding) take
-the argmax; a round without a sampled request replays the pass alone.
+docs/benchmarks.md, fortieth pass). It is a graph of its own, replayed after the pass's, so
+that its inputs (`DraftSampling.fill`: each request's draw keys, taken from its stream after the
+verify's) are set on the host while the pass runs, and a round without a sampled request replays
+the pass alone. Rows that do not draw (greedy requests, padding) take the argmax.
 """
 
 from __future__ import annotations
