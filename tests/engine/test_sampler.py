@@ -366,6 +366,20 @@ def test_from_reqs_maps_params():
     assert batch.generators[0] is None and batch.generators[2] is None
     assert batch.generators[1] is b.generator is not None
     assert SamplingBatch.from_reqs([b], "cpu").generators[0] is b.generator
+    # whether a drawing row searches its kept set (top-k > 1 or top-p < 1): b does
+    assert batch.searches is True
+
+
+def test_from_reqs_knows_whether_a_drawing_row_searches():
+    """`searches` (the filter kernels' hint, `kiln.kernels.sampling.sample`): a drawing row with
+    top-k > 1 or top-p < 1. Greedy rows (temperature 0, or top-k 1) and min-p alone do not."""
+    def batch(*params):
+        return SamplingBatch.from_reqs([Req(str(i), [1], p) for i, p in enumerate(params)], "cpu")
+
+    assert not batch(SamplingParams(min_p=0.1), SamplingParams()).searches
+    assert not batch(SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(top_k=1, top_p=0.5)).searches
+    assert batch(SamplingParams(), SamplingParams(top_p=0.9)).searches
+    assert batch(SamplingParams(top_k=2)).searches
 
 
 def test_from_reqs_precopied_ids_match_the_in_call_path():

@@ -192,6 +192,38 @@ def test_first_search_copied_in_chunks(device, monkeypatch):
     assert seen == {0, 1, 2}, seen
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_a_search_skip_the_chunked_launches(device, monkeypatch):
+    """`searches=False` (no row has top-k or top-p): the same draws without `_table_kernel` and
+    `_copy_kernel`."""
+    gen = torch.Generator().manual_seed(9)
+    v = 700
+    logits = (_logits("random", 4, v, gen) * 2).to(device)
+    temps, ks, ps, ms = _rows(device, [0, 0, 0, 0], [1.0] * 4, [0.0, 0.05, 0.3, 0.0], [1.0, 0.7, 1.3, 1.0])
+    e = torch.empty(4, v).exponential_(generator=gen).to(device)
+    launched = []
+    for name in ("_table_kernel", "_copy_kernel"):
+        kernel = getattr(sampling, name)
+        monkeypatch.setattr(sampling, name, _Spy(kernel, launched, name))
+    with_table = sampling.sample(logits, temps, ks, ps, ms, e)
+    assert launched == ["_table_kernel", "_copy_kernel"]
+    launched.clear()
+    without = sampling.sample(logits, temps, ks, ps, ms, e, searches=False)
+    assert launched == []
+    assert torch.equal(with_table, without)
+
+
+class _Spy:
+    """`kernel[grid](...)` that records `name` first."""
+
+    def __init__(self, kernel, calls, name):
+        self.kernel, self.calls, self.name = kernel, calls, name
+
+    def __getitem__(self, grid):
+        self.calls.append(self.name)
+        return self.kernel[grid]
+
+
 # ---------------------------------------------------------------------------------- draws
 
 
