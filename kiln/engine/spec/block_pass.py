@@ -138,8 +138,9 @@ class PagedBlockPass:
 
     @torch.inference_mode()
     def capture(self, capturer=None) -> None:
-        """Capture every batch size, largest first (one memory pool); a recapture (after a
-        memory release) without warm-ups, as `CudaGraphRunner` does."""
+        """Capture every batch size, largest first (one memory pool), each with its draw graph
+        under exact verification (`draws`); a recapture (after a memory release) without
+        warm-ups, as `CudaGraphRunner` does."""
         capturer = capturer or CudaGraphCapturer(self.owner.runner.device, warmups=0 if self.graphs else 2)
         self.graphs = {}
         for buf in self._buffers():
