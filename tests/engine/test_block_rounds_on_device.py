@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from tests.engine.test_block_drafter import (assert_block_reference, make_target, oracle, outputs, plain_core,
-                                             spec_core, truth)
+from tests.engine.test_block_drafter import (assert_block_reference, fresh_context, make_target, oracle, outputs,
+                                             plain_core, spec_core, truth)
 from tests.engine.test_hybrid_engine import assert_reference, prompts
 from tests.engine.test_speculative import run_plain, run_spec
 from tests.engine.test_verify_ahead import record_taken, stand_in_graphs
@@ -105,6 +105,34 @@ def watch_released_slots(core, page_size: int) -> list[int]:
 
     runner.store_draft_context = checked
     return stale
+
+
+def test_context_cache_on_graphs_equals_fresh_computation(tmp_path_factory):
+    """The drafter's context K/V stored inside the target forward (`ModelRunner.store_draft_context`)
+    and so replayed with the forward's graphs (stood in for on the CPU by re-running it): before
+    every pass of a round on the device, the kept K/V of every committed position equal the
+    drafter's projections of freshly computed context features, after rounds with rejections."""
+    target = make_target("llama", tmp_path_factory)
+    core = block_graph_core(target, 3, "cpu", 2, page_size=4, chunked_prefill_size=16, max_prefill_tokens=64)
+    drafter = core.scheduler.spec.drafter
+    paged, seen = drafter.paged, []
+    run_after_verify = paged.run_after_verify
+
+    def checked(reqs, *a, **kw):
+        for r in reqs:
+            n = r.num_computed
+            with torch.no_grad():
+                want = core.runner.draft_model.context_kv(fresh_context(core, r.all_ids[:n]), torch.arange(n))
+            for (k, v), (wk, wv) in zip(drafter.context_kv(r), want):
+                assert (k - wk).abs().max() <= 1e-4 and (v - wv).abs().max() <= 1e-4, f"{r.rid} at {n}"
+            seen.append(n)
+        return run_after_verify(reqs, *a, **kw)
+
+    paged.run_after_verify = checked
+    run_spec(core, prompts(2, seed=43, lo=10, hi=20), max_tokens=10)
+    assert len(seen) > 4, seen
+    counts = core.stats().spec
+    assert counts.accepted_tokens < sum(counts.proposed), "expected rejections"
 
 
 @pytest.mark.parametrize("device", DEVICES)
