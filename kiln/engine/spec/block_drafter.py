@@ -139,11 +139,9 @@ class BlockDraftRunner:
         # left on the device (`flight`); the padded reference path otherwise.
         # DFlash2's candidate selector walks the draft positions on the host: no paged pass.
         self.paged = None
-        self.route = None  # lets the drafter's layers take their kernels (`LayerRoute`)
         if runner.use_kernels:
-            from kiln.engine.spec.block_pass import LayerRoute, PagedBlockPass
+            from kiln.engine.spec.block_pass import PagedBlockPass
 
-            self.route = LayerRoute(runner.backend)
             if self.drafter.candidate_selector is None:
                 from kiln.engine.spec.build import DRAFT_GRAPH_MAX_BS
 
