@@ -67,7 +67,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.sampling_search import _bits, _narrow, _pivot_stats, _pivots, _search, _search_scratch  # noqa: F401
+from kiln.kernels.sampling_search import (_bits, _narrow, _pivot_stats, _pivots, _row_filters, _search,  # noqa: F401
+                                          _search_scratch)
 from kiln.kernels.sampling_table import _copy_kernel, _table_kernel, _table_pivots
 from kiln.kernels.softmax import temperature_softmax as _softmax
 
@@ -101,6 +102,7 @@ def _select_kernel(
     row_ptr = probs_ptr + row * stride_p
     scratch = scratch_ptr + row * CAP
     tab_p = _table_pivots(NT)
+    k, top_p, searches = _row_filters(top_ks_ptr, top_ps_ptr, row, V)
     tab_c = tl.zeros([NT], dtype=tl.int32)
     tab_m = tl.zeros([NT], dtype=tl.float32)
     if TABLE:  # the chunks' maxima, sums and table, added up in chunk order
@@ -109,8 +111,7 @@ def _select_kernel(
         at = row * n_chunks + c
         p_max = tl.max(tl.load(part_x_ptr + at * 2, mask=in_row, other=0.0), axis=0)
         total = tl.sum(tl.load(part_x_ptr + at * 2 + 1, mask=in_row, other=0.0), axis=0)
-        k0 = tl.load(top_ks_ptr + row)
-        if ((k0 > 0) & (k0 < V)) | (tl.load(top_ps_ptr + row) < 1.0):  # rows that search built it
+        if searches:  # only rows that search built it
             t_at = at[:, None] * NT + tl.arange(0, NT)[None, :]
             tab_c = tl.sum(tl.load(part_c_ptr + t_at, mask=in_row[:, None], other=0), axis=0)
             tab_m = tl.sum(tl.load(part_m_ptr + t_at, mask=in_row[:, None], other=0.0), axis=0)
@@ -130,9 +131,6 @@ def _select_kernel(
         mode = tl.load(pre_i_ptr + row * 5)
         total = tl.load(pre_f_ptr + row * 4 + 3)  # the total its bracket was chosen with
 
-    k = tl.load(top_ks_ptr + row)
-    k = tl.where((k <= 0) | (k > V), V, k).to(tl.int32)
-    top_p = tl.load(top_ps_ptr + row)
     min_p = tl.load(min_ps_ptr + row)
     use_k = k < V
     use_p = top_p < 1.0

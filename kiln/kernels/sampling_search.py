@@ -14,6 +14,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_filters(top_ks_ptr, top_ps_ptr, row, V):
+    """Row `row`'s top-k (V when off: <= 0 or > V) and top-p, and whether either is on, which is
+    what makes the row search its kept set (min-p alone is a plain threshold)."""
+    k = tl.load(top_ks_ptr + row)
+    k = tl.where((k <= 0) | (k > V), V, k).to(tl.int32)
+    top_p = tl.load(top_ps_ptr + row)
+    return k, top_p, (k < V) | (top_p < 1.0)
+
+
+@triton.jit
 def _bits(p):
     """float32 >= 0 -> int32 bit pattern, ordered like the values."""
     return p.to(tl.int32, bitcast=True)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import wait_for_previous
-from kiln.kernels.sampling_search import _bits, _narrow, _pivot_stats
+from kiln.kernels.sampling_search import _bits, _narrow, _pivot_stats, _row_filters
 
 
 @triton.jit
@@ -36,9 +36,9 @@ def _table_kernel(probs_ptr, part_c_ptr, part_m_ptr, part_x_ptr, top_ks_ptr, top
     start = chunk * CHUNK
     n = tl.minimum(V - start, CHUNK)
     ptr = probs_ptr + row * stride_p + start
-    k = tl.load(top_ks_ptr + row)
+    searches = _row_filters(top_ks_ptr, top_ps_ptr, row, V)[2]
     at = row * n_chunks + chunk
-    if ((k > 0) & (k < V)) | (tl.load(top_ps_ptr + row) < 1.0):
+    if searches:
         cnt, mass, _, _ = _pivot_stats(ptr, n, _table_pivots(NT), 0, 0, BLOCK, NT)
         tl.store(part_c_ptr + at * NT + tl.arange(0, NT), cnt)
         tl.store(part_m_ptr + at * NT + tl.arange(0, NT), mass)
@@ -63,12 +63,9 @@ def _copy_kernel(probs_ptr, scratch_ptr, part_c_ptr, part_m_ptr, part_x_ptr, pre
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    k = tl.load(top_ks_ptr + row)
-    k = tl.where((k <= 0) | (k > V), V, k).to(tl.int32)
-    top_p = tl.load(top_ps_ptr + row)
+    k, top_p, searches = _row_filters(top_ks_ptr, top_ps_ptr, row, V)
     use_k = k < V
-    use_p = top_p < 1.0
-    first = (use_k | use_p) & (tl.load(min_ps_ptr + row) <= 0.0)
+    first = searches & (tl.load(min_ps_ptr + row) <= 0.0)
     c = tl.arange(0, CHUNKS)
     in_row = c < n_chunks
     at = row * n_chunks + c
