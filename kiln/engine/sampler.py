@@ -130,9 +130,9 @@ class SamplingBatch:
     # (row, token id) device tensors of the output / prompt / suppress lists, copied in
     # `from_reqs` with the other ints (None: no ids in that list); None: built in the call.
     id_pairs: Optional[dict[str, Optional[tuple[torch.Tensor, torch.Tensor]]]] = None
-    # Host flag: whether a drawing row has top-k (> 1) or top-p (< 1), whose kept set is searched
-    # (`kiln.kernels.sampling` skips its chunked launches otherwise). None: unknown (assume yes).
-    searches: Optional[bool] = None
+    # Host flag: whether a drawing row may have top-k (> 1) or top-p (< 1), whose kept set is
+    # searched (`kiln.kernels.sampling` skips its chunked launches otherwise); True unless known.
+    searches: bool = True
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
@@ -396,9 +396,7 @@ class Sampler:
             if fast:
                 from kiln.kernels import sampling
 
-                # filter + race, fused; the host knows whether a drawing row searches (top-k / top-p)
-                searches = batch.searches if batch.searches is not None else True
-                drawn = sampling.sample(xs, *params, e, searches=searches)
+                drawn = sampling.sample(xs, *params, e, searches=batch.searches)  # filter + race, fused
             else:
                 drawn = _race(filtered_probs(xs, *params), e)
             if greedy is None:
