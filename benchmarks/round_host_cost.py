@@ -21,8 +21,7 @@ round's GPU time. `--host-path` times the host path instead (`_verify_and_commit
 drafter's pass from host lists), what block drafters took before the thirty-first session.
 `--temperature T` (> 0) samples every request (seeded) under exact verification (rejection
 sampling). On the CPU the sampler and the verification take their PyTorch references, so `--ops`
-counts their torch ops where a GPU launches Triton kernels instead; launches made under Triton's
-interpreter are counted too ("triton NAME" rows)."""
+counts their torch ops where a GPU launches Triton kernels instead."""
 
 from __future__ import annotations
 
@@ -81,31 +80,6 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class count_triton_launches:
-    """Count Triton kernel launches (under the interpreter) into `counts` as (site, "triton NAME")."""
-
-    def __init__(self, counts: Counter):
-        self.counts = counts
-
-    def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self.cls, self.run = InterpretedFunction, InterpretedFunction.run
-        counts, run = self.counts, self.run
-
-        def counted(fn, *args, **kwargs):
-            site = next((f"{f.filename.split('/kiln/')[-1]}:{f.lineno} {f.name}"
-                         for f in reversed(traceback.extract_stack(limit=12)[:-1]) if "/kiln/" in f.filename), "?")
-            counts[(site, f"triton {fn.fn.__name__}")] += 1
-            return run(fn, *args, **kwargs)
-
-        InterpretedFunction.run = counted
-        return self
-
-    def __exit__(self, *exc):
-        self.cls.run = self.run
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", type=int, default=1, help="requests decoding together")
@@ -140,7 +114,7 @@ def main(argv=None) -> None:
     for _ in range(6):  # prefill and the first rounds, computed
         core.step()
     forward.compute = chain.compute = False
-    if a.drafter == "dflash":  # the context store's eager kernels would run in Triton's interpreter
+    if a.drafter == "dflash":  # device work like the replays: in an eager forward it would run in the interpreter
         runner.store_draft_context = lambda *x: None
     # the verify-ahead's input moves are one kernel launch (kiln.kernels.verify_moves), device work
     # like the replays: not run here (a real host pays its launch, ~10-20 us, which this omits)
@@ -165,13 +139,11 @@ def main(argv=None) -> None:
     print(hp.report(a.steps))
     if a.ops:
         n = 20
-        with OpCounter() as oc, count_triton_launches(oc.counts):
+        with OpCounter() as oc:
             for _ in range(n):
                 core.step()
         real = {k: v for k, v in oc.counts.items() if not any(x in k[1] for x in VIEWS)}
-        launches = sum(v for k, v in real.items() if k[1].startswith("triton "))
-        print(f"aten ops per round: {sum(oc.counts.values()) / n - launches / n:.1f}, of which not views: "
-              f"{sum(real.values()) / n - launches / n:.1f}; Triton launches: {launches / n:.1f}")
+        print(f"aten ops per round: {sum(oc.counts.values()) / n:.1f}, of which not views: {sum(real.values()) / n:.1f}")
         for (site, op), v in sorted(real.items(), key=lambda kv: -kv[1])[:40]:
             print(f"{v / n:6.1f}  {op:40s} {site}")
     if a.cprofile:
