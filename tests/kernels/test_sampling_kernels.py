@@ -162,8 +162,8 @@ def test_first_search_copied_in_chunks(device, monkeypatch):
     """The copy kernel's three modes, each against the reference and against the selection
     without it (`TABLE["PRE"]` off: `_search` brackets and copies in one program): every token
     >= the table's bracket copied (mode 2; a top-k + top-p row then searches twice in it), the
-    bracket's tokens alone (1: a small scratch), neither (0: a smaller one, or min-p on). Ten
-    chunks of 300 tokens, so offsets add up across chunks."""
+    bracket's tokens alone (1: a small scratch), neither (0: a smaller one, or min-p on). Eleven
+    chunks of 256 tokens, so offsets add up across chunks."""
     monkeypatch.setattr(sampling, "TABLE", {**sampling.TABLE, "CHUNK": 256, "BLOCK": 64})
     gen = torch.Generator().manual_seed(5)
     v = 2600
