@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or --speculative-use-block-verification their drafts are verified exactly.")
     p.add_argument("--top-p", type=float, default=1.0, help="Top-p of every request (with --temperature > 0).")
     p.add_argument("--top-k", type=int, default=0, help="Top-k of every request (0: off; with --temperature > 0).")
+    p.add_argument("--min-p", type=float, default=0.0, help="Min-p of every request (0: off; with --temperature > 0).")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
                         "Triton compiles the eager paths' kernels outside the measurement. auto: on with "
@@ -207,7 +208,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     start = last = time.perf_counter()
     for i in range(bs):
         params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed + i if args.temperature > 0 else None,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed + i if args.temperature > 0 else None,
                                 ignore_eos=True)
         core.add_request(GenerateReq(rid=f"b{bs}-{i}", input_ids=common.random_token_ids(rng, args.input_len, vocab),
                                      params=params))

@@ -59,6 +59,33 @@ def test_graph_draws_equal_the_eager_draws():
     assert graph[0].generator.draws == K
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_block_draws_equal_one_draw_per_position(device):
+    # A block drafter's graph draws its K positions in one filter and one race (`draw_block`):
+    # the tokens and q rows of K `draw` calls from the same keys, padding rows on the argmax.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    K, V, bs = 3, 96, 8
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(bs, K, V, generator=g) * 3).to(device)
+    logits[:, 1, 40:] = float("-inf")  # a token map at one position: q is 0 off it
+    argmax = logits.argmax(-1)
+    cs = DraftSampling(bs, K, device, seed=0)
+    cs.fill([_req(p) for p in SAMPLED], bs)
+    tokens, q = cs.draw_block(logits, argmax)
+    for k in range(K):
+        t, qk = cs.draw(k, logits[:, k].contiguous(), argmax[:, k].contiguous())
+        assert torch.equal(tokens[:, k], t), k
+        drawing = cs.draws.bool()
+        if device == "cpu":
+            assert torch.equal(q[drawing, k], qk[drawing]), k
+        else:  # one launch over bs * K rows against K over bs: the same kept sets, sums in another order
+            assert torch.equal(q[drawing, k] > 0, qk[drawing] > 0), k
+            torch.testing.assert_close(q[drawing, k], qk[drawing], rtol=1e-5, atol=1e-9)
+    assert torch.equal(tokens[len(SAMPLED):], argmax[len(SAMPLED):])  # padding rows
+    assert torch.equal(tokens[2], argmax[2])  # the greedy request
+
+
 def test_unseeded_requests_draw_fresh_keys_every_pass():
     cs = DraftSampling(2, 2, "cpu", seed=3)
     r = _req(SamplingParams(temperature=1.0))

@@ -125,8 +125,7 @@ class PagedBlockPass:
         for these rows) [bs, K], and q [bs, K, V]. Positions do not depend on each other's drafts:
         each draws from its own logits, with its own key."""
         o = self.owner
-        drawn = [o.sampling.draw(j, o.vocab.full(logits[:, j]), tokens[:, j]) for j in range(self.K)]
-        return torch.stack([t for t, _ in drawn], 1), torch.stack([q for _, q in drawn], 1)
+        return o.sampling.draw_block(o.vocab.full(logits), tokens)
 
     # ---- capture ------------------------------------------------------------------------------
     def _addresses(self) -> tuple:

@@ -1,0 +1,37 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# forty-first session (2026-12-06).
+# shellcheck shell=bash
+
+# `s41a`: a block drafter's K sampled positions drawn in one filter and one race
+#   (`DraftSampling.draw_block`): the GPU tests of the draws and the block drafters' device rounds,
+#   then DFlash K = 3 sampled rounds (T = 1, rejection sampling) at batch 1 and 8 alternated against
+#   the session's start (carry scratch/base45 = `git archive 7c67b86 kiln benchmarks/configs` plus
+#   this commit's benchmarks/*.py); GPU kernel tables of the batch-8 rounds now, at the session's
+#   start and at the fortieth session's (carry scratch/base44 = e37c5de, the same way), for the
+#   fortieth session's +0.16 ms; plain sampled decode with min-p alone (the chunked launches
+#   skipped, `SamplingBatch.searches`) now against e37c5de, which had none; the kernel table of an
+#   MTP K = 3 greedy round and of a plain step at batch 1.
+lane0_s41a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s41a-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C" b45="python scratch/base45/benchmarks/decode_batch.py $C"
+  local prof="--batch-sizes 8 --profile --profile-steps 10 --kernel-rows 30"
+  local minp="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --batch-sizes 1 --temperature 1.0 --min-p 0.05"
+  _s38_dflash_config
+  step gpu_tests 150 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 4 tests/engine/test_draft_sampling.py \
+    tests/engine/test_block_rounds_on_device.py
+  for i in 1 2; do
+    step df_now_$i 90 $DECODE $S38_DFLASH --out "$R/json/df_now_$i.json"
+    step df_b45_$i 60 $b45 $S38_DFLASH --out "$R/json/df_b45_$i.json"
+  done
+  step df_prof_now 60 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} $prof --out "$R/json/df_prof_now.json"
+  step df_prof_b45 60 $b45 ${S38_DFLASH/--batch-sizes 1,8/} $prof --out "$R/json/df_prof_b45.json"
+  step df_prof_b44 60 $b44 ${S38_DFLASH/--batch-sizes 1,8/} $prof --out "$R/json/df_prof_b44.json"
+  step minp_now 60 $DECODE $minp --out "$R/json/minp_now.json"
+  step minp_b44 60 $b44 $minp --out "$R/json/minp_b44.json"
+  step minp_now_2 40 $DECODE $minp --out "$R/json/minp_now_2.json"
+  step minp_b44_2 40 $b44 $minp --out "$R/json/minp_b44_2.json"
+  step mtp_prof 60 $DECODE $S38_ARGS $S38_MTP --batch-sizes 1 --profile --profile-steps 10 --kernel-rows 45 \
+    --out "$R/json/mtp_prof.json"
+  step plain_prof 60 $DECODE $S38_ARGS --batch-sizes 1 --profile --profile-steps 10 --kernel-rows 20 \
+    --out "$R/json/plain_prof.json"
+}
