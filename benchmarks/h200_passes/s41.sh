@@ -35,3 +35,20 @@ lane0_s41a() {
   step plain_prof 60 $DECODE $S38_ARGS --batch-sizes 1 --profile --profile-steps 10 --kernel-rows 20 \
     --out "$R/json/plain_prof.json"
 }
+
+# `s41b`: the headline numbers on the current code: Inkling and MiniMax-M3 `bench` at batch 1
+#   (three runs each: the roofline fraction), the 8B shape at batch 1 (Kiln only), MTP K = 3 greedy
+#   rounds against plain decode at batch 1 / 8 / 32, and sampled rounds (T = 1, rejection sampling)
+#   of MTP and DFlash K = 3 at batch 1 and 8.
+lane0_s41b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s41b-$$
+  local r="--input-len 1024 --output-len 128 --cuda-graph-max-bs 32 --batch-sizes 1,8,32 --warmup on"
+  _s38_dflash_config
+  for i in 1 2 3; do hybrids_b1 _$i 70; done
+  step llama8b_b1 90 $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \
+    --out "$R/json/llama8b_b1.json"
+  step mtp3 90 $DECODE --model-path $INK $r $S38_MTP --out "$R/json/mtp3.json"
+  step plain 60 $DECODE --model-path $INK $r --out "$R/json/plain.json"
+  step mtp3_rs 60 $DECODE $S38_ARGS $S38_MTP --temperature 1.0 --speculative-use-rejection-sampling --out "$R/json/mtp3_rs.json"
+  step df_rs 60 $DECODE $S38_DFLASH --out "$R/json/df_rs.json"
+}
