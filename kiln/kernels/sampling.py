@@ -371,7 +371,9 @@ def _select(probs, top_ks, top_ps, min_ps, cap, searches=True):
     tab = TABLE
     chunk = min(tab["CHUNK"], triton.next_power_of_2(v))
     n_chunks = triton.cdiv(v, chunk)
-    params = (top_ks.to(torch.int64), top_ps.float(), min_ps.float())
+    # read at ptr + row: an expanded (stride-0) view, as `expand(...).reshape(-1)` gives at one
+    # request, would hand rows 1.. the memory after row 0
+    params = (top_ks.to(torch.int64).contiguous(), top_ps.float().contiguous(), min_ps.float().contiguous())
     table = searches and n <= tab["MAX_ROWS"]
     part_c, part_m, part_x = meta_i, meta_f, meta_f  # unread without the table
     if table:

@@ -79,7 +79,7 @@ def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> tor
     n_chunks = triton.cdiv(v, chunk)
     part_m = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
     part_s = torch.empty_like(part_m)
-    t = temperatures.float()
+    t = temperatures.float().contiguous()  # read at t_ptr + row: rows of a strided view would read other memory
     _softmax_stats_kernel[(n, n_chunks)](logits, t, part_m, part_s, v, logits.stride(0), n_chunks, CHUNK=chunk,
                                          num_warps=SOFTMAX["num_warps"], **pdl_launch(logits.device))
     _softmax_kernel[(n, n_chunks)](logits, t, part_m, part_s, out, v, logits.stride(0), n_chunks, CHUNK=chunk,

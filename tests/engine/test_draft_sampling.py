@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams, SamplingRow
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, filtered_probs
 from kiln.engine.spec.draft_sampling import DraftSampling, eligible
 from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from tests.engine.test_graph_buffers import RecomputeCapturer
@@ -59,31 +59,58 @@ def test_graph_draws_equal_the_eager_draws():
     assert graph[0].generator.draws == K
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_block_draws_equal_one_draw_per_position(device):
+def _kernel_draws(monkeypatch) -> None:
+    """`DraftSampling` on the CPU with the Triton kernels (the interpreter) instead of the
+    references: the filter, the race and the noise the GPU takes."""
+    import kiln.engine.spec.draft_sampling as ds
+    from kiln.kernels import sampling
+    from kiln.kernels.seeded_noise import noise
+
+    monkeypatch.setattr(ds, "filter_fn", lambda device: sampling.filtered_probs)
+    monkeypatch.setattr(ds, "_race", lambda q, e: sampling.sample_from_probs(q.contiguous(), e.contiguous()))
+    monkeypatch.setattr(ds.seeded_noise, "exponentials", lambda keys, width: noise(keys, width, exponential=True))
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+@pytest.mark.parametrize("device", ["cpu", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_block_draws_equal_one_draw_per_position(device, bs, monkeypatch):
     # A block drafter's graph draws its K positions in one filter and one race (`draw_block`):
-    # the tokens and q rows of K `draw` calls from the same keys, padding rows on the argmax.
+    # the tokens and q rows of K `draw` calls from the same keys, padding rows on the argmax. At
+    # one request the per-row inputs once reached the kernels as a stride-0 view, so positions
+    # 1.. read the padding rows' constants (top-p 0: the argmax): the kernels' path at bs 1.
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    K, V, bs = 3, 96, 8
+    if device == "triton":
+        _kernel_draws(monkeypatch)
+        device = "cpu"
+    K, V = 3, 96
+    reqs = [_req(p) for p in SAMPLED[:bs]] if bs > 1 else [_req(SamplingParams(temperature=1.2, seed=3))]
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(bs, K, V, generator=g) * 3).to(device)
     logits[:, 1, 40:] = float("-inf")  # a token map at one position: q is 0 off it
     argmax = logits.argmax(-1)
     cs = DraftSampling(bs, K, device, seed=0)
-    cs.fill([_req(p) for p in SAMPLED], bs)
+    cs.fill(reqs, bs)
     tokens, q = cs.draw_block(logits, argmax)
+    drawing = cs.draws.bool()
     for k in range(K):
-        t, qk = cs.draw(k, logits[:, k].contiguous(), argmax[:, k].contiguous())
+        t, qk = cs.draw(k, logits[:, k], argmax[:, k])  # strided views, as K calls would take them
         assert torch.equal(tokens[:, k], t), k
-        drawing = cs.draws.bool()
         if device == "cpu":
             assert torch.equal(q[drawing, k], qk[drawing]), k
         else:  # one launch over bs * K rows against K over bs: the same kept sets, sums in another order
             assert torch.equal(q[drawing, k] > 0, qk[drawing] > 0), k
             torch.testing.assert_close(q[drawing, k], qk[drawing], rtol=1e-5, atol=1e-9)
-    assert torch.equal(tokens[len(SAMPLED):], argmax[len(SAMPLED):])  # padding rows
-    assert torch.equal(tokens[2], argmax[2])  # the greedy request
+        # against the filter of each row alone, with its own request's constants
+        for b in torch.nonzero(drawing).flatten().tolist():
+            row = reqs[b].sampling_row
+            one = filtered_probs(logits[b, k][None].cpu(), torch.tensor([row.temperature]), torch.tensor([row.top_k]),
+                                 torch.tensor([row.top_p]), torch.tensor([row.min_p]))
+            torch.testing.assert_close(q[b, k].cpu(), one[0], rtol=1e-5, atol=1e-7)
+    if bs > len(SAMPLED):
+        assert torch.equal(tokens[len(SAMPLED):], argmax[len(SAMPLED):])  # padding rows
+    if bs > 2:
+        assert torch.equal(tokens[2], argmax[2])  # the greedy request
 
 
 def test_unseeded_requests_draw_fresh_keys_every_pass():

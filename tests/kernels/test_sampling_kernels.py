@@ -411,3 +411,18 @@ def test_select_kernel_compiles_once_whatever_the_parameters_alignment(monkeypat
     for b in range(8):
         sampling.filtered_probs(logits, torch.ones(8, device="cuda"), ks[b:b + 8], ps[b:b + 8], mins[b:b + 8])
     assert len(compiled) <= 1, f"{len(compiled)} variants of the selection kernel"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_row_constants_may_be_strided_views(device):
+    # One request's constants expanded over its K draft rows (`expand(...).reshape(-1)` stays a
+    # stride-0 view at one request): every row reads its own, not the memory after row 0.
+    gen = torch.Generator().manual_seed(12)
+    logits = (_logits("random", 3, 300, gen) * 3).to(device)
+    temps, ks, ps, ms = _rows(device, [20], [0.8], [0.01], [0.7])
+    spread = [t.expand(3) for t in (temps, ks, ps, ms)]
+    assert all(t.stride(0) == 0 for t in spread)
+    got = sampling.filtered_probs(logits, *spread)
+    want = sampler_mod.filtered_probs(logits, *(t.contiguous() for t in spread))
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

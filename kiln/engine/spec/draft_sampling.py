@@ -130,7 +130,7 @@ class DraftSampling:
         fast at 24 rows as at 8, so K calls paid K times its latency."""
         bs, K, V = logits.shape
         assert K == self.K, (K, self.K)
-        per_row = lambda t: t[:bs, None].expand(bs, K).reshape(-1)  # noqa: E731  (request -> its K rows)
+        per_row = lambda t: t[:bs].repeat_interleave(K)  # noqa: E731  (request -> its K rows, contiguous)
         q = filter_fn(logits.device)(logits.reshape(bs * K, V), per_row(self.temps), per_row(self.top_ks),
                                      per_row(self.top_ps), per_row(self.min_ps))
         drawn = _race(q, seeded_noise.exponentials(self.keys[:bs].reshape(bs * K, 2), V)).view(bs, K)
