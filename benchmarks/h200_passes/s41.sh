@@ -57,7 +57,8 @@ lane0_s41b() {
 #   positions 1.. read the padding rows' constants): the GPU tests of the draws and of strided
 #   per-row inputs, DFlash K = 3 sampled rounds at batch 1 and 8 alternated against the session's
 #   start (carry scratch/base45) and once against e37c5de (carry scratch/base44), and the batch-8
-#   rounds' timelines (GPU gaps, host waits) now and at e37c5de, for the +0.1 ms that remains.
+#   rounds' timelines (GPU gaps, host waits) now and at e37c5de, and the host's waits on the device
+#   (--sync-audit) now, for the +0.1 ms that remains.
 lane0_s41c() {
   export TRITON_CACHE_DIR=/tmp/triton-s41c-$$
   local b44="python scratch/base44/benchmarks/decode_batch.py $C" b45="python scratch/base45/benchmarks/decode_batch.py $C"
@@ -72,4 +73,6 @@ lane0_s41c() {
   step df_b44 60 $b44 $S38_DFLASH --out "$R/json/df_b44.json"
   step df8_trace_now 60 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_now.json.gz" --out "$R/json/df8_trace_now.json"
   step df8_trace_b44 60 $b44 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b44.json.gz" --out "$R/json/df8_trace_b44.json"
+  step df8_audit_now 60 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 --sync-audit --profile-steps 10 \
+    --out "$R/json/df8_audit_now.json"
 }
