@@ -148,7 +148,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"
     assert v_cache.shape == k_cache.shape and k_cache.shape[2] == d
     block_d = head_dim_block(d)
-    out = torch.empty_like(q)
+    # row-major whatever q's strides (empty_like keeps them): the kernel writes out's last dimension at stride 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     b = req_slots.shape[0]
     if max_extend_len is None:
         max_extend_len = int(extend_lens.max()) if b else 0
