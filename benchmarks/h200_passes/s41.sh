@@ -75,3 +75,14 @@ lane0_s41c() {
   step df8_trace_now 45 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 --profile --profile-steps 10 \
     --kernel-rows 8 --trace "$R/df8_now.json.gz" --out "$R/json/df8_trace_now.json"
 }
+
+# `s41d`: the batch-8 sampled DFlash rounds' timelines at e37c5de and at this session's start, to
+#   set beside call 3's of the current code (carry scratch/base44, scratch/base45).
+lane0_s41d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s41d-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C" b45="python scratch/base45/benchmarks/decode_batch.py $C"
+  local tr="--batch-sizes 8 --profile --profile-steps 10 --kernel-rows 4"
+  _s38_dflash_config
+  step df8_trace_b44 90 $b44 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b44.json.gz" --out "$R/json/df8_trace_b44.json"
+  step df8_trace_b45 60 $b45 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b45.json.gz" --out "$R/json/df8_trace_b45.json"
+}
