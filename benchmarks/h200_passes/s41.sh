@@ -86,3 +86,19 @@ lane0_s41d() {
   step df8_trace_b44 90 $b44 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b44.json.gz" --out "$R/json/df8_trace_b44.json"
   step df8_trace_b45 60 $b45 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b45.json.gz" --out "$R/json/df8_trace_b45.json"
 }
+
+# `s41e`: whether the verify graph's lost PDL overlap (call 4: every MoE kernel of e37c5de's verify
+#   graph starts before its predecessor ends, none of the current code's) comes with the block
+#   drafter's context store inside that graph: MTP K = 3 greedy rounds at batch 8 (no context
+#   store) with their timeline, now and at e37c5de; DFlash sampled rounds at batch 8 with PDL off,
+#   now and at e37c5de (carry scratch/base44).
+lane0_s41e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s41e-$$
+  local b44="python scratch/base44/benchmarks/decode_batch.py $C"
+  local tr="--batch-sizes 8 --profile --profile-steps 10 --kernel-rows 2"
+  _s38_dflash_config
+  step mtp8_trace_now 60 $DECODE ${S38_ARGS/--batch-sizes 1,8/} $S38_MTP $tr --trace "$R/mtp8_now.json.gz" --out "$R/json/mtp8_now.json"
+  step mtp8_trace_b44 60 $b44 ${S38_ARGS/--batch-sizes 1,8/} $S38_MTP $tr --trace "$R/mtp8_b44.json.gz" --out "$R/json/mtp8_b44.json"
+  step df8_nopdl_now 40 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 --disable-pdl --out "$R/json/df8_nopdl_now.json"
+  step df8_nopdl_b44 40 $b44 ${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 --disable-pdl --out "$R/json/df8_nopdl_b44.json"
+}
