@@ -87,11 +87,12 @@ lane0_s41d() {
   step df8_trace_b45 60 $b45 ${S38_DFLASH/--batch-sizes 1,8/} $tr --trace "$R/df8_b45.json.gz" --out "$R/json/df8_trace_b45.json"
 }
 
-# `s41e`: whether the verify graph's lost PDL overlap (call 4: every MoE kernel of e37c5de's verify
-#   graph starts before its predecessor ends, none of the current code's) comes with the block
-#   drafter's context store inside that graph: MTP K = 3 greedy rounds at batch 8 (no context
-#   store) with their timeline, now and at e37c5de; DFlash sampled rounds at batch 8 with PDL off,
-#   now and at e37c5de (carry scratch/base44).
+# `s41e` (written, not run: the session had no device time left; the next experiment): whether
+#   the verify graph's lost PDL overlap (call 4: every MoE kernel of e37c5de's verify graph starts
+#   before its predecessor ends, none of the current code's) comes with the block drafter's
+#   context store inside that graph: MTP K = 3 greedy rounds at batch 8 (no context store) with
+#   their timeline, now and at e37c5de; DFlash sampled rounds at batch 8 with PDL off, now and at
+#   e37c5de (carry scratch/base44).
 lane0_s41e() {
   export TRITON_CACHE_DIR=/tmp/triton-s41e-$$
   local b44="python scratch/base44/benchmarks/decode_batch.py $C"

@@ -1,0 +1,100 @@
+"""Compare the GPU timelines of decode rounds in Chrome traces written by `decode_batch.py --profile
+--trace PATH`: where two codes' rounds differ when their kernels take the same time.
+
+A round is the span between two starts of a kernel that runs once per round (`--mark`; the
+default, `_partials_kernel`, is exact verification's first launch). Per trace it prints the median
+round, the GPU's idle time inside it, and the kernels per round; then, beside the first trace's
+numbers, the idle time each pair of consecutive GPU activities leaves per round (largest
+differences first), how many of each kernel start before their predecessor has ended (with
+programmatic dependent launch a kernel can; without it none does), and the kernels whose counts
+per round differ. The first and last rounds of the window are left out (the profiler's start and
+stop).
+
+    python benchmarks/trace_rounds.py now=df8_now_bs8.json.gz base=df8_b44_bs8.json.gz
+
+Written in the forty-first session, when e37c5de's verify graph overlapped every MoE kernel with
+its predecessor and the current code's overlapped none (docs/benchmarks.md, forty-first pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_events(path: str) -> list[dict]:
+    """The trace's GPU activities, by start time."""
+    with gzip.open(path) if path.endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+
+
+def rounds(gpu: list[dict], mark: str) -> list[dict]:
+    """Per round: its period, the idle time per pair of consecutive activities, the kernel counts
+    and how many kernels started before their predecessor ended (us, per name)."""
+    starts = [i for i, e in enumerate(gpu) if e["name"] == mark]
+    out = []
+    for a, b in zip(starts[1:], starts[2:]):
+        inside = gpu[a:b]
+        gaps, early, end, prev = collections.Counter(), collections.Counter(), None, None
+        for e in gpu[a:b + 1]:  # up to the next round's mark: the idle before it is this round's
+            if end is not None:
+                if e["ts"] > end:
+                    gaps[(prev["name"][:40], e["name"][:40])] += e["ts"] - end
+                elif e["cat"] == "kernel" and e["ts"] < prev["ts"] + prev["dur"] - 0.05:
+                    early[e["name"][:40]] += 1
+            if end is None or e["ts"] + e["dur"] > end:
+                end, prev = e["ts"] + e["dur"], e
+        out.append(dict(period=gpu[b]["ts"] - gpu[a]["ts"], gaps=gaps, early=early,
+                        count=collections.Counter(e["name"][:40] for e in inside)))
+    return out
+
+
+def per_round(rs: list[dict], key: str) -> collections.Counter:
+    total = collections.Counter()
+    for r in rs:
+        total.update(r[key])
+    return collections.Counter({k: v / len(rs) for k, v in total.items()})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", help="name=path of a --trace file; the first is the reference")
+    p.add_argument("--mark", default="_partials_kernel", help="A kernel that runs once per round.")
+    p.add_argument("--rows", type=int, default=14)
+    args = p.parse_args()
+    named = [t.split("=", 1) for t in args.traces]
+    data = {}
+    for name, path in named:
+        rs = rounds(gpu_events(path), args.mark)
+        assert rs, f"{path}: fewer than three {args.mark} launches in the window"
+        data[name] = {k: per_round(rs, k) for k in ("gaps", "early", "count")}
+        idle = statistics.median(sum(r["gaps"].values()) for r in rs)
+        print(f"{name}: {len(rs)} rounds, median {statistics.median(r['period'] for r in rs):.1f} us, "
+              f"GPU idle {idle:.1f} us a round, {statistics.median(sum(r['count'].values()) for r in rs):.0f} "
+              "activities a round")
+    names = [n for n, _ in named]
+    first = names[0]
+
+    def table(title: str, key: str, fmt: str) -> None:
+        keys = set().union(*(data[n][key] for n in names))
+        ranked = sorted(keys, key=lambda k: -max(abs(data[n][key][k] - data[first][key][k]) for n in names))
+        print(f"\n{title} ({' / '.join(names)}):")
+        for k in ranked[:args.rows]:
+            if max(abs(data[n][key][k] - data[first][key][k]) for n in names) < 0.05:
+                break
+            label = f"{k[0]} -> {k[1]}" if isinstance(k, tuple) else k
+            print("  " + "  ".join(format(data[n][key][k], fmt) for n in names) + f"  {label}")
+
+    table("idle us a round after -> before", "gaps", "7.1f")
+    table("kernels a round that start before their predecessor ends", "early", "6.1f")
+    table("activities a round", "count", "6.1f")
+
+
+if __name__ == "__main__":
+    main()

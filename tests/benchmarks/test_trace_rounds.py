@@ -1,0 +1,53 @@
+"""benchmarks/trace_rounds.py on synthetic Chrome traces: rounds split at the mark kernel, the idle
+time between activities, and kernels that start before their predecessor ends."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import trace_rounds  # noqa: E402
+
+
+def _trace(path, rounds: int, overlap: bool) -> str:
+    """`rounds` + 2 rounds of mark (2 us), a (5 us) and b (5 us): b starts 0.5 us before a ends
+    with `overlap`, else 1 us after it; 3 us idle before the next mark."""
+    events, t = [], 0.0
+    for _ in range(rounds + 2):
+        for name, dur, gap in (("_partials_kernel", 2.0, 0.0), ("a", 5.0, 0.0), ("b", 5.0, -0.5 if overlap else 1.0)):
+            t += gap
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur})
+            t += dur
+        t += 3.0
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 1.0})  # not a GPU activity
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_rounds_count_idle_and_early_starts(tmp_path):
+    rs = trace_rounds.rounds(trace_rounds.gpu_events(_trace(tmp_path / "x.json.gz", 4, overlap=False)),
+                             "_partials_kernel")
+    assert len(rs) == 4  # the first and last marks' rounds are left out
+    for r in rs:
+        assert abs(r["period"] - 16.0) < 1e-9
+        assert dict(r["gaps"]) == {("a", "b"): 1.0, ("b", "_partials_kernel"): 3.0}
+        assert not r["early"] and r["count"] == {"_partials_kernel": 1, "a": 1, "b": 1}
+    over = trace_rounds.rounds(trace_rounds.gpu_events(_trace(tmp_path / "y.json.gz", 4, overlap=True)),
+                               "_partials_kernel")
+    assert all(r["early"] == {"b": 1} and ("a", "b") not in r["gaps"] for r in over)
+
+
+def test_main_prints_both_traces(tmp_path, capsys, monkeypatch):
+    a, b = _trace(tmp_path / "a.json.gz", 3, False), _trace(tmp_path / "b.json.gz", 3, True)
+    monkeypatch.setattr(sys, "argv", ["trace_rounds.py", f"now={a}", f"base={b}"])
+    trace_rounds.main()
+    out = capsys.readouterr().out
+    assert "now: 3 rounds, median 16.0 us, GPU idle 4.0 us a round" in out
+    assert "base: 3 rounds, median 14.5 us, GPU idle 3.0 us a round" in out
+    assert "1.0      0.0  a -> b" in out and "0.0     1.0  b" in out
