@@ -123,7 +123,8 @@ class PagedBlockPass:
     def _draws(self, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass's drafts with the sampled rows' drawn from q (the owner's `DraftSampling`, filled
         for these rows) [bs, K], and q [bs, K, V]. Positions do not depend on each other's drafts:
-        each draws from its own logits, with its own key."""
+        each draws from its own logits, with its own key, all K in one launch per kernel
+        (`DraftSampling.draw_block`)."""
         o = self.owner
         return o.sampling.draw_block(o.vocab.full(logits), tokens)
 

@@ -126,8 +126,9 @@ class DraftSampling:
         """`draw` for all K positions of a block at once, where no position depends on another's
         draft (a block drafter's pass): `logits` [bs, K, V], `argmax` [bs, K] -> (tokens [bs, K],
         q [bs, K, V]). Each row is filtered and raced with its own key as `draw(k, ...)` does, but
-        over the bs * K rows in one launch each: the filter's one-program-per-row selection is as
-        fast at 24 rows as at 8, so K calls paid K times its latency."""
+        over the bs * K rows in one launch per kernel: at a few rows those launches cost about
+        their latency whatever the rows, so K calls paid it K times (a batch-8 DFlash round's
+        sampling kernels: 86 -> 53 us on an H100, docs/benchmarks.md, forty-first pass)."""
         bs, K, V = logits.shape
         assert K == self.K, (K, self.K)
         per_row = lambda t: t[:bs].repeat_interleave(K)  # noqa: E731  (request -> its K rows, contiguous)
