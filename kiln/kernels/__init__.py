@@ -75,3 +75,14 @@ def _patch_interpreter_scalar_index() -> None:
 # runs under it.
 if interpreting() and triton_available():
     _patch_interpreter_scalar_index()
+
+
+def assert_rows(**tensors) -> None:
+    """Per-row metadata (lengths, request slots, positions, cache slots) is read at `ptr + row`:
+    each named tensor must be 1-D with unit stride. A strided view, such as `expand(...).reshape(-1)`
+    at one row (stride 0), would hand rows 1.. other memory without any error; the forty-first
+    session's first `DraftSampling.draw_block` did that to the sampling kernels. None is skipped."""
+    for name, t in tensors.items():
+        assert t is None or (t.dim() == 1 and (t.shape[0] <= 1 or t.stride(0) == 1)), \
+            f"{name} must be a contiguous 1-D tensor (one entry per row), got shape {tuple(t.shape)} " \
+            f"strides {t.stride()}"

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
@@ -264,6 +265,7 @@ def conv_qk_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns (q_out [T, Hq, D], k_out [T, Hkv, D], v_out [T, Hkv*D]), new tensors in the inputs'
     dtypes, and writes k, v into k_buf / v_buf at out_locs (after reading the history)."""
+    assert_rows(q_scale=q_scale)
     hkv = k.shape[1] // head_dim
     k_out = torch.empty(k.shape[0], hkv, head_dim, dtype=k.dtype, device=k.device)
     v_out = torch.empty(v.shape[0], hkv * head_dim, dtype=v.dtype, device=v.device)
@@ -282,6 +284,7 @@ def conv_qk_norm_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """`conv_qk_norm` whose k_out and v_out go to k_cache / v_cache [slots, Hkv, D] at cache_locs
     [T] (cast to the cache's dtype, as `kiln.kernels.kv_store.store_kv` writes them) instead of
     new tensors: bit for bit `conv_qk_norm` then `store_kv`, in one launch. Returns q_out."""
+    assert_rows(q_scale=q_scale)
     hkv = k.shape[1] // head_dim
     for cache in (k_cache, v_cache):
         assert cache.dim() == 3 and cache.shape[1:] == (hkv, head_dim) and cache.stride(2) == 1 \

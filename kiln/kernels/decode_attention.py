@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.conv_qk_norm import AttentionPrologue, _new_key_value, _new_key_value_history, _normed_query_heads
 from kiln.kernels.decode_splits import _merge_heads, _merge_kernel, _split_len, merge_tile
 from kiln.kernels.launch import pdl_launch, wait_for_previous
@@ -417,6 +418,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     one launch. Same result up to summation order (on a GPU the conv's products may also
     contract into FMAs, which `conv_qk_norm_store` is compiled without). Not with key_gap.
     """
+    assert_rows(req_slots=req_slots, seq_lens=seq_lens)
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert not (early_kv and key_gap > 1), "early_kv reads keys before the wait: not for MTP layers (key_gap)"

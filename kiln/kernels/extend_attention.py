@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 from kiln.kernels.decode_attention import LOG2E, dot_precision, head_dim_block
@@ -143,6 +144,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     unused) places the queries, `key_gap` hides keys at distances 1..gap-1, and keys are read at
     req_to_token[slot, position + key_offset] (as in the reference op).
     """
+    assert_rows(req_slots=req_slots, prefix_lens=prefix_lens, extend_lens=extend_lens, extend_starts=extend_starts,
+                positions=positions)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert hq % hkv == 0, f"query heads {hq} not a multiple of KV heads {hkv}"

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.msa_scores import _dot_precision, _p2, _programs_wanted, msa_decode_scores, msa_extend_scores
 
@@ -270,6 +271,7 @@ def msa_select(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk_
     Only blocks before the query's own are read, so scores past it may hold anything. `chunk`
     (a power of two) overrides how many scores one step reads (tests).
     """
+    assert_rows(q_pos=q_pos)
     r, g, nb = scores.shape
     assert scores.stride(-1) == 1
     sel = torch.empty(r, g, topk_blocks, dtype=torch.int64, device=scores.device)
@@ -312,6 +314,7 @@ def msa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     zeroed: several splits are then merged inside the attention kernel (as
     `kiln.kernels.decode_attention` does); too small or None: `_combine_kernel` merges them.
     """
+    assert_rows(req_slots=req_slots, q_pos=q_pos)
     r, hq, d = q.shape
     g = k_cache.shape[1]
     select_here = sel is None

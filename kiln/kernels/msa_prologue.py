@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.msa_scores import _num_blocks, _score_blocks, _score_programs, _scores_config
 from kiln.kernels.rotary import _norm_rope_heads, _rotate
@@ -164,6 +165,7 @@ def msa_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     the index tables and `store_kv(k', v, ..., kI', ki_cache)` in one launch; with `scores` (decode:
     row t's query at positions[t]) that launch also scores the history blocks selection reads,
     S [T, G, NB] fp32 as `msa_decode_scores` gives it (one launch fewer); else S is None."""
+    assert_rows(positions=positions)
     t, hq, dim = q.shape
     hk, g, di = k.shape[1], qI.shape[1], qI.shape[2]
     assert k.shape == v.shape == (t, hk, dim) and kI.shape == qI.shape and qI.shape[0] == t, \

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
@@ -201,6 +202,7 @@ def msa_decode_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     blocks before the query's own, in rows with more than N causal blocks (at most N: all are
     taken, no score is read). `programs` overrides the programs per (row, head) (tests).
     """
+    assert_rows(req_slots=req_slots, q_pos=q_pos)
     r, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
     assert di % 2 == 0, "index heads are RoPE'd, so of even size"
@@ -231,6 +233,7 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     qI [T, G, DI]; sequence s has extend_lens[s] queries from row extend_starts[s], at positions
     prefix_lens[s]..). Blocks with no key visible to a query are -inf. `programs` overrides the
     programs per (query tile, head) (tests)."""
+    assert_rows(req_slots=req_slots, prefix_lens=prefix_lens, extend_lens=extend_lens, extend_starts=extend_starts)
     t, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
     nb = _num_blocks(req_to_token, block_size, max_len)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.kv_store import _blocks, _copy_row
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
@@ -102,6 +103,7 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int (device), q [T, Hq, D], k [T, Hk, D] (last dim contiguous, any token/head
     strides), cos/sin [max_positions, D/2] fp32 tables -> (q, k) rotated, new contiguous tensors."""
+    assert_rows(positions=positions)
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0]
     assert q.shape[-1] == k.shape[-1] == 2 * cos.shape[-1] and cos.stride() == sin.stride()
     if q.stride(-1) != 1:
@@ -153,6 +155,7 @@ def rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     v_cache [slots, Hk, D] at rows loc [T] (device, any integer dtype). Bit-identical to
     `store_kv(*rope(positions, q, k, cos, sin)[1:], v, ...)`, with the rotated k never written
     anywhere but the cache."""
+    assert_rows(positions=positions)
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0] == loc.shape[0]
     assert v.shape == k.shape and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:], \
         (q.shape, k.shape, v.shape, k_cache.shape, v_cache.shape)

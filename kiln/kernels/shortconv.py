@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import assert_rows
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 
@@ -238,6 +239,7 @@ def short_conv_decode(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
     conv_buf [slots, C], conv_table [rows, L] slot of each position, req_slots / seq_lens /
     out_locs [B] int64 on the device. Returns y [B, C] in x's dtype and writes x into
     conv_buf[out_locs] (after reading the history)."""
+    assert_rows(req_slots=req_slots, seq_lens=seq_lens, out_locs=out_locs)
     _check(x, w, conv_buf, conv_table)
     bsz, c = x.shape
     y = torch.empty_like(x)
@@ -263,6 +265,8 @@ def short_conv_extend(x: torch.Tensor, w: torch.Tensor, conv_buf: torch.Tensor, 
     prefix_lens (tokens already in the buffer), extend_lens, extend_starts (first row in x) [B]
     int64 on the device; out_locs [T] the slot of every row. Returns y [T, C] and writes all x
     rows into conv_buf[out_locs] (after reading the history)."""
+    assert_rows(req_slots=req_slots, prefix_lens=prefix_lens, extend_lens=extend_lens, extend_starts=extend_starts,
+                out_locs=out_locs)
     _check(x, w, conv_buf, conv_table)
     n_tok, c = x.shape
     bsz = req_slots.shape[0]
