@@ -18,6 +18,7 @@ from kiln.engine.spec.sampled_verify import draw_drafts, row_view
 from tests.engine.test_graph_buffers import RecomputeCapturer
 from tests.engine.test_hybrid_engine import prompts
 from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+from tests.kernels.devices import INTERPRETER_ONLY
 
 SAMPLED = [SamplingParams(temperature=0.8, top_k=20, seed=5),
            SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, seed=6),
@@ -72,7 +73,8 @@ def _kernel_draws(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("bs", [1, 8])
-@pytest.mark.parametrize("device", ["cpu", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("triton", marks=INTERPRETER_ONLY),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_block_draws_equal_one_draw_per_position(device, bs, monkeypatch):
     # A block drafter's graph draws its K positions in one filter and one race (`draw_block`):
     # the tokens and q rows of K `draw` calls from the same keys, padding rows on the argmax. At
