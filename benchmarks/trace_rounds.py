@@ -8,7 +8,9 @@ numbers, the idle time each pair of consecutive GPU activities leaves per round 
 differences first), how many of each kernel start before their predecessor has ended (with
 programmatic dependent launch a kernel can; without it none does), and the kernels whose counts
 per round differ. The first and last rounds of the window are left out (the profiler's start and
-stop).
+stop). `--segments` also lists, for one round of each trace, its runs of back-to-back activities
+(a CUDA graph's replay, mostly: split where the GPU idles longer than `--split-us` or at a copy)
+with their median hand-off, which is how a graph whose every hand-off slowed shows.
 
     python benchmarks/trace_rounds.py now=df8_now_bs8.json.gz base=df8_b44_bs8.json.gz
 
@@ -55,6 +57,34 @@ def rounds(gpu: list[dict], mark: str) -> list[dict]:
     return out
 
 
+def segments(gpu: list[dict], mark: str, split_us: float, min_len: int = 8) -> list[dict]:
+    """The runs of at least `min_len` back-to-back activities in the window's middle round (split
+    where the GPU idles more than `split_us` or at a copy): first activity, count, span (us),
+    median hand-off (start minus the predecessor's end, negative when it started early) and how
+    many started early."""
+    starts = [i for i, e in enumerate(gpu) if e["name"] == mark]
+    assert len(starts) >= 3, f"fewer than three {mark} launches in the window"
+    mid = len(starts) // 2
+    inside = gpu[starts[mid - 1]:starts[mid]]
+    runs, cur = [], [inside[0]]
+    for prev, e in zip(inside, inside[1:]):
+        gap = e["ts"] - (prev["ts"] + prev["dur"])
+        if gap > split_us or e["cat"] != "kernel":
+            runs.append(cur)
+            cur = [e]
+        else:
+            cur.append(e)
+    runs.append(cur)
+    out = []
+    for r in runs:
+        if len(r) < max(min_len, 2):  # a hand-off needs two activities
+            continue
+        hand = [e["ts"] - (p["ts"] + p["dur"]) for p, e in zip(r, r[1:])]
+        out.append(dict(first=r[0]["name"][:40], n=len(r), span=r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"],
+                        handoff=statistics.median(hand), early=sum(h < -0.05 for h in hand)))
+    return out
+
+
 def per_round(rs: list[dict], key: str) -> collections.Counter:
     total = collections.Counter()
     for r in rs:
@@ -67,6 +97,8 @@ def main() -> None:
     p.add_argument("traces", nargs="+", help="name=path of a --trace file; the first is the reference")
     p.add_argument("--mark", default="_partials_kernel", help="A kernel that runs once per round.")
     p.add_argument("--rows", type=int, default=14)
+    p.add_argument("--segments", action="store_true", help="List one round's runs of back-to-back activities.")
+    p.add_argument("--split-us", type=float, default=1.2, help="--segments: idle that ends a run (us).")
     args = p.parse_args()
     named = [t.split("=", 1) for t in args.traces]
     data = {}
@@ -78,6 +110,10 @@ def main() -> None:
         print(f"{name}: {len(rs)} rounds, median {statistics.median(r['period'] for r in rs):.1f} us, "
               f"GPU idle {idle:.1f} us a round, {statistics.median(sum(r['count'].values()) for r in rs):.0f} "
               "activities a round")
+        if args.segments:
+            for seg in segments(gpu_events(path), args.mark, args.split_us):
+                print(f"    {seg['n']:4d} activities over {seg['span']:7.1f} us, median hand-off "
+                      f"{seg['handoff']:5.2f} us, {seg['early']:3d} early, from {seg['first']}")
     names = [n for n, _ in named]
     first = names[0]
 

@@ -51,3 +51,16 @@ def test_main_prints_both_traces(tmp_path, capsys, monkeypatch):
     assert "now: 3 rounds, median 16.0 us, GPU idle 4.0 us a round" in out
     assert "base: 3 rounds, median 14.5 us, GPU idle 3.0 us a round" in out
     assert "1.0      0.0  a -> b" in out and "0.0     1.0  b" in out
+
+
+def test_segments_split_at_idle_and_report_hand_offs(tmp_path):
+    # a round: mark, a, b back to back (b 0.5 us early or 1 us late), 3 us idle before the next mark
+    early = trace_rounds.segments(trace_rounds.gpu_events(_trace(tmp_path / "e.json.gz", 3, overlap=True)),
+                                  "_partials_kernel", split_us=2.0, min_len=1)
+    assert early == [dict(first="_partials_kernel", n=3, span=11.5, handoff=-0.25, early=1)]
+    late = trace_rounds.segments(trace_rounds.gpu_events(_trace(tmp_path / "l.json.gz", 3, overlap=False)),
+                                 "_partials_kernel", split_us=0.5, min_len=1)
+    assert [(s["first"], s["n"]) for s in late] == [("_partials_kernel", 2)]  # b alone has no hand-off
+    assert late[0]["handoff"] == 0.0 and late[0]["early"] == 0
+    assert trace_rounds.segments(trace_rounds.gpu_events(_trace(tmp_path / "m.json.gz", 3, overlap=False)),
+                                 "_partials_kernel", split_us=0.5) == []  # runs shorter than min_len=8
