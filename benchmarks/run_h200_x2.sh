@@ -17,7 +17,7 @@
 #                        Inkling MTP rounds (k=1 and 3) against plain decode at batch 1/8/32
 #                lane 1: 8B batch-1 latency against transformers; decode profiles of the 8B shape
 #                        (batch 1/64) and Inkling bench (batch 1); small-kernel timings
-#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3|split|split2|verify8|tables8|prof8k|spec29a|spec29b|spec30a|spec31a|spec32a|spec32b|spec32c|spec32d|spec33a|spec33b|spec34a|spec34b|spec34c|spec34d|spec34e|spec34f|s35a|s35b|s35c|s35d|s36|s36r|s36a|s36b|s36c|s37|s37s|s37t|s38|s38s|s38b|s38c|s38d|s38e|s38f|s39p|s39b|s39c|s39d|s39e|s39f|s40a|s40b|s40c|s40d|s40e|s40f|s40g|s41a|s41b|s41c|s41d|s41e: later passes (see the lane functions in benchmarks/h200_passes/); spec3,
+#   PHASE=spec2|spec3|last|audit|ovl|tables2|offline2|final2|devround|phases|final3|offline3|bound|experts|tokenmap|pdl|pdl2|pdl3|pdl4|pdl5|gemv|gemv2|gemv3|gemv4|gemv5|gemv6|gemv7|gemv8|next|df|df2|fuse|fuse2|fuse3|trigger|msa|msa2|msa3|split|split2|verify8|tables8|prof8k|spec29a|spec29b|spec30a|spec31a|spec32a|spec32b|spec32c|spec32d|spec33a|spec33b|spec34a|spec34b|spec34c|spec34d|spec34e|spec34f|s35a|s35b|s35c|s35d|s36|s36r|s36a|s36b|s36c|s37|s37s|s37t|s38|s38s|s38b|s38c|s38d|s38e|s38f|s39p|s39b|s39c|s39d|s39e|s39f|s40a|s40b|s40c|s40d|s40e|s40f|s40g|s41a|s41b|s41c|s41d|s41e|s42a|s42b: later passes (see the lane functions in benchmarks/h200_passes/); spec3,
 #                audit, offline3, bound, experts, tokenmap, pdl* and gemv have lane 0 only, so they run on one GPU too (device kind nvidia-h200);
 #                tables2 ends with the tp 2 rows (run_h200_tp2.sh: 8B, Inkling and MiniMax-M3 batch 1)
 #   PHASE=pf|pf2 and later: one lane (no lane1 function), on one GPU; the log's tail is printed
@@ -64,6 +64,16 @@ kiln_rl_small() {  # kiln_rl_small RUN [FLAGS]...: `kiln rl` on the Inkling `sma
   done
 }
 
+pack_outputs() {  # The device returns at most 8 files: the JSON in one tarball, and the timelines in another when
+  # more than four; the generated dummy-drafter config (`_s38_dflash_config`) is dropped.
+  tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
+  rm -rf "$R/dflash-bench"
+  local traces=("$R"/*.json.gz)
+  if [ -e "${traces[0]}" ] && [ ${#traces[@]} -gt 4 ]; then
+    tar czf "$R/traces.tgz" -C "$R" "${traces[@]##*/}" && rm -f "${traces[@]}"
+  fi
+}
+
 # The lane functions, one file per group of passes.
 for pass_file in benchmarks/h200_passes/*.sh; do source "$pass_file"; done
 
@@ -81,13 +91,13 @@ case $PHASE in
       INK_DECODE_ARGS="--batch-sizes 8,32,64,128 --input-len 8192 --output-len 1024 --time-limit 40" \
       bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
     if [ "$PHASE" = final ]; then OUT=$R/json/tp2 T0=${TP_T0:-0} T1=${TP_T1:-100} T2=${TP_T2:-70} T3=${TP_T3:-0} T4=${TP_T4:-90} bash benchmarks/run_h200_tp2.sh > "$R/tp2.log" 2>&1; fi
-    tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
+    pack_outputs
     if [[ " devround phases final3 offline3 bound experts tokenmap pdl pdl2 pdl3 pdl4 pdl5 gemv gemv2 gemv3 gemv4 gemv5 gemv6 gemv7 gemv8 next df df2 fuse fuse2 fuse3 trigger msa msa2 msa3 split split2 verify8 tables8 prof8k " == *" $PHASE "* ]]; then grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0; fi
     if [ "$PHASE" = audit ]; then grep -v "^\[" "$R/lane0.log" | grep -v "^  \+[0-9.]\+ us"; else grep -v "^\[" "$R/lane0.log" | grep -v "^  "; fi; echo; grep -v "^\[" "$R/lane1.log" | tail -30 ;;
   tp2) bash benchmarks/run_h200_tp2.sh ;;
   *) if declare -F "lane0_$PHASE" > /dev/null && ! declare -F "lane1_$PHASE" > /dev/null; then  # one-lane passes
        (export CUDA_VISIBLE_DEVICES=0; "lane0_$PHASE") > "$R/lane0.log" 2>&1
-       tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
+       pack_outputs
        grep -v "Warning\|_warn_once\|_set_sync_debug_mode\|^  *$" "$R/lane0.log" | tail -c 11000; exit 0
      fi
      echo "PHASE must be one of the lane functions' names above (diag, tables, ..., devround) or tp2"; exit 2 ;;
