@@ -92,7 +92,8 @@ lane0_s41d() {
 #   before its predecessor ends, none of the current code's) comes with the block drafter's
 #   context store inside that graph: MTP K = 3 greedy rounds at batch 8 (no context store) with
 #   their timeline, now and at e37c5de; DFlash sampled rounds at batch 8 with PDL off, now and at
-#   e37c5de (carry scratch/base44).
+#   e37c5de (carry scratch/base44). Superseded by `s42a` (run: the store is not the cause) and
+#   `s42b` (the bisection after it).
 lane0_s41e() {
   export TRITON_CACHE_DIR=/tmp/triton-s41e-$$
   local b44="python scratch/base44/benchmarks/decode_batch.py $C"
