@@ -103,7 +103,8 @@ def main() -> None:
     named = [t.split("=", 1) for t in args.traces]
     data = {}
     for name, path in named:
-        rs = rounds(gpu_events(path), args.mark)
+        gpu = gpu_events(path)
+        rs = rounds(gpu, args.mark)
         assert rs, f"{path}: fewer than three {args.mark} launches in the window"
         data[name] = {k: per_round(rs, k) for k in ("gaps", "early", "count")}
         idle = statistics.median(sum(r["gaps"].values()) for r in rs)
@@ -111,7 +112,7 @@ def main() -> None:
               f"GPU idle {idle:.1f} us a round, {statistics.median(sum(r['count'].values()) for r in rs):.0f} "
               "activities a round")
         if args.segments:
-            for seg in segments(gpu_events(path), args.mark, args.split_us):
+            for seg in segments(gpu, args.mark, args.split_us):
                 print(f"    {seg['n']:4d} activities over {seg['span']:7.1f} us, median hand-off "
                       f"{seg['handoff']:5.2f} us, {seg['early']:3d} early, from {seg['first']}")
     names = [n for n, _ in named]
