@@ -64,10 +64,11 @@ kiln_rl_small() {  # kiln_rl_small RUN [FLAGS]...: `kiln rl` on the Inkling `sma
   done
 }
 
-pack_outputs() {  # The device returns at most 8 files: the JSON in one tarball, and the timelines in another when
-  # more than four; the generated dummy-drafter config (`_s38_dflash_config`) is dropped.
-  tar czf "$R/json.tgz" -C "$R" json && rm -rf "$R/json"
-  rm -rf "$R/dflash-bench"
+pack_outputs() {  # The device returns at most 8 files: every folder the lanes wrote (json/, a generated drafter
+  # config) in one tarball, and the timelines in another when there are more than four.
+  local dirs=() d
+  for d in "$R"/*/; do [ -d "$d" ] && dirs+=("$(basename "$d")"); done
+  if [ ${#dirs[@]} -gt 0 ]; then tar czf "$R/json.tgz" -C "$R" "${dirs[@]}" && rm -rf "${dirs[@]/#/$R/}"; fi
   local traces=("$R"/*.json.gz)
   if [ -e "${traces[0]}" ] && [ ${#traces[@]} -gt 4 ]; then
     tar czf "$R/traces.tgz" -C "$R" "${traces[@]##*/}" && rm -f "${traces[@]}"
