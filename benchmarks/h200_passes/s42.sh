@@ -12,10 +12,11 @@
 #     too), now without the store, now without the store and with 9 trivial kernels in its place;
 #   - DFlash rounds at batch 1 and 8 just before and just after aa9a056 (the store moved inside).
 #   Carry scratch/base44 (e37c5de), scratch/b_078779a and scratch/b_aa9a056 (`git archive <commit>
-#   kiln benchmarks/configs` plus this commit's benchmarks/*.py), and scratch/b_nostore (this
-#   commit's kiln with two experiment switches in `ModelRunner._forward_eager`: `KILN_NO_STORE=1`
-#   skips the store, its drafts are then wrong and only its hand-offs are read; `KILN_PAD_NODES=N`
-#   adds N one-element-add kernels before the LM head).
+#   kiln benchmarks/configs` plus this commit's benchmarks/*.py), scratch/b_nostore (c5bf9d6's
+#   kiln with experiment switches in `ModelRunner._forward_eager`: `KILN_NO_STORE=1` skips the
+#   store, its drafts are then wrong and only its hand-offs are read; `KILN_PAD_NODES=N` adds N
+#   one-element-add kernels before the LM head) and scratch/b_split; both builds are kept as diffs
+#   in benchmarks/results/h100-2026-12-06-s42/call1_s42a/.
 lane0_s42a() {
   export TRITON_CACHE_DIR=/tmp/triton-s42a-$$
   local exp="python scratch/b_nostore/benchmarks/decode_batch.py $C"
