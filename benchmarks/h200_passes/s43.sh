@@ -1,0 +1,33 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# forty-third session (2026-12-06).
+# shellcheck shell=bash
+
+# `s43a`: whether the CUDA graphs whose replays hand off at +0.42 us a kernel (forty-second pass:
+#   the sampled DFlash verify graph, MTP's chain graph) lost their programmatic (PDL) edges at
+#   capture. `benchmarks/graph_edges.py` runs decode_batch.py with every captured graph kept and
+#   prints each graph's kernel-to-kernel edges by type; with the batch-8 timelines
+#   (`trace_rounds.py --segments`) a graph's edges sit beside its hand-offs. MTP K = 3 greedy and
+#   DFlash K = 3 sampled now, DFlash at e37c5de (its verify graph fast in the forty-first pass) and
+#   at the two commits after it that changed the sampled path (c95c8ce, ac756e0), DFlash greedy,
+#   and DFlash sampled at batch 1. Carry scratch/base44, scratch/b_c95c8ce and scratch/b_ac756e0
+#   (as in s42b, which this replaces).
+lane0_s43a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s43a-$$
+  local tr="--profile --profile-steps 10 --kernel-rows 2" b
+  local mtp8="${S38_ARGS/--batch-sizes 1,8/} --batch-sizes 8 $S38_MTP $tr" df8="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 $tr"
+  local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1 $tr"
+  _s38_dflash_config
+  for b in base44 b_c95c8ce b_ac756e0; do cp benchmarks/graph_edges.py scratch/$b/benchmarks/; done
+  ge() {  # ge NAME LIMIT TREE DECODE_ARGS...: graph_edges.py of TREE (. or scratch/...) with its JSON and timeline
+    local name=$1 lim=$2 tree=$3; shift 3
+    step "$name" "$lim" python "$tree/benchmarks/graph_edges.py" --json "$R/json/$name.edges.json" -- $C "$@" \
+      --trace "$R/$name.json.gz" --out "$R/json/$name.json"
+  }
+  ge mtp8 100 . $mtp8
+  ge df8 60 . $df8
+  ge df8_b44 60 scratch/base44 $df8
+  ge df8_c95 60 scratch/b_c95c8ce $df8
+  ge df8_ac7 60 scratch/b_ac756e0 $df8
+  ge df8_greedy 60 . ${df8/--temperature 1.0 --speculative-use-rejection-sampling/}
+  ge df1 50 . $df1
+}
