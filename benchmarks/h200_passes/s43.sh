@@ -31,3 +31,21 @@ lane0_s43a() {
   ge df8_greedy 60 . ${df8/--temperature 1.0 --speculative-use-rejection-sampling/}
   ge df1 50 . $df1
 }
+
+# `s43b` (after s43a: the slow replays keep the fast ones' edges, so the state is the GPU's at run
+#   time, not the capture's): whether slow replays are PDL's (the sampled DFlash batch-8 timelines
+#   with --disable-pdl at e37c5de, whose verify graph is fast, and now), and whether they come
+#   with the number of graphs captured (DFlash sampled and MTP greedy at batch 1 with graphs of
+#   batch 1 only, --cuda-graph-max-bs 1, against MTP with the usual 8). Carry scratch/base44.
+lane0_s43b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s43b-$$
+  local tr="--profile --profile-steps 10 --kernel-rows 2"
+  local df8="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 $tr" mtp1="${S38_ARGS/--batch-sizes 1,8/} --batch-sizes 1 $S38_MTP $tr"
+  local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1 $tr"
+  _s38_dflash_config
+  step df8_nopdl_b44 100 python scratch/base44/benchmarks/decode_batch.py $C $df8 --disable-pdl --trace "$R/df8_nopdl_b44.json.gz" --out "$R/json/df8_nopdl_b44.json"
+  step df8_nopdl 60 $DECODE $df8 --disable-pdl --trace "$R/df8_nopdl.json.gz" --out "$R/json/df8_nopdl.json"
+  step df1_bs1graphs 50 $DECODE ${df1/--cuda-graph-max-bs 8/--cuda-graph-max-bs 1} --trace "$R/df1_g1.json.gz" --out "$R/json/df1_g1.json"
+  step mtp1_bs1graphs 50 $DECODE ${mtp1/--cuda-graph-max-bs 8/--cuda-graph-max-bs 1} --trace "$R/mtp1_g1.json.gz" --out "$R/json/mtp1_g1.json"
+  step mtp1 50 $DECODE $mtp1 --trace "$R/mtp1.json.gz" --out "$R/json/mtp1.json"
+}
