@@ -49,3 +49,9 @@ lane0_s43b() {
   step mtp1_bs1graphs 50 $DECODE ${mtp1/--cuda-graph-max-bs 8/--cuda-graph-max-bs 1} --trace "$R/mtp1_g1.json.gz" --out "$R/json/mtp1_g1.json"
   step mtp1 50 $DECODE $mtp1 --trace "$R/mtp1.json.gz" --out "$R/json/mtp1.json"
 }
+
+# `s43c`: the whole GPU suite on the current code (last run whole in the thirty-sixth pass, s35a;
+#   the sessions since ran the tests of what they changed).
+lane0_s43c() {
+  step gpu_suite 560 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+}
