@@ -53,5 +53,26 @@ lane0_s43b() {
 # `s43c`: the whole GPU suite on the current code (last run whole in the thirty-sixth pass, s35a;
 #   the sessions since ran the tests of what they changed).
 lane0_s43c() {
-  step gpu_suite 560 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+  step gpu_suite 560 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 6 tests --ignore tests/server
+}
+
+# `s43d` (after s43b: without PDL every graph hands off slowly, so the slow replays are replays that
+#   lost PDL's effect; c95c8ce, the first commit with them, moved the block drafters' draws from
+#   eager launches into graphs): the current code with the draws eager again after the pass's
+#   replay (carry scratch/b_eager: this commit's kiln with `KILN_EAGER_DRAWS=1` running
+#   `BlockPass._draws` eagerly instead of its graph; the diff is kept with the results), sampled
+#   DFlash K = 3 rounds at batch 8 alternated with the current code, their timelines, and batch 1.
+lane0_s43d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s43d-$$
+  local eager="env KILN_EAGER_DRAWS=1 python scratch/b_eager/benchmarks/decode_batch.py $C"
+  local tr="--profile --profile-steps 10 --kernel-rows 2" i
+  local df8="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8" df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1"
+  _s38_dflash_config
+  for i in 1 2; do
+    step df8_now_$i 90 $DECODE $df8 --out "$R/json/df8_now_$i.json"
+    step df8_eager_$i 60 $eager $df8 --out "$R/json/df8_eager_$i.json"
+  done
+  step df8_eager_tr 50 $eager $df8 $tr --trace "$R/df8_eager.json.gz" --out "$R/json/df8_eager_tr.json"
+  step df1_now 40 $DECODE $df1 --out "$R/json/df1_now.json"
+  step df1_eager 40 $eager $df1 --out "$R/json/df1_eager.json"
 }
