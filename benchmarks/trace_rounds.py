@@ -10,7 +10,9 @@ programmatic dependent launch a kernel can; without it none does), and the kerne
 per round differ. The first and last rounds of the window are left out (the profiler's start and
 stop). `--segments` also lists, for one round of each trace, its runs of back-to-back activities
 (a CUDA graph's replay, mostly: split where the GPU idles longer than `--split-us` or at a copy)
-with their median hand-off, which is how a graph whose every hand-off slowed shows.
+with their median hand-off, which is how a graph whose every hand-off slowed shows. `--replays`
+lists every graph replay's median hand-off, graph by graph, with how far ahead the host launched it
+(forty-third pass: a graph's replays flip between +0.1 and +0.42 us).
 
     python benchmarks/trace_rounds.py now=df8_now_bs8.json.gz base=df8_b44_bs8.json.gz
 
@@ -85,6 +87,32 @@ def segments(gpu: list[dict], mark: str, split_us: float, min_len: int = 8) -> l
     return out
 
 
+def graph_replays(path: str, min_kernels: int = 10) -> dict[int, list[dict]]:
+    """Every CUDA graph replay of at least `min_kernels` activities (those that share a
+    `cudaGraphLaunch`'s correlation id), keyed by its activity count (which tells the graphs apart
+    in a round), in launch order: its median hand-off, how many started early, and its lead (us
+    from the launch call's return to its first activity: how far the host was ahead)."""
+    with gzip.open(path) if path.endswith(".gz") else open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+    by_launch = collections.defaultdict(list)
+    for e in events:
+        c = e.get("args", {}).get("correlation")
+        if e.get("cat") in GPU_CATS and c in launches:
+            by_launch[c].append(e)
+    out = collections.defaultdict(list)
+    for c, acts in sorted(by_launch.items(), key=lambda kv: min(e["ts"] for e in kv[1])):
+        if len(acts) < min_kernels:
+            continue
+        acts.sort(key=lambda e: e["ts"])
+        hand = [e["ts"] - (p["ts"] + p["dur"]) for p, e in zip(acts, acts[1:])]
+        call = launches[c]
+        out[len(acts)].append(dict(handoff=statistics.median(hand), early=sum(h < -0.05 for h in hand),
+                                   lead=acts[0]["ts"] - (call["ts"] + call["dur"])))
+    return dict(out)
+
+
 def per_round(rs: list[dict], key: str) -> collections.Counter:
     total = collections.Counter()
     for r in rs:
@@ -99,12 +127,21 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=14)
     p.add_argument("--segments", action="store_true", help="List one round's runs of back-to-back activities.")
     p.add_argument("--split-us", type=float, default=1.2, help="--segments: idle that ends a run (us).")
+    p.add_argument("--replays", action="store_true",
+                   help="List every graph replay's median hand-off (and lead), graph by graph; a trace "
+                        "without the mark kernel then prints only these.")
     args = p.parse_args()
     named = [t.split("=", 1) for t in args.traces]
     data = {}
     for name, path in named:
         gpu = gpu_events(path)
         rs = rounds(gpu, args.mark)
+        if args.replays:
+            print(f"{name}: graph replays, median hand-off us / lead us, in launch order")
+            for n, reps in graph_replays(path).items():
+                print(f"    {n:4d} activities: " + "  ".join(f"{r['handoff']:+.2f}/{r['lead']:.0f}" for r in reps))
+            if not rs:
+                continue
         assert rs, f"{path}: fewer than three {args.mark} launches in the window"
         data[name] = {k: per_round(rs, k) for k in ("gaps", "early", "count")}
         idle = statistics.median(sum(r["gaps"].values()) for r in rs)
@@ -115,7 +152,9 @@ def main() -> None:
             for seg in segments(gpu, args.mark, args.split_us):
                 print(f"    {seg['n']:4d} activities over {seg['span']:7.1f} us, median hand-off "
                       f"{seg['handoff']:5.2f} us, {seg['early']:3d} early, from {seg['first']}")
-    names = [n for n, _ in named]
+    names = [n for n, _ in named if n in data]
+    if not names:
+        return
     first = names[0]
 
     def table(title: str, key: str, fmt: str) -> None:

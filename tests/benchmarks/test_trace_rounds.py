@@ -64,3 +64,40 @@ def test_segments_split_at_idle_and_report_hand_offs(tmp_path):
     assert late[0]["handoff"] == 0.0 and late[0]["early"] == 0
     assert trace_rounds.segments(trace_rounds.gpu_events(_trace(tmp_path / "m.json.gz", 3, overlap=False)),
                                  "_partials_kernel", split_us=0.5) == []  # runs shorter than min_len=8
+
+
+def _graph_trace(path) -> str:
+    """Two replays of a 12-kernel graph (hand-offs 0.1 us, then 0.4 us), one 3-kernel graph and an
+    eager kernel; each replay's kernels carry its cudaGraphLaunch's correlation id."""
+    events, t = [], 100.0
+    for corr, n, gap, call_ts in ((1, 12, 0.1, 50.0), (2, 3, 0.1, 60.0), (3, 12, 0.4, 70.0)):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": call_ts, "dur": 5.0,
+                       "args": {"correlation": corr}})
+        for _ in range(n):
+            events.append({"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": t, "dur": 2.0,
+                           "args": {"correlation": corr}})
+            t += 2.0 + gap
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 80.0, "dur": 3.0,
+                   "args": {"correlation": 4}})
+    events.append({"ph": "X", "cat": "kernel", "name": "eager", "ts": t, "dur": 1.0, "args": {"correlation": 4}})
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_graph_replays_report_each_replay_of_each_graph(tmp_path):
+    reps = trace_rounds.graph_replays(_graph_trace(tmp_path / "g.json.gz"), min_kernels=10)
+    assert list(reps) == [12]  # the 3-kernel graph and the eager kernel are left out
+    (fast, slow) = reps[12]
+    assert abs(fast["handoff"] - 0.1) < 1e-9 and abs(slow["handoff"] - 0.4) < 1e-9
+    assert fast["early"] == slow["early"] == 0
+    assert fast["lead"] == 100.0 - 55.0  # first kernel at 100, the launch call returned at 55
+    assert reps == trace_rounds.graph_replays(str(tmp_path / "g.json.gz"))
+
+
+def test_main_lists_replays_of_a_trace_without_the_mark(tmp_path, capsys, monkeypatch):
+    g = _graph_trace(tmp_path / "g.json.gz")
+    monkeypatch.setattr(sys, "argv", ["trace_rounds.py", f"g={g}", "--replays"])
+    trace_rounds.main()
+    out = capsys.readouterr().out
+    assert "g: graph replays" in out and "12 activities: +0.10/45  +0.40/" in out
