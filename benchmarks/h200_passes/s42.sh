@@ -35,7 +35,7 @@ lane0_s42a() {
   step df8_nostore_pad9 60 env KILN_NO_STORE=1 KILN_PAD_NODES=9 $exp $df8 --trace "$R/df8_pad9.json.gz" --out "$R/json/df8_pad9.json"
 }
 
-# `s42b` (after s42a: the DFlash verify graph's hand-offs are as slow just before aa9a056 as after
+# `s42b` (superseded by s43a, which ran its bisection with the graphs' edges; after s42a: the DFlash verify graph's hand-offs are as slow just before aa9a056 as after
 #   it, and the MTP verify graph's are fast, now as at e37c5de): the sampled DFlash batch-8
 #   timelines at e37c5de (fast in the forty-first pass) and at the two commits after it that
 #   changed the sampled path (c95c8ce: the pass's draws inside its graph; ac756e0: the chunked
