@@ -61,7 +61,8 @@ lane0_s43c() {
 #   eager launches into graphs): the current code with the draws eager again after the pass's
 #   replay (carry scratch/b_eager: this commit's kiln with `KILN_EAGER_DRAWS=1` running
 #   `BlockPass._draws` eagerly instead of its graph; the diff is kept with the results), sampled
-#   DFlash K = 3 rounds at batch 8 alternated with the current code, their timelines, and batch 1.
+#   DFlash K = 3 rounds at batch 8 alternated with the current code, their timelines, and batch 1;
+#   a plain batch-1 Inkling decode's timeline (whether plain decode graphs' replays are fast).
 lane0_s43d() {
   export TRITON_CACHE_DIR=/tmp/triton-s43d-$$
   local eager="env KILN_EAGER_DRAWS=1 python scratch/b_eager/benchmarks/decode_batch.py $C"
@@ -75,4 +76,5 @@ lane0_s43d() {
   step df8_eager_tr 50 $eager $df8 $tr --trace "$R/df8_eager.json.gz" --out "$R/json/df8_eager_tr.json"
   step df1_now 40 $DECODE $df1 --out "$R/json/df1_now.json"
   step df1_eager 40 $eager $df1 --out "$R/json/df1_eager.json"
+  step plain1_tr 40 $DECODE ${S38_ARGS/--batch-sizes 1,8/} --batch-sizes 1 $tr --trace "$R/plain1.json.gz" --out "$R/json/plain1.json"
 }
