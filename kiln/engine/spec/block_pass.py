@@ -30,15 +30,18 @@ pages for it takes the reference path, and so does every request with DFlash2's 
 selector. In a steady round on the device (`SpecDecoder._device_round`) the anchors come from the
 verify's acceptance counts on the device instead of the host (`run_after_verify`).
 
-Under exact verification (the owner's `sampling`, a `DraftSampling`) a second graph per batch
-size draws the sampled requests' K drafts from the pass's logits and keeps their q rows, as the
-MTP chain graph does (`kiln.engine.spec.draft_sampling`): drawn eagerly after the replay, the K
-positions' filters and races were ~30 launches from Python per round, and a batch-1 sampled
-DFlash round waited on the host (3.1 ms of host work for a ~3 ms round on an H100,
-docs/benchmarks.md, fortieth pass). It is a graph of its own, replayed after the pass's, so
-that its inputs (`DraftSampling.fill`: each request's draw keys, taken from its stream after the
-verify's) are set on the host while the pass runs, and a round without a sampled request replays
-the pass alone. Rows that do not draw (greedy requests, padding) take the argmax.
+Under exact verification (the owner's `sampling`, a `DraftSampling`) the sampled requests' K
+drafts are drawn from the pass's logits, and their q rows kept, by launches right after the pass's
+replay (`DraftSampling.draw_block`: all K positions in one launch per kernel, ~13 launches; their
+inputs, each request's draw keys taken from its stream after the verify's, are set while the pass
+runs). Rows that do not draw (greedy requests, padding) take the argmax. The draws were a graph of
+their own from 9eabcaa, and inside the pass's graph from c95c8ce, when they were ~30 launches
+and a batch-1 round waited on the host for them; but from c95c8ce on, the graph replays after
+them (the next verify's, mostly) ran without programmatic dependent launch's overlap, ~0.3 us
+more per kernel, though they kept their programmatic edges (why is not known). Eager again:
+sampled DFlash K = 3 rounds 5.58 -> 5.42 ms at batch 8, 2.69 -> 2.71 at batch 1, on an H100
+(docs/benchmarks.md, forty-third pass). The capture runs them once per batch size, so that their
+Triton kernels compile there and not in the first sampled round.
 """
 
 from __future__ import annotations
@@ -79,7 +82,6 @@ class PagedBlockPass:
         self.anchor_ids, self.anchor_pos, self.req_slots, self.live = (z(self.max_bs) for _ in range(4))
         self.offsets = torch.arange(self.block_size, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, tuple] = {}
-        self.draw_graphs: dict[int, tuple] = {}  # under exact verification (`draws`)
         self._ptrs: Optional[tuple] = None
 
     # ---- the pass on the static buffers -----------------------------------------------------------
@@ -138,27 +140,27 @@ class PagedBlockPass:
 
     @torch.inference_mode()
     def capture(self, capturer=None) -> None:
-        """Capture every batch size, largest first (one memory pool), each with its draw graph
-        under exact verification (`draws`); a recapture (after a memory release) without
-        warm-ups, as `CudaGraphRunner` does."""
+        """Capture every batch size, largest first (one memory pool); a recapture (after a memory
+        release) without warm-ups, as `CudaGraphRunner` does. Under exact verification (`draws`)
+        the eager draws run once per batch size too, on padding rows, to compile their kernels."""
+        first = not self.graphs
         capturer = capturer or CudaGraphCapturer(self.owner.runner.device, warmups=0 if self.graphs else 2)
         self.graphs = {}
         for buf in self._buffers():
             buf.zero_()  # warm-up and capture run on padding requests (scratch slot 0)
-        self.draw_graphs = {}
-        if self.draws:
-            self.owner.sampling.fill(None, self.max_bs)  # warm-ups and capture: argmax rows
         for bs in reversed(self.sizes):
-            replay, out = capturer.capture(lambda bs=bs: self._block(bs))
-            self.graphs[bs] = (replay, out)
-            if self.draws:
-                self.draw_graphs[bs] = capturer.capture(lambda out=out: self._draws(*out))
+            self.graphs[bs] = capturer.capture(lambda bs=bs: self._block(bs))
         capturer.done(self.sizes)
+        if self.draws and first:  # on a replay's logits (a capture leaves its outputs unwritten)
+            self.owner.sampling.fill(None, self.max_bs)  # padding rows: argmax
+            for bs, (replay, out) in self.graphs.items():
+                replay()
+                self._draws(*out)
         self._ptrs = self._addresses()
 
     @property
     def draws(self) -> bool:
-        """Whether draw graphs follow the pass's (the owner holds a `DraftSampling`)."""
+        """Whether sampled drafts are drawn after the pass (the owner holds a `DraftSampling`)."""
         return self.owner.sampling is not None
 
     # ---- one pass -----------------------------------------------------------------------------
@@ -198,8 +200,8 @@ class PagedBlockPass:
         pages covering L_b + K + B positions) committed the first `count[b]` of `samples[b]`
         ([n, K + 1] and [n] on the device), so its anchor is position L_b - 1 + count[b] with the
         token samples[b, count[b] - 1]. Nothing is read on the host. Returns (drafts, logits), or
-        with `sampled` (draw graphs captured: `draws`) (drafts with the sampled requests' drawn
-        [n, K], logits, q [n, K, V]), each request's K draws taken from its stream."""
+        with `sampled` (under exact verification: `draws`) (drafts with the sampled requests'
+        drawn [n, K], logits, q [n, K, V]), each request's K draws taken from its stream."""
         n = len(reqs)
         assert self.graphs and n <= self.max_bs, (n, self.max_bs)
         ps = self.owner.runner.page_size  # a block at any count writes up to L_b + K + B - 2
@@ -212,13 +214,12 @@ class PagedBlockPass:
         anchor = samples.gather(1, (count - 1)[:, None])[:, 0].long()
         bs = next(s for s in self.sizes if s >= n)
         self._load(n, bs, (anchor, t["pos"] + count, t["slots"], t["live"]))
-        assert self.draws or not sampled, "sampled drafts need draw graphs (the owner's sampling)"
+        assert self.draws or not sampled, "sampled drafts need the owner's sampling (exact verification)"
         tokens, logits = self._replay(n, bs)
         if not sampled:
             return tokens, logits
         self.owner.sampling.fill(reqs, bs)  # after the pass's launch: the host works while it runs
-        replay, (drafts, q) = self.draw_graphs[bs]
-        replay()
+        drafts, q = self._draws(*self.graphs[bs][1])  # eager: the module docstring says why
         return drafts[:n], logits, q[:n]
 
     def _load(self, n: int, width: int, inputs: tuple[torch.Tensor, ...]) -> None:
