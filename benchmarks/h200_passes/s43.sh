@@ -78,3 +78,16 @@ lane0_s43d() {
   step df1_eager 40 $eager $df1 --out "$R/json/df1_eager.json"
   step plain1_tr 40 $DECODE ${S38_ARGS/--batch-sizes 1,8/} --batch-sizes 1 $tr --trace "$R/plain1.json.gz" --out "$R/json/plain1.json"
 }
+
+# `s43e`: the block drafters' draws eager after the pass's replay (4b5b4b2, after s43d): their GPU
+#   tests (the draws, the device rounds, the paged pass), then sampled DFlash K = 3 rounds at
+#   batch 1 and 8 with a timeline of batch 8.
+lane0_s43e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s43e-$$
+  local tr="--profile --profile-steps 10 --kernel-rows 2"
+  _s38_dflash_config
+  step gpu_tests 130 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 4 tests/engine/test_draft_sampling.py \
+    tests/engine/test_block_rounds_on_device.py tests/engine/test_block_pass.py
+  step df 60 $DECODE $S38_DFLASH --out "$R/json/df.json"
+  step df8_tr 40 $DECODE ${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 8 $tr --trace "$R/df8.json.gz" --out "$R/json/df8_tr.json"
+}
