@@ -25,6 +25,7 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import functools
 import inspect
 import json
 import os
@@ -113,6 +114,12 @@ class _Driver:
         return [(int(frm[i]), int(to[i]), data[i].type, data[i].from_port) for i in range(n.value)]
 
 
+@functools.lru_cache(maxsize=1)
+def _driver() -> _Driver:
+    """Opened at the first capture: a CPU run captures nothing and has no libcuda."""
+    return _Driver()
+
+
 def _where() -> str:
     """The kiln frames above the capture (innermost first) with their `bs` / `q` locals."""
     parts = []
@@ -144,7 +151,6 @@ def kept_graphs(records: list):
             super().__init__(keep_graph=True)
 
     torch.cuda.CUDAGraph = KeptGraph
-    drivers: list = []  # opened at the first capture: a CPU run captures nothing and has no libcuda
     capture = cuda_graph.CudaGraphCapturer.capture
 
     def capture_and_read(self, fn):
@@ -152,7 +158,7 @@ def kept_graphs(records: list):
         graph = replay.__self__
         record = {"index": len(records), "where": _where()}
         try:
-            driver = drivers[0] if drivers else drivers.append(_Driver()) or drivers[0]
+            driver = _driver()
             nodes = driver.nodes(graph.raw_cuda_graph())
             index = {n: i for i, n in enumerate(nodes)}
             types = [driver.node_type(n) for n in nodes]

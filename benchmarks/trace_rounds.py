@@ -27,15 +27,21 @@ import collections
 import gzip
 import json
 import statistics
+from typing import Optional
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_events(path: str) -> list[dict]:
-    """The trace's GPU activities, by start time."""
+def read_trace(path: str) -> list[dict]:
+    """The trace's complete events (host calls and GPU activities)."""
     with gzip.open(path) if path.endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def gpu_events(path: str, events: Optional[list[dict]] = None) -> list[dict]:
+    """The trace's GPU activities, by start time (from `events`, `read_trace`'s, when given)."""
+    events = read_trace(path) if events is None else events
+    return sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
 
 
 def rounds(gpu: list[dict], mark: str) -> list[dict]:
@@ -87,13 +93,12 @@ def segments(gpu: list[dict], mark: str, split_us: float, min_len: int = 8) -> l
     return out
 
 
-def graph_replays(path: str, min_kernels: int = 10) -> dict[int, list[dict]]:
+def graph_replays(path: str, min_kernels: int = 10, events: Optional[list[dict]] = None) -> dict[int, list[dict]]:
     """Every CUDA graph replay of at least `min_kernels` activities (those that share a
     `cudaGraphLaunch`'s correlation id), keyed by its activity count (which tells the graphs apart
     in a round), in launch order: its median hand-off, how many started early, and its lead (us
     from the launch call's return to its first activity: how far the host was ahead)."""
-    with gzip.open(path) if path.endswith(".gz") else open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    events = read_trace(path) if events is None else events
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
     by_launch = collections.defaultdict(list)
@@ -134,11 +139,12 @@ def main() -> None:
     named = [t.split("=", 1) for t in args.traces]
     data = {}
     for name, path in named:
-        gpu = gpu_events(path)
+        events = read_trace(path)
+        gpu = gpu_events(path, events)
         rs = rounds(gpu, args.mark)
         if args.replays:
             print(f"{name}: graph replays, median hand-off us / lead us, in launch order")
-            for n, reps in graph_replays(path).items():
+            for n, reps in graph_replays(path, events=events).items():
                 print(f"    {n:4d} activities: " + "  ".join(f"{r['handoff']:+.2f}/{r['lead']:.0f}" for r in reps))
             if not rs:
                 continue
