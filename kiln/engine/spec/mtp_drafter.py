@@ -240,7 +240,7 @@ class MTPDrafter:
             items = [it for it in items if len(it.catch_up) or it.draft]
             if not items:
                 continue
-            out, rows_of, keep = self._forward_layer(k, layer, items, draft_hidden, draft_token, dev)
+            out, rows_of, keep, batch = self._forward_layer(k, layer, items, draft_hidden, draft_token, dev)
             if k < self.num_layers and keep is not None:  # h^k of catch-up rows for layer k + 1
                 rows, locs = keep
                 self.site(k)[locs] = out[rows].to(self.site(k).dtype)
@@ -255,7 +255,7 @@ class MTPDrafter:
             drafting = [it.req for it in items if num_drafts.get(it.req.rid, 0) >= k]
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
-                sub = self.vocab.logits(layer.final_norm(h))  # over the draft vocabulary, as in the graph
+                sub = self.vocab.logits(layer.final_norm(h, batch))  # over the draft vocabulary, as in the graph
                 tokens = self.vocab.tokens(greedy_ids(sub))
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
                 # over the whole vocabulary, -inf off a token map (q is 0 there): only where read
@@ -379,7 +379,7 @@ class MTPDrafter:
     def _forward_layer(self, k: int, layer, items: list[_Rows], draft_hidden: dict, draft_token: dict, dev):
         """Build layer k's batch (catch-up rows then the draft row, per request) and run it.
         Returns (output hidden [rows, H], rid -> (first row, row count), (catch-up rows, conv slots
-        to keep their h^k in) or None)."""
+        to keep their h^k in) or None, the batch: its backend picks the final norm's path)."""
         ps = self.page_size
         tokens, positions, swa_locs, hid_locs, slots, lens = [], [], [], [], [], []
         keep_rows, keep_locs = [], []  # catch-up rows and the conv slots of their stored positions
@@ -429,7 +429,7 @@ class MTPDrafter:
         batch.extras["positions_cpu"] = positions
         emb = self.model.model.embed_tokens(ids_t)
         keep = (t["keep_rows"], t["keep_locs"]) if keep_rows else None
-        return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep
+        return layer(emb, h_prev.to(emb.dtype), batch), rows_of, keep, batch
 
 
 def _clear_drafts(reqs: list[Req]) -> None:

@@ -56,6 +56,7 @@ from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.sampler import greedy_ids
 from kiln.engine.spec.draft_sampling import DraftSampling
+from kiln.ops import mtp_rows
 
 
 class MTPChainGraph:
@@ -88,12 +89,14 @@ class MTPChainGraph:
         self.req_slots = z(n)
         self.zeros = z(n)
         self.starts = torch.arange(n, dtype=torch.int64, device=dev) * self.R
-        self.row = torch.arange(self.R, dtype=torch.int64, device=dev)
-        self.layer = torch.arange(1, K + 1, dtype=torch.int64, device=dev)  # k = 1..K
         self.graphs: dict[int, tuple] = {}
         self._ptrs: Optional[tuple] = None
         self.late: Optional[MTPChainGraph] = None  # the late catch-up graph (`MTPDrafter.use_graphs`)
         self.sampling = DraftSampling(n, K, dev, sample_seed) if self.drafts and sample_seed is not None else None
+        self.chain_rows = mtp_rows.chain_rows
+        if drafter.runner.backend.use_kernels:  # imported only here: the CPU build of torch ships without Triton
+            from kiln.kernels.mtp_rows import chain_rows
+            self.chain_rows = chain_rows
 
     # ---- capture -----------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -116,42 +119,11 @@ class MTPChainGraph:
         self._ptrs = self._addresses()
 
     def _rows(self, bs: int) -> dict[str, torch.Tensor]:
-        """Every row's inputs from the per-request tables of the first `bs` requests (flattened
-        [bs * R] per row, [K, ...] per layer). Row i of request b: a catch-up row (stored
-        position F + i) when i < c, layer k >= 2's draft row (index F + c - 2, stored F + c - 2 + k)
-        when i == c, else padding."""
-        K, R = self.K, self.R
-        c, first = self.count[:bs, None], self.first[:bs, None]  # [bs, 1]
-        i, k, k_col = self.row[None, :], self.layer[:, None, None], self.layer[:, None]  # [1, R], [K, 1, 1], [K, 1]
-        live = c > 0
-        catch = i < c  # [bs, R]
-        zero = torch.zeros_like(catch, dtype=torch.int64)
-        conv = self.conv_slots[:bs]
-        hid = torch.where(catch, conv[:, :R], zero)  # h^{k-1} at p - 1 (conv column i = position F - 1 + i)
-        # h^k at p
-        keep = torch.where(catch, conv[:, 1:].gather(1, i.clamp(max=self.C - 1).expand(bs, R)), zero)
-        rows = {
-            "ids": torch.where(catch, self.tokens[:bs], zero).reshape(-1),
-            "hid": hid.reshape(-1), "keep": keep.reshape(-1),
-            # contiguous: a kernel indexes it with stride 1 (at bs 1 the expand would stay a stride-0 view)
-            "token_slots": (self.req_slots[:bs, None] * live).expand(bs, R).contiguous().view(-1),
-        }
-        swa_catch = torch.where(catch, self.swa_slots[:bs, :R], zero)
-        if not self.drafts:  # the late catch-up graph: catch-up rows and padding only
-            rows.update(pos=torch.where(catch, first + i - k, 0).reshape(K, -1),
-                        swa=swa_catch.expand(K, bs, R).reshape(K, -1),
-                        ext=torch.where(live.t(), c.t(), 0).expand(K, bs))
-            return rows
-        draft = (i == c) & live & (k >= 2)  # [K, bs, R]
-        pos = torch.where(catch, first + i - k, torch.where(draft, first + c - 2, 0))
-        swa_draft = self.swa_slots[:bs].gather(1, (c - 2 + self.layer[None, :]).clamp(min=0)).t()  # [K, bs]
-        swa = torch.where(catch, swa_catch, torch.where(draft, swa_draft[:, :, None], 0))
-        base = self.starts[:bs, None]
-        rows.update(pos=pos.reshape(K, -1), swa=swa.reshape(K, -1),
-                    ext=torch.where(live.t(), c.t() + (k_col >= 2), 0),  # [K, bs]
-                    draft_out=base.t() + torch.where(live, c, 1).t() - (k_col == 1).long(),  # [K, bs]; padding: own block
-                    draft_in=(base + torch.where(live, c, R - 1)).reshape(bs))
-        return rows
+        """Every row's inputs from the per-request tables of the first `bs` requests
+        (`kiln.ops.mtp_rows.chain_rows`: flattened [bs * R] per row, [K, ...] per layer), in one
+        launch on the kernel path."""
+        return self.chain_rows(self.count[:bs], self.first[:bs], self.tokens[:bs], self.conv_slots[:bs],
+                               self.swa_slots[:bs], self.req_slots[:bs], self.K, self.R, self.drafts)
 
     def _chain(self, bs: int):
         """The pass on the static buffers of the first `bs` requests -> logits [K, bs, N] (fp32)
@@ -164,8 +136,10 @@ class MTPChainGraph:
         for k, layer in enumerate(d.layers, start=1):
             ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
             if k > 1 and self.drafts:  # layer k - 1's draft token and hidden state feed layer k's draft row
-                ids = ids.index_copy(0, rows["draft_in"], prev_tok)
-                h_prev = h_prev.index_copy(0, rows["draft_in"], prev_h.to(h_prev.dtype))
+                # a `where` and an in-place copy into the fresh gather: an out-of-place index_copy
+                # would clone first, a memcpy node in the graph
+                ids = torch.where(rows["draft_row"], prev_tok.to(ids.dtype)[:, None], ids.view(bs, R)).view(-1)
+                h_prev.index_copy_(0, rows["draft_in"], prev_h.to(h_prev.dtype))
             ext = rows["ext"][k - 1]
             batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=rows["pos"][k - 1],
                                  prefix_lens=[0] * bs, extend_lens=[R] * bs, logits_indices=ids[:0],
@@ -181,7 +155,7 @@ class MTPChainGraph:
             if not self.drafts:
                 continue
             prev_h = out.index_select(0, rows["draft_out"][k - 1])
-            logits = d.vocab.logits(layer.final_norm(prev_h))  # over the draft vocabulary
+            logits = d.vocab.logits(layer.final_norm(prev_h, batch))  # over the draft vocabulary
             prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
             if self.sampling is not None:
