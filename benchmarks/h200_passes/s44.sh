@@ -64,3 +64,48 @@ lane0_s44b() {
   step mtp1_tr 60 $DECODE ${S38_ARGS/--batch-sizes 1,8/} --batch-sizes 1 $S38_MTP $tr --trace "$R/mtp1.json.gz" \
     --out "$R/json/mtp1_tr.json"
 }
+
+# `s44c` (after s44b): whether a verify's graph gains from what plain decode's already has. In a
+#   plain batch-1 step the kernels overlap (sum of durations 2.17 ms in a 1.29 ms replay: PDL's
+#   early trigger), in a K = 3 verify they do not (2.27 in 2.24). MTP K = 3 rounds at batch 1 and 8
+#   with --pdl-early-trigger (every kernel, every graph), with the one-token MoE GEMVs up to 4
+#   tokens (--moe-gemv-max-tokens 4) and with Kiln's GEMV up to 4 rows (--gemv-max-rows 4),
+#   against the code as it is (alternated twice for the trigger), plain decode beside them, and
+#   batch 32 with and without the trigger (the fourteenth pass saw it lose there). Then which
+#   Triton kernel compiles during sampled MTP rounds at batch 8 (one round of 263-346 ms in the
+#   forty-first and this session's passes): `benchmarks/compile_log.py`.
+lane0_s44c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s44c-$$
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling" i
+  local b32="--model-path $INK --input-len 1024 --output-len 128 --cuda-graph-max-bs 32 --batch-sizes 32 --warmup on"
+  for i in 1 2; do
+    step mtp_$i 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_$i.json"
+    step mtp_trig_$i 60 $DECODE $S38_ARGS $S38_MTP --pdl-early-trigger --out "$R/json/mtp_trig_$i.json"
+  done
+  step mtp_moegemv 60 $DECODE $S38_ARGS $S38_MTP --moe-gemv-max-tokens 4 --out "$R/json/mtp_moegemv.json"
+  step mtp_gemv4 60 $DECODE $S38_ARGS $S38_MTP --gemv-max-rows 4 --out "$R/json/mtp_gemv4.json"
+  step plain 60 $DECODE $S38_ARGS --out "$R/json/plain.json"
+  step mtp32 90 $DECODE $b32 $S38_MTP --out "$R/json/mtp32.json"
+  step mtp32_trig 90 $DECODE $b32 $S38_MTP --pdl-early-trigger --out "$R/json/mtp32_trig.json"
+  step compiles_rs 90 python benchmarks/compile_log.py -- $C $S38_ARGS $S38_MTP $rs --out "$R/json/compiles_rs.json"
+}
+
+# `s44d` (after s44c: the first sampled rounds at batch 8 compiled another variant of exact
+#   verification's two kernels, whose drafts' and uniforms' strides differ between the host path
+#   and the device round; those strides are no longer specialised): the GPU tests of the kernels
+#   and the sampled engine path, which kernels compile during sampled MTP rounds at batch 1 and 8
+#   now (`compile_log.py`), then on an H200 the headline numbers (`s41b`), else MTP K = 3 greedy
+#   rounds and plain decode at batch 1 and 8 on the final code.
+lane0_s44d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s44d-$$
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
+  step gpu_tests 150 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 4 tests/kernels/test_spec_verify.py \
+    tests/kernels/test_mtp_rows.py tests/engine/test_spec_sampled.py
+  step compiles_rs 150 python benchmarks/compile_log.py -- $C $S38_ARGS $S38_MTP $rs --out "$R/json/compiles_rs.json"
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    lane0_s41b
+  else
+    step mtp 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp.json"
+    step plain 60 $DECODE $S38_ARGS --out "$R/json/plain.json"
+  fi
+}

@@ -77,7 +77,15 @@ def _chunk_sums(p_i, q_i, has_q, w, start, V, CHUNK: tl.constexpr, BLOCK: tl.con
     return tl.sum(acc_r, axis=0), tl.sum(acc_p, axis=0)
 
 
-@triton.jit
+# The drafts', uniforms' and output's strides (scalar loads and stores) differ between the host
+# path and the device round and with the batch size (a drafts column of stride 1 at batch 1): each
+# specialisation Triton would key on them is one more compile, met in the first rounds of a
+# sampled batch of a new size (~0.3 s at batch 8, forty-fourth pass). p's and q's strides, which
+# the vectorised scans over the vocabulary use, stay specialised.
+_SCALAR_ARGS = ["k", "sd_b", "sd_i", "sua_b", "sua_i"]
+
+
+@triton.jit(do_not_specialize=_SCALAR_ARGS)
 def _partials_kernel(p_ptr, q_ptr, d_ptr, ua_ptr, part_r_ptr, part_p_ptr, k, V, n_chunks,
                      sp_b, sp_i, sq_b, sq_i, sd_b, sd_i, sua_b, sua_i,
                      BLOCKWISE: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -108,7 +116,7 @@ def _partials_kernel(p_ptr, q_ptr, d_ptr, ua_ptr, part_r_ptr, part_p_ptr, k, V, 
         tl.store(part_p_ptr + base + n * n_chunks, m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SCALAR_ARGS + ["sur_b", "so_b"])
 def _sample_kernel(p_ptr, q_ptr, d_ptr, ua_ptr, ur_ptr, part_r_ptr, part_p_ptr, n_ptr, y_ptr, out_ptr,
                    k, V, n_chunks, sp_b, sp_i, sq_b, sq_i, sd_b, sd_i, sua_b, sua_i, sur_b, so_b,
                    BLOCKWISE: tl.constexpr, G: tl.constexpr, G1: tl.constexpr, CP2: tl.constexpr,

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from kiln.engine.spec.sampled_verify import _emitted  # noqa: E402
 from kiln.engine.spec.verify import verify_block, verify_tokenwise  # noqa: E402
 from kiln.kernels import spec_verify  # noqa: E402
-from tests.kernels.devices import DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICES, count_compiles  # noqa: E402
 
 
 def _rounds(B: int, k: int, V: int, seed: int, sharp: float = 2.0):
@@ -98,3 +98,27 @@ def test_verify_on_cuda_at_serving_shapes(block):
     for B, k, V, seed in ((64, 3, 49216, 1), (8, 4, 128256, 2)):
         p, q, drafts, u = _rounds(B, k, V, seed=seed)
         _check(p, q, drafts, u, block, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [False, True], ids=["tokenwise", "block"])
+def test_one_variant_for_the_host_path_and_the_device_round_at_every_batch(monkeypatch, block):
+    # The host path passes contiguous drafts [b, k]; a device round the chain graph's [K, bs]
+    # drafts transposed (a column of stride bs, 1 at batch 1); both slice the uniforms [b, k + 1].
+    # One compiled variant of each kernel for all of them: the forty-fourth pass saw the first
+    # sampled rounds at batch 8 stall 0.3 s compiling another (compile_log.py).
+    partials = count_compiles(monkeypatch, "_partials_kernel")
+    sample = count_compiles(monkeypatch, "_sample_kernel")
+    # a vocabulary no other test here uses (its chunk is a constexpr of its own), so that the
+    # variants counted are compiled in this test whatever ran before it in this process; a
+    # multiple of 16, so that p's and q's strides are too in either layout
+    k, V = 3, 160
+    for B in (1, 8, 2):
+        p, q, drafts, u = _rounds(B, k, V, seed=B)
+        _check(p, q, drafts, u, block, "cuda")  # host layout
+        d_dev = drafts.t().contiguous().cuda().t()  # device layout: [B, k] of strides (1, B)
+        assert d_dev.stride() == (1, B)
+        n, y, out = spec_verify.verify(p.cuda(), q.cuda(), d_dev, u.cuda()[:, :k], u.cuda()[:, k], block=block)
+        n_ref, y_ref = (verify_block if block else verify_tokenwise)(p, q, drafts, u[:, :k], u[:, k])
+        assert n.cpu().tolist() == n_ref.tolist() and y.cpu().tolist() == y_ref.tolist()
+    assert len(partials) <= 1 and len(sample) <= 1, (len(partials), len(sample))
