@@ -92,20 +92,24 @@ lane0_s44c() {
 
 # `s44d` (after s44c: the first sampled rounds at batch 8 compiled another variant of exact
 #   verification's two kernels, whose drafts' and uniforms' strides differ between the host path
-#   and the device round; those strides are no longer specialised): the GPU tests of the kernels
-#   and the sampled engine path, which kernels compile during sampled MTP rounds at batch 1 and 8
-#   now (`compile_log.py`), then on an H200 the headline numbers (`s41b`), else MTP K = 3 greedy
-#   rounds and plain decode at batch 1 and 8 on the final code.
+#   and the device round; those strides are no longer specialised. And the decode attention takes
+#   a verify's positions with `len_offset` 1 instead of a `positions + 1` launch per layer): the
+#   GPU tests of those kernels and of the engine paths that use them, which kernels compile during
+#   sampled MTP rounds at batch 1 and 8 now (`compile_log.py`), MTP K = 3 greedy rounds and plain
+#   decode at batch 1 and 8 alternated with 481c346 (carry scratch/b_481c346: before
+#   `len_offset`), and Inkling and MiniMax-M3 `bench` at batch 1.
 lane0_s44d() {
   export TRITON_CACHE_DIR=/tmp/triton-s44d-$$
-  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
-  step gpu_tests 150 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 4 tests/kernels/test_spec_verify.py \
-    tests/kernels/test_mtp_rows.py tests/engine/test_spec_sampled.py
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling" i
+  local base="python scratch/b_481c346/benchmarks/decode_batch.py $C"
+  step gpu_tests 200 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 6 tests/kernels/test_spec_verify.py \
+    tests/kernels/test_mtp_rows.py tests/kernels/test_attention_kernels.py tests/engine/test_spec_sampled.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_verify_ahead.py tests/engine/test_kernel_path.py
   step compiles_rs 150 python benchmarks/compile_log.py -- $C $S38_ARGS $S38_MTP $rs --out "$R/json/compiles_rs.json"
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    lane0_s41b
-  else
-    step mtp 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp.json"
-    step plain 60 $DECODE $S38_ARGS --out "$R/json/plain.json"
-  fi
+  for i in 1 2; do
+    step mtp_now_$i 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
+    step mtp_base_$i 60 $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
+  done
+  step plain 60 $DECODE $S38_ARGS --out "$R/json/plain.json"
+  hybrids_b1 "" 60
 }

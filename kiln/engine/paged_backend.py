@@ -182,8 +182,9 @@ class PagedBackend:
         if mtp:  # an MTP layer (explicit query positions)
             if self.use_kernels and batch.max_extend_len <= SHORT_EXTEND:  # a decode round's pass
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
-                                                    batch.positions + 1, layer.scale, win, rel, key_gap=gap,
-                                                    key_offset=offset, split_counters=self.split_counters)
+                                                    batch.positions, layer.scale, win, rel, key_gap=gap,
+                                                    key_offset=offset, split_counters=self.split_counters,
+                                                    len_offset=1)
             if self.use_kernels:
                 return self.k_attn.extend_attention(
                     q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t, batch.extend_lens_t,
@@ -206,8 +207,8 @@ class PagedBackend:
                 # extend kernel would run one program per (sequence, head) along the whole
                 # context; as one decode query per token it is split along the keys instead.
                 return self.k_attn.decode_attention(q, k_cache, v_cache, table, self._token_slots(batch, q.shape[0]),
-                                                    batch.positions + 1, layer.scale, win, rel,
-                                                    split_counters=self.split_counters)
+                                                    batch.positions, layer.scale, win, rel,
+                                                    split_counters=self.split_counters, len_offset=1)
             return self.k_attn.extend_attention(q, k_cache, v_cache, table, batch.req_slots, batch.prefix_lens_t,
                                                 batch.extend_lens_t, batch.extend_starts_t, layer.scale, win, rel,
                                                 max_extend_len=batch.max_extend_len)

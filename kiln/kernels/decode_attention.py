@@ -208,7 +208,7 @@ def _attend_new_key(q, k, v, m_i, l_i, acc, scale_log2, rel_0, g_mask, rel_r, Re
 def _decode_kernel(
     Q, K, V, Out, MidO, MidLse, ReqToToken, ReqSlots, SeqLens, Rel, Counters, RelW, Lam,
     KRaw, VRaw, QNormW, KNormW, KConvW, VConvW, KBuf, VBuf, ConvTable, Positions, ConvLocs, QLam,
-    scale_log2, window, rel_len, num_splits, key_gap, key_offset, rel_dim, q_eps, k_eps,
+    scale_log2, window, rel_len, num_splits, key_gap, key_offset, len_offset, rel_dim, q_eps, k_eps,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_rt, stride_relb, stride_relh, stride_rw,
     stride_kraw, stride_vraw, stride_kcw, stride_vcw, stride_kbuf, stride_vbuf, stride_ct,
@@ -227,7 +227,7 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    seq_len = tl.load(SeqLens + b).to(tl.int32) + len_offset
     lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -384,7 +384,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: Optional[int] = None, key_gap: int = 0, key_offset: int = 0,
                      split_counters: Optional[torch.Tensor] = None,
                      min_split_keys: Optional[int] = None, early_kv: bool = False,
-                     prologue: Optional[AttentionPrologue] = None) -> torch.Tensor:
+                     prologue: Optional[AttentionPrologue] = None, len_offset: int = 0) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V; [B, Hq, D] in q's dtype.
 
     Same semantics as `kiln.ops.attention.paged_decode_attention`: q [B, Hq, D] is the token at
@@ -417,6 +417,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache, and attends to the new key from registers: `conv_qk_norm_store` and this function in
     one launch. Same result up to summation order (on a GPU the conv's products may also
     contract into FMAs, which `conv_qk_norm_store` is compiled without). Not with key_gap.
+    len_offset: added to every seq_len on the device. A query per token (a verify's rows, an MTP
+    pass's) attends through its position, so its caller passes the positions and 1, not a
+    `positions + 1` tensor: one launch less per layer.
     """
     assert_rows(req_slots=req_slots, seq_lens=seq_lens)
     b, hq, d = q.shape
@@ -472,7 +475,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pro = _prologue_args(prologue, q, b, hkv, d)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, req_to_token, req_slots, seq_lens, rel_arg, counters,
-        rel_w, lam, *pro["tensors"], scale * LOG2E, window, rel_len, num_splits, key_gap, key_offset, rel_dim,
+        rel_w, lam, *pro["tensors"], scale * LOG2E, window, rel_len, num_splits, key_gap, key_offset, len_offset,
+        rel_dim,
         *pro["eps"], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -488,7 +492,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     if num_splits > 1 and not merge_here:
         _merge_kernel[(b, hkv)](
-            out, mid_o, mid_lse, seq_lens, window, num_splits,
+            out, mid_o, mid_lse, seq_lens, len_offset, window, num_splits,
             out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, MIN_SPLIT=min_split, BLOCK_H=block_h,

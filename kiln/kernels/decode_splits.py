@@ -68,7 +68,7 @@ def _merge_heads(Out, MidO, MidLse, b, h0, n_heads, n_splits,
 
 @triton.jit
 def _merge_kernel(
-    Out, MidO, MidLse, SeqLens, window, num_splits,
+    Out, MidO, MidLse, SeqLens, len_offset, window, num_splits,
     stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -79,7 +79,7 @@ def _merge_kernel(
     wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    seq_len = tl.load(SeqLens + b).to(tl.int32) + len_offset
     lo, per_split, n_splits = _split_len(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N, MIN_SPLIT)
     _merge_heads(Out, MidO, MidLse, b, kvh * GROUP, GROUP, n_splits,
                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,

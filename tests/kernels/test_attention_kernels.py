@@ -394,8 +394,9 @@ def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len,
                page_size=1, num_splits=None, split_counters=None):
     """rows_per_seq: ascending query positions per sequence, with jumps (catch-up rows then a
     draft row further ahead, as the MTP drafter builds them). kernel "extend": the extend kernel
-    with `positions`; "decode": the decode kernel with one query per row (how the engine runs a
-    decode round's pass). Both against the reference op."""
+    with `positions`; "decode": the decode kernel with one query per row and the positions as its
+    lengths less `len_offset` (how the engine runs a decode round's pass and a verify). Both
+    against the reference op."""
     gen = torch.Generator().manual_seed(seed)
     ctx = [r[-1] + 1 + key_offset for r in rows_per_seq]
     k_cache, v_cache, r2t, slots = _paged_cache(ctx, hkv, d, dtype, device, gen, page_size=page_size)
@@ -410,9 +411,11 @@ def _check_mtp(kernel, device, rows_per_seq, hq, hkv, d, dtype, window, rel_len,
                                as_t([0] + ext[:-1]).cumsum(0), d ** -0.5, window, rel, positions=as_t(positions), **mtp)
     else:
         with _no_merge_kernel(split_counters is not None):
+            # the positions with len_offset 1, as the engine passes them (every other decode test
+            # passes lengths with the default 0)
             got = decode_attention(q, k_cache, v_cache, r2t, torch.repeat_interleave(slots, as_t(ext)),
-                                   as_t(positions) + 1, d ** -0.5, window, rel, num_splits=num_splits,
-                                   split_counters=split_counters, **mtp)
+                                   as_t(positions), d ** -0.5, window, rel, num_splits=num_splits,
+                                   split_counters=split_counters, len_offset=1, **mtp)
         assert split_counters is None or not split_counters.any()
     want = paged_attention(q, k_cache, v_cache, r2t, slots.tolist(), [0] * len(ext), ext, d ** -0.5, window, rel,
                            positions=positions, **mtp)
