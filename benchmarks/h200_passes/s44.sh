@@ -97,7 +97,7 @@ lane0_s44c() {
 #   GPU tests of those kernels and of the engine paths that use them, which kernels compile during
 #   sampled MTP rounds at batch 1 and 8 now (`compile_log.py`), MTP K = 3 greedy rounds and plain
 #   decode at batch 1 and 8 alternated with 481c346 (carry scratch/b_481c346: before
-#   `len_offset`), and Inkling and MiniMax-M3 `bench` at batch 1.
+#   `len_offset`).
 lane0_s44d() {
   export TRITON_CACHE_DIR=/tmp/triton-s44d-$$
   local rs="--temperature 1.0 --speculative-use-rejection-sampling" i
@@ -111,5 +111,4 @@ lane0_s44d() {
     step mtp_base_$i 60 $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
   done
   step plain 60 $DECODE $S38_ARGS --out "$R/json/plain.json"
-  hybrids_b1 "" 60
 }
