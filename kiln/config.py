@@ -45,6 +45,10 @@ class EngineConfig:
     served_model_name: Optional[str] = opt(None, "Model name in the API (default: derived from the path).")
     chat_template: Optional[str] = opt(None, "A Jinja chat template file overriding the tokenizer's.")
     skip_tokenizer_init: bool = opt(False, "Token ids in and out only (benchmarks with dummy weights).")
+    skip_server_warmup: bool = opt(
+        False, "Do not serve the few short warm-up requests at startup that compile the Triton kernels "
+        "only sampled requests, penalties and prefill run (CUDA only; otherwise the first such request "
+        "waits for them: ~4 s on a machine whose Triton cache is cold; kiln/engine/warmup.py).")
     # Memory
     page_size: int = opt(16, "Tokens per KV page (the prefix cache shares whole pages).")
     max_total_tokens: Optional[int] = opt(None, "KV pool size in tokens (default: from memory).")

@@ -22,6 +22,7 @@ from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, Sch
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.warmup import wants_warm_up, warm_up
 from kiln.loader import ModelSource, resolve_model
 from kiln.loader.tokenizer import eos_token_ids
 from kiln.models.registry import parse_model_config
@@ -66,6 +67,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.runner, self.cache, self.info.eos_token_ids,
                                    self.info.context_length, mc.vocab_size)
         self._forget_lora_base()  # no adapter merged
+        if wants_warm_up(config, self.runner):  # compile what the first requests would (kiln/engine/warmup.py)
+            warm_up(self)
 
     def add_request(self, req: GenerateReq) -> None:
         self.scheduler.add_request(req)
