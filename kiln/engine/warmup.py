@@ -11,9 +11,9 @@ forty-fourth pass). SGLang serves a warm-up request after startup for the same r
 `warm_up` serves one sampled request alone (the batch-1 variants), then three together: filtered
 sampling (top-k, top-p, min-p), the penalties and greedy, each with a short prompt (longer
 prompts, whose prefill takes other kernels, and other batch sizes may still meet a variant of
-their own). It then flushes the prefix cache and
-zeroes the counters /metrics exports, so that nothing of it shows. Every tensor-parallel rank
-builds its own core and runs the same requests in the same order.
+their own). It then flushes the prefix cache and zeroes the counters /metrics exports, so that
+nothing of it shows. Every tensor-parallel rank builds its own core and runs the same requests in
+the same order.
 """
 
 from __future__ import annotations
