@@ -11,6 +11,7 @@ launched it, so that a late one names the code path to warm up at startup.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import sys
@@ -34,6 +35,8 @@ def kiln_frames(limit: int = 4) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
+    # no options of its own: this gives --help and refuses anything before `--`
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv[:split])
     import triton.runtime.jit as jit
 
     import decode_batch
@@ -45,7 +48,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         out = original(fn, *a, **kw)
         name = getattr(fn, "__name__", None) or fn.fn.__name__
-        print(f"[compile {time.strftime('%H:%M:%S')} +{t0 - start:7.2f}s] {name} {1e3 * (time.perf_counter() - t0):.1f} ms  {kiln_frames()}",
+        took = 1e3 * (time.perf_counter() - t0)
+        print(f"[compile {time.strftime('%H:%M:%S')} +{t0 - start:7.2f}s] {name} {took:.1f} ms  {kiln_frames()}",
               file=sys.stderr, flush=True)
         return out
 

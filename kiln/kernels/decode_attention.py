@@ -417,9 +417,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache, and attends to the new key from registers: `conv_qk_norm_store` and this function in
     one launch. Same result up to summation order (on a GPU the conv's products may also
     contract into FMAs, which `conv_qk_norm_store` is compiled without). Not with key_gap.
-    len_offset: added to every seq_len on the device. A query per token (a verify's rows, an MTP
-    pass's) attends through its position, so its caller passes the positions and 1, not a
-    `positions + 1` tensor: one launch less per layer.
+    len_offset: added to every seq_len on the device: a query per token (a verify's, an MTP pass's)
+    passes its positions and 1, not a `positions + 1` tensor (one launch less per layer).
     """
     assert_rows(req_slots=req_slots, seq_lens=seq_lens)
     b, hq, d = q.shape
