@@ -8,7 +8,9 @@ sampler's and exact verification's compiles (`benchmarks/compile_log.py`; docs/b
 forty-fourth pass). SGLang serves a warm-up request after startup for the same reason
 (`--skip-server-warmup` turns it off there and here).
 
-`warm_up` serves one sampled request alone (the batch-1 variants), then three together: filtered
+`warm_up` serves one sampled request alone (the batch-1 variants: temperature 1 with a seed and no
+filter, as RL rollouts sample; without top-k or top-p the sampler launches another variant of
+its selection, and a seed draws its noise through its own kernels), then three together: filtered
 sampling (top-k, top-p, min-p), the penalties and greedy, each with a short prompt (longer
 prompts, whose prefill takes other kernels, and other batch sizes may still meet a variant of
 their own). It then flushes the prefix cache and zeroes the counters /metrics exports, so that
@@ -30,7 +32,7 @@ PROMPT_TOKENS = 16
 OUTPUT_TOKENS = 8
 # Served in this order; one list is one batch (its requests at once).
 PHASES: list[list[SamplingParams]] = [
-    [SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, top_p=0.95, ignore_eos=True)],
+    [SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, seed=0, ignore_eos=True)],
     [SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, ignore_eos=True),
      SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5,
                     frequency_penalty=0.5, ignore_eos=True),

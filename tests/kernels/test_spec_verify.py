@@ -116,7 +116,8 @@ def test_one_variant_for_the_host_path_and_the_device_round_at_every_batch(monke
     for B in (1, 8, 2):
         p, q, drafts, u = _rounds(B, k, V, seed=B)
         _check(p, q, drafts, u, block, "cuda")  # host layout
-        d_dev = drafts.t().contiguous().cuda().t()  # device layout: [B, k] of strides (1, B)
+        d_dev = torch.empty(k, B, dtype=drafts.dtype, device="cuda")  # device layout: [B, k] of strides (1, B)
+        d_dev = d_dev.copy_(drafts.t()).t()
         assert d_dev.stride() == (1, B)
         n, y, out = spec_verify.verify(p.cuda(), q.cuda(), d_dev, u.cuda()[:, :k], u.cuda()[:, k], block=block)
         n_ref, y_ref = (verify_block if block else verify_tokenwise)(p, q, drafts, u[:, :k], u[:, k])
