@@ -73,9 +73,14 @@ class MTPLayer(nn.Module):
     def forward(self, tok_emb: torch.Tensor, h_prev: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """tok_emb = Emb(t_{i+k}), h_prev = h^{k-1}_i, both [T, H] -> h^k_i [T, H] (before
         final_norm); `batch.positions` are the rows' sequence indices i."""
-        u = self.eh_proj(torch.cat([self.enorm(tok_emb, batch), self.hnorm(h_prev, batch)], dim=-1))
-        f, residual = self.block(u, batch)
+        f, residual = self.project(torch.cat([self.enorm(tok_emb, batch), self.hnorm(h_prev, batch)], dim=-1), batch)
         return residual + f
+
+    def project(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joined normed inputs x [T, 2H] -> (f, residual) of the block, h^k = residual + f:
+        the part of `forward` between its input norms and its residual add (the engine's chain
+        graph runs those two in one launch each: `kiln.kernels.mtp_layer_io`)."""
+        return self.block(self.eh_proj(x), batch)
 
 
 class MTPHost:

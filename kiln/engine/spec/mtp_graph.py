@@ -21,7 +21,9 @@ host (passes after a mixed or non-uniform step).
 
 Inside the graph the draft token and hidden state of layer k - 1 go into layer k's draft row by
 index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
-land in one static tensor. Under exact verification of sampled requests (`sampling`, the
+land in one static tensor. Around each layer's projection and block those steps (with the
+embedding, the input norms and the draft head's final norm) take one launch before and one after
+(`kiln.ops.mtp_layer_io`, on the kernel path `kiln.kernels.mtp_layer_io`). Under exact verification of sampled requests (`sampling`, the
 `--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the
 graph (`kiln.engine.spec.draft_sampling`), and the drafts and q rows land in static tensors too.
 Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
@@ -56,7 +58,7 @@ from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cuda_graph import CudaGraphCapturer, graph_batch_sizes
 from kiln.engine.sampler import greedy_ids
 from kiln.engine.spec.draft_sampling import DraftSampling
-from kiln.ops import mtp_rows
+from kiln.ops import mtp_layer_io, mtp_rows
 
 
 class MTPChainGraph:
@@ -93,10 +95,16 @@ class MTPChainGraph:
         self._ptrs: Optional[tuple] = None
         self.late: Optional[MTPChainGraph] = None  # the late catch-up graph (`MTPDrafter.use_graphs`)
         self.sampling = DraftSampling(n, K, dev, sample_seed) if self.drafts and sample_seed is not None else None
-        self.chain_rows = mtp_rows.chain_rows
+        self.chain_rows, self.layer_io = mtp_rows.chain_rows, mtp_layer_io
         if drafter.runner.backend.use_kernels:  # imported only here: the CPU build of torch ships without Triton
+            from kiln.kernels import mtp_layer_io as layer_io_kernels
             from kiln.kernels.mtp_rows import chain_rows
-            self.chain_rows = chain_rows
+            self.chain_rows, self.layer_io = chain_rows, layer_io_kernels
+        # Each layer's inputs and outputs in one launch each side (`layer_io`), which gathers from the
+        # whole embedding: one rank's. Under tensor parallelism the vocabulary-parallel embedding's
+        # module runs, and the steps around each layer are PyTorch's.
+        embed = drafter.model.model.embed_tokens
+        self.fused_io = getattr(getattr(embed, "pc", None), "tp_size", 1) == 1
 
     # ---- capture -----------------------------------------------------------------------------
     def _addresses(self) -> tuple:
@@ -134,12 +142,20 @@ class MTPChainGraph:
         prev_tok = prev_h = None
         out_logits, out_tokens, out_q = [], [], []
         for k, layer in enumerate(d.layers, start=1):
-            ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
-            if k > 1 and self.drafts:  # layer k - 1's draft token and hidden state feed layer k's draft row
-                # a `where` and an in-place copy into the fresh gather: an out-of-place index_copy
-                # would clone first, a memcpy node in the graph
-                ids = torch.where(rows["draft_row"], prev_tok.to(ids.dtype)[:, None], ids.view(bs, R)).view(-1)
-                h_prev.index_copy_(0, rows["draft_in"], prev_h.to(h_prev.dtype))
+            draft = k > 1 and self.drafts  # layer k - 1's draft token and hidden state feed layer k's draft row
+            if self.fused_io:
+                assert layer.enorm.eps == layer.hnorm.eps, (layer.enorm.eps, layer.hnorm.eps)
+                x, ids = self.layer_io.layer_inputs(
+                    d.model.model.embed_tokens.weight, rows["ids"], d.site(k - 1), rows["hid"], layer.enorm.weight,
+                    layer.hnorm.weight, layer.enorm.eps,
+                    **(dict(draft_row=rows["draft_row"], prev_tok=prev_tok, prev_h=prev_h) if draft else {}))
+            else:
+                ids, h_prev = rows["ids"], d.site(k - 1)[rows["hid"]]
+                if draft:
+                    # a `where` and an in-place copy into the fresh gather: an out-of-place index_copy
+                    # would clone first, a memcpy node in the graph
+                    ids = torch.where(rows["draft_row"], prev_tok.to(ids.dtype)[:, None], ids.view(bs, R)).view(-1)
+                    h_prev.index_copy_(0, rows["draft_in"], prev_h.to(h_prev.dtype))
             ext = rows["ext"][k - 1]
             batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=rows["pos"][k - 1],
                                  prefix_lens=[0] * bs, extend_lens=[R] * bs, logits_indices=ids[:0],
@@ -148,14 +164,23 @@ class MTPChainGraph:
             batch.prefix_lens_t, batch.seq_lens_t = self.zeros[:bs], ext
             batch.extend_lens_t, batch.extend_starts_t, batch.max_extend_len = ext, self.starts[:bs], R
             batch.extras["token_slots"] = rows["token_slots"]
-            emb = d.model.model.embed_tokens(ids)
-            out = layer(emb, h_prev.to(emb.dtype), batch)
-            if k < self.K:  # h^k of the catch-up rows, for layer k + 1 (other rows: scratch slot 0)
-                d.site(k)[rows["keep"]] = out.to(d.site(k).dtype)
+            # h^k of the catch-up rows goes to the site layer k + 1 reads (other rows: scratch slot 0)
+            site = d.site(k) if k < self.K else None
+            if self.fused_io:
+                _, prev_h, normed = self.layer_io.layer_outputs(
+                    *layer.project(x, batch), site, rows["keep"], rows["draft_out"][k - 1] if self.drafts else None,
+                    layer.final_norm.weight, layer.final_norm.eps)
+            else:
+                emb = d.model.model.embed_tokens(ids)
+                out = layer(emb, h_prev.to(emb.dtype), batch)
+                if site is not None:
+                    site[rows["keep"]] = out.to(site.dtype)
+                if self.drafts:
+                    prev_h = out.index_select(0, rows["draft_out"][k - 1])
+                    normed = layer.final_norm(prev_h, batch)
             if not self.drafts:
                 continue
-            prev_h = out.index_select(0, rows["draft_out"][k - 1])
-            logits = d.vocab.logits(layer.final_norm(prev_h, batch))  # over the draft vocabulary
+            logits = d.vocab.logits(normed)  # over the draft vocabulary
             prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
             if self.sampling is not None:

@@ -1,0 +1,35 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# forty-fifth session (2026-12-06).
+# shellcheck shell=bash
+
+# `s45a` (after s44d: three GPU tests failed, two of them a test's own layout at batch 1 and one a
+#   call count that now included the start-up warm-up's; the compile log still met the sampler's
+#   selection without filters and the seeded uniforms after startup): every gpu-marked test, then
+#   which kernels compile during sampled MTP rounds at batch 1 and 8 with the warm-up's first
+#   request now seeded, at temperature 1 and without filters.
+lane0_s45a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s45a-$$
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
+  step gpu_tests 330 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests
+  step compiles_rs 120 python benchmarks/compile_log.py -- $C $S38_ARGS $S38_MTP $rs --out "$R/json/compiles_rs.json"
+}
+
+# `s45b`: MTP's chain graph with each layer's inputs and outputs in one launch each
+#   (`kiln.kernels.mtp_layer_io`: the draft row's override, the embedding and h^{k-1} gathers, the
+#   two input norms and their concatenation before `eh_proj`; the residual add, the site store,
+#   the draft rows' gather and the final norm after the block). Its GPU tests and the chain's,
+#   then MTP K = 3 rounds at batch 1 and 8, greedy (two runs) and sampled (T = 1, rejection
+#   sampling), alternated with 68f8378 (carry scratch/b_68f8378: before the fused steps).
+lane0_s45b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s45b-$$
+  local base="python scratch/b_68f8378/benchmarks/decode_batch.py $C" i
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
+  step gpu_tests 120 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_mtp_layer_io.py \
+    tests/kernels/test_mtp_rows.py tests/engine/test_cuda_graph.py tests/engine/test_spec_sampled.py
+  for i in 1 2; do
+    step mtp_now_$i $((90 - 40 * (i - 1))) $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
+    step mtp_base_$i $((90 - 40 * (i - 1))) $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
+  done
+  step mtp_rs_now 50 $DECODE $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_now.json"
+  step mtp_rs_base 50 $base $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_base.json"
+}
