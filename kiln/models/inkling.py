@@ -47,6 +47,17 @@ def attn_scale(positions: torch.Tensor, beta: float, floor_scale: float) -> torc
     return 1.0 + beta * torch.log1p(n)
 
 
+def forward_attn_scale(batch: ForwardBatch, beta: float, floor_scale: float) -> torch.Tensor:
+    """`attn_scale` of the batch's positions: on the engine's kernel path in one launch
+    (`kiln.kernels.attn_scale`, bit for bit), else the six PyTorch ops above."""
+    if kernel_path(batch, batch.positions):
+        from kiln.kernels import attn_scale as kernels  # needs Triton: imported only on the kernel path
+
+        if kernels.supported(floor_scale) and batch.positions.is_contiguous():
+            return kernels.attn_scale(batch.positions, beta, floor_scale)
+    return attn_scale(batch.positions, beta, floor_scale)
+
+
 class QKVRParallelLinear(ColumnParallelLinear):
     """q [Hq*D], k [Hkv*D], v [Hkv*D], r [Hq*d_r] stacked along the output dim, stored on disk as
     one matrix (`qkvr_proj.weight`); heads are split across ranks (KV heads replicated when there
@@ -125,7 +136,7 @@ class InklingAttention(nn.Module):
         if self.full:  # [T] fp32, computed once per forward by InklingModel (MTP layers: here)
             lam = batch.extras.get(ATTN_SCALE)
             if lam is None:
-                lam = attn_scale(batch.positions, self.beta, self.floor_scale)
+                lam = forward_attn_scale(batch, self.beta, self.floor_scale)
         # [T, Hq, R] = rel_proj(r) (* lam), computed where the attention backend finds it cheapest
         rel = RelProjection(r.reshape(t, nh, self.qkvr_proj.rel_dim), self.rel_proj.weight, lam)
         if self._fused_prologue(qkvr, batch):
@@ -205,10 +216,11 @@ class InklingModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
-        # lam depends on the positions only: one computation (six small launches) serves every
-        # full layer of this forward. Dropped at the end, so no later forward sees a stale one.
+        # lam depends on the positions only: one computation (one launch on the kernel path, six
+        # small ones elsewhere) serves every full layer of this forward. Dropped at the end, so no
+        # later forward sees a stale one.
         if self.has_full:
-            batch.extras[ATTN_SCALE] = attn_scale(batch.positions, self.beta, self.floor_scale)
+            batch.extras[ATTN_SCALE] = forward_attn_scale(batch, self.beta, self.floor_scale)
         try:
             for i, layer in enumerate(self.layers):
                 batch.capture(i, h, residual)
