@@ -254,7 +254,13 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
     no PDL)."""
     in_order = (getattr(batch, "in_graph", False) and getattr(batch, "mode", None) is ForwardMode.DECODE
                 and batch.logits_indices.shape[0] == hidden.shape[0])
-    rows = hidden if in_order else hidden[batch.logits_indices]
+    return head_logits(head, hidden if in_order else hidden[batch.logits_indices], batch)
+
+
+def head_logits(head: nn.Module, rows: torch.Tensor, batch) -> torch.Tensor:
+    """`head.compute_logits(rows).float()` for the rows themselves (`decode_logits` after its row
+    selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules. `batch`
+    None: the module."""
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
     plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
     if (plain and rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype

@@ -255,7 +255,7 @@ class MTPDrafter:
             drafting = [it.req for it in items if num_drafts.get(it.req.rid, 0) >= k]
             if drafting:
                 h = torch.stack([draft_hidden[r.rid] for r in drafting])
-                sub = self.vocab.logits(layer.final_norm(h, batch))  # over the draft vocabulary, as in the graph
+                sub = self.vocab.logits(layer.final_norm(h, batch), batch)  # over the draft vocabulary, as in the graph
                 tokens = self.vocab.tokens(greedy_ids(sub))
                 sampled = [i for i, r in enumerate(drafting) if self.sample_drafts and not r.params.greedy]
                 # over the whole vocabulary, -inf off a token map (q is 0 there): only where read

@@ -180,7 +180,7 @@ class MTPChainGraph:
                     normed = layer.final_norm(prev_h, batch)
             if not self.drafts:
                 continue
-            logits = d.vocab.logits(normed)  # over the draft vocabulary
+            logits = d.vocab.logits(normed, batch)  # over the draft vocabulary
             prev_tok = d.vocab.tokens(greedy_ids(logits))
             out_logits.append(logits)
             if self.sampling is not None:
