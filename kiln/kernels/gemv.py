@@ -127,8 +127,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
                      NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
                      NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
-                     XPIPE: tl.constexpr, ONE_TILE: tl.constexpr):
+                     XPIPE: tl.constexpr, ONE_TILE: tl.constexpr, ROUND_TO_X: tl.constexpr = False):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
+    ROUND_TO_X (the plain store only): y is fp32 and takes the product rounded to x's dtype first.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
     GLU: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, with gate and up rounded
@@ -267,6 +268,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
             tl.atomic_xchg(NCNT, 0, sem="relaxed", scope="gpu")
             store_normed_rows(NS, NW, NX, rm, rm < M, N, eps, BLOCK_M, NORM_BLOCK, NORM_ONE_PASS)
     else:
+        if ROUND_TO_X:  # `.float()` of the product in x's dtype, without its launch
+            y = y.to(X.dtype.element_ty).to(tl.float32)
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
     if TRACE:
@@ -312,10 +315,13 @@ def candidate_tiles(m: int) -> list[dict]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
          prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None,
-         conv_chunk: bool = False, trace: Optional[torch.Tensor] = None) -> torch.Tensor:
+         conv_chunk: bool = False, trace: Optional[torch.Tensor] = None, float_out: bool = False) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
+
+    float_out (M <= FMA_MAX_ROWS, no glu, conv or rope): y is fp32, bit for bit `.float()` of the
+    result in x's dtype, without that cast's launch (the LM heads' fp32 logits).
 
     An fp32 weight with bf16 / fp16 rows (the MoE routers, M <= FMA_MAX_ROWS) gives the fp32
     `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch).
@@ -347,7 +353,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     trace (M <= FMA_MAX_ROWS, CUDA only): an int64 buffer of at least programs x
     `kiln.kernels.trace.FIELDS` values that receives each program's timestamps; the result does
     not change (`benchmarks/kernel_bench/gemv_trace.py`)."""
-    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk, trace=trace)
+    return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk, trace=trace,
+                   float_out=float_out)
 
 
 def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
@@ -435,7 +442,7 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int,
 
 
 def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False,
-            norm_counter=None, trace=None) -> torch.Tensor:
+            norm_counter=None, trace=None, float_out=False) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
@@ -452,10 +459,13 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         assert m <= FMA_MAX_ROWS and not glu and conv is None and not widen, \
             "the RoPE epilogue takes 1..4 rows of a qkv projection, without glu or conv"
         n_out = n - 2 * rope[4].shape[1] * rope[4].shape[2]
+    if float_out:
+        assert m <= FMA_MAX_ROWS and not (glu or widen or conv is not None or rope is not None or norm is not None), \
+            f"float_out takes 1..{FMA_MAX_ROWS} rows of a plain product"
     if norm_counter is not None:  # the norm epilogue stores the sum and the normed rows, never y
         y = norm[3]
     else:
-        y = torch.empty(m, n_out, device=x.device, dtype=weight.dtype if widen else x.dtype)
+        y = torch.empty(m, n_out, device=x.device, dtype=torch.float32 if widen or float_out else x.dtype)
     # N: the weight rows the programs cover (the q, k and v rows with rope)
     args = (x, weight, y, m, n if rope is not None else n_out, k, x.stride(0), weight.stride(0), y.stride(0))
     pdl = pdl_launch(x.device)
@@ -472,7 +482,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
                                   **trace_args(trace, x, grid), **{"XPIPE": True, **tile},
-                                  ONE_TILE=tile["BLOCK_K"] >= k, **pdl)
+                                  ONE_TILE=tile["BLOCK_K"] >= k, ROUND_TO_X=float_out, **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

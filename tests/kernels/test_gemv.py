@@ -64,6 +64,19 @@ def test_gemv_glu_is_gemv_then_silu_and_mul(device, dtype, m, n, k):
     torch.testing.assert_close(y.float(), ref, **(FP32 if dtype == torch.float32 else BF16))
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 200)])
+def test_gemv_float_out_is_the_cast_of_its_result(device, dtype, m, n, k):
+    """float_out (the LM heads' fp32 logits): bit for bit `.float()` of the result in x's dtype."""
+    x, w = _case(m, n, k, dtype, device, seed=m * 100 + n + k)
+    y = gemv(x, w, float_out=True)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, gemv(x, w).float(), rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="float_out"):
+        gemv(x, torch.cat([w, w]), glu=True, float_out=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(28672, 4096), (12288, 2048)])
 def test_gemv_glu_real_shapes(n, k):

@@ -63,7 +63,7 @@ from kiln.engine.spec.adaptive import AdaptiveDraftLength
 from kiln.engine.spec.metrics import SpecCounts
 from kiln.engine.spec.drafter import Drafter
 from kiln.engine.spec.sampled_verify import verify_method, verify_on_device, verify_rounds, verify_views
-from kiln.engine.spec.verify import accepted_prefixes
+from kiln.engine.spec.verify import accepted_prefixes, committed_counts
 from kiln.engine.spec.verify_ahead import VerifyAhead
 from kiln.engine.step_inputs import PENDING
 
@@ -360,7 +360,7 @@ class SpecDecoder:
             count = accepted_t + 1
         else:
             out = self.runner.sampler(logits, sb)
-            count = (out.token_ids.view(n, K + 1)[:, :K] == on_device).long().cumprod(dim=1).sum(dim=1) + 1
+            count = self._committed_counts(out.token_ids.view(n, K + 1), on_device)
         samples = out.token_ids.view(n, K + 1)
         readback = sample_readback(out, count=count)  # queued before the pass: waits for the verify only
         drafter.run_after_verify(reqs, batch, row_starts, samples, count)
@@ -388,6 +388,15 @@ class SpecDecoder:
             drafter.adopt_in_flight(r, i, self._make_room(r, keep=T + K, hold=drafter.device_round_reach(T, K)))
             r.cache_limit = r.spec.complete
             self.cache.trim(r)
+
+    def _committed_counts(self, samples: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """A greedy round's committed counts on the device (`verify.committed_counts`), in one
+        launch on the kernel path."""
+        if self.runner.backend.use_kernels:
+            from kiln.kernels.greedy_accept import committed_counts as kernel  # needs Triton
+
+            return kernel(samples, drafts)
+        return committed_counts(samples, drafts)
 
     def run_queued(self) -> bool:
         """The scheduler's step when the last round queued this one's verify (`verify_ahead`):

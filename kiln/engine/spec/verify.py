@@ -93,6 +93,14 @@ def accepted_prefixes(drafts: list[list[int]], samples: list[int]) -> list[int]:
     return out
 
 
+def committed_counts(samples: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Greedy rounds on the device: samples [n, K + 1] (the verify's argmax per row), drafts
+    [n, K] -> each round's committed count, its accepted prefix + 1 ([n] int64; `verify_greedy`'s
+    n + 1). The reference of `kiln.kernels.greedy_accept.committed_counts`."""
+    K = drafts.shape[1]
+    return (samples[:, :K] == drafts).long().cumprod(dim=1).sum(dim=1) + 1
+
+
 def verify_tokenwise(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
                      uniforms: torch.Tensor, residual_uniform: torch.Tensor):
     """Token-wise speculative sampling for a chain (section 1.2).
