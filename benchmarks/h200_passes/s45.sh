@@ -54,7 +54,7 @@ lane0_s45c() {
   local rs="--temperature 1.0 --speculative-use-rejection-sampling"
   step gpu_tests 100 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_gemv.py \
     tests/kernels/test_greedy_accept.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_spec_sampled.py tests/engine/test_draft_vocab.py
+    tests/engine/test_spec_sampled.py tests/engine/test_draft_vocab.py tests/kernels/test_mtp_layer_io.py
   step plain_now 70 $DECODE $S38_ARGS --out "$R/json/plain_now.json"
   step plain_base 40 $b68 $S38_ARGS --out "$R/json/plain_base.json"
   step mtp_now 40 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now.json"

@@ -39,11 +39,30 @@ def _rows(bs: int, K: int, seed: int, device):
     return chain_rows(**{k: v.to(device) for k, v in tables.items()}, num_layers=K, rows=R, drafts=True), R
 
 
+SMALL = [(1, 64, False), (3, 48, True), (5, 200, True)]
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("bs,H,site_fp32", [(1, 64, False), (3, 48, True), (8, 2048, False), (5, 200, True)])
+@pytest.mark.parametrize("bs,H,site_fp32", SMALL)
 def test_layer_inputs_equal_reference(device, dtype, bs, H, site_fp32):
-    if device == "cpu" and H > 200:
-        pytest.skip("the interpreter: small rows")
+    _check_inputs(device, dtype, bs, H, site_fp32)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("bs,H,site_fp32", SMALL)
+def test_layer_outputs_equal_reference(device, dtype, bs, H, site_fp32):
+    _check_outputs(device, dtype, bs, H, site_fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_io_at_the_bench_hidden_size(dtype):
+    # Inkling bench's H = 2048, batch 8: the engine's shapes (the interpreter runs the small ones)
+    _check_inputs("cuda", dtype, 8, 2048, False)
+    _check_outputs("cuda", dtype, 8, 2048, False)
+
+
+def _check_inputs(device, dtype, bs, H, site_fp32):
     K, V = 3, 97
     g = torch.Generator().manual_seed(bs * 1000 + H)
     rows, R = _rows(bs, K, seed=H, device=device)
@@ -67,11 +86,7 @@ def test_layer_inputs_equal_reference(device, dtype, bs, H, site_fp32):
     assert rows["draft_row"].any()
 
 
-@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("bs,H,site_fp32", [(1, 64, False), (3, 48, True), (8, 2048, False), (5, 200, True)])
-def test_layer_outputs_equal_reference(device, dtype, bs, H, site_fp32):
-    if device == "cpu" and H > 200:
-        pytest.skip("the interpreter: small rows")
+def _check_outputs(device, dtype, bs, H, site_fp32):
     K = 3
     g = torch.Generator().manual_seed(7 * bs + H)
     rows, R = _rows(bs, K, seed=H + 1, device=device)
