@@ -409,6 +409,17 @@ def test_acceptance_metrics_reach_outputs_and_prometheus(model_dir):
             "kiln_spec_steps_by_draft_length", "kiln_spec_verifies_queued_ahead"} <= names
 
 
+def _fewer_layers(model_dir: str, tmp_path) -> tuple[str, dict]:
+    """A copy of the model's config with fewer layers, for the interpreter
+    (`tests.engine.test_kernel_path.FEWER_LAYERS`): (its directory, the original config)."""
+    from tests.engine.test_kernel_path import FEWER_LAYERS
+
+    with open(f"{model_dir}/config.json") as f:
+        cfg = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS.get(cfg["model_type"], {})}))
+    return str(tmp_path), cfg
+
+
 def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch):
     # The Triton kernels (under the interpreter on the CPU) serve the MTP layers too: explicit
     # query positions, key_gap and key_offset in the extend kernel. Partial acceptance, so that
@@ -416,12 +427,9 @@ def test_kernel_path_mtp_matches_reference_path(model_dir, tmp_path, monkeypatch
     pytest.importorskip("triton")
     from kiln.kernels import attention as attn_kernels
     from kiln.ops.attention import RelProjection
-    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT, _count_calls
+    from tests.engine.test_kernel_path import INTERP_CONTEXT, _count_calls
 
-    with open(f"{model_dir}/config.json") as f:  # fewer layers for the interpreter (FEWER_LAYERS)
-        cfg = json.load(f)
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS.get(cfg["model_type"], {})}))
-    model_dir = str(tmp_path)
+    model_dir, cfg = _fewer_layers(model_dir, tmp_path)
     ps = prompts(2, seed=21, lo=18, hi=40)
     core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT)
     assert core.runner.use_kernels
@@ -447,12 +455,9 @@ def test_kernel_path_verify_on_the_gemv_matches_reference_path(model_dir, tmp_pa
     # fresh reference prefill (the conv states the epilogue wrote are the ones the next rounds read).
     pytest.importorskip("triton")
     from kiln.kernels import gemv as gemv_module
-    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+    from tests.engine.test_kernel_path import INTERP_CONTEXT
 
-    with open(f"{model_dir}/config.json") as f:
-        cfg = json.load(f)
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS["inkling"]}))
-    model_dir = str(tmp_path)
+    model_dir, _ = _fewer_layers(model_dir, tmp_path)
     chunk_rows = []
     real = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (
@@ -476,12 +481,9 @@ def test_kernel_path_draft_heads_on_the_gemv_match_reference_path(model_dir, tmp
     pytest.importorskip("triton")
     from kiln.engine.spec import draft_vocab
     from kiln.kernels import gemv as gemv_module
-    from tests.engine.test_kernel_path import FEWER_LAYERS, INTERP_CONTEXT
+    from tests.engine.test_kernel_path import INTERP_CONTEXT
 
-    with open(f"{model_dir}/config.json") as f:
-        cfg = json.load(f)
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, **FEWER_LAYERS["inkling"]}))
-    model_dir = str(tmp_path)
+    model_dir, _ = _fewer_layers(model_dir, tmp_path)
     gemv_calls, heads = [], []
     real_gemv, real_head = gemv_module.gemv, draft_vocab.head_logits
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (gemv_calls.append(1), real_gemv(x, w, **kw))[1])
