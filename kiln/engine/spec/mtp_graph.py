@@ -23,10 +23,10 @@ Inside the graph the draft token and hidden state of layer k - 1 go into layer k
 index, each layer's h^k of the catch-up rows is kept for the next layer, and the K draft logits
 land in one static tensor. Around each layer's projection and block those steps (with the
 embedding, the input norms and the draft head's final norm) take one launch before and one after
-(`kiln.ops.mtp_layer_io`, on the kernel path `kiln.kernels.mtp_layer_io`). Under exact verification of sampled requests (`sampling`, the
-`--speculative-use-*` flags) each layer also draws its sampled requests' drafts from q in the
-graph (`kiln.engine.spec.draft_sampling`), and the drafts and q rows land in static tensors too.
-Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
+(`kiln.ops.mtp_layer_io`, on the kernel path `kiln.kernels.mtp_layer_io`). Under exact
+verification of sampled requests (`sampling`, the `--speculative-use-*` flags) each layer also
+draws its sampled requests' drafts from q in the graph (`kiln.engine.spec.draft_sampling`), and
+the drafts and q rows land in static tensors too. Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
 scratch slots), and have extend length 0 in attention.
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
