@@ -26,8 +26,9 @@ embedding, the input norms and the draft head's final norm) take one launch befo
 (`kiln.ops.mtp_layer_io`, on the kernel path `kiln.kernels.mtp_layer_io`). Under exact
 verification of sampled requests (`sampling`, the `--speculative-use-*` flags) each layer also
 draws its sampled requests' drafts from q in the graph (`kiln.engine.spec.draft_sampling`), and
-the drafts and q rows land in static tensors too. Padding rows (and padding requests, c = 0) read slot 0 and write to slot 0 of every space (the
-scratch slots), and have extend length 0 in attention.
+the drafts and q rows land in static tensors too. Padding rows (and padding requests, c = 0)
+read slot 0 and write to slot 0 of every space (the scratch slots), and have extend length 0 in
+attention.
 
 Applies when every request in the pass is ready to decode, its frontiers are at F_b with
 1 <= c_b <= K + 1 and its drafts are greedy or drawn from constants alone
