@@ -49,6 +49,16 @@ hybrids_b1() {  # hybrids_b1 TAG LIMIT [FLAGS...]: Inkling and MiniMax-M3 bench 
     --cuda-graph-max-bs 8 "$@" --out "$R/json/minimax_b1$tag.json"
 }
 
+alternated() {  # alternated NAME "BASE_CMD" ARGS...: `$DECODE ARGS` and `BASE_CMD ARGS` (another tree's
+  # decode_batch.py) twice each, alternated, into NAME_now_{1,2} and NAME_base_{1,2}; the first run of
+  # each tree compiles its kernels (and warms up at startup), so it gets a longer limit
+  local name=$1 base=$2 i; shift 2
+  for i in 1 2; do
+    step ${name}_now_$i $((90 - 40 * (i - 1))) $DECODE "$@" --out "$R/json/${name}_now_$i.json"
+    step ${name}_base_$i $((90 - 40 * (i - 1))) $base "$@" --out "$R/json/${name}_base_$i.json"
+  done
+}
+
 kiln_rl_small() {  # kiln_rl_small RUN [FLAGS]...: `kiln rl` on the Inkling `small` preset with random weights and a
   # pseudo-random reward (benchmarks/timing_reward.py), 4 steps of 8 prompts x 4 samples in micro-batches of 8; each RUN
   # is "name[:flags]" (flags comma-separated); prints each run's metrics.jsonl. Needs scratch/smol_tok carried.

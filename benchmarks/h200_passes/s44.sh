@@ -100,16 +100,12 @@ lane0_s44c() {
 #   `len_offset`).
 lane0_s44d() {
   export TRITON_CACHE_DIR=/tmp/triton-s44d-$$
-  local rs="--temperature 1.0 --speculative-use-rejection-sampling" i
+  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
   local base="python scratch/b_481c346/benchmarks/decode_batch.py $C"
   step gpu_tests 150 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_spec_verify.py \
     tests/kernels/test_mtp_rows.py tests/kernels/test_attention_kernels.py tests/engine/test_spec_sampled.py \
     tests/engine/test_cuda_graph.py tests/engine/test_verify_ahead.py tests/engine/test_kernel_path.py
   step compiles_rs 90 python benchmarks/compile_log.py -- $C $S38_ARGS $S38_MTP $rs --out "$R/json/compiles_rs.json"
-  # The first run of each tree compiles its kernels (and warms up at startup): a longer limit.
-  for i in 1 2; do
-    step mtp_now_$i $((90 - 40 * (i - 1))) $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
-    step mtp_base_$i $((90 - 40 * (i - 1))) $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
-  done
+  alternated mtp "$base" $S38_ARGS $S38_MTP
   step plain 40 $DECODE $S38_ARGS --out "$R/json/plain.json"
 }

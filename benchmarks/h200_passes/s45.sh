@@ -24,15 +24,12 @@ lane0_s45a() {
 #   its GPU test and plain decode at batch 1 and 8 against 68f8378.
 lane0_s45b() {
   export TRITON_CACHE_DIR=/tmp/triton-s45b-$$
-  local base="python scratch/b_68f8378/benchmarks/decode_batch.py $C" i
+  local base="python scratch/b_68f8378/benchmarks/decode_batch.py $C"
   local rs="--temperature 1.0 --speculative-use-rejection-sampling"
   step gpu_tests 120 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_mtp_layer_io.py \
     tests/kernels/test_attn_scale.py tests/kernels/test_mtp_rows.py tests/engine/test_cuda_graph.py \
     tests/engine/test_spec_sampled.py
-  for i in 1 2; do
-    step mtp_now_$i $((90 - 40 * (i - 1))) $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
-    step mtp_base_$i $((90 - 40 * (i - 1))) $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
-  done
+  alternated mtp "$base" $S38_ARGS $S38_MTP
   step mtp_rs_now 45 $DECODE $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_now.json"
   step mtp_rs_base 45 $base $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_base.json"
   step plain_now 30 $DECODE $S38_ARGS --out "$R/json/plain_now.json"
