@@ -91,8 +91,9 @@ class DraftVocab:
     def logits(self, h: torch.Tensor, batch=None) -> torch.Tensor:
         """fp32 draft logits [..., size]. With the forward's `batch`, a head over the whole
         vocabulary takes the GEMV where the LM head of a decode step would
-        (`kiln.layers.decode_gemv.head_logits`: on an H100 the MTP draft head at batch 1 took
-        ~75 us on cuBLAS against the decode step's ~65 us on the GEMV, forty-fifth pass)."""
+        (`kiln.layers.decode_gemv.head_logits`: in the forty-third and forty-fourth passes'
+        H100 timelines the MTP draft head at batch 1 took ~75 us on cuBLAS where a decode step's
+        LM head took ~65 us on the GEMV; this path itself is not yet timed on a GPU)."""
         if self.ids is None:
             return head_logits(self.lm_head, h, batch)
         return F.linear(h, self.weight).float()
