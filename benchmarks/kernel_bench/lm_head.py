@@ -1,0 +1,68 @@
+"""An LM head at a few rows: cuBLAS (`F.linear`, then `.float()`, as `ParallelLMHead.compute_logits`
+does off the GEMV path) against Kiln's GEMV with fp32 output (`gemv(..., float_out=True)`); CUDA only.
+
+    python -m benchmarks.kernel_bench.lm_head [--rows 1 2 3 4 5] [--vocab 49216] [--hidden 2048]
+
+A speculative verify's LM head takes K + 1 rows per request (4 at K = 3, batch 1) and an MTP draft
+head one; the engine routes up to `--gemv-max-rows` rows (1 on Hopper) through the GEMV. Each
+variant is replayed from a CUDA graph over COPIES distinct weight copies in turn (so that the
+~200 MB matrix is not served from L2); medians in microseconds, with the share of the measured copy
+bandwidth the weight bytes reach, and the largest difference of the two results.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+COPIES = 4
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--vocab", type=int, default=49216, help="default: the hybrid presets' vocabulary")
+    ap.add_argument("--hidden", type=int, default=2048)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.kernel_bench.lm_head needs CUDA")
+    import triton
+
+    from benchmarks.kernel_bench.gemv import copy_bandwidth
+    from kiln.kernels.gemv import FMA_MAX_ROWS, gemv
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    heads = [torch.randn(args.vocab, args.hidden, generator=gen, device=dev).div_(args.hidden ** 0.5).to(dtype)
+             for _ in range(COPIES)]
+    bw = copy_bandwidth()
+    nbytes = args.vocab * args.hidden * torch.finfo(dtype).bits // 8
+    print(f"LM head {args.vocab} x {args.hidden} {dtype} on {torch.cuda.get_device_name()}, copy bandwidth "
+          f"{bw / 1e12:.3f} TB/s, weight bytes {nbytes / 1e6:.0f} MB ({nbytes / bw * 1e6:.1f} us)")
+    head = f"{'rows':>4} {'cuBLAS+cast us':>14} {'frac':>5} {'GEMV us':>8} {'frac':>5} {'max diff':>9}"
+    print(head)
+    print("-" * len(head))
+    for m in args.rows:
+        x = torch.randn(m, args.hidden, generator=gen, device=dev).to(dtype)
+        float_out = m <= FMA_MAX_ROWS
+
+        def cublas():
+            return [F.linear(x, w).float() for w in heads]
+
+        def kiln():
+            return [gemv(x, w, float_out=float_out).float() for w in heads]
+
+        us = {}
+        for name, fn in (("cublas", cublas), ("kiln", kiln)):
+            fn()
+            us[name] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / COPIES
+        diff = (cublas()[0] - kiln()[0]).abs().max().item()
+        frac = {k: nbytes / bw / (v * 1e-6) for k, v in us.items()}
+        print(f"{m:>4} {us['cublas']:>14.1f} {frac['cublas']:>5.1%} {us['kiln']:>8.1f} {frac['kiln']:>5.1%} "
+              f"{diff:>9.2e}")
+
+
+if __name__ == "__main__":
+    main()
