@@ -27,15 +27,18 @@ lane0_s46a() {
 #   routed ids (each GEMM program's rows from the ids in registers; a verify's 4 tokens, an MTP
 #   pass's 5, decode at 8 and 32). Its GPU tests; the grouped path's two variants at 2-40 tokens
 #   (`kernel_bench.moe --inline-align`); the LM head at 1-5 rows on cuBLAS and on the GEMV (the
-#   verify's 4-row head takes cuBLAS); then MTP K = 3 rounds and plain decode at batch 1, 8 and 32
-#   alternated with c576b65 (carry scratch/b_c576b65: before the change).
+#   verify's 4-row head took cuBLAS: now the GEMV, HEAD_GEMV_MAX_ROWS); then plain decode at batch 1,
+#   8 and 32 alternated with c576b65 (carry scratch/b_c576b65: before both), and MTP K = 3 rounds
+#   alternated three ways: c576b65, 7429965 (the rows in registers only; carry scratch/b_7429965), now.
 lane0_s46b() {
   export TRITON_CACHE_DIR=/tmp/triton-s46b-$$
-  local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C"
+  local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C" mid="python scratch/b_7429965/benchmarks/decode_batch.py $C"
   step gpu_tests 120 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_moe_kernels.py \
     tests/kernels/test_moe_gemv.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
   step inline_align 90 python -m benchmarks.kernel_bench.moe --inline-align
   step lm_head 60 python -m benchmarks.kernel_bench.lm_head
-  alternated mtp "$base" $S38_ARGS $S38_MTP
   alternated plain "$base" ${S38_ARGS/--cuda-graph-max-bs 8 --batch-sizes 1,8/--cuda-graph-max-bs 32 --batch-sizes 1,8,32}
+  alternated mtp "$base" $S38_ARGS $S38_MTP
+  step mtp_mid_1 90 $mid $S38_ARGS $S38_MTP --out "$R/json/mtp_mid_1.json"
+  step mtp_mid_2 50 $mid $S38_ARGS $S38_MTP --out "$R/json/mtp_mid_2.json"
 }
