@@ -34,7 +34,8 @@ lane0_s46b() {
   export TRITON_CACHE_DIR=/tmp/triton-s46b-$$
   local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C" mid="python scratch/b_7429965/benchmarks/decode_batch.py $C"
   step gpu_tests 120 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_moe_kernels.py \
-    tests/kernels/test_moe_gemv.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py
+    tests/kernels/test_moe_gemv.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py \
+    tests/engine/test_spec_sampled.py tests/engine/test_draft_vocab.py
   step inline_align 90 python -m benchmarks.kernel_bench.moe --inline-align
   step lm_head 60 python -m benchmarks.kernel_bench.lm_head
   alternated plain "$base" ${S38_ARGS/--cuda-graph-max-bs 8 --batch-sizes 1,8/--cuda-graph-max-bs 32 --batch-sizes 1,8,32}
