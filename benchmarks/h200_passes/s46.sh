@@ -30,8 +30,8 @@ lane0_s46a() {
 #   2-40 tokens (`kernel_bench.moe --inline-align`); the LM head at 1-5 rows on cuBLAS and on the
 #   GEMV; MTP K = 3 rounds at batch 1 and 8 alternated three ways, c576b65 (carry
 #   scratch/b_c576b65: before both), 7429965 (carry scratch/b_7429965: the rows in registers only)
-#   and now; plain decode now and at c576b65 once each. Sized for ~450 s after two asks got no
-#   machine.
+#   and now; plain decode now and at c576b65 once each. Sized for what four asks that got no
+#   machine left (the three-way run last, once).
 lane0_s46b() {
   export TRITON_CACHE_DIR=/tmp/triton-s46b-$$
   local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C" mid="python scratch/b_7429965/benchmarks/decode_batch.py $C" i
@@ -43,8 +43,8 @@ lane0_s46b() {
   for i in 1 2; do
     step mtp_now_$i $((80 - 35 * (i - 1))) $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
     step mtp_base_$i $((80 - 35 * (i - 1))) $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
-    step mtp_mid_$i $((80 - 35 * (i - 1))) $mid $S38_ARGS $S38_MTP --out "$R/json/mtp_mid_$i.json"
   done
   step plain_now 40 $DECODE $S38_ARGS --out "$R/json/plain_now.json"
   step plain_base 40 $base $S38_ARGS --out "$R/json/plain_base.json"
+  step mtp_mid_1 45 $mid $S38_ARGS $S38_MTP --out "$R/json/mtp_mid_1.json"
 }
