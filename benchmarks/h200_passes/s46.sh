@@ -28,23 +28,16 @@ lane0_s46a() {
 #   pass's 5, decode at 8), and LM heads of up to 4 rows on the GEMV (the verify's 4-row head took
 #   cuBLAS and a cast; HEAD_GEMV_MAX_ROWS). Their GPU tests; the grouped path's two variants at
 #   2-40 tokens (`kernel_bench.moe --inline-align`); the LM head at 1-5 rows on cuBLAS and on the
-#   GEMV; MTP K = 3 rounds at batch 1 and 8 alternated three ways, c576b65 (carry
-#   scratch/b_c576b65: before both), 7429965 (carry scratch/b_7429965: the rows in registers only)
-#   and now; plain decode now and at c576b65 once each. Sized for what four asks that got no
-#   machine left (the three-way run last, once).
+#   GEMV; MTP K = 3 rounds at batch 1 and 8 now and at c576b65 (carry scratch/b_c576b65: before
+#   both), once each: sized for the ~300 s that five asks without a machine left.
 lane0_s46b() {
   export TRITON_CACHE_DIR=/tmp/triton-s46b-$$
-  local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C" mid="python scratch/b_7429965/benchmarks/decode_batch.py $C" i
-  step gpu_tests 100 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_moe_kernels.py \
-    tests/kernels/test_moe_gemv.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_spec_sampled.py tests/engine/test_draft_vocab.py
-  step inline_align 60 python -m benchmarks.kernel_bench.moe --inline-align
-  step lm_head 40 python -m benchmarks.kernel_bench.lm_head
-  for i in 1 2; do
-    step mtp_now_$i $((80 - 35 * (i - 1))) $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now_$i.json"
-    step mtp_base_$i $((80 - 35 * (i - 1))) $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base_$i.json"
-  done
-  step plain_now 40 $DECODE $S38_ARGS --out "$R/json/plain_now.json"
-  step plain_base 40 $base $S38_ARGS --out "$R/json/plain_base.json"
-  step mtp_mid_1 45 $mid $S38_ARGS $S38_MTP --out "$R/json/mtp_mid_1.json"
+  local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C"
+  step gpu_tests 80 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_moe_kernels.py \
+    tests/kernels/test_moe_gemv.py tests/engine/test_kernel_path.py tests/engine/test_spec_sampled.py \
+    tests/engine/test_draft_vocab.py
+  step inline_align 50 python -m benchmarks.kernel_bench.moe --inline-align 4 5 8 32
+  step lm_head 30 python -m benchmarks.kernel_bench.lm_head --rows 1 4
+  step mtp_now 60 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now.json"
+  step mtp_base 60 $base $S38_ARGS $S38_MTP --out "$R/json/mtp_base.json"
 }
