@@ -24,8 +24,8 @@ lane0_s46a() {
 
 # `s46b` (after s46a: the draft heads on the GEMV and a greedy round's counts in one launch took
 #   0.06 ms off a batch-1 round on an H200): the grouped MoE without its align launch up to 256
-#   routed ids (each GEMM program's rows from the ids in registers; a verify's 4 tokens, an MTP
-#   pass's 5, decode at 8), and LM heads of up to 4 rows on the GEMV (the verify's 4-row head took
+#   routed ids (each GEMM program's rows from the ids in registers; a verify's 4 tokens at batch 1,
+#   32 at batch 8, decode at 8), and LM heads of up to 4 rows on the GEMV (the verify's 4-row head took
 #   cuBLAS and a cast; HEAD_GEMV_MAX_ROWS). Their GPU tests; the grouped path's two variants at
 #   2-40 tokens (`kernel_bench.moe --inline-align`); the LM head at 1-5 rows on cuBLAS and on the
 #   GEMV; MTP K = 3 rounds at batch 1 and 8 now and at c576b65 (carry scratch/b_c576b65: before

@@ -28,9 +28,10 @@ call must read (the experts hit, plus the shared ones). The grouped path is forc
 explicit config, the GEMV path past one token with `gemv_max_tokens` (the engine's `--moe-gemv-max-tokens`).
 
 `--inline-align` (instead of the table above) times the grouped path at T tokens (default 2 4 5 8
-32 40: verify and MTP rows at batch 1 and 8, decode at 8 and 32) with each GEMM program's rows
-computed from the ids in registers (`kiln.kernels.moe.INLINE_ALIGN_MAX_IDS`) against the align
-kernel before the GEMMs, same presets and replay as `--gemv`, and checks the two agree bit for bit.
+32 40: a verify's rows at K = 1, 3, 4 at batch 1 and K = 3, 4 at batch 8, decode at 8) with each
+GEMM program's rows computed from the ids in registers (`kiln.kernels.moe.INLINE_ALIGN_MAX_IDS`)
+against the align kernel before the GEMMs, same presets and replay as `--gemv`, and checks the
+two agree bit for bit.
 """
 
 from __future__ import annotations
