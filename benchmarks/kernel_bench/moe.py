@@ -165,17 +165,25 @@ def gemv_vs_grouped(tokens, dtype, dev, gen) -> None:
         torch.cuda.empty_cache()  # the next shape's copies
 
 
+def _shape_inputs(shape, t, dtype, dev, gen):
+    """(x, ids, w, sw) for t tokens of a `bench_shapes` entry: k distinct experts per token from
+    random logits, as the gate would route; sw None where the shared experts are unweighted."""
+    arch, e, k, h, i, chunks, weighted = shape
+    x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+    ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=gen, device=dev)
+    sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
+    return x, ids, w, sw
+
+
 def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
     from kiln.kernels import moe as KM
 
-    arch, e, k, h, i, chunks, weighted = shape
+    arch, e, k, h, i, chunks, _ = shape
     elt = torch.finfo(dtype).bits // 8
     layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
     for t in tokens:
-        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
-        ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
-        w = torch.rand(t, k, generator=gen, device=dev)
-        sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
+        x, ids, w, sw = _shape_inputs(shape, t, dtype, dev, gen)
         nbytes = (torch.unique(ids).numel() + chunks) * 3 * i * h * elt
 
         def calls(config, gemv_max_tokens=None):
@@ -204,13 +212,11 @@ def inline_vs_align(tokens, dtype, dev, gen) -> None:
     print("-" * len(head))
     saved_limit = KM.INLINE_ALIGN_MAX_IDS
     try:
-        for arch, e, k, h, i, chunks, weighted in bench_shapes():
+        for shape in bench_shapes():
+            arch, e, k, h, i, chunks, _ = shape
             layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
             for t in tokens:
-                x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
-                ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
-                w = torch.rand(t, k, generator=gen, device=dev)
-                sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
+                x, ids, w, sw = _shape_inputs(shape, t, dtype, dev, gen)
                 cfg = KM.pick_config(t, k, e, h, i)
                 fn = lambda: [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),  # noqa: E731
                                                config=cfg) for L in layers]

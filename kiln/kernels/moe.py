@@ -220,12 +220,28 @@ def _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.const
 
 
 @triton.jit
+def _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.constexpr,
+                 E_TOT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                 INLINE_CHUNK: tl.constexpr):
+    """(The expert of the sorted rows m_start .., E_TOT past the last segment; their slots): from the ids
+    in registers (INLINE_CHUNK > 0, `_block_rows`) or from the align kernel's buffers (the slot load
+    does not wait for the expert's: rows past the used ones are in the buffer, and their programs exit)."""
+    if INLINE_CHUNK > 0:
+        e, slot = _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT, K, KS, BLOCK_M,
+                              E_PAD, INLINE_CHUNK)
+    else:
+        e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
+        slot = tl.load(sorted_ptr + m_start + tl.arange(0, BLOCK_M))
+    return e, slot
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr, ids_ptr, num_routed, num_tokens,
                     H, I, num_slots, stride_xt, stride_we, stride_wn, stride_sn,
                     E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INLINE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """INLINE_CHUNK > 0: the block's rows from the ids (`_block_rows`), no align kernel before."""
+    """INLINE_CHUNK > 0: the block's rows from the ids (`_block_slots`), no align kernel before."""
     wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -233,16 +249,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr, 
     pid_n = pid % n_tiles
     m_start = pid_m * BLOCK_M
     rows = m_start + tl.arange(0, BLOCK_M)
-    if INLINE_CHUNK > 0:
-        e, slot = _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT, K, KS, BLOCK_M,
-                              E_PAD, INLINE_CHUNK)
-        if e >= E_TOT:
-            return
-    else:
-        e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
-        if e >= E_TOT:
-            return
-        slot = tl.load(sorted_ptr + rows)
+    e, slot = _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT,
+                           K, KS, BLOCK_M, E_PAD, INLINE_CHUNK)
+    if e >= E_TOT:
+        return
     valid = slot < num_slots
     tok = (slot // KS).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,16 +307,10 @@ def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, 
     pid_n = pid % n_tiles
     m_start = pid_m * BLOCK_M
     rows = m_start + tl.arange(0, BLOCK_M)
-    if INLINE_CHUNK > 0:
-        e, slot = _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT, K, KS, BLOCK_M,
-                              E_PAD, INLINE_CHUNK)
-        if e >= E_TOT:
-            return
-    else:
-        e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
-        if e >= E_TOT:
-            return
-        slot = tl.load(sorted_ptr + rows)
+    e, slot = _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT,
+                           K, KS, BLOCK_M, E_PAD, INLINE_CHUNK)
+    if e >= E_TOT:
+        return
     valid = slot < num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
