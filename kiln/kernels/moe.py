@@ -14,7 +14,7 @@ column blocks, so chunk c reads rows c*I.. of the gate half, C*I + c*I.. (up) an
 
 Grouped path (more tokens than the GEMV path takes): four launches whose grids depend only on
 shapes, never on values, and no host sync, so the decode step can be captured in a CUDA graph.
-1. `_align_kernel` (one program per expert, routed and shared): like SGLang/vLLM's
+1. `_align_kernel` (`kiln.kernels.moe_align`, one program per expert, routed and shared): like SGLang/vLLM's
    moe_align_block_size. Every program histograms all routed ids (redundantly: the ids are few, and
    it saves a launch and a grid-wide sync), rounds each expert's count up to BLOCK_M, prefix-sums
    those into segment ends, then writes its own assignments' slot numbers into its segment of
@@ -23,7 +23,7 @@ shapes, never on values, and no host sync, so the decode step can be captured in
    is sized for the worst case (every nonempty expert wastes BLOCK_M - 1 rows), and blocks past the
    used rows exit at once. Up to INLINE_ALIGN_MAX_IDS routed ids (a speculative verify, decode at a
    few requests) there is no such launch: each GEMM program computes its own block's expert and
-   slots from the ids in registers (`_block_rows`), the same numbers the align kernel stores.
+   slots from the ids in registers (`moe_align._block_rows`), the same numbers the align kernel stores.
 2. `_gate_up_kernel`: per (row block, intermediate tile): gathers x rows, two dots (gate and up
    rows of the block's expert), SwiGLU in fp32, writes the activation (weight dtype) by sorted row.
 3. `_down_kernel`: per (row block, hidden tile): act @ down^T, times the slot's routing weight in
@@ -55,12 +55,12 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
+from kiln.kernels.moe_align import _align_kernel, _block_slots
 from kiln.kernels.moe_gemv import experts_gemv
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
-_INT32_MAX = tl.constexpr(2147483647)
 # Routed ids the align kernel reads per step: at least 128 (one per thread of its 4 warps, so that
 # tl.histogram sees no replicated elements), at most this many (tests lower it to cover the
 # carry of ranks across steps with few tokens).
@@ -138,101 +138,6 @@ def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[
     if total == 0 or n_shared == 0 or total % n_shared or (total // n_shared) % inter:
         return 0
     return total // inter
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots,
-                  E: tl.constexpr, E_TOT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    e = tl.program_id(0)
-    bins = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_routed, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ok = offs < num_routed
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-        counts += tl.histogram(ids, E_PAD, mask=ok)
-    # Every token uses every shared chunk once.
-    counts = tl.where((bins >= E) & (bins < E_TOT), num_tokens, counts)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    mine = bins == e
-    my_end = tl.sum(tl.where(mine, ends, 0), axis=0)
-    my_start = my_end - tl.sum(tl.where(mine, padded, 0), axis=0)
-    my_count = tl.sum(tl.where(mine, counts, 0), axis=0)
-    if e == 0:
-        tl.store(seg_end_ptr + bins, ends, mask=bins < E_TOT)
-    if e < E:
-        # Assignment i = t*K + j goes to slot t*KS + j, in token order within the segment.
-        base = my_start
-        for start in range(0, num_routed, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ok = offs < num_routed
-            ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-            hit = (ids == e) & ok
-            rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            slot = (offs // K) * KS + offs % K
-            tl.store(sorted_ptr + base + rank, slot, mask=hit)
-            base += tl.sum(hit.to(tl.int32), axis=0)
-    else:
-        for start in range(0, num_tokens, CHUNK):
-            t = start + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + my_start + t, t * KS + K + (e - E), mask=t < num_tokens)
-    pad = my_start + my_count + tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + pad, num_slots, mask=pad < my_end)
-
-
-@triton.jit
-def _block_expert(seg_end_ptr, m_start, E_TOT: tl.constexpr, E_PAD: tl.constexpr):
-    """The expert whose segment holds row `m_start`; E_TOT for rows past the last segment."""
-    bins = tl.arange(0, E_PAD)
-    ends = tl.load(seg_end_ptr + bins, mask=bins < E_TOT, other=_INT32_MAX)
-    return tl.sum((ends <= m_start).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.constexpr, E_TOT: tl.constexpr,
-                K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """What `_align_kernel` stores for the sorted rows m_start .. m_start + BLOCK_M, from the routed
-    ids (all of them in one CHUNK, at least 32 per warp: `tl.histogram` must see no replicated
-    elements) in registers: (the block's expert, E_TOT past the last segment; each row's slot,
-    num_slots on padding rows). Same segments, same order within them."""
-    offs = tl.arange(0, CHUNK)
-    ok = offs < num_routed
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-    bins = tl.arange(0, E_PAD)
-    counts = tl.histogram(ids, E_PAD, mask=ok)
-    counts = tl.where((bins >= E) & (bins < E_TOT), num_tokens, counts)  # every token, every shared chunk
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    e = tl.sum(((ends <= m_start) & (bins < E_TOT)).to(tl.int32), axis=0)
-    mine = bins == e
-    within = m_start - tl.sum(tl.where(mine, ends - padded, 0), axis=0) + tl.arange(0, BLOCK_M)
-    # Routed: the within-th assignment i = t*K + j of expert e, in id order, is slot t*KS + j.
-    hit = (ids == e) & ok
-    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-    match = hit[None, :] & (rank[None, :] == within[:, None])
-    routed = tl.sum(tl.where(match, ((offs // K) * KS + offs % K)[None, :], 0), axis=1)
-    slot = tl.where(e < E, routed, within * KS + K + (e - E))  # shared chunk e - E: token `within`
-    return e, tl.where(within < tl.sum(tl.where(mine, counts, 0), axis=0), slot, num_slots)
-
-
-@triton.jit
-def _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.constexpr,
-                 E_TOT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                 INLINE_CHUNK: tl.constexpr):
-    """(The expert of the sorted rows m_start .., E_TOT past the last segment; their slots): from the ids
-    in registers (INLINE_CHUNK > 0, `_block_rows`) or from the align kernel's buffers (the slot load
-    does not wait for the expert's: rows past the used ones are in the buffer, and their programs exit)."""
-    if INLINE_CHUNK > 0:
-        e, slot = _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT, K, KS, BLOCK_M,
-                              E_PAD, INLINE_CHUNK)
-    else:
-        e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
-        slot = tl.load(sorted_ptr + m_start + tl.arange(0, BLOCK_M))
-    return e, slot
 
 
 @triton.jit
