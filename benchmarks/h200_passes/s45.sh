@@ -43,19 +43,7 @@ lane0_s45b() {
 #   the GEMV, `gemv(..., float_out=True)`); MTP K = 3 rounds at batch 1 and 8, greedy and
 #   sampled, against 9391fcc (carry scratch/b_9391fcc: before the draft heads on the GEMV,
 #   their fp32 output and a greedy round's counts in one launch, `kiln.kernels.greedy_accept`).
-#   The GPU tests are those of what changed since s45a's whole suite passed (at 9391fcc), and one
-#   run of each: ~320 s of device time were left after two asks got no machine.
+#   Never run as written: the forty-sixth session ran it, with alternated runs, as `s46a`.
 lane0_s45c() {
-  export TRITON_CACHE_DIR=/tmp/triton-s45c-$$
-  local b68="python scratch/b_68f8378/benchmarks/decode_batch.py $C" b93="python scratch/b_9391fcc/benchmarks/decode_batch.py $C"
-  local rs="--temperature 1.0 --speculative-use-rejection-sampling"
-  step gpu_tests 100 python -m pytest -m gpu -rfEs -p no:cacheprovider -n 8 tests/kernels/test_gemv.py \
-    tests/kernels/test_greedy_accept.py tests/engine/test_kernel_path.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_spec_sampled.py tests/engine/test_draft_vocab.py tests/kernels/test_mtp_layer_io.py
-  step plain_now 70 $DECODE $S38_ARGS --out "$R/json/plain_now.json"
-  step plain_base 40 $b68 $S38_ARGS --out "$R/json/plain_base.json"
-  step mtp_now 40 $DECODE $S38_ARGS $S38_MTP --out "$R/json/mtp_now.json"
-  step mtp_base 40 $b93 $S38_ARGS $S38_MTP --out "$R/json/mtp_base.json"
-  step mtp_rs_now 30 $DECODE $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_now.json"
-  step mtp_rs_base 30 $b93 $S38_ARGS $S38_MTP $rs --out "$R/json/mtp_rs_base.json"
+  lane0_s46a
 }

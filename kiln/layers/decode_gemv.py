@@ -256,7 +256,8 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(hidden[batch.logits_indices]).float()` (a `ParallelLMHead`; the models'
     `compute_logits`). In a decode CUDA graph, whose logit rows are its rows in order
     (`CudaGraphRunner._batch`), the gather is skipped; on the GEMV path (`gemv_path`'s rules: at
-    most --gemv-max-rows rows, no hooks, no subclass's `compute_logits`) the product runs through the
+    most --gemv-max-rows rows, or HEAD_GEMV_MAX_ROWS with the GEMV on; no hooks, no subclass's
+    `compute_logits`) the product runs through the
     GEMV, whose weight stream starts before the kernel before it completes (cuBLAS's waits for it:
     no PDL)."""
     in_order = (getattr(batch, "in_graph", False) and getattr(batch, "mode", None) is ForwardMode.DECODE
