@@ -3,7 +3,6 @@
     python -m benchmarks.kernel_bench.moe [--tokens 1 8 64 256 8192] [--sweep]
     python -m benchmarks.kernel_bench.moe --gemv [T ...]
     python -m benchmarks.kernel_bench.moe --inline-align [T ...]
-    python -m benchmarks.kernel_bench.moe --down-sum [T ...]
 
 Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
 two shared experts. Rows:
@@ -33,10 +32,6 @@ explicit config, the GEMV path past one token with `gemv_max_tokens` (the engine
 GEMM program's rows computed from the ids in registers (`kiln.kernels.moe.INLINE_ALIGN_MAX_IDS`)
 against the align kernel before the GEMMs, same presets and replay as `--gemv`, and checks the
 two agree bit for bit.
-
-`--down-sum` (instead of the table above) times the grouped path at T tokens (default 2 4 8 16 32)
-with the slot sum in the down GEMM's last programs (`fused_experts(sum_counter=...)`) against the
-sum's own launch, same presets and replay, and checks the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -237,34 +232,6 @@ def inline_vs_align(tokens, dtype, dev, gen) -> None:
         KM.INLINE_ALIGN_MAX_IDS = saved_limit
 
 
-def sum_launch_vs_down(tokens, dtype, dev, gen) -> None:
-    from kiln.kernels import moe as KM
-
-    print(f"fused_experts' grouped path: the slot sum as its own launch vs in the down GEMM's last programs, "
-          f"{dtype}, graph median us per call (replays of {COPIES} calls over distinct weights)")
-    head = f"{'model':<11} {'T':>3} {'launch':>7} {'in down':>7} {'saved':>6} {'equal':>5}"
-    print(head)
-    print("-" * len(head))
-    for shape in bench_shapes():
-        arch, e, k, h, i, chunks, _ = shape
-        layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
-        counter = torch.zeros(KM.sum_counter_size(h), dtype=torch.int32, device=dev)
-        for t in tokens:
-            x, ids, w, sw = _shape_inputs(shape, t, dtype, dev, gen)
-            cfg = KM.pick_config(t, k, e, h, i)
-
-            def calls(sum_counter):
-                return lambda: [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),
-                                                 config=cfg, sum_counter=sum_counter) for L in layers]
-
-            launch_us, want = _graph_time(calls(None)) / COPIES, calls(None)()[0]
-            down_us, got = _graph_time(calls(counter)) / COPIES, calls(counter)()[0]
-            print(f"{arch:<11} {t:>3} {launch_us:>7.1f} {down_us:>7.1f} {launch_us - down_us:>6.1f} "
-                  f"{str(torch.equal(got, want)):>5}")
-        del layers
-        torch.cuda.empty_cache()
-
-
 # Candidate one-token tiles (BLOCK_N, BLOCK_K, warps) that `--gemv-sweep` times
 UP_TILES = ((2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (4, 2048, 8),
             (8, 1024, 8))
@@ -316,8 +283,6 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv-sweep", action="store_true", help="only time the one-token path's candidate tiles")
     ap.add_argument("--inline-align", type=int, nargs="*", metavar="T",
                     help="only time the grouped path's rows in registers against the align kernel, at T tokens")
-    ap.add_argument("--down-sum", type=int, nargs="*", metavar="T",
-                    help="only time the slot sum's own launch against the sum in the down GEMM, at T tokens")
     ap.add_argument("--sweep-json", help="with --sweep: write each token count's fastest config here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,11 +295,6 @@ def main(argv=None) -> None:
         dev = torch.device("cuda")
         inline_vs_align(args.inline_align or [2, 4, 5, 8, 32, 40], torch.bfloat16, dev,
                         torch.Generator(device=dev).manual_seed(0))
-        return
-    if args.down_sum is not None:
-        dev = torch.device("cuda")
-        sum_launch_vs_down(args.down_sum or [2, 4, 8, 16, 32], torch.bfloat16, dev,
-                           torch.Generator(device=dev).manual_seed(0))
         return
     if args.gemv is not None:
         dev = torch.device("cuda")
