@@ -32,9 +32,7 @@ shapes, never on values, and no host sync, so the decode step can be captured in
    With a ShortConv on the sum (Inkling's out_conv; at most SUM_CONV_MAX_TOKENS tokens: decode
    sequences, or the short chunks of a speculative verify, which is what the engine hands it),
    `_sum_slots_conv_kernel` instead: every program holds all tokens of its hidden tile and runs
-   the conv in its epilogue (`kiln.kernels.shortconv`), one launch fewer. Up to
-   DOWN_SUM_MAX_TOKENS tokens with a counter (the engine's layers have one) neither: the down
-   GEMM's last program per hidden tile runs the same sum (`kiln.kernels.moe_sum`).
+   the conv in its epilogue (`kiln.kernels.shortconv`), one launch fewer.
 
 One-token path (T <= `gemv_max_tokens`, by default GEMV_MAX_TOKENS = 1: batch-1 decode): two
 expert GEMVs, `kiln.kernels.moe_gemv`, with the same slots and the same numerics up to the order
@@ -59,8 +57,7 @@ import triton.language as tl
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.moe_align import _align_kernel, _block_slots
 from kiln.kernels.moe_gemv import experts_gemv
-from kiln.kernels.moe_sum import _sum_slots_conv_kernel, _sum_slots_kernel, sum_slot_tokens
-from kiln.kernels.shortconv import decode_conv_kernel_args
+from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
 from kiln.kernels.moe_gate import minimax_gate, sink_gate  # noqa: F401  (re-exported)
 
@@ -80,14 +77,6 @@ GEMV_MAX_TOKENS = 1
 # run each, within run-to-run spread); 128 columns profiled at 7.5 us per call (nineteenth pass).
 SUM_CONV_MAX_TOKENS = 4
 SUM_CONV_BLOCK_H = 32
-# Up to this many tokens, given a counter (`fused_experts(sum_counter=...)`, the engine's layers
-# pass theirs), the down GEMM's last program per hidden tile sums the slots itself
-# (`kiln.kernels.moe_sum`): one launch and one device-wide hand-off fewer per MoE layer. Past it
-# the sum's own launch spreads each token over programs; one program per hidden tile walking
-# T * KS rows would trail the GEMM. Tests lower it to 0 to take the separate sum.
-DOWN_SUM_MAX_TOKENS = 32
-# The tokens that one step of that walk sums (a [16, BLOCK_N] fp32 tile per slot).
-DOWN_SUM_BLOCK_M = 16
 # Up to this many routed ids (T * k) the grouped path has no align launch: every gate/up and down
 # program histograms the ids itself (a few hundred register ops) where it would otherwise load the
 # segment ends and then its sorted rows. One launch and one device-wide hand-off fewer per MoE
@@ -210,17 +199,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr, 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, shared_w_ptr,
                  out_ptr, ids_ptr, num_routed, num_tokens, H, I, num_slots, stride_we, stride_wh, stride_sh,
-                 sum_out_ptr, sum_cnt_ptr, CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf, stride_ctab,
                  E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                  KS: tl.constexpr, NUM_SW: tl.constexpr, SW_REP: tl.constexpr,
                  HAS_SW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INLINE_CHUNK: tl.constexpr,
-                 SUM_M: tl.constexpr, CONV: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr,
-                 CCHUNK: tl.constexpr, PDL: tl.constexpr):
-    """INLINE_CHUNK > 0: the block's rows from the ids, as in `_gate_up_kernel`. SUM_M > 0: the
-    last program of each hidden tile (counted on sum_cnt_ptr[tile], left zeroed) sums every
-    token's slots of that tile into sum_out, SUM_M tokens at a time, through the ShortConv with
-    CONV (`kiln.kernels.moe_sum.sum_slot_tokens`)."""
+                 PDL: tl.constexpr):
+    """INLINE_CHUNK > 0: the block's rows from the ids, as in `_gate_up_kernel`."""
     wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
@@ -230,59 +214,83 @@ def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, 
     rows = m_start + tl.arange(0, BLOCK_M)
     e, slot = _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT,
                            K, KS, BLOCK_M, E_PAD, INLINE_CHUNK)
+    if e >= E_TOT:
+        return
+    valid = slot < num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    if e < E_TOT:  # blocks past the used rows only count themselves below
-        valid = slot < num_slots
-        ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
 
-        # Routed: w2[e] [H, I]. Shared chunk c: columns c*I.. of sw2 [H, C*I].
-        is_shared = e >= E
-        chunk = tl.maximum(e - E, 0).to(tl.int64)
-        w_base = tl.where(is_shared, sw2_ptr + chunk * I, w2_ptr + e.to(tl.int64) * stride_we)
-        row_stride = tl.where(is_shared, stride_sh, stride_wh).to(tl.int64)
-        b_ptrs = w_base + cols[None, :].to(tl.int64) * row_stride + ks[:, None]  # [BLOCK_K, BLOCK_N]
-        a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
+    # Routed: w2[e] [H, I]. Shared chunk c: columns c*I.. of sw2 [H, C*I].
+    is_shared = e >= E
+    chunk = tl.maximum(e - E, 0).to(tl.int64)
+    w_base = tl.where(is_shared, sw2_ptr + chunk * I, w2_ptr + e.to(tl.int64) * stride_we)
+    row_stride = tl.where(is_shared, stride_sh, stride_wh).to(tl.int64)
+    b_ptrs = w_base + cols[None, :].to(tl.int64) * row_stride + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-            else:
-                k_ok = ks < I - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-
-        # The routing weight multiplies the expert's fp32 output, as in experts_ref.
-        tok = slot // KS
-        j = slot % KS
-        w = tl.load(topk_w_ptr + tok * K + j, mask=valid & (j < K), other=0.0)
-        if HAS_SW:
-            sw = tl.load(shared_w_ptr + tok * NUM_SW + tl.maximum(j - K, 0) // SW_REP,
-                         mask=valid & (j >= K), other=0.0)
-            w = tl.where(j < K, w, sw)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            w = tl.where(j < K, w, 1.0)
-        out_ptrs = out_ptr + slot[:, None].to(tl.int64) * H + cols[None, :]
-        tl.store(out_ptrs, acc * w[:, None], mask=valid[:, None] & col_ok[None, :])
-    if SUM_M > 0:
-        # Every warp's slot rows are written before the release (one thread issues the atomic); the
-        # tile's last arrival acquires them all.
-        tl.debug_barrier()
-        if tl.atomic_add(sum_cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) // n_tiles - 1:
-            tl.atomic_xchg(sum_cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            sum_slot_tokens(out_ptr, sum_out_ptr, num_tokens, H, cols, col_ok, CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS,
-                            stride_cw, stride_cbuf, stride_ctab, KS, SUM_M, BLOCK_N, CONV, CK, CKP, CCHUNK)
+            k_ok = ks < I - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    # The routing weight multiplies the expert's fp32 output, as in experts_ref.
+    tok = slot // KS
+    j = slot % KS
+    w = tl.load(topk_w_ptr + tok * K + j, mask=valid & (j < K), other=0.0)
+    if HAS_SW:
+        sw = tl.load(shared_w_ptr + tok * NUM_SW + tl.maximum(j - K, 0) // SW_REP,
+                     mask=valid & (j >= K), other=0.0)
+        w = tl.where(j < K, w, sw)
+    else:
+        w = tl.where(j < K, w, 1.0)
+    out_ptrs = out_ptr + slot[:, None].to(tl.int64) * H + cols[None, :]
+    tl.store(out_ptrs, acc * w[:, None], mask=valid[:, None] & col_ok[None, :])
 
 
-def sum_counter_size(hidden: int) -> int:
-    """The int32 count a `fused_experts(sum_counter=...)` counter needs for hidden size `hidden`: one
-    per hidden tile of the down GEMM at its narrowest tile (16 columns)."""
-    return triton.cdiv(hidden, 16)
+@triton.jit
+def _sum_slots_kernel(slots_ptr, out_ptr, H, KS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(KS):  # routed slots in selection order, then the shared chunks
+        acc += tl.load(slots_ptr + (t * KS + j) * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_slots_conv_kernel(slots_ptr, out_ptr, T, H, CW, CBUF, CTAB, CSLOTS, CLENS, CLOCS, stride_cw, stride_cbuf,
+                           stride_ctab, KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                           CONV: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr, CCHUNK: tl.constexpr,
+                           PDL: tl.constexpr):
+    """`_sum_slots_kernel` for all T <= BLOCK_M tokens of one hidden tile per program, the sum
+    (rounded to the state's dtype, as the unfused path stores it) then through its ShortConv:
+    token t is decode sequence t, or (CCHUNK) a token of a short chunk
+    (`kiln.kernels.shortconv.decode_conv_epilogue`)."""
+    wait_for_previous(PDL)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < T
+    offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    hist = decode_conv_history(rm, m_ok, offs, ok, CBUF, stride_cbuf, CTAB, stride_ctab, CSLOTS, CLENS, CK, CKP,
+                               CCHUNK)
+    mask = m_ok[:, None] & ok[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        acc += tl.load(slots_ptr + (rm[:, None].to(tl.int64) * KS + j) * H + offs[None, :], mask=mask, other=0.0)
+    y = decode_conv_epilogue(acc.to(CBUF.dtype.element_ty), hist, rm, m_ok, offs, ok, CW, stride_cw, CBUF,
+                             stride_cbuf, CLOCS, CSLOTS, CLENS, CK, CKP, CCHUNK)
+    tl.store(out_ptr + rm[:, None] * H + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -313,7 +321,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
                   gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False,
-                  trace: Optional[tuple] = None, sum_counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  trace: Optional[tuple] = None) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -331,10 +339,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
     `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
     `conv_chunk`). `trace` (the one-token path, CUDA): the two expert GEMVs' `kiln.kernels.trace`
-    buffers (`benchmarks/kernel_bench/gemv_trace.py --chains moe`). `sum_counter` (the grouped
-    path, int32 of at least `sum_counter_size(H)` zeros, left zeroed; one call at a time per
-    counter): up to DOWN_SUM_MAX_TOKENS tokens the down GEMM sums the slots (and runs `conv`) in
-    its last programs instead of a launch of its own, with the same result bit for bit.
+    buffers (`benchmarks/kernel_bench/gemv_trace.py --chains moe`).
     """
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -408,22 +413,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         num_warps=warps, num_stages=stages, **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.down
-    down_sum = sum_counter is not None and T <= DOWN_SUM_MAX_TOKENS
-    if down_sum:
-        assert sum_counter.dtype == torch.int32 and sum_counter.numel() >= triton.cdiv(H, bn), \
-            f"sum_counter: int32 zeros, at least sum_counter_size({H}) = {sum_counter_size(H)}"
-        sum_m = triton.next_power_of_2(T) if conv is not None else min(DOWN_SUM_BLOCK_M, triton.next_power_of_2(T))
     _down_kernel[(num_blocks * triton.cdiv(H, bn),)](
         act, w2, sw2, sorted_slots, seg_end, topk_w, shared_w, slot_out, ids, T * k, T, H, inter, num_slots,
-        w2.stride(0), w2.stride(1), sw2.stride(0), out, sum_counter if down_sum else ids,
-        **decode_conv_kernel_args(conv if down_sum else None, out, conv_chunk),
+        w2.stride(0), w2.stride(1), sw2.stride(0),
         E=E, E_TOT=e_tot, E_PAD=e_pad, K=k, KS=ks_slots, NUM_SW=n_shared_w,
         SW_REP=sw_rep, HAS_SW=has_sw,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
-        PRECISION=_dot_precision(w2.dtype), INLINE_CHUNK=inline_chunk(warps), SUM_M=sum_m if down_sum else 0,
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
-    if down_sum:
-        return out
+        PRECISION=_dot_precision(w2.dtype), INLINE_CHUNK=inline_chunk(warps), num_warps=warps,
+        num_stages=stages, **pdl_launch(x.device))
 
     if conv is not None:
         block_h = min(SUM_CONV_BLOCK_H, triton.next_power_of_2(H))

@@ -187,10 +187,6 @@ class Experts(nn.Module):
         self.w2 = _frozen(num_experts, hidden, self.inter_per_rank)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
-        # The down GEMM's programs per hidden tile, counted so that the last one sums the slots
-        # (`kiln.kernels.moe.fused_experts(sum_counter=...)`; `sum_counter_size` ints): zero
-        # between calls, one per layer, not part of the checkpoint.
-        self.register_buffer("sum_counters", torch.zeros((hidden + 15) // 16, dtype=torch.int32), persistent=False)
 
     def weight_loader(self, param, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """shard_id = (expert, "gate" | "up" | "down"): checkpoint `experts.{e}.{kind}_proj`."""
@@ -202,8 +198,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         if _use_kernels(x, self.w13, self.w2, topk_weights):
-            out = _kernel_ops().fused_experts(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32,
-                                              sum_counter=self.sum_counters)
+            out = _kernel_ops().fused_experts(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
         else:
             out = ref_ops.experts_torch(x, self.w13, self.w2, topk_ids, topk_weights, torch.float32)
         if self.reduce_output:
@@ -288,7 +283,7 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
                     chunk = conv is not None
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
                                     shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens,
-                                    conv_chunk=chunk, sum_counter=experts.sum_counters)
+                                    conv_chunk=chunk)
             if conv is not None:
                 return out
     if out is None:

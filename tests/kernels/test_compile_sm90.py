@@ -277,8 +277,7 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
 
 def sum_slots_conv() -> None:
     """The grouped MoE's slot sum with out_conv over a verify's 4 tokens in its epilogue."""
-    from kiln.kernels.moe import SUM_CONV_BLOCK_H
-    from kiln.kernels.moe_sum import _sum_slots_conv_kernel
+    from kiln.kernels.moe import SUM_CONV_BLOCK_H, _sum_slots_conv_kernel
 
     types = {"slots_ptr": "*fp32", "out_ptr": "*bf16", "CW": "*bf16", "CBUF": "*bf16",
              **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}}
@@ -286,7 +285,7 @@ def sum_slots_conv() -> None:
                                                      CCHUNK=True, PDL=True))
 
 
-def grouped_moe(inline: bool, down_sum: int = 0, conv: bool = False) -> dict:
+def grouped_moe(inline: bool) -> None:
     """The grouped MoE's gate/up and down GEMMs at the bench shape's decode tiles, their rows from
     the align kernel's buffers or (inline) from the ids in registers: a histogram, a cumsum and a
     [BLOCK_M, CHUNK] match returned from a helper inside a constexpr branch."""
@@ -299,25 +298,11 @@ def grouped_moe(inline: bool, down_sum: int = 0, conv: bool = False) -> dict:
                                    "seg_end_ptr": "*i32", "act_ptr": "*bf16", "ids_ptr": "*i64"},
                  dict(common, BLOCK_N=bn, BLOCK_K=bk, INLINE_CHUNK=32 * warps if inline else 0), num_warps=warps)
     bn, bk, warps, stages = cfg.down
-    return compile_sm90(_down_kernel, {"act_ptr": "*bf16", "w2_ptr": "*bf16", "sw2_ptr": "*bf16", "sorted_ptr": "*i32",
-                                       "seg_end_ptr": "*i32", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
-                                       "out_ptr": "*fp32", "ids_ptr": "*i64", "sum_out_ptr": "*bf16",
-                                       "sum_cnt_ptr": "*i32", "CW": "*bf16", "CBUF": "*bf16",
-                                       **{n: "*i64" for n in ("CTAB", "CSLOTS", "CLENS", "CLOCS")}},
-                        dict(common, NUM_SW=2, SW_REP=1, HAS_SW=True, BLOCK_N=bn, BLOCK_K=bk,
-                             INLINE_CHUNK=32 * warps if inline else 0, SUM_M=down_sum, CONV=conv,
-                             CK=4 if conv else 1, CKP=4 if conv else 1, CCHUNK=conv), num_warps=warps)
-
-
-def grouped_moe_down_sum() -> None:
-    """The down GEMM with the slot sum in its last programs: decode at 8 tokens, and a verify's 4
-    tokens through out_conv. Its main loop is the down GEMM's without the sum (as many MMAs), and
-    the count is an acq_rel atomic at GPU scope."""
-    plain = grouped_moe(True)["ptx"]
-    for m, conv in ((8, False), (4, True)):
-        ptx = grouped_moe(True, down_sum=m, conv=conv)["ptx"]
-        assert "atom.global.gpu.acq_rel.add" in ptx, "the count releases the slot rows"
-        assert ptx.count("mma.sync") == plain.count("mma.sync"), (ptx.count("mma.sync"), plain.count("mma.sync"))
+    compile_sm90(_down_kernel, {"act_ptr": "*bf16", "w2_ptr": "*bf16", "sw2_ptr": "*bf16", "sorted_ptr": "*i32",
+                                "seg_end_ptr": "*i32", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
+                                "out_ptr": "*fp32", "ids_ptr": "*i64"},
+                 dict(common, NUM_SW=2, SW_REP=1, HAS_SW=True, BLOCK_N=bn, BLOCK_K=bk,
+                      INLINE_CHUNK=32 * warps if inline else 0), num_warps=warps)
 
 
 def argmax() -> None:
@@ -457,7 +442,6 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
          "grouped_moe": lambda: grouped_moe(False), "grouped_moe_inline": lambda: grouped_moe(True),
-         "grouped_moe_down_sum": grouped_moe_down_sum,
          "argmax": argmax, "seeded_noise": seeded_noise, "sampling_select": sampling_select, "spec_verify": spec_verify, "softmax": softmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),

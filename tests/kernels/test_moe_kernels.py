@@ -344,8 +344,7 @@ def _layer(which, device, seed=0):
             if p.dim() > 0:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         for b in moe.buffers():
-            if b.is_floating_point():  # counters stay zero
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     return moe.to(device=device, dtype=dtype), cfg, dtype
 
