@@ -2,7 +2,6 @@
 
     python -m benchmarks.kernel_bench.moe [--tokens 1 8 64 256 8192] [--sweep]
     python -m benchmarks.kernel_bench.moe --gemv [T ...]
-    python -m benchmarks.kernel_bench.moe --inline-align [T ...]
 
 Shapes: the Inkling / MiniMax-M3 `bench` presets' MoE (E=64, k=6, H=2048, I=512, bf16), Inkling's
 two shared experts. Rows:
@@ -26,12 +25,6 @@ unweighted shared expert of width num_shared_experts * I (as `kiln.layers.moe` b
 replay from a CUDA graph over COPIES copies of the weights; TB/s counts the expert weight bytes a
 call must read (the experts hit, plus the shared ones). The grouped path is forced with an
 explicit config, the GEMV path past one token with `gemv_max_tokens` (the engine's `--moe-gemv-max-tokens`).
-
-`--inline-align` (instead of the table above) times the grouped path at T tokens (default 2 4 5 8
-32 40: a verify's rows at K = 1, 3, 4 at batch 1 and K = 3, 4 at batch 8, decode at 8) with each
-GEMM program's rows computed from the ids in registers (`kiln.kernels.moe.INLINE_ALIGN_MAX_IDS`)
-against the align kernel before the GEMMs, same presets and replay as `--gemv`, and checks the
-two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -165,25 +158,17 @@ def gemv_vs_grouped(tokens, dtype, dev, gen) -> None:
         torch.cuda.empty_cache()  # the next shape's copies
 
 
-def _shape_inputs(shape, t, dtype, dev, gen):
-    """(x, ids, w, sw) for t tokens of a `bench_shapes` entry: k distinct experts per token from
-    random logits, as the gate would route; sw None where the shared experts are unweighted."""
-    arch, e, k, h, i, chunks, weighted = shape
-    x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
-    ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=gen, device=dev)
-    sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
-    return x, ids, w, sw
-
-
 def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
     from kiln.kernels import moe as KM
 
-    arch, e, k, h, i, chunks, _ = shape
+    arch, e, k, h, i, chunks, weighted = shape
     elt = torch.finfo(dtype).bits // 8
     layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
     for t in tokens:
-        x, ids, w, sw = _shape_inputs(shape, t, dtype, dev, gen)
+        x = torch.randn(t, h, generator=gen, device=dev).to(dtype)
+        ids = torch.rand(t, e, generator=gen, device=dev).argsort(dim=1)[:, :k]
+        w = torch.rand(t, k, generator=gen, device=dev)
+        sw = torch.rand(t, chunks, generator=gen, device=dev) if weighted else None
         nbytes = (torch.unique(ids).numel() + chunks) * 3 * i * h * elt
 
         def calls(config, gemv_max_tokens=None):
@@ -200,36 +185,6 @@ def _gemv_vs_grouped_rows(shape, tokens, dtype, dev, gen) -> None:
         print(f"{arch:<11} {e:>3} {k:>2} {h:>5} {i:>4} {chunks:>2} {t:>3} {nbytes / 1e6:>6.1f} "
               f"{grouped_us:>8.1f} {nbytes / grouped_us / 1e6:>5.2f} {gemv_us:>8.1f} "
               f"{nbytes / gemv_us / 1e6:>5.2f} {grouped_us / gemv_us:>6.2f}x {diff:>9.2e}")
-
-
-def inline_vs_align(tokens, dtype, dev, gen) -> None:
-    from kiln.kernels import moe as KM
-
-    print(f"fused_experts' grouped path: rows from the ids in registers vs the align kernel, {dtype}, "
-          f"graph median us per call (replays of {COPIES} calls over distinct weights)")
-    head = f"{'model':<11} {'T':>3} {'ids':>4} {'align':>7} {'inline':>7} {'saved':>6} {'equal':>5}"
-    print(head)
-    print("-" * len(head))
-    saved_limit = KM.INLINE_ALIGN_MAX_IDS
-    try:
-        for shape in bench_shapes():
-            arch, e, k, h, i, chunks, _ = shape
-            layers = _weights(COPIES, dtype, dev, gen, e=e, h=h, i=i, shared_inter=chunks * i)
-            for t in tokens:
-                x, ids, w, sw = _shape_inputs(shape, t, dtype, dev, gen)
-                cfg = KM.pick_config(t, k, e, h, i)
-                fn = lambda: [KM.fused_experts(x, L["w13"], L["w2"], ids, w, shared=(L["sw13"], L["sw2"], sw),  # noqa: E731
-                                               config=cfg) for L in layers]
-                KM.INLINE_ALIGN_MAX_IDS = 0
-                align_us, want = _graph_time(fn) / COPIES, fn()[0]
-                KM.INLINE_ALIGN_MAX_IDS = max(saved_limit, t * k)
-                inline_us, got = _graph_time(fn) / COPIES, fn()[0]
-                print(f"{arch:<11} {t:>3} {t * k:>4} {align_us:>7.1f} {inline_us:>7.1f} {align_us - inline_us:>6.1f} "
-                      f"{str(torch.equal(got, want)):>5}")
-            del layers
-            torch.cuda.empty_cache()
-    finally:
-        KM.INLINE_ALIGN_MAX_IDS = saved_limit
 
 
 # Candidate one-token tiles (BLOCK_N, BLOCK_K, warps) that `--gemv-sweep` times
@@ -281,8 +236,6 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv", type=int, nargs="*", metavar="T",
                     help="only time the grouped path against the GEMV path, at T tokens (default 1)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only time the one-token path's candidate tiles")
-    ap.add_argument("--inline-align", type=int, nargs="*", metavar="T",
-                    help="only time the grouped path's rows in registers against the align kernel, at T tokens")
     ap.add_argument("--sweep-json", help="with --sweep: write each token count's fastest config here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -290,11 +243,6 @@ def main(argv=None) -> None:
     if args.gemv_sweep:
         dev = torch.device("cuda")
         gemv_sweep(torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(0))
-        return
-    if args.inline_align is not None:
-        dev = torch.device("cuda")
-        inline_vs_align(args.inline_align or [2, 4, 5, 8, 32, 40], torch.bfloat16, dev,
-                        torch.Generator(device=dev).manual_seed(0))
         return
     if args.gemv is not None:
         dev = torch.device("cuda")

@@ -21,9 +21,8 @@ shapes, never on values, and no host sync, so the decode step can be captured in
    `sorted_slots` and the sentinel `num_slots` into the padding rows. Program 0 also stores the
    segment ends; a GEMM program finds its expert by counting the ends <= its first row. The buffer
    is sized for the worst case (every nonempty expert wastes BLOCK_M - 1 rows), and blocks past the
-   used rows exit at once. Up to INLINE_ALIGN_MAX_IDS routed ids (a speculative verify, decode at a
-   few requests) there is no such launch: each GEMM program computes its own block's expert and
-   slots from the ids in registers (`moe_align._block_rows`), the same numbers the align kernel stores.
+   used rows exit at once. (Each GEMM program computing its block's rows from the ids in
+   registers instead, with no align launch, was measured slower and removed: forty-seventh pass.)
 2. `_gate_up_kernel`: per (row block, intermediate tile): gathers x rows, two dots (gate and up
    rows of the block's expert), SwiGLU in fp32, writes the activation (weight dtype) by sorted row.
 3. `_down_kernel`: per (row block, hidden tile): act @ down^T, times the slot's routing weight in
@@ -55,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.moe_align import _align_kernel, _block_slots
+from kiln.kernels.moe_align import _align_kernel, _block_expert
 from kiln.kernels.moe_gemv import experts_gemv
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
@@ -77,11 +76,6 @@ GEMV_MAX_TOKENS = 1
 # run each, within run-to-run spread); 128 columns profiled at 7.5 us per call (nineteenth pass).
 SUM_CONV_MAX_TOKENS = 4
 SUM_CONV_BLOCK_H = 32
-# Up to this many routed ids (T * k) the grouped path has no align launch: every gate/up and down
-# program histograms the ids itself (a few hundred register ops) where it would otherwise load the
-# segment ends and then its sorted rows. One launch and one device-wide hand-off fewer per MoE
-# layer; tests lower it to 0 to take the align kernel.
-INLINE_ALIGN_MAX_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -141,23 +135,22 @@ def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr, ids_ptr, num_routed, num_tokens,
+def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr,
                     H, I, num_slots, stride_xt, stride_we, stride_wn, stride_sn,
-                    E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
+                    E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, KS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INLINE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """INLINE_CHUNK > 0: the block's rows from the ids (`_block_slots`), no align kernel before."""
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     m_start = pid_m * BLOCK_M
-    rows = m_start + tl.arange(0, BLOCK_M)
-    e, slot = _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT,
-                           K, KS, BLOCK_M, E_PAD, INLINE_CHUNK)
+    e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
     if e >= E_TOT:
         return
+    rows = m_start + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + rows)
     valid = slot < num_slots
     tok = (slot // KS).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,24 +191,22 @@ def _gate_up_kernel(x_ptr, w13_ptr, sw13_ptr, sorted_ptr, seg_end_ptr, act_ptr, 
 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, sw2_ptr, sorted_ptr, seg_end_ptr, topk_w_ptr, shared_w_ptr,
-                 out_ptr, ids_ptr, num_routed, num_tokens, H, I, num_slots, stride_we, stride_wh, stride_sh,
+                 out_ptr, H, I, num_slots, stride_we, stride_wh, stride_sh,
                  E: tl.constexpr, E_TOT: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                  KS: tl.constexpr, NUM_SW: tl.constexpr, SW_REP: tl.constexpr,
                  HAS_SW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INLINE_CHUNK: tl.constexpr,
-                 PDL: tl.constexpr):
-    """INLINE_CHUNK > 0: the block's rows from the ids, as in `_gate_up_kernel`."""
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     m_start = pid_m * BLOCK_M
-    rows = m_start + tl.arange(0, BLOCK_M)
-    e, slot = _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT,
-                           K, KS, BLOCK_M, E_PAD, INLINE_CHUNK)
+    e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
     if e >= E_TOT:
         return
+    rows = m_start + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + rows)
     valid = slot < num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -385,42 +376,34 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     num_blocks = triton.cdiv(rows, bm)
     num_slots = T * ks_slots
     dev = x.device
+    sorted_slots = torch.empty(num_blocks * bm, dtype=torch.int32, device=dev)
+    seg_end = torch.empty(e_tot, dtype=torch.int32, device=dev)
     act = torch.empty(num_blocks * bm, inter, dtype=w2.dtype, device=dev)
     slot_out = torch.empty(num_slots, H, dtype=torch.float32, device=dev)
     e_pad = max(32, triton.next_power_of_2(e_tot))  # tl.histogram wants >= 32 bins
-    inline = T * k <= INLINE_ALIGN_MAX_IDS
+    chunk = max(128, min(ALIGN_CHUNK_MAX, triton.next_power_of_2(T * k)))
 
-    def inline_chunk(warps: int) -> int:  # 0: the align kernel's rows; else one chunk of every id
-        return max(32 * warps, triton.next_power_of_2(T * k)) if inline else 0
-
-    if inline:
-        sorted_slots = seg_end = ids  # never addressed
-    else:
-        sorted_slots = torch.empty(num_blocks * bm, dtype=torch.int32, device=dev)
-        seg_end = torch.empty(e_tot, dtype=torch.int32, device=dev)
-        chunk = max(128, min(ALIGN_CHUNK_MAX, triton.next_power_of_2(T * k)))
-        _align_kernel[(e_tot,)](
-            ids, sorted_slots, seg_end, T * k, T, num_slots,
-            E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4,
-            **pdl_launch(x.device))
+    _align_kernel[(e_tot,)](
+        ids, sorted_slots, seg_end, T * k, T, num_slots,
+        E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4,
+        **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.up
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](
-        x, w13, sw13, sorted_slots, seg_end, act, ids, T * k, T, H, inter, num_slots,
+        x, w13, sw13, sorted_slots, seg_end, act, H, inter, num_slots,
         x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0),
-        E=E, E_TOT=e_tot, E_PAD=e_pad, K=k, KS=ks_slots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=H % bk == 0, PRECISION=_dot_precision(w13.dtype), INLINE_CHUNK=inline_chunk(warps),
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+        E=E, E_TOT=e_tot, E_PAD=e_pad, KS=ks_slots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=H % bk == 0, PRECISION=_dot_precision(w13.dtype), num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.down
     _down_kernel[(num_blocks * triton.cdiv(H, bn),)](
-        act, w2, sw2, sorted_slots, seg_end, topk_w, shared_w, slot_out, ids, T * k, T, H, inter, num_slots,
+        act, w2, sw2, sorted_slots, seg_end, topk_w, shared_w, slot_out, H, inter, num_slots,
         w2.stride(0), w2.stride(1), sw2.stride(0),
         E=E, E_TOT=e_tot, E_PAD=e_pad, K=k, KS=ks_slots, NUM_SW=n_shared_w,
         SW_REP=sw_rep, HAS_SW=has_sw,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter % bk == 0,
-        PRECISION=_dot_precision(w2.dtype), INLINE_CHUNK=inline_chunk(warps), num_warps=warps,
-        num_stages=stages, **pdl_launch(x.device))
+        PRECISION=_dot_precision(w2.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x.device))
 
     if conv is not None:
         block_h = min(SUM_CONV_BLOCK_H, triton.next_power_of_2(H))

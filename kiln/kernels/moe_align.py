@@ -2,11 +2,8 @@
 
 Token t's KS = k + C slots (its k routed selections, then the C shared chunks) are sorted by
 expert into segments padded to BLOCK_M rows, so that every BLOCK_M-row block of a GEMM belongs to
-one expert; the padding rows hold the sentinel `num_slots`. Two ways to the same numbers:
-`_align_kernel` stores them (the sorted slots and the segment ends) for the GEMMs to load, and
-`_block_rows` computes one block's share from the routed ids in registers inside a GEMM program,
-with no launch of its own (up to `kiln.kernels.moe.INLINE_ALIGN_MAX_IDS` ids). `_block_slots`
-gives a GEMM program either.
+one expert; the padding rows hold the sentinel `num_slots`. `_align_kernel` stores them (the
+sorted slots and the segment ends); `_block_expert` finds a GEMM program's expert from the ends.
 """
 
 from __future__ import annotations
@@ -68,47 +65,3 @@ def _block_expert(seg_end_ptr, m_start, E_TOT: tl.constexpr, E_PAD: tl.constexpr
     bins = tl.arange(0, E_PAD)
     ends = tl.load(seg_end_ptr + bins, mask=bins < E_TOT, other=_INT32_MAX)
     return tl.sum((ends <= m_start).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.constexpr, E_TOT: tl.constexpr,
-                K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """What `_align_kernel` stores for the sorted rows m_start .. m_start + BLOCK_M, from the routed
-    ids (all of them in one CHUNK, at least 32 per warp: `tl.histogram` must see no replicated
-    elements) in registers: (the block's expert, E_TOT past the last segment; each row's slot,
-    num_slots on padding rows). Same segments, same order within them."""
-    offs = tl.arange(0, CHUNK)
-    ok = offs < num_routed
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-    bins = tl.arange(0, E_PAD)
-    counts = tl.histogram(ids, E_PAD, mask=ok)
-    counts = tl.where((bins >= E) & (bins < E_TOT), num_tokens, counts)  # every token, every shared chunk
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    e = tl.sum(((ends <= m_start) & (bins < E_TOT)).to(tl.int32), axis=0)
-    mine = bins == e
-    within = m_start - tl.sum(tl.where(mine, ends - padded, 0), axis=0) + tl.arange(0, BLOCK_M)
-    # Routed: the within-th assignment i = t*K + j of expert e, in id order, is slot t*KS + j.
-    hit = (ids == e) & ok
-    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-    match = hit[None, :] & (rank[None, :] == within[:, None])
-    routed = tl.sum(tl.where(match, ((offs // K) * KS + offs % K)[None, :], 0), axis=1)
-    slot = tl.where(e < E, routed, within * KS + K + (e - E))  # shared chunk e - E: token `within`
-    return e, tl.where(within < tl.sum(tl.where(mine, counts, 0), axis=0), slot, num_slots)
-
-
-@triton.jit
-def _block_slots(ids_ptr, sorted_ptr, seg_end_ptr, num_routed, num_tokens, num_slots, m_start, E: tl.constexpr,
-                 E_TOT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                 INLINE_CHUNK: tl.constexpr):
-    """(The expert of the sorted rows m_start .., E_TOT past the last segment; their slots): from the ids
-    in registers (INLINE_CHUNK > 0, `_block_rows`) or from the align kernel's buffers (the slot load
-    does not wait for the expert's: rows past the used ones are in the buffer, and their programs exit)."""
-    if INLINE_CHUNK > 0:
-        e, slot = _block_rows(ids_ptr, num_routed, num_tokens, num_slots, m_start, E, E_TOT, K, KS, BLOCK_M,
-                              E_PAD, INLINE_CHUNK)
-    else:
-        e = _block_expert(seg_end_ptr, m_start, E_TOT, E_PAD)
-        slot = tl.load(sorted_ptr + m_start + tl.arange(0, BLOCK_M))
-    return e, slot

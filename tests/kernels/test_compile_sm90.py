@@ -285,24 +285,21 @@ def sum_slots_conv() -> None:
                                                      CCHUNK=True, PDL=True))
 
 
-def grouped_moe(inline: bool) -> None:
-    """The grouped MoE's gate/up and down GEMMs at the bench shape's decode tiles, their rows from
-    the align kernel's buffers or (inline) from the ids in registers: a histogram, a cumsum and a
-    [BLOCK_M, CHUNK] match returned from a helper inside a constexpr branch."""
+def grouped_moe() -> None:
+    """The grouped MoE's gate/up and down GEMMs at the bench shape's decode tiles."""
     from kiln.kernels.moe import _down_kernel, _gate_up_kernel, pick_config
 
     cfg = pick_config(4, 6, 64, 2048, 512)
-    common = dict(E=64, E_TOT=66, E_PAD=128, K=6, KS=8, BLOCK_M=cfg.block_m, EVEN_K=True, PRECISION="tf32", PDL=True)
+    common = dict(E=64, E_TOT=66, E_PAD=128, KS=8, BLOCK_M=cfg.block_m, EVEN_K=True, PRECISION="tf32", PDL=True)
     bn, bk, warps, stages = cfg.up
     compile_sm90(_gate_up_kernel, {"x_ptr": "*bf16", "w13_ptr": "*bf16", "sw13_ptr": "*bf16", "sorted_ptr": "*i32",
-                                   "seg_end_ptr": "*i32", "act_ptr": "*bf16", "ids_ptr": "*i64"},
-                 dict(common, BLOCK_N=bn, BLOCK_K=bk, INLINE_CHUNK=32 * warps if inline else 0), num_warps=warps)
+                                   "seg_end_ptr": "*i32", "act_ptr": "*bf16"},
+                 dict(common, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps)
     bn, bk, warps, stages = cfg.down
     compile_sm90(_down_kernel, {"act_ptr": "*bf16", "w2_ptr": "*bf16", "sw2_ptr": "*bf16", "sorted_ptr": "*i32",
                                 "seg_end_ptr": "*i32", "topk_w_ptr": "*fp32", "shared_w_ptr": "*fp32",
-                                "out_ptr": "*fp32", "ids_ptr": "*i64"},
-                 dict(common, NUM_SW=2, SW_REP=1, HAS_SW=True, BLOCK_N=bn, BLOCK_K=bk,
-                      INLINE_CHUNK=32 * warps if inline else 0), num_warps=warps)
+                                "out_ptr": "*fp32"},
+                 dict(common, K=6, NUM_SW=2, SW_REP=1, HAS_SW=True, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps)
 
 
 def argmax() -> None:
@@ -441,7 +438,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_fma": lambda: gemv(True), "gemv_dot": lambda: gemv(False), "gemv_glu": lambda: gemv(True, glu=True),
          "gemv_fma_prefetch": lambda: gemv(True, prefetch=True), "gemv_conv": lambda: gemv(True, conv=True),
          "gemv_conv_chunk": lambda: gemv(True, conv=True, chunk=True), "sum_slots_conv": sum_slots_conv,
-         "grouped_moe": lambda: grouped_moe(False), "grouped_moe_inline": lambda: grouped_moe(True),
+         "grouped_moe": grouped_moe,
          "argmax": argmax, "seeded_noise": seeded_noise, "sampling_select": sampling_select, "spec_verify": spec_verify, "softmax": softmax,
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),

@@ -109,10 +109,10 @@ def test_one_token_path_is_taken_at_one_token_only(device, monkeypatch):
             m.setattr(km, name, _Refused(name))
         got = km.fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32, shared=shared)
         torch.testing.assert_close(got, want, **_tol(dtype))
-        with pytest.raises(AssertionError, match="_gate_up_kernel launched"):  # two tokens: grouped
+        with pytest.raises(AssertionError, match="_align_kernel launched"):  # two tokens: grouped
             km.fused_experts(x.expand(2, -1), w13, w2, ids.expand(2, -1), w.expand(2, -1), shared=shared)
         cfg = km.pick_config(1, ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2])
-        with pytest.raises(AssertionError, match="_gate_up_kernel launched"):  # an explicit config: grouped
+        with pytest.raises(AssertionError, match="_align_kernel launched"):  # an explicit config: grouped
             km.fused_experts(x, w13, w2, ids, w, shared=shared, config=cfg)
     with monkeypatch.context() as m:  # two tokens never launch the GEMV kernels
         for name in ("_expert_up_gemv_kernel", "_expert_down_gemv_kernel"):
@@ -151,7 +151,7 @@ def test_gemv_max_tokens_picks_the_path(device, monkeypatch):
             m.setattr(km, name, _Refused(name))
         got = km.fused_experts(x4, w13, w2, ids4, w4, out_dtype=torch.float32, shared=shared4, gemv_max_tokens=4)
         torch.testing.assert_close(got, want.expand(4, -1), **_tol(dtype))
-        with pytest.raises(AssertionError, match="_gate_up_kernel launched"):
+        with pytest.raises(AssertionError, match="_align_kernel launched"):
             km.fused_experts(x4, w13, w2, ids4, w4, shared=shared4, gemv_max_tokens=3)
 
 

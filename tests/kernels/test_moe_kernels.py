@@ -96,59 +96,7 @@ def test_fused_experts_two_full_experts_over_several_align_steps(device, monkeyp
     # k=2 over a pool of two: two full segments, the rest empty; plus shared experts. The 130
     # assignments span two of the align kernel's 128-id steps (ranks carried across steps).
     monkeypatch.setattr(_km(), "ALIGN_CHUNK_MAX", 128)
-    monkeypatch.setattr(_km(), "INLINE_ALIGN_MAX_IDS", 0)  # the align kernel, not the rows in registers
     _check_experts(device, 65, 8, 2, 2, pool=[5, 1], seed=2)
-
-
-def _grouped(device, T, E, k, S, pool=None, shared_mult=1, shared_weighted=True, seed=0):
-    """`fused_experts` on the grouped path (its config given, so one token too): a call taking
-    (x, w13, w2, ids, w, shared) inputs drawn as `_check_experts` draws them."""
-    H, I, dtype, _, _ = _shape(device)
-    gen = torch.Generator().manual_seed(seed)
-    w13, w2, sw13, sw2 = _weights(E, H, I, dtype, device, gen, shared_inter=S * I * shared_mult)
-    x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
-    ids, w = _routing(T, E, k, gen, device, pool)
-    sw = (torch.rand(T, S, generator=gen) + 0.1).to(device) if S and shared_weighted else None
-    shared = (sw13, sw2, sw) if S else None
-    cfg = _km().pick_config(T, k, E, H, I)
-    return lambda: _km().fused_experts(x, w13, w2, ids, w, out_dtype=torch.float32, shared=shared, config=cfg)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", [
-    dict(T=1, E=8, k=2, S=2),  # one token (a forced grouped path): shared chunks past every routed row
-    dict(T=4, E=8, k=3, S=1, shared_mult=2, shared_weighted=False),  # a verify's 4 rows, 2 unweighted chunks
-    dict(T=13, E=8, k=2, S=2, pool=[0, 3, 6, 7]),  # empty experts between full ones
-    dict(T=37, E=8, k=1, S=0, pool=[2]),  # one expert, 37 rows over several blocks
-    dict(T=64, E=8, k=4, S=1),  # 256 ids: the largest chunk the rows in registers take
-])
-def test_rows_in_registers_equal_the_align_kernels(device, case, monkeypatch):
-    # Up to INLINE_ALIGN_MAX_IDS routed ids the GEMM programs compute their rows from the ids
-    # (`_block_rows`); the result is the align kernel's path bit for bit (same slots, same order).
-    if device == "cuda":
-        case = dict(case, E=case["E"] * 8, k=min(case["k"] * 2, 6, 256 // case["T"]), pool=None)
-    km = _km()
-    run = _grouped(device, seed=sum(map(len, map(str, case.values()))), **case)
-    got = run()
-    monkeypatch.setattr(km, "INLINE_ALIGN_MAX_IDS", 0)
-    want = run()
-    assert torch.equal(got, want)
-    assert torch.isfinite(got).all() and got.abs().amax() > 0
-
-
-class _NoAlign:
-    def __getitem__(self, grid):
-        raise AssertionError("_align_kernel launched")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_align_kernel_runs_past_the_inline_limit_only(device, monkeypatch):
-    km = _km()
-    monkeypatch.setattr(km, "_align_kernel", _NoAlign())
-    _check_experts(device, 4, 8, 2, 2, seed=7)  # 8 ids: the rows in registers
-    monkeypatch.setattr(km, "INLINE_ALIGN_MAX_IDS", 7)
-    with pytest.raises(AssertionError, match="_align_kernel launched"):
-        _check_experts(device, 4, 8, 2, 2, seed=7)
 
 
 @pytest.mark.parametrize("device", DEVICES)
