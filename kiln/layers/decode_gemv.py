@@ -77,13 +77,6 @@ def gemv_path(batch, x: torch.Tensor, linear: nn.Module, max_rows: Optional[int]
 NORM_EPILOGUE_MAX_ROWS = 1
 
 
-# Rows up to which an LM head (`head_logits`: a verify's K + 1 rows at batch 1, the MTP draft heads'
-# one row per request) takes the GEMV whenever the GEMV is on, whatever --gemv-max-rows: a
-# vocabulary-wide matrix is a pure weight stream at these rows, and the GEMV's fp32 output saves
-# the cast after cuBLAS (`benchmarks/kernel_bench/lm_head.py`; docs/benchmarks.md, forty-sixth pass).
-HEAD_GEMV_MAX_ROWS = 4
-
-
 def _prefetch_bytes(batch) -> int:
     return getattr(batch.backend, "gemv_prefetch_bytes", 0)
 
@@ -256,8 +249,7 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(hidden[batch.logits_indices]).float()` (a `ParallelLMHead`; the models'
     `compute_logits`). In a decode CUDA graph, whose logit rows are its rows in order
     (`CudaGraphRunner._batch`), the gather is skipped; on the GEMV path (`gemv_path`'s rules: at
-    most --gemv-max-rows rows, or HEAD_GEMV_MAX_ROWS with the GEMV on; no hooks, no subclass's
-    `compute_logits`) the product runs through the
+    most --gemv-max-rows rows, no hooks, no subclass's `compute_logits`) the product runs through the
     GEMV, whose weight stream starts before the kernel before it completes (cuBLAS's waits for it:
     no PDL)."""
     in_order = (getattr(batch, "in_graph", False) and getattr(batch, "mode", None) is ForwardMode.DECODE
@@ -267,11 +259,9 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
 
 def head_logits(head: nn.Module, rows: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(rows).float()` for the rows themselves (`decode_logits` after its row
-    selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules, and with
-    the GEMV on at up to HEAD_GEMV_MAX_ROWS rows whatever --gemv-max-rows. `batch` None: the module."""
+    selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules. `batch`
+    None: the module."""
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
-    if max_rows > 0:
-        max_rows = max(max_rows, HEAD_GEMV_MAX_ROWS)
     plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
     if (plain and rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype
             and kernel_path(batch, rows, head.weight)):
