@@ -30,6 +30,8 @@ lane0_s46a() {
 #   2-40 tokens (`kernel_bench.moe --inline-align`); the LM head at 1-5 rows on cuBLAS and on the
 #   GEMV; MTP K = 3 rounds at batch 1 and 8 now and at c576b65 (carry scratch/b_c576b65: before
 #   both), once each: sized for the ~300 s that five asks without a machine left.
+#   Ran (as s47a) on an H100 in the forty-seventh pass; both changes were removed, and `--inline-align`
+#   with them, so it runs only at a23282f..a8aed30.
 lane0_s46b() {
   export TRITON_CACHE_DIR=/tmp/triton-s46b-$$
   local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C"

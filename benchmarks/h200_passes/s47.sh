@@ -9,6 +9,9 @@
 #   `kernel_bench.lm_head`); Inkling MTP K = 3 rounds and plain decode at batch 1 and 8 alternated
 #   with cbbaa61 (carry scratch/b_cbbaa61: before the sum in the down GEMM) and with c576b65 (carry
 #   scratch/b_c576b65: before all three); MiniMax-M3 plain decode against c576b65; sampled MTP once each.
+#   Ran on an H100 (docs/benchmarks.md, forty-seventh pass); all three changes measured slower and
+#   were removed with the bench options this lane calls (`--down-sum`, `--inline-align`), so it
+#   runs again only at a8aed30.
 lane0_s47a() {
   export TRITON_CACHE_DIR=/tmp/triton-s47a-$$
   local base="python scratch/b_c576b65/benchmarks/decode_batch.py $C" pre="python scratch/b_cbbaa61/benchmarks/decode_batch.py $C"
