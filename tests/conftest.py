@@ -11,6 +11,10 @@ import torch
 # kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from tests.interpreter_speedups import install as _speed_up_interpreter
+
+        _speed_up_interpreter()
 
 # Under pytest-xdist (`make test` runs 2 workers) the workers share the cores: each worker, and the
 # servers and ranks its tests start, gets its share of threads instead of one per core each.

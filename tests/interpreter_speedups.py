@@ -1,0 +1,102 @@
+"""Two costs of Triton's CPU interpreter that the CPU tests remove, without changing what runs.
+
+Profiled on `test_kernel_path.py::test_decode_gemv_path_equals_reference[llama]` (Triton 3.6):
+
+- Every call of a `@triton.jit` helper from inside a kernel (`InterpretedFunction.__call__`) runs
+  `_patch_lang` again: `inspect.getmembers` over `triton.language`, `tl.tensor` and `tl.math`
+  per call, ~200 calls per launch, about a fifth of an interpreter-bound test. The launch
+  (`GridExecutor`) has already patched those modules, and the helper's repeat patches nothing new
+  (every builtin is already replaced) and is never undone. It is skipped here when every language
+  module the helper sees is already patched.
+- Every interpreted tensor stores its shape as a `tl.tuple`, whose `__init__` builds a
+  `tuple_type` at once (a `constexpr_type` per dimension and a formatted name): millions of times
+  per test, about a quarter of what is left, for a type the interpreter rarely reads. It is built
+  on first read instead, from the same values (`_setitem`, the one mutation, rebuilds it anyway).
+- `_get_np_dtype` builds a dict of 17 dtypes per call (hashing each), hundreds of thousands of
+  calls per test. It is replaced by a lookup in one dict built once from the original function.
+
+`install()` patches only the Triton release it was checked against; on any other the interpreter
+runs as shipped (slower, the same results).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+CHECKED_TRITON = "3.6."
+
+
+def install() -> bool:
+    """Patch the interpreter in this process; returns whether it did."""
+    try:
+        import triton
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    if not triton.__version__.startswith(CHECKED_TRITON) or getattr(interpreter, "_kiln_patched", False):
+        return False
+    _skip_repeated_lang_patches(interpreter, tl)
+    _cache_numpy_dtypes(interpreter, tl)
+    _lazy_tuple_types(tl.core)
+    interpreter._kiln_patched = True
+    return True
+
+
+def _skip_repeated_lang_patches(interpreter, tl) -> None:
+    patch_lang = interpreter._patch_lang
+    langs_of: dict = {}
+
+    def _patch_lang(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [v for v in fn.__globals__.values()
+                                    if inspect.ismodule(v) and v in (tl, tl.core)]
+        # a patched module's builtins are the interpreter's wrappers, no longer builtins
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's scope does it
+        return patch_lang(fn)
+
+    interpreter._patch_lang = _patch_lang
+
+
+def _cache_numpy_dtypes(interpreter, tl) -> None:
+    get_np_dtype = interpreter._get_np_dtype
+    scalars = (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+               tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16,
+               tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)
+    by_name = {t.name: get_np_dtype(t) for t in scalars}
+    pointer = get_np_dtype(tl.pointer_type(tl.float32))
+    block_type, pointer_type = tl.block_type, tl.pointer_type
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, pointer_type):
+            return pointer
+        return by_name[tt_dtype.name]
+
+    interpreter._get_np_dtype = _get_np_dtype
+
+
+def _lazy_tuple_types(core) -> None:
+    tuple_type, type_for_values = core.tuple_type, core._type_for_tuple_values
+
+    def __init__(self, args, type=None):
+        self.values = [i for i in args]
+        if isinstance(type, tuple_type) or type is None:
+            self._lazy_type = type
+        else:  # make_template in ASTFunction.deserialize may pass a list/tuple
+            self._lazy_type = tuple_type(type)
+
+    def _get_type(self):
+        t = self.__dict__.get("_lazy_type")  # (tuple's __getattr__ would look in values)
+        if t is None:
+            t = self._lazy_type = type_for_values(self.values)
+        return t
+
+    def _set_type(self, value):
+        self._lazy_type = value
+
+    core.tuple.__init__ = __init__
+    core.tuple.type = property(_get_type, _set_type)
