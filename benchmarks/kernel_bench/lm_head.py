@@ -1,13 +1,16 @@
 """An LM head at a few rows: cuBLAS (`F.linear`, then `.float()`, as `ParallelLMHead.compute_logits`
 does off the GEMV path) against Kiln's GEMV with fp32 output (`gemv(..., float_out=True)`); CUDA only.
 
-    python -m benchmarks.kernel_bench.lm_head [--rows 1 2 3 4 5] [--vocab 49216] [--hidden 2048]
+    python -m benchmarks.kernel_bench.lm_head [--rows 1 2 3 4 5] [--vocab 49216] [--hidden 2048] [--sweep]
 
 A speculative verify's LM head takes K + 1 rows per request (4 at K = 3, batch 1) and an MTP draft
 head one; the engine routes up to `--gemv-max-rows` rows (1 on Hopper) through the GEMV. Each
 variant is replayed from a CUDA graph over COPIES distinct weight copies in turn (so that the
 ~200 MB matrix is not served from L2); medians in microseconds, with the share of the measured copy
-bandwidth the weight bytes reach, and the largest difference of the two results.
+bandwidth the weight bytes reach, and the largest difference of the two results. `--sweep` also
+times the GEMV with every candidate tile (`candidate_tiles`) at each row count up to FMA_MAX_ROWS:
+the data for a head tile other than `fma_tile`'s (a verify's 4-row head is slower on the GEMV's
+4x512 tile than on cuBLAS, docs/benchmarks.md, forty-seventh pass).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--vocab", type=int, default=49216, help="default: the hybrid presets' vocabulary")
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--sweep", action="store_true", help="time the GEMV with every candidate tile too")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernel_bench.lm_head needs CUDA")
     import triton
 
     from benchmarks.kernel_bench.gemv import copy_bandwidth
-    from kiln.kernels.gemv import FMA_MAX_ROWS, gemv
+    from benchmarks.kernel_bench.gemv import tile_name
+    from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, gemv
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -62,6 +67,16 @@ def main(argv=None) -> None:
         frac = {k: nbytes / bw / (v * 1e-6) for k, v in us.items()}
         print(f"{m:>4} {us['cublas']:>14.1f} {frac['cublas']:>5.1%} {us['kiln']:>8.1f} {frac['kiln']:>5.1%} "
               f"{diff:>9.2e}")
+        if args.sweep and float_out:
+            for tile in candidate_tiles(m):
+                def tiled(tile=tile):
+                    return [gemv(x, w, tile=tile, float_out=True) for w in heads]
+
+                tiled()
+                t_us = triton.testing.do_bench_cudagraph(tiled, rep=100, return_mode="median") * 1e3 / COPIES
+                t_diff = (cublas()[0] - tiled()[0]).abs().max().item()
+                print(f"{'':>4} {'tile ' + tile_name(tile):>14} {'':>5} {t_us:>8.1f} {nbytes / bw / (t_us * 1e-6):>5.1%} "
+                      f"{t_diff:>9.2e}")
 
 
 if __name__ == "__main__":
