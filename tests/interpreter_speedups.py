@@ -1,22 +1,31 @@
-"""Two costs of Triton's CPU interpreter that the CPU tests remove, without changing what runs.
+"""Costs of Triton's CPU interpreter that the CPU tests remove, without changing what runs.
 
-Profiled on `test_kernel_path.py::test_decode_gemv_path_equals_reference[llama]` (Triton 3.6):
+The tests run every Triton kernel under the interpreter (no GPU), and the interpreter's own
+bookkeeping, not the numpy math, was most of their time. Profiled on
+`test_kernel_path.py::test_decode_gemv_path_equals_reference[llama]` (Triton 3.6), which took
+91 s before these patches and 20 s with them (together with `kiln.kernels.gemv.interpreter_tile`):
 
 - Every call of a `@triton.jit` helper from inside a kernel (`InterpretedFunction.__call__`) runs
   `_patch_lang` again: `inspect.getmembers` over `triton.language`, `tl.tensor` and `tl.math`
-  per call, ~200 calls per launch, about a fifth of an interpreter-bound test. The launch
-  (`GridExecutor`) has already patched those modules, and the helper's repeat patches nothing new
-  (every builtin is already replaced) and is never undone. It is skipped here when every language
-  module the helper sees is already patched.
+  per call, ~200 calls per launch, about a fifth of the test. The launch (`GridExecutor`) has
+  already patched those modules, and the helper's repeat patches nothing new (every builtin is
+  already replaced) and is never undone. It is skipped when every language module the helper
+  sees is already patched.
 - Every interpreted tensor stores its shape as a `tl.tuple`, whose `__init__` builds a
   `tuple_type` at once (a `constexpr_type` per dimension and a formatted name): millions of times
-  per test, about a quarter of what is left, for a type the interpreter rarely reads. It is built
-  on first read instead, from the same values (`_setitem`, the one mutation, rebuilds it anyway).
+  per test, for a type the interpreter rarely reads. It is built on first read instead, from the
+  same values (`_setitem`, the one mutation, rebuilds it anyway).
+- The semantic layer's type bookkeeping, paid per op per program: `_unwrap_if_constexpr`
+  (millions of calls, four `isinstance` checks each) answers plain ints, floats, tensors, dtypes
+  and constexprs at once; a `tl.tuple` indexed by an int skips wrapping the index in a
+  constexpr; a `block_type` unwraps a flat shape of ints and constexprs in one pass and formats
+  its name (a string of the shape and dtype, read only when printed) on first read.
 - `_get_np_dtype` builds a dict of 17 dtypes per call (hashing each), hundreds of thousands of
   calls per test. It is replaced by a lookup in one dict built once from the original function.
 
 `install()` patches only the Triton release it was checked against; on any other the interpreter
-runs as shipped (slower, the same results).
+runs as shipped (slower, the same results). `ORIGINALS` keeps what each patch replaced, for
+`tests/test_interpreter_speedups.py`, which compares the two on sample inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import inspect
 
 CHECKED_TRITON = "3.6."
+ORIGINALS: dict = {}  # "module.name" -> the object a patch replaced (filled by install())
 
 
 def install() -> bool:
@@ -39,12 +49,13 @@ def install() -> bool:
     _skip_repeated_lang_patches(interpreter, tl)
     _cache_numpy_dtypes(interpreter, tl)
     _lazy_tuple_types(tl.core)
+    _fast_type_bookkeeping(tl.core)
     interpreter._kiln_patched = True
     return True
 
 
 def _skip_repeated_lang_patches(interpreter, tl) -> None:
-    patch_lang = interpreter._patch_lang
+    patch_lang = ORIGINALS["interpreter._patch_lang"] = interpreter._patch_lang
     langs_of: dict = {}
 
     def _patch_lang(fn):
@@ -61,7 +72,7 @@ def _skip_repeated_lang_patches(interpreter, tl) -> None:
 
 
 def _cache_numpy_dtypes(interpreter, tl) -> None:
-    get_np_dtype = interpreter._get_np_dtype
+    get_np_dtype = ORIGINALS["interpreter._get_np_dtype"] = interpreter._get_np_dtype
     scalars = (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
                tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16,
                tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)
@@ -81,6 +92,7 @@ def _cache_numpy_dtypes(interpreter, tl) -> None:
 
 def _lazy_tuple_types(core) -> None:
     tuple_type, type_for_values = core.tuple_type, core._type_for_tuple_values
+    ORIGINALS["core.tuple.__init__"] = core.tuple.__init__
 
     def __init__(self, args, type=None):
         self.values = [i for i in args]
@@ -100,3 +112,60 @@ def _lazy_tuple_types(core) -> None:
 
     core.tuple.__init__ = __init__
     core.tuple.type = property(_get_type, _set_type)
+
+
+def _fast_type_bookkeeping(core) -> None:
+    constexpr, tensor, tuple_cls, block_type = core.constexpr, core.tensor, core.tuple, core.block_type
+    unwrap, unwrap_shape, getitem = core._unwrap_if_constexpr, core._unwrap_shape, core.tuple.__getitem__
+    plain = (int, float, bool, str, type(None), tensor, core.dtype, core.pointer_type, block_type)
+    validate_block_shape = core.validate_block_shape
+    ORIGINALS.update({"core._unwrap_if_constexpr": unwrap, "core.tuple.__getitem__": getitem,
+                      "core.block_type.__init__": block_type.__init__})
+
+    def _unwrap_if_constexpr(o):
+        t = type(o)
+        if t is constexpr:
+            return o.value
+        if t in plain:  # (exact types: a subclass goes the original's way)
+            return o
+        return unwrap(o)
+
+    def __getitem__(self, idx):
+        if type(idx) is int:
+            return self.values[idx]
+        return getitem(self, idx)
+
+    def _flat_shape(shape) -> list:
+        values = shape.values if type(shape) is tuple_cls else shape
+        out = []
+        for s in values:
+            t = type(s)
+            if t is int:
+                out.append(s)
+            elif t is constexpr and type(s.value) is int:
+                out.append(s.value)
+            else:
+                return unwrap_shape(shape)
+        return out
+
+    def __init__(self, element_ty, shape):
+        self.element_ty = element_ty
+        assert isinstance(shape, (list, tuple_cls))  # core.py's `tuple` is tl.tuple
+        self.shape = tuple_cls(_flat_shape(shape))
+        if not self.shape:
+            raise TypeError('0d block_type is forbidden')
+        self.numel = validate_block_shape(self.shape)
+
+    def _get_name(self):
+        name = self.__dict__.get("_lazy_name")
+        if name is None:
+            name = self._lazy_name = f'<{self.shape}, {self.element_ty}>'
+        return name
+
+    def _set_name(self, value):
+        self._lazy_name = value
+
+    core._unwrap_if_constexpr = _unwrap_if_constexpr
+    tuple_cls.__getitem__ = __getitem__
+    block_type.__init__ = __init__
+    block_type.name = property(_get_name, _set_name)

@@ -66,6 +66,23 @@ ONE_TILE_MIN_K, ONE_TILE_MAX_K = 1024, 2048
 ROUTER_MAX_ROWS = 256  # a norm-prologue GEMV this narrow is a MoE router: one row per program
 DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
 INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
+INTERPRETER_PROGRAMS = 8  # about this many programs per interpreted FMA launch (`interpreter_tile`)
+INTERPRETER_MAX_BLOCK_N = 16
+
+
+def interpreter_tile(n: int, rope_half: int = 0) -> dict:
+    """The FMA tile under Triton's interpreter (the CPU tests) for n weight rows: BLOCK_K 32, so
+    the tests' tiny rows (hidden 64) take several K steps, and BLOCK_N from INTERPRETER_TILE's 4
+    up to 16 for about INTERPRETER_PROGRAMS programs. The interpreter's cost is per program and
+    per op, not per element: on 4-row tiles a tiny model's 512-row LM head took 128 programs, and
+    the GEMV most of an engine test's time. A narrow weight (a router) keeps 4 rows per program,
+    so several programs still cover it. With a RoPE epilogue (`rope_half`: half the head dim) a
+    tile's rows must pair within a head: BLOCK_N / 2 divides rope_half."""
+    bn = triton.next_power_of_2(triton.cdiv(n, INTERPRETER_PROGRAMS))
+    bn = min(INTERPRETER_MAX_BLOCK_N, max(INTERPRETER_TILE["BLOCK_N"], bn))
+    while rope_half and bn > INTERPRETER_TILE["BLOCK_N"] and rope_half % (bn // 2):
+        bn //= 2
+    return dict(INTERPRETER_TILE, BLOCK_N=bn)
 
 
 def fma_tile(m: int, k: int) -> dict:
@@ -472,7 +489,8 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
     if m <= FMA_MAX_ROWS:
-        tile = dict(tile or (INTERPRETER_TILE if interpreting() else fma_tile(m, k)))
+        rope_half = rope[4].shape[2] // 2 if rope is not None else 0
+        tile = dict(tile or (interpreter_tile(n, rope_half) if interpreting() else fma_tile(m, k)))
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(args[4], tile["BLOCK_N"])

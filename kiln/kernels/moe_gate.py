@@ -181,11 +181,11 @@ def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Ten
     """One launch of `_router_gate_kernel` for the rows of x (at most FMA_MAX_ROWS), on the tile
     the router GEMV takes for them (`kiln.kernels.gemv.fma_tile`), so that both sum the logits in
     the same order."""
-    from kiln.kernels.gemv import INTERPRETER_TILE, fma_tile
+    from kiln.kernels.gemv import fma_tile, interpreter_tile
 
     t, h = x.shape
     n = weight.shape[0]
-    tile = dict(INTERPRETER_TILE if interpreting() else fma_tile(t, h))
+    tile = dict(interpreter_tile(n) if interpreting() else fma_tile(t, h))
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight.contiguous()
     z = torch.empty(t, n, dtype=torch.float32, device=x.device)

@@ -1,0 +1,97 @@
+"""The CPU tests' interpreter patches (`tests/interpreter_speedups.py`) against what they replaced:
+the same answers on sample inputs, and a kernel calling jit helpers still launches and leaves
+`triton.language` unpatched afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from tests.interpreter_speedups import ORIGINALS  # noqa: E402
+
+core = tl.core
+pytestmark = pytest.mark.skipif(not ORIGINALS, reason="the interpreter is not patched here (GPU, or another Triton)")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, core.tuple) or isinstance(b, core.tuple):
+        return type(a) is type(b) and _same(a.values, b.values)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and (a is b or a == b)
+
+
+def test_unwrap_if_constexpr_answers_as_the_original():
+    c = core.constexpr
+    samples = [0, -3, 2.5, True, "s", None, c(4), c(True), c(2.0), [c(1), 2], (c(1), 3), [[c(2)], (c(3),)],
+               core.tuple([c(2), 3]), tl.float32, tl.pointer_type(tl.float16), core.block_type(tl.int32, [4, 8])]
+    for o in samples:
+        assert _same(core._unwrap_if_constexpr(o), ORIGINALS["core._unwrap_if_constexpr"](o)), o
+
+
+def test_tuple_indexing_and_lazy_types_match_the_original():
+    values = [core.constexpr(2), 5, core.constexpr(7)]
+    t = core.tuple(values)
+    for i in (0, 1, 2, -1, -3, core.constexpr(1)):
+        assert t[i] is ORIGINALS["core.tuple.__getitem__"](t, i)
+    assert _same(t[0:2], ORIGINALS["core.tuple.__getitem__"](t, slice(0, 2, None)))
+    assert t.type.name == core._type_for_tuple_values(values).name  # built on first read
+    t._setitem(1, core.constexpr(9))
+    assert t.type.name == core._type_for_tuple_values(t.values).name
+    typed = core.tuple([1], type=core.tuple_type([core.constexpr_type(1)], ["a"]))
+    assert typed.type.fields == ["a"] and typed.a == 1
+
+
+@pytest.mark.parametrize("shape", [[4], [1, 16], (2, 8), "tl_tuple", "constexprs"])
+def test_block_type_matches_the_original(shape):
+    c = core.constexpr
+    shape = {"tl_tuple": core.tuple([c(2), c(4)]), "constexprs": [c(8), 2]}.get(shape, shape) \
+        if isinstance(shape, str) else shape
+    if type(shape) is tuple:  # core.py's `tuple` is tl.tuple: a Python tuple is refused by both
+        with pytest.raises(AssertionError):
+            core.block_type(tl.float32, shape)
+        with pytest.raises(AssertionError):
+            ORIGINALS["core.block_type.__init__"](object.__new__(core.block_type), tl.float32, shape)
+        return
+    got = core.block_type(tl.float32, shape)
+    want = object.__new__(core.block_type)
+    ORIGINALS["core.block_type.__init__"](want, tl.float32, shape)
+    assert _same(got.shape, want.shape) and got.numel == want.numel and got == want
+    assert got.name == want.__dict__["_lazy_name"] == str(got)  # (the original's name went through the setter)
+    with pytest.raises(TypeError):
+        core.block_type(tl.float32, [])
+    with pytest.raises(ValueError):  # not a power of 2: validate_block_shape still runs
+        core.block_type(tl.float32, [3])
+
+
+def test_numpy_dtypes_match_the_original():
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e4nv]
+    types = scalars + [tl.pointer_type(tl.float32), core.block_type(tl.bfloat16, [4]),
+                       core.block_type(tl.pointer_type(tl.int8), [2, 2])]
+    for t in types:
+        assert interpreter._get_np_dtype(t) == ORIGINALS["interpreter._get_np_dtype"](t), t
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _helper_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _twice(tl.load(X + offs)) + 1)
+
+
+def test_a_kernel_with_jit_helpers_runs_and_leaves_the_language_unpatched():
+    x = torch.arange(8, dtype=torch.float32)
+    y = torch.empty_like(x)
+    for _ in range(2):  # the second launch patches again: the first restored everything
+        _helper_kernel[(1,)](x, y, N=8)
+        assert torch.equal(y, 2 * x + 1)
+        assert core.is_builtin(tl.load) and core.is_builtin(tl.core.load) and core.is_builtin(tl.tensor.__add__)
