@@ -79,7 +79,7 @@ def test_numpy_dtypes_match_the_original():
 
 @triton.jit
 def _twice(x):
-    return x * 2
+    return x * 2 + tl.sum(x, axis=0) * 0  # tl.sum: a jit function of triton.language.standard
 
 
 @triton.jit
@@ -88,10 +88,16 @@ def _helper_kernel(X, Y, N: tl.constexpr):
     tl.store(Y + offs, _twice(tl.load(X + offs)) + 1)
 
 
-def test_a_kernel_with_jit_helpers_runs_and_leaves_the_language_unpatched():
+def test_a_kernel_with_jit_helpers_runs_and_leaves_the_language_as_it_found_it():
+    # (Triton's own helpers, tl.sum's module among them, may leave tl.core patched for good after
+    # an earlier test's launch, as the unpatched interpreter does: compare with before, not with
+    # the unpatched module)
     x = torch.arange(8, dtype=torch.float32)
     y = torch.empty_like(x)
-    for _ in range(2):  # the second launch patches again: the first restored everything
+    members = lambda: (tl.load, tl.core.load, tl.tensor.__add__, getattr(tl.tensor, "__index__", None), tl.static_range,
+                       tl.math.exp)
+    before = members()
+    for _ in range(2):
         _helper_kernel[(1,)](x, y, N=8)
         assert torch.equal(y, 2 * x + 1)
-        assert core.is_builtin(tl.load) and core.is_builtin(tl.core.load) and core.is_builtin(tl.tensor.__add__)
+        assert all(a is b for a, b in zip(members(), before))
