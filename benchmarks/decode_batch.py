@@ -25,6 +25,10 @@ tokens each (ignore_eos; greedy, or sampled with `--temperature`), all submitted
 - with `--profile`: `gpu_idle_frac`, measured with torch.profiler over `--profile-steps` decode
   steps in the middle of the decode phase: 1 - (union of the GPU kernel and memcpy intervals) /
   (wall time from the first to the last GPU activity). A CUDA-graph replay appears as its kernels.
+A batch whose contexts do not fit the KV pool at once (requests finished before the last one
+started, or were retracted) did not run as B sequences per step: its row keeps `prefill_s` and
+`total_tok_s`, leaves the per-step columns empty and says so in the note (on an 80 GB H100 the
+Inkling `bench` pool holds 256K tokens, short of 32 x 9216; docs/benchmarks.md, forty-eighth pass).
 """
 
 from __future__ import annotations
@@ -203,6 +207,7 @@ def _spec_counts(core):
 def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     rng = random.Random(args.seed + bs)
     core.flush_cache()
+    retractions0 = core.stats().num_retractions_total
     first, done, steps = {}, {}, 0
     gaps = []  # seconds between consecutive step returns in the decode phase
     start = last = time.perf_counter()
@@ -321,14 +326,24 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     if gaps:
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         note += f"largest gap at decode step {worst + 1} of {len(gaps)}; "
-    return {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
-            "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
-            "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None,
-            "round_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
-            "round_max_ms": max(gaps) * 1e3 if gaps else None, "accept_len": accept_len,
-            "decode_tok_s": len(done) * steps_decode / decode_s if decode_s > 0 else None,
-            "total_tok_s": len(done) * args.output_len / (end - start), "gpu_idle_frac": idle,
-            "note": note + f"{steps} steps"}
+    row = {"batch": bs, "input_len": args.input_len, "output_len": args.output_len,
+           "prefill_s": decode_start - start, "step_ms": decode_s / steps_decode * 1e3 if decode_s > 0 else None,
+           "round_ms": decode_s / rounds * 1e3 if decode_s > 0 and rounds > 0 else None,
+           "round_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
+           "round_max_ms": max(gaps) * 1e3 if gaps else None, "accept_len": accept_len,
+           "decode_tok_s": len(done) * steps_decode / decode_s if decode_s > 0 else None,
+           "total_tok_s": len(done) * args.output_len / (end - start), "gpu_idle_frac": idle,
+           "note": note + f"{steps} steps"}
+    retracted = core.stats().num_retractions_total - retractions0
+    waves = min(done.values()) < decode_start  # a request finished before the last one started decoding
+    if waves or retracted:
+        pool = core.stats().kv_total_tokens
+        why = "ran in waves" if waves else f"{retracted} retractions"
+        log(f"batch {bs}: did not fit the KV pool ({pool} tokens for {bs} x {args.input_len + args.output_len}; "
+            f"{why}): no per-step numbers (lower the batch or raise --max-total-tokens / --mem-fraction-static)")
+        row.update({k: None for k in ("step_ms", "round_ms", "round_p50_ms", "round_max_ms", "decode_tok_s")})
+        row["note"] = f"did not fit the KV pool ({pool} tokens): {why}; " + row["note"]
+    return row
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -140,6 +140,20 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
     assert json.loads(out.read_text())["meta"]["benchmark"] == "decode_batch"
 
 
+def test_decode_batch_flags_a_batch_that_did_not_fit_the_pool(tiny_dir, one_thread, capsys):
+    """Four requests of 32 + 8 tokens in a pool of 100 run in waves (or are retracted): the row keeps
+    its end-to-end throughput and says so, with no per-step numbers (a wave's tail would pass for a
+    step of the whole batch: a roofline fraction above 1 on an H100, forty-eighth pass)."""
+    rows = decode_batch.main(["--model-path", tiny_dir, "--quick", "--device", "cpu", "--threads", "1",
+                              "--batch-sizes", "2,4", "--max-total-tokens", "100"])["rows"]
+    fits, over = rows
+    assert _positive(fits["step_ms"]) and "did not fit" not in fits["note"], fits
+    assert over["note"].startswith("did not fit the KV pool (96 tokens)"), over["note"]  # (whole pages)
+    assert all(over[k] is None for k in ("step_ms", "decode_tok_s", "round_p50_ms")), over
+    assert "frac_of_roofline" not in over and _positive(over["total_tok_s"]), over
+    assert "did not fit the KV pool" in capsys.readouterr().out
+
+
 def test_decode_batch_samples_with_seeds(tiny_dir, one_thread, monkeypatch, capsys):
     """`--temperature`: every request samples (top-p / top-k passed on) with its own seed."""
     made = []
