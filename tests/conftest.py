@@ -11,7 +11,7 @@ import torch
 # kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ["TRITON_INTERPRET"] == "1":
+    if os.environ["TRITON_INTERPRET"] == "1":  # the interpreter's own bookkeeping, trimmed (see the module)
         from tests.interpreter_speedups import install as _speed_up_interpreter
 
         _speed_up_interpreter()

@@ -1,6 +1,6 @@
 """The CPU tests' interpreter patches (`tests/interpreter_speedups.py`) against what they replaced:
 the same answers on sample inputs, and a kernel calling jit helpers still launches and leaves
-`triton.language` unpatched afterwards."""
+`triton.language` as it found it."""
 
 from __future__ import annotations
 

@@ -179,8 +179,8 @@ def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Ten
                        gscale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, sw: torch.Tensor, top_k: int,
                        scale: float, sink: bool) -> None:
     """One launch of `_router_gate_kernel` for the rows of x (at most FMA_MAX_ROWS), on the tile
-    the router GEMV takes for them (`kiln.kernels.gemv.fma_tile`), so that both sum the logits in
-    the same order."""
+    the router GEMV takes for them (`kiln.kernels.gemv.fma_tile`; `interpreter_tile` under the
+    interpreter), so that both sum the logits in the same order."""
     from kiln.kernels.gemv import fma_tile, interpreter_tile
 
     t, h = x.shape
