@@ -122,6 +122,20 @@ def test_one_row_prenorm_tiles_pair_rows_for_rope():
             assert n <= ROUTER_MAX_ROWS or t["BLOCK_N"] % 2 == 0, (n, k, t)
 
 
+def test_interpreter_tiles_keep_several_programs_and_rope_pairs():
+    """Under the interpreter a GEMV takes ~INTERPRETER_PROGRAMS programs of 4-16 rows, BLOCK_K 32
+    (several K steps at the tests' hidden 64), and with a RoPE epilogue rows that pair within a
+    head (BLOCK_N / 2 divides half the head dim)."""
+    from kiln.kernels.gemv import INTERPRETER_TILE, interpreter_tile
+
+    want = {8: 4, 10: 4, 64: 8, 128: 16, 192: 16, 512: 16, 5000: 16}
+    assert {n: interpreter_tile(n)["BLOCK_N"] for n in want} == want
+    assert all(interpreter_tile(n)["BLOCK_K"] == INTERPRETER_TILE["BLOCK_K"] == 32 for n in want)
+    for half, bn in ((8, 16), (4, 8), (2, 4), (6, 4), (12, 8)):  # head dims 16, 8, 4, 12, 24
+        t = interpreter_tile(512, rope_half=half)
+        assert t["BLOCK_N"] == bn and half % (t["BLOCK_N"] // 2) == 0, (half, t)
+
+
 def _output_digest() -> str:
     """SHA-256 of the GEMV's outputs at the 8B qkv shape for 1, 2, 4 and 8 rows (bf16, CUDA)."""
     import hashlib
