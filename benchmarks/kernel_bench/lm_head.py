@@ -34,8 +34,7 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks.kernel_bench.lm_head needs CUDA")
     import triton
 
-    from benchmarks.kernel_bench.gemv import copy_bandwidth
-    from benchmarks.kernel_bench.gemv import tile_name
+    from benchmarks.kernel_bench.gemv import copy_bandwidth, tile_name
     from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, gemv
 
     dev, dtype = torch.device("cuda"), torch.bfloat16

@@ -489,8 +489,10 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
     if m <= FMA_MAX_ROWS:
-        rope_half = rope[4].shape[2] // 2 if rope is not None else 0
-        tile = dict(tile or (interpreter_tile(n, rope_half) if interpreting() else fma_tile(m, k)))
+        if not tile:  # (the RoPE half-dim matters to the interpreter's tile only: no work on a GPU launch)
+            tile = interpreter_tile(n, rope[4].shape[2] // 2 if rope is not None else 0) if interpreting() \
+                else fma_tile(m, k)
+        tile = dict(tile)
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
