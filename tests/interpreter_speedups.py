@@ -19,9 +19,20 @@ bookkeeping, not the numpy math, was most of their time. Profiled on
   (millions of calls, four `isinstance` checks each) answers plain ints, floats, tensors, dtypes
   and constexprs at once; a `tl.tuple` indexed by an int skips wrapping the index in a
   constexpr; a `block_type` unwraps a flat shape of ints and constexprs in one pass and formats
-  its name (a string of the shape and dtype, read only when printed) on first read.
+  its name (a string of the shape and dtype, read only when printed) on first read, and
+  validates each shape once.
+  `tl.tensor.__init__` (once per op result) builds a constexpr per dimension and one for the
+  element count: they are built once per shape and shared (a new `tl.tuple` per tensor still
+  holds them). Broadcasting two blocks of one shape, which changes nothing, returns at once.
 - `_get_np_dtype` builds a dict of 17 dtypes per call (hashing each), hundreds of thousands of
   calls per test. It is replaced by a lookup in one dict built once from the original function.
+- Every integer `+`, `-` and `*` runs the overflow sanitizer (`sanitize_overflow` is on in the
+  interpreter's options): both sides cast to int64, the op again, two bound constants, two
+  comparisons and an `and`, whose result goes to `device_assert`, which drops it unless the
+  options' `debug` is on. A compiled kernel loses that dead code to DCE; the interpreter computes
+  it on numpy arrays, about a fifth of a test such as `test_block_pass.py`'s MiniMax-M3 graph
+  replay. The check is skipped when its assert would be dropped, and only on the interpreter's
+  builder.
 
 `install()` patches only the Triton release it was checked against; on any other the interpreter
 runs as shipped (slower, the same results). `ORIGINALS` keeps what each patch replaced, for
@@ -30,6 +41,7 @@ runs as shipped (slower, the same results). `ORIGINALS` keeps what each patch re
 
 from __future__ import annotations
 
+import builtins
 import inspect
 
 CHECKED_TRITON = "3.6."
@@ -50,6 +62,8 @@ def install() -> bool:
     _cache_numpy_dtypes(interpreter, tl)
     _lazy_tuple_types(tl.core)
     _fast_type_bookkeeping(tl.core)
+    _skip_dropped_overflow_checks(interpreter)
+    _same_shape_broadcasts(interpreter)
     interpreter._kiln_patched = True
     return True
 
@@ -119,6 +133,7 @@ def _fast_type_bookkeeping(core) -> None:
     unwrap, unwrap_shape, getitem = core._unwrap_if_constexpr, core._unwrap_shape, core.tuple.__getitem__
     plain = (int, float, bool, str, type(None), tensor, core.dtype, core.pointer_type, block_type)
     validate_block_shape = core.validate_block_shape
+    valid_shapes: dict = {}  # shape (ints) -> element count, for shapes validate_block_shape accepted
     ORIGINALS.update({"core._unwrap_if_constexpr": unwrap, "core.tuple.__getitem__": getitem,
                       "core.block_type.__init__": block_type.__init__})
 
@@ -154,7 +169,11 @@ def _fast_type_bookkeeping(core) -> None:
         self.shape = tuple_cls(_flat_shape(shape))
         if not self.shape:
             raise TypeError('0d block_type is forbidden')
-        self.numel = validate_block_shape(self.shape)
+        key = builtins.tuple(self.shape.values)
+        numel = valid_shapes.get(key)
+        if numel is None:  # (raises on a shape it refuses; only accepted shapes are kept)
+            numel = valid_shapes[key] = validate_block_shape(self.shape)
+        self.numel = numel
 
     def _get_name(self):
         name = self.__dict__.get("_lazy_name")
@@ -169,3 +188,54 @@ def _fast_type_bookkeeping(core) -> None:
     tuple_cls.__getitem__ = __getitem__
     block_type.__init__ = __init__
     block_type.name = property(_get_name, _set_name)
+    _shared_shape_constants(core)
+
+
+def _shared_shape_constants(core) -> None:
+    import math
+
+    constexpr, tuple_cls, tensor = core.constexpr, core.tuple, core.tensor
+    ORIGINALS["core.tensor.__init__"] = tensor.__init__
+    by_shape: dict = {}  # shape (ints) -> ([constexpr per dimension], constexpr(element count))
+    scalar = ([], constexpr(1))
+
+    def __init__(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        if type.is_block():
+            key = builtins.tuple(type.shape.values)
+            dims, numel = by_shape.get(key) or by_shape.setdefault(
+                key, ([constexpr(s) for s in key], constexpr(math.prod(key))))
+        else:
+            dims, numel = scalar
+        self.shape = tuple_cls(dims)  # (copies the list: a tensor's shape stays its own)
+        self.numel = numel
+
+    tensor.__init__ = __init__
+
+
+def _same_shape_broadcasts(interpreter) -> None:
+    semantic, block_type = interpreter.TritonSemantic, interpreter.tl.block_type
+    broadcast = ORIGINALS["semantic.broadcast_impl_value"] = semantic.broadcast_impl_value
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lt, rt = lhs.type, rhs.type
+        if type(lt) is block_type and type(rt) is block_type and lt.shape.values == rt.shape.values:
+            return lhs, rhs  # (what the original returns for equal shapes)
+        return broadcast(self, lhs, rhs)
+
+    semantic.broadcast_impl_value = broadcast_impl_value
+
+
+def _skip_dropped_overflow_checks(interpreter) -> None:
+    semantic = interpreter.TritonSemantic
+    sanitize = ORIGINALS["semantic.binary_op_sanitize_overflow_impl"] = semantic.binary_op_sanitize_overflow_impl
+    interpreter_builder = interpreter.InterpreterBuilder
+
+    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+        if type(self.builder) is interpreter_builder and not self.builder.options.debug:
+            return  # (the original's `device_assert` returns without debug: nothing to check)
+        return sanitize(self, lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl

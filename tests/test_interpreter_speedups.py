@@ -101,3 +101,58 @@ def test_a_kernel_with_jit_helpers_runs_and_leaves_the_language_as_it_found_it()
         _helper_kernel[(1,)](x, y, N=8)
         assert torch.equal(y, 2 * x + 1)
         assert all(a is b for a, b in zip(members(), before))
+
+
+def _block(values, dtype=tl.int32):
+    """An interpreted tensor holding `values` (numpy) as a block of their shape."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.int32 if dtype == tl.int32 else np.float32)
+    return tl.tensor(interpreter.TensorHandle(values, dtype), core.block_type(dtype, list(values.shape)))
+
+
+def test_tensor_shapes_are_shared_constants_in_a_tensor_of_their_own():
+    for ty in (core.block_type(tl.float32, [2, 4]), core.block_type(tl.int32, [8]), tl.float32):
+        got = object.__new__(tl.tensor)
+        tl.tensor.__init__(got, None, ty)
+        want = object.__new__(tl.tensor)
+        ORIGINALS["core.tensor.__init__"](want, None, ty)
+        assert _same(got.shape, want.shape) and _same(got.numel, want.numel), ty
+        assert got.type is want.type is ty and got.dtype is want.dtype
+    a, b = (tl.tensor(None, core.block_type(tl.float32, [2, 4])) for _ in range(2))
+    assert a.shape is not b.shape and a.shape.values is not b.shape.values
+    a.shape._setitem(0, core.constexpr(9))  # one tensor's shape changed: not the other's
+    assert [int(d.value) for d in b.shape] == [2, 4]
+
+
+@pytest.mark.parametrize("shapes", [([2, 4], [2, 4]), ([2, 4], [1, 4]), ([4], [2, 4]), ([2, 1], [1, 4])])
+def test_broadcasts_match_the_original(shapes):
+    import numpy as np
+
+    semantic = interpreter.TritonSemantic(interpreter.InterpreterBuilder())
+    lhs, rhs = (_block(np.arange(int(np.prod(s))).reshape(s)) for s in shapes)
+    got = semantic.broadcast_impl_value(lhs, rhs)
+    want = ORIGINALS["semantic.broadcast_impl_value"](semantic, lhs, rhs)
+    for g, w in zip(got, want):
+        assert g.type == w.type and np.array_equal(g.handle.data, w.handle.data)
+    if shapes[0] == shapes[1]:
+        assert got[0] is lhs and got[1] is rhs
+
+
+def test_overflow_checks_run_only_where_their_assert_is_kept():
+    # Without debug the original computes the int32 check and drops it in device_assert; the patch
+    # skips it. With debug the check runs and an overflowing add fails.
+    from triton.runtime.interpreter import InterpreterOptions
+
+    builder = interpreter.InterpreterBuilder()
+    semantic = interpreter.TritonSemantic(builder)
+    big = _block([2**31 - 1, 5])
+    ops = []
+    record = lambda a, b, sanitize: ops.append(1) or semantic.add(a, b, False)
+    assert semantic.binary_op_sanitize_overflow_impl(big, big, record) is None and not ops
+    assert ORIGINALS["semantic.binary_op_sanitize_overflow_impl"](semantic, big, big, record) is None and ops
+    assert semantic.add(big, big, True).handle.data[1] == 10  # (wraps as a GPU would)
+    builder.options = InterpreterOptions(debug=True)
+    with pytest.raises(Exception, match="overflow"):
+        semantic.add(big, big, True)
+    semantic.add(_block([1, 2]), _block([3, 4]), True)  # no overflow: no error
