@@ -70,8 +70,8 @@ def make_layers(n_layers, hidden, qkv, attn, inter, dev, dt):
 def chain(mode, layers, h, attn, tile=None):
     """One pass over the layers from the stream h (residual starts at h); returns the last
     (f, residual), (normed, f + residual) in `epilogue` mode. `attn` columns of qkv stand in for the
-    attention output. `tile`: the folded GEMVs' tile (`fold` modes)."""
-    lin = F.linear if mode == "cublas" else gemv
+    attention output. `tile`: the folded GEMVs' tile (`fold` modes), every GEMV's in `gemv` mode."""
+    lin = F.linear if mode == "cublas" else (lambda x, w: gemv(x, w, tile)) if mode == "gemv" else gemv
 
     def project(x, res, ln, w, fold, glu=False):
         """(the projection by w of norm(x + res), silu(gate) * up of it with glu; x + res)."""
@@ -159,7 +159,9 @@ def main() -> None:
             ref = None
             modes = [(mode, None) for mode in ("cublas", "gemv", "gemv-nopdl", "gemv-glu", "fold-qkv", "fold",
                                                "epilogue")]
-            if args.fold_sweep and m <= FMA_MAX_ROWS:
+            if m > FMA_MAX_ROWS:  # the MMA loop: no glu, norm prologue or epilogue; its tiles in the chain
+                modes = modes[:3] + [("gemv", tile) for tile in candidate_tiles(m)[1:]]
+            elif args.fold_sweep:
                 modes += [("fold", tile) for tile in candidate_tiles(m)]
             for mode, tile in modes:
                 set_pdl(mode != "gemv-nopdl")
@@ -170,6 +172,7 @@ def main() -> None:
                 us = triton.testing.do_bench_cudagraph(lambda: chain(mode, layers, h, attn, tile), rep=200,
                                                        return_mode="median") * 1e3 / args.layers
                 label = mode + (" " + tile_name(tile) if tile else "")  # fold without one: `prenorm_tile`
+                # (no tile: gemv's rule tile, `fma_tile` / `dot_tile`)
                 print(f"{name:<14}{label:<22}{m:>5}{us:>10.2f}{bound:>8.2f}{bound / us:>8.1%}{err:>9.1e}", flush=True)
             set_pdl(True)
 

@@ -8,9 +8,10 @@ head one; the engine routes up to `--gemv-max-rows` rows (1 on Hopper) through t
 variant is replayed from a CUDA graph over COPIES distinct weight copies in turn (so that the
 ~200 MB matrix is not served from L2); medians in microseconds, with the share of the measured copy
 bandwidth the weight bytes reach, and the largest difference of the two results. `--sweep` also
-times the GEMV with every candidate tile (`candidate_tiles`) at each row count up to FMA_MAX_ROWS:
-the data for a head tile other than `fma_tile`'s (a verify's 4-row head is slower on the GEMV's
-4x512 tile than on cuBLAS, docs/benchmarks.md, forty-seventh pass).
+times the GEMV with every candidate tile (`candidate_tiles`) at each row count: the FMA tiles up
+to FMA_MAX_ROWS, the MMA tiles (`DOT_TILES`, 16 rows padded) past it. The data for a head tile other
+than the rule's (a verify's 4-row head is slower on every FMA tile than on cuBLAS, docs/benchmarks.md,
+forty-seventh and forty-eighth passes; 5 rows time what an MMA tile would do for 4).
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def main(argv=None) -> None:
         frac = {k: nbytes / bw / (v * 1e-6) for k, v in us.items()}
         print(f"{m:>4} {us['cublas']:>14.1f} {frac['cublas']:>5.1%} {us['kiln']:>8.1f} {frac['kiln']:>5.1%} "
               f"{diff:>9.2e}")
-        if args.sweep and float_out:
+        if args.sweep:  # (past FMA_MAX_ROWS: the MMA tiles, bf16 out)
             for tile in candidate_tiles(m):
                 def tiled(tile=tile):
-                    return [gemv(x, w, tile=tile, float_out=True) for w in heads]
+                    return [gemv(x, w, tile=tile, float_out=float_out) for w in heads]
 
                 tiled()
                 t_us = triton.testing.do_bench_cudagraph(tiled, rep=100, return_mode="median") * 1e3 / COPIES

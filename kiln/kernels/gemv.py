@@ -64,7 +64,10 @@ FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4)
 # At one row, K in (ONE_TILE_MIN_K, ONE_TILE_MAX_K] takes a tile as deep as the row (ONE_TILE).
 ONE_TILE_MIN_K, ONE_TILE_MAX_K = 1024, 2048
 ROUTER_MAX_ROWS = 256  # a norm-prologue GEMV this narrow is a MoE router: one row per program
-DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages)
+# MMA tiles (BLOCK_N, BLOCK_K, warps, stages): the first is `dot_tile`'s, the rest what the sweeps
+# time beside it (wider and shallower tiles, more stages: more weight bytes in flight per program).
+DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3), (16, 128, 4, 6), (32, 128, 4, 4),
+             (32, 256, 8, 4), (64, 128, 4, 4), (64, 128, 8, 5), (64, 256, 8, 3), (128, 128, 8, 3))
 INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
 INTERPRETER_PROGRAMS = 8  # about this many programs per interpreted FMA launch (`interpreter_tile`)
 INTERPRETER_MAX_BLOCK_N = 16
