@@ -1,13 +1,15 @@
 """Two GRPO training steps on the fixed tiny batch, in one process or as one rank of an FSDP2
-group (run under torchrun). Used by tests/rl/test_fsdp.py:
+group (run under torchrun), for each case asked. Used by tests/rl/test_fsdp.py:
 
-    python tests/rl/fsdp_worker.py MODEL_DIR OUT.pt full|lora|micro [DTYPE]              # one process
+    python tests/rl/fsdp_worker.py MODEL_DIR OUT_PREFIX full:float32,lora:float32,...            # one process
     python -m torch.distributed.run --nproc-per-node 2 tests/rl/fsdp_worker.py ...  # FSDP2, gloo
 
-Writes (rank 0) {"weights": whole weights + adapter after both steps, "metrics": [m1, m2]}.
-Between the steps the optimizer state goes through a file and back (per rank under FSDP), as a
-checkpoint resume does. Step 1 uses token-mean aggregation, step 2 sequence-mean. DTYPE (default
-float32) is the trainer's parameter dtype."""
+A case is MODE:DTYPE, MODE one of full, lora, micro and DTYPE the trainer's parameter dtype. Writes
+(rank 0) OUT_PREFIX-MODE-DTYPE.pt = {"weights": whole weights + adapter after both steps,
+"metrics": [m1, m2]} per case. Between the steps the optimizer state goes through a file and back
+(per rank under FSDP), as a checkpoint resume does. Step 1 uses token-mean aggregation, step 2
+sequence-mean. The cases share one process (group): each launch costs seconds of imports and
+start-up, the cases' training a fraction of that."""
 
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ from kiln.rl.loss import LossConfig  # noqa: E402
 from tests.rl.tiny import fixed_batch, tiny_trainer  # noqa: E402
 
 
-def main(model_dir: str, out: str, mode: str, dtype: str = "float32") -> None:
+def case_path(prefix: str, mode: str, dtype: str) -> str:
+    return f"{prefix}-{mode}-{dtype}.pt"
+
+
+def run_case(dp, model_dir: str, out: str, mode: str, dtype: str) -> None:
     torch.manual_seed(0)
-    dp = DataParallel.from_env("cpu")
     rank = 0 if dp is None else dp.rank
     # Adam's eps = 1 makes each update ~proportional to the gradient: with the default eps the first
     # step is ~lr * sign(grad) and would hide a wrongly scaled gradient.
@@ -54,12 +59,18 @@ def main(model_dir: str, out: str, mode: str, dtype: str = "float32") -> None:
                 weights.update({k: v.detach().clone() for k, v in lora_state_dict(trainer.model).items()})
             torch.save({"weights": weights, "metrics": [m1, m2],
                         "sharded": trainer.sharded, "world": 1 if dp is None else dp.world_size}, out)
+
+
+def main(model_dir: str, prefix: str, cases: str) -> None:
+    dp = DataParallel.from_env("cpu")
+    for case in cases.split(","):
+        mode, dtype = case.split(":")
+        run_case(dp, model_dir, case_path(prefix, mode, dtype), mode, dtype)
+        # (the case's sharded model is gone with run_case's frame; DataParallel.close collects it)
     if dp is not None:
-        # Free the sharded model before leaving the group (kiln.rl.fsdp.DataParallel.close says why).
-        del trainer
-        dp.close()
-    print(f"fsdp_worker rank {rank}: done", flush=True)
+        dp.close()  # (frees the sharded models first: kiln.rl.fsdp.DataParallel.close says why)
+    print(f"fsdp_worker rank {0 if dp is None else dp.rank}: done", flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:4])

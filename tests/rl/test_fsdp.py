@@ -33,16 +33,31 @@ def _run(cmd: list[str]) -> None:
                     f"\n--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[:6000]}")
 
 
-@pytest.mark.parametrize("mode, dtype", [("full", "float32"), ("lora", "float32"), ("micro", "float32"),
-                                         ("full", "bfloat16")])
-def test_fsdp2_two_ranks_match_one_process(tmp_path, mode, dtype):
-    """bf16: the parameters are bf16 DTensor shards stepped through fp32 master shards."""
-    model = write_tiny_llama(str(tmp_path / "model"))
-    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    _run([sys.executable, WORKER, model, one, mode, dtype])
+CASES = [("full", "float32"), ("lora", "float32"), ("micro", "float32"), ("full", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Every case in one process, then under torchrun with two ranks: two launches in all (each
+    pays seconds of imports and start-up). Returns (model dir, prefix of one, prefix of two)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    model = write_tiny_llama(str(tmp / "model"))
+    one, two = str(tmp / "one"), str(tmp / "two")
+    cases = ",".join(f"{mode}:{dtype}" for mode, dtype in CASES)
+    _run([sys.executable, WORKER, model, one, cases])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", WORKER,
-          model, two, mode, dtype])
-    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
+          model, two, cases])
+    return model, one, two
+
+
+@pytest.mark.parametrize("mode, dtype", CASES)
+def test_fsdp2_two_ranks_match_one_process(fsdp_runs, mode, dtype):
+    """bf16: the parameters are bf16 DTensor shards stepped through fp32 master shards."""
+    from tests.rl.fsdp_worker import case_path
+
+    model, one, two = fsdp_runs
+    a = torch.load(case_path(one, mode, dtype), weights_only=False)
+    b = torch.load(case_path(two, mode, dtype), weights_only=False)
     assert (a["sharded"], a["world"]) == (False, 1) and (b["sharded"], b["world"]) == (True, 2)
 
     from tests.rl.tiny import tiny_trainer
