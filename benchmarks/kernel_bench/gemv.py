@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import silu_and_mul
-from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile, gemv, gemv_add_norm, gemv_prenorm
+from kiln.kernels.gemv import gemv, gemv_add_norm, gemv_prenorm
+from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, candidate_tiles, dot_tile, fma_tile
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.norm import fused_add_rms_norm
 

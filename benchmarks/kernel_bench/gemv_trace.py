@@ -50,7 +50,8 @@ import triton
 
 from benchmarks.kernel_bench.gemv import copy_bandwidth
 from kiln.kernels import moe_gate, moe_gemv
-from kiln.kernels.gemv import fma_tile, gemv, gemv_prenorm, prenorm_tile
+from kiln.kernels.gemv import gemv, gemv_prenorm
+from kiln.kernels.gemv_tiles import fma_tile, prenorm_tile
 from kiln.kernels.launch import set_pdl
 from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 

@@ -36,7 +36,8 @@ def main(argv=None) -> None:
     import triton
 
     from benchmarks.kernel_bench.gemv import copy_bandwidth, tile_name
-    from kiln.kernels.gemv import FMA_MAX_ROWS, candidate_tiles, gemv
+    from kiln.kernels.gemv import gemv
+    from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, candidate_tiles
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -179,9 +179,9 @@ def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Ten
                        gscale: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, sw: torch.Tensor, top_k: int,
                        scale: float, sink: bool) -> None:
     """One launch of `_router_gate_kernel` for the rows of x (at most FMA_MAX_ROWS), on the tile
-    the router GEMV takes for them (`kiln.kernels.gemv.fma_tile`; `interpreter_tile` under the
+    the router GEMV takes for them (`kiln.kernels.gemv_tiles.fma_tile`; `interpreter_tile` under the
     interpreter), so that both sum the logits in the same order."""
-    from kiln.kernels.gemv import fma_tile, interpreter_tile
+    from kiln.kernels.gemv_tiles import fma_tile, interpreter_tile
 
     t, h = x.shape
     n = weight.shape[0]
@@ -199,7 +199,7 @@ def _fused_router_gate(x: torch.Tensor, weight: torch.Tensor, counter: torch.Ten
 def _fuses(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, counter) -> bool:
     """Whether a gate call takes `_router_gate_kernel`: the GEMV's rows (`router_logits`) and a
     selection counter to count its programs with (int32 [1] zeros, the gate module's buffer)."""
-    from kiln.kernels.gemv import FMA_MAX_ROWS
+    from kiln.kernels.gemv_tiles import FMA_MAX_ROWS
 
     return (use_gemv and counter is not None and x.dim() == 2 and 0 < x.shape[0] <= FMA_MAX_ROWS
             and weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
@@ -211,7 +211,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False)
     it loads it (`kiln.kernels.gemv`), instead of a cast and an fp32 cuBLAS GEMM (a split-K
     SIMT kernel at 2-4 rows: docs/benchmarks.md, "sixth pass"). Same products, another
     summation order."""
-    from kiln.kernels.gemv import FMA_MAX_ROWS, gemv
+    from kiln.kernels.gemv import gemv
+    from kiln.kernels.gemv_tiles import FMA_MAX_ROWS
 
     if use_gemv and 0 < x.shape[0] <= FMA_MAX_ROWS and weight.dtype == torch.float32 and x.dim() == 2:
         return gemv(x, weight)

@@ -169,7 +169,7 @@ def router_gate(sink: bool) -> None:
     on the router GEMV's one-row tile: the fp32 weight stream starts before the wait; every warp's
     logits are stored before a barrier, then the acq_rel count; the last program reads the
     logits from L2."""
-    from kiln.kernels.gemv import fma_tile
+    from kiln.kernels.gemv_tiles import fma_tile
     from kiln.kernels.moe_gate import _router_gate_kernel
 
     tile = {k: v for k, v in fma_tile(1, 2048).items() if k.startswith("BLOCK")}
@@ -205,7 +205,8 @@ def gates() -> None:
 
 def gemv_router() -> None:
     """The routers' GEMV: bf16 rows, an fp32 weight and fp32 logits, up to 4 rows."""
-    from kiln.kernels.gemv import _gemv_fma_kernel, fma_tile
+    from kiln.kernels.gemv import _gemv_fma_kernel
+    from kiln.kernels.gemv_tiles import fma_tile
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
     compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
@@ -228,7 +229,8 @@ def gemv(fma: bool, glu: bool = False, prefetch: bool = False, conv: bool = Fals
     and its reads of the other programs' columns through L2. With `trace`, the timer reads
     (`kiln.kernels.trace`): five, one before the first weight load, and no timer
     at all without it."""
-    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel, dot_tile, fma_tile, prenorm_tile
+    from kiln.kernels.gemv import _gemv_dot_kernel, _gemv_fma_kernel
+    from kiln.kernels.gemv_tiles import dot_tile, fma_tile, prenorm_tile
 
     types = {**{n: "*bf16" for n in ("X", "W", "Y", "CW", "CBUF", "NR", "NW", "NS", "NX", "KC", "VC")}, "eps": "fp32",
              "NCNT": "*i32", "TR": "*i64",

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kiln.kernels.gemv import FMA_MAX_ROWS, FMA_TILES, MAX_ROWS, candidate_tiles, fma_tile, gemv  # noqa: E402
+from kiln.kernels.gemv import gemv  # noqa: E402
+from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, FMA_TILES, MAX_ROWS, candidate_tiles, fma_tile  # noqa: E402
 from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
@@ -112,7 +113,7 @@ def test_one_row_prenorm_tiles_pair_rows_for_rope():
     router (<= ROUTER_MAX_ROWS rows); a wider weight, e.g. a qkv projection split by tensor
     parallelism (1536 rows of Llama-3.2-1B at tp 2), keeps an even BLOCK_N, as the RoPE epilogue's
     row pairs need, and every one-row tile covers the row."""
-    from kiln.kernels.gemv import ROUTER_MAX_ROWS, prenorm_tile
+    from kiln.kernels.gemv_tiles import ROUTER_MAX_ROWS, prenorm_tile
 
     for k in (1025, 2048):
         for n in (64, 66, ROUTER_MAX_ROWS, ROUTER_MAX_ROWS + 1, 1536, 1792, 2048, 3584):
@@ -126,7 +127,7 @@ def test_interpreter_tiles_keep_several_programs_and_rope_pairs():
     """Under the interpreter a GEMV takes ~INTERPRETER_PROGRAMS programs of 4-16 rows, BLOCK_K 32
     (several K steps at the tests' hidden 64), and with a RoPE epilogue rows that pair within a
     head (BLOCK_N / 2 divides half the head dim)."""
-    from kiln.kernels.gemv import INTERPRETER_TILE, interpreter_tile
+    from kiln.kernels.gemv_tiles import INTERPRETER_TILE, interpreter_tile
 
     want = {8: 4, 10: 4, 64: 8, 128: 16, 192: 16, 512: 16, 5000: 16}
     assert {n: interpreter_tile(n)["BLOCK_N"] for n in want} == want
@@ -268,7 +269,8 @@ def test_gemv_with_l2_prefetch_is_bit_identical(m, n, k, glu):
 def test_traced_gemv_is_bit_identical_and_its_times_ordered(prenorm):
     """A traced launch (`kiln.kernels.trace`) computes the same output bit for bit, and every
     program's record is ordered: start <= wait returned <= prologue <= reduced <= stored, on a real SM."""
-    from kiln.kernels.gemv import gemv_prenorm, prenorm_tile
+    from kiln.kernels.gemv import gemv_prenorm
+    from kiln.kernels.gemv_tiles import prenorm_tile
     from kiln.kernels.trace import FIELDS, PROLOGUE, REDUCED, SM, START, STORED, WAITED
 
     x, w = _case(1, 3584, 2048, torch.bfloat16, "cuda", seed=11)
@@ -364,7 +366,8 @@ def test_activation_tiles_ahead_change_no_bit(device, dtype, m, glu):
     """XPIPE (x, and a folded norm's residual and weight, loaded one K step ahead) only moves
     loads: over several K steps the product, the norm prologue's stored sum and normed rows equal
     the kernel loading each tile in its own step, bit for bit."""
-    from kiln.kernels.gemv import INTERPRETER_TILE, gemv_prenorm
+    from kiln.kernels.gemv import gemv_prenorm
+    from kiln.kernels.gemv_tiles import INTERPRETER_TILE
 
     x, w = _case(m, 10, 200, dtype, device, seed=m + 7)
     # several K steps on both devices (the rule's tiles cover K = 200 in one)
