@@ -20,3 +20,31 @@ lane0_s49b() {
   export TRITON_CACHE_DIR=/tmp/triton-s49b-$$
   step gemv_chain 240 python -m benchmarks.kernel_bench.gemv --rows 1,4,5,8 --chain-only --shapes inkling-bench
 }
+
+# `s49c`: where a batch-1 K = 3 MTP round's GPU time goes now, against a plain step (Inkling
+#   `bench`, 1K context, random MTP layers: the cost of a round). Profiled kernel tables
+#   (`decode_batch.py --profile`) with PDL off, so that each kernel's time is its own and not its
+#   wait for the one before; and the same two runs unprofiled with PDL on, for the step times.
+#   (PDL off also turns the GEMV off unless `--gemv-max-rows` is given: the call of this lane
+#   profiled cuBLAS's path. `s49d` profiles the engine's kernels.)
+lane0_s49c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49c-$$
+  local a="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local s="--speculative-algorithm mtp --speculative-num-steps 3"
+  step plain 90 $DECODE $a --out "$R/json/plain.json"
+  step mtp 90 $DECODE $a $s --out "$R/json/mtp.json"
+  step plain_prof 90 $DECODE $a --disable-pdl --profile --profile-steps 20 --kernel-rows 40 \
+    --out "$R/json/plain_prof.json"
+  step mtp_prof 120 $DECODE $a $s --disable-pdl --profile --profile-steps 20 --kernel-rows 60 \
+    --out "$R/json/mtp_prof.json"
+}
+
+# `s49d`: `s49c`'s profiles on the engine's own kernel path: PDL off with `--gemv-max-rows 1`.
+lane0_s49d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49d-$$
+  local a="--model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local p="--disable-pdl --gemv-max-rows 1 --profile --profile-steps 20"
+  step plain_prof 90 $DECODE $a $p --kernel-rows 40 --out "$R/json/plain_prof.json"
+  step mtp_prof 120 $DECODE $a --speculative-algorithm mtp --speculative-num-steps 3 $p --kernel-rows 60 \
+    --out "$R/json/mtp_prof.json"
+}
