@@ -231,7 +231,7 @@ class EngineConfig:
         sorted(TOOL_CALL_PARSERS))
 
     def __post_init__(self) -> None:
-        if self.gemv_max_rows is not None and not 0 <= self.gemv_max_rows <= 16:  # gemv.MAX_ROWS: one MMA tile
+        if self.gemv_max_rows is not None and not 0 <= self.gemv_max_rows <= 16:  # gemv_tiles.MAX_ROWS: one MMA tile
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if not 0 <= self.moe_gemv_max_tokens <= 16:  # past a few tokens every shared expert is re-read
             raise ValueError(f"--moe-gemv-max-tokens takes 0 to 16, got {self.moe_gemv_max_tokens}")
