@@ -3,7 +3,8 @@
 The tests run every Triton kernel under the interpreter (no GPU), and the interpreter's own
 bookkeeping, not the numpy math, was most of their time. Profiled on
 `test_kernel_path.py::test_decode_gemv_path_equals_reference[llama]` (Triton 3.6), which took
-91 s before these patches and 20 s with them (together with `kiln.kernels.gemv_tiles.interpreter_tile`):
+91 s before the first four patches and 20 s with them (together with
+`kiln.kernels.gemv_tiles.interpreter_tile`):
 
 - Every call of a `@triton.jit` helper from inside a kernel (`InterpretedFunction.__call__`) runs
   `_patch_lang` again: `inspect.getmembers` over `triton.language`, `tl.tensor` and `tl.math`

@@ -1,8 +1,8 @@
 """Two GRPO training steps on the fixed tiny batch, in one process or as one rank of an FSDP2
 group (run under torchrun), for each case asked. Used by tests/rl/test_fsdp.py:
 
-    python tests/rl/fsdp_worker.py MODEL_DIR OUT_PREFIX full:float32,lora:float32,...            # one process
-    python -m torch.distributed.run --nproc-per-node 2 tests/rl/fsdp_worker.py ...  # FSDP2, gloo
+    python tests/rl/fsdp_worker.py MODEL_DIR OUT_PREFIX full:float32,lora:float32,...  # one process
+    python -m torch.distributed.run --nproc-per-node 2 tests/rl/fsdp_worker.py ...       # FSDP2, gloo
 
 A case is MODE:DTYPE, MODE one of full, lora, micro and DTYPE the trainer's parameter dtype. Writes
 (rank 0) OUT_PREFIX-MODE-DTYPE.pt = {"weights": whole weights + adapter after both steps,
