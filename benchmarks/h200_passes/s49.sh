@@ -48,3 +48,12 @@ lane0_s49d() {
   step mtp_prof 120 $DECODE $a --speculative-algorithm mtp --speculative-num-steps 3 $p --kernel-rows 60 \
     --out "$R/json/mtp_prof.json"
 }
+
+# `s49e` (an H200: Inkling's KV at these batches does not fit an 80 GB card, forty-eighth pass):
+#   the issue's large-batch rows of Inkling `bench` with the current kernels (input 8192 / output
+#   1024, batch 32 / 64 / 128), last measured on an H200 in the fourteenth pass.
+lane0_s49e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49e-$$
+  step inkling_8k ${T_INK:-400} $DECODE --model-path $INK --batch-sizes 32,64,128 --input-len 8192 \
+    --output-len 1024 --time-limit 150 --out "$R/json/inkling_8k_1024.json"
+}
