@@ -57,3 +57,20 @@ lane0_s49e() {
   step inkling_8k ${T_INK:-400} $DECODE --model-path $INK --batch-sizes 32,64,128 --input-len 8192 \
     --output-len 1024 --time-limit 150 --out "$R/json/inkling_8k_1024.json"
 }
+
+# `s49f`: `s49d`'s profiles for what else issues 4 and 6 ask about: MiniMax-M3 `bench`'s plain
+#   step at batch 1 (its 42% of the roofline) and Inkling `bench`'s K = 3 round against a plain
+#   step at batch 8 (PDL off with `--gemv-max-rows 1`; the unprofiled steps with PDL first).
+lane0_s49f() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49f-$$
+  local p="--disable-pdl --gemv-max-rows 1 --profile --profile-steps 20"
+  local mm="--model-path $MM --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local ink="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local s="--speculative-algorithm mtp --speculative-num-steps 3"
+  step mm_plain 90 $DECODE $mm --out "$R/json/mm_plain.json"
+  step mm_plain_prof 90 $DECODE $mm $p --kernel-rows 40 --out "$R/json/mm_plain_prof.json"
+  step ink8_plain 90 $DECODE $ink --out "$R/json/ink8_plain.json"
+  step ink8_mtp 90 $DECODE $ink $s --out "$R/json/ink8_mtp.json"
+  step ink8_plain_prof 90 $DECODE $ink $p --kernel-rows 40 --out "$R/json/ink8_plain_prof.json"
+  step ink8_mtp_prof 120 $DECODE $ink $s $p --kernel-rows 60 --out "$R/json/ink8_mtp_prof.json"
+}
