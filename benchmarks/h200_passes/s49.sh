@@ -74,3 +74,22 @@ lane0_s49f() {
   step ink8_plain_prof 90 $DECODE $ink $p --kernel-rows 40 --out "$R/json/ink8_plain_prof.json"
   step ink8_mtp_prof 120 $DECODE $ink $s $p --kernel-rows 60 --out "$R/json/ink8_mtp_prof.json"
 }
+
+# `s49g` (carry scratch/b_base: `git archive` of the commit before the change, kiln, benchmarks/*.py
+#   and configs): the routers' logits of 5..16 rows on the GEMV's MMA loop instead of a cast and
+#   cuBLAS's split-K SIMT SGEMM (~11 us per MoE layer at batch 8 in `s49f`'s profile). Its GPU
+#   tests, then batch-8 plain decode of Inkling (alternated twice) and MiniMax-M3 (once each)
+#   against the tree before it. Ran on an H100 (forty-ninth pass): the tests passed, and the steps
+#   were 0.70 ms slower (the MMA loop's IEEE fp32 products over 5 programs take ~30 us a layer);
+#   the change was not committed.
+lane0_s49g() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49g-$$
+  step gpu_tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+    tests/kernels/test_moe_kernels.py -k "widens or router or gates or real_shapes"
+  local base="python scratch/b_base/benchmarks/decode_batch.py $C"
+  local ink="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local mm="--model-path $MM --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  alternated ink8 "$base" $ink
+  step mm8_now_1 80 $DECODE $mm --out "$R/json/mm8_now_1.json"
+  step mm8_base_1 80 $base $mm --out "$R/json/mm8_base_1.json"
+}
