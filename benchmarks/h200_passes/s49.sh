@@ -93,3 +93,10 @@ lane0_s49g() {
   step mm8_now_1 80 $DECODE $mm --out "$R/json/mm8_now_1.json"
   step mm8_base_1 80 $base $mm --out "$R/json/mm8_base_1.json"
 }
+
+# `s49h` (carry scratch/b_base, as `s49g`): the routers' logits past 4 rows on the GEMV's FMA loop,
+#   blocks of 4 widened rows side by side on a second grid axis (17 x ceil(T / 4) programs for
+#   Inkling's 66 x 2048 router), against the tree before it: `s49g`'s tests and steps.
+lane0_s49h() {
+  lane0_s49g
+}

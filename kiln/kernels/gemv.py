@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import interpreting
-from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, MAX_ROWS, dot_tile, fma_tile, interpreter_tile, prenorm_tile
+from kiln.kernels.gemv_tiles import (FMA_MAX_ROWS, MAX_ROWS, WIDEN_MAX_ROWS, dot_tile, fma_tile, interpreter_tile,
+                                     prenorm_tile)
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.norm import norm_operands, normed_tile, normed_values, prenorm_inv_rms, store_normed_rows
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
@@ -66,7 +67,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      CKP: tl.constexpr, CCHUNK: tl.constexpr, NORM: tl.constexpr, NORM_RES: tl.constexpr,
                      NORM_KEEP: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
                      NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
-                     XPIPE: tl.constexpr, ONE_TILE: tl.constexpr, ROUND_TO_X: tl.constexpr = False):
+                     XPIPE: tl.constexpr, ONE_TILE: tl.constexpr, ROUND_TO_X: tl.constexpr = False,
+                     M_BLOCKS: tl.constexpr = 1):
     """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
     ROUND_TO_X (the plain store only): y is fp32 and takes the product rounded to x's dtype first.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
@@ -94,7 +96,15 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
     TRACE: each program writes its timestamps to TR (`kiln.kernels.trace`).
     XPIPE: the activation tiles (x; with NORM, the residual's and the norm weight's) are loaded one
     K tile ahead, as the weights are; off, each in its own iteration (the same values, bit for bit).
-    ONE_TILE (BLOCK_K >= K, set by the wrapper): no K loop and no accumulator tile."""
+    ONE_TILE (BLOCK_K >= K, set by the wrapper): no K loop and no accumulator tile.
+    M_BLOCKS > 1 (a plain product only: the routers' logits of more than BLOCK_M rows): program
+    (i, j) computes rows j * BLOCK_M .. of its columns, each block of rows reading the weight tile
+    again (from L2 after the first)."""
+    if M_BLOCKS > 1:
+        m0 = tl.program_id(1) * BLOCK_M
+        X += m0 * stride_xm
+        Y += m0 * stride_ym
+        M -= m0
     if TRACE:
         t_start = global_time(0.0)
     if ROPE:
@@ -251,8 +261,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     float_out (M <= FMA_MAX_ROWS, no glu, conv or rope): y is fp32, bit for bit `.float()` of the
     result in x's dtype, without that cast's launch (the LM heads' fp32 logits).
 
-    An fp32 weight with bf16 / fp16 rows (the MoE routers, M <= FMA_MAX_ROWS) gives the fp32
-    `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch).
+    An fp32 weight with bf16 / fp16 rows (the MoE routers, up to WIDEN_MAX_ROWS rows) gives the
+    fp32 `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch); past
+    FMA_MAX_ROWS rows the FMA loop runs on blocks of 4 rows side by side (grid axis 1).
 
     glu (M <= FMA_MAX_ROWS): weight is a fused gate_up [2I, K] and the result is
     `kiln.kernels.activation.silu_and_mul` of the product, [M, I], bit for bit, in one launch.
@@ -373,12 +384,15 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
             norm_counter=None, trace=None, float_out=False) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    assert 0 < m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}: use F.linear"
-    assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
     # half-precision rows against an fp32 weight (the routers): widened in the kernel, fp32 result
     widen = weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+    assert 0 < m <= (WIDEN_MAX_ROWS if widen else MAX_ROWS), \
+        f"gemv takes 1..{MAX_ROWS} rows (1..{WIDEN_MAX_ROWS} widened for an fp32 weight), got {m}: use F.linear"
+    assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
     assert weight.dtype == x.dtype or widen, f"weight {weight.dtype} and x {x.dtype} differ"
-    assert not widen or m <= FMA_MAX_ROWS, f"an fp32 weight with {x.dtype} rows takes 1..{FMA_MAX_ROWS} rows"
+    m_blocks = triton.cdiv(m, FMA_MAX_ROWS) if widen else 1  # (widened rows take the FMA loop, 4 at a time)
+    assert m_blocks == 1 or not (glu or conv is not None or norm is not None or rope is not None or float_out
+                                 or trace is not None), "more than 4 widened rows take a plain product only"
     assert not glu or (m <= FMA_MAX_ROWS and n % 2 == 0), f"glu takes 1..{FMA_MAX_ROWS} rows and [2I, K] weights"
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -399,21 +413,21 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     pdl = pdl_launch(x.device)
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
-    if m <= FMA_MAX_ROWS:
+    if m <= FMA_MAX_ROWS or widen:
         if not tile:  # (the RoPE half-dim matters to the interpreter's tile only: no work on a GPU launch)
             tile = interpreter_tile(n, rope[4].shape[2] // 2 if rope is not None else 0) if interpreting() \
-                else fma_tile(m, k)
+                else fma_tile(min(m, FMA_MAX_ROWS), k)
         tile = dict(tile)
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
-        block_m = triton.next_power_of_2(m)
-        _gemv_fma_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid),
+        block_m = triton.next_power_of_2(min(m, FMA_MAX_ROWS))
+        _gemv_fma_kernel[(grid, m_blocks)](*args, **prefetch_args(weight, prefetch_bytes, grid),
                                   **decode_conv_kernel_args(conv, y, conv_chunk),
                                   **_norm_kernel_args(norm, x, block_m, norm_counter),
                                   **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
                                   **trace_args(trace, x, grid), **{"XPIPE": True, **tile},
-                                  ONE_TILE=tile["BLOCK_K"] >= k, ROUND_TO_X=float_out, **pdl)
+                                  ONE_TILE=tile["BLOCK_K"] >= k, ROUND_TO_X=float_out, M_BLOCKS=m_blocks, **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

@@ -14,6 +14,10 @@ import triton
 
 MAX_ROWS = 16  # one MMA tile of activation rows; larger decode batches take cuBLAS
 FMA_MAX_ROWS = 4
+# Rows an fp32 weight (a MoE router) takes widened from half precision, in blocks of FMA_MAX_ROWS:
+# cuBLAS runs that product as a cast, a split-K SIMT SGEMM and its reduction (~11 us a layer at
+# 8-32 rows on an H100; docs/benchmarks.md, forty-ninth pass).
+WIDEN_MAX_ROWS = 64
 
 # Candidate FMA tiles (BLOCK_N, BLOCK_K, warps): what `benchmarks/kernel_bench/gemv.py` sweeps.
 FMA_TILES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),

@@ -207,14 +207,14 @@ def _fuses(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, counter) -> bo
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False) -> torch.Tensor:
     """z = F.linear(x.float(), weight.float()) [T, E], as in the references. With `use_gemv` and
-    at most FMA_MAX_ROWS rows (decode, a speculative verify), one GEMV launch that widens x as
+    at most WIDEN_MAX_ROWS rows (decode, a speculative verify), one GEMV launch that widens x as
     it loads it (`kiln.kernels.gemv`), instead of a cast and an fp32 cuBLAS GEMM (a split-K
-    SIMT kernel at 2-4 rows: docs/benchmarks.md, "sixth pass"). Same products, another
-    summation order."""
+    SIMT kernel and its reduction at 2-32 rows: docs/benchmarks.md, "sixth pass" and
+    "forty-ninth pass"). Same products, another summation order."""
     from kiln.kernels.gemv import gemv
-    from kiln.kernels.gemv_tiles import FMA_MAX_ROWS
+    from kiln.kernels.gemv_tiles import WIDEN_MAX_ROWS
 
-    if use_gemv and 0 < x.shape[0] <= FMA_MAX_ROWS and weight.dtype == torch.float32 and x.dim() == 2:
+    if use_gemv and 0 < x.shape[0] <= WIDEN_MAX_ROWS and weight.dtype == torch.float32 and x.dim() == 2:
         return gemv(x, weight)
     return F.linear(x.float(), weight.float())
 

@@ -209,9 +209,12 @@ def gemv_router() -> None:
     from kiln.kernels.gemv_tiles import fma_tile
 
     tile = {k: v for k, v in fma_tile(4, 2048).items() if k.startswith("BLOCK")}
-    compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
-                 dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False, **NO_NORM,
-                      **tile, ROPE=False, HALF=1, TRACE=False, XPIPE=True, ONE_TILE=False))
+    for m_blocks in (1, 2):  # (2: past 4 rows, blocks of rows side by side)
+        ptx = compile_sm90(_gemv_fma_kernel, {"X": "*bf16", "W": "*fp32", "Y": "*fp32"},
+                           dict(BLOCK_M=4, PDL=True, GLU=False, PREFETCH=True, CONV=False, CK=1, CKP=1, CCHUNK=False,
+                                **NO_NORM, **tile, ROPE=False, HALF=1, TRACE=False, XPIPE=True, ONE_TILE=False,
+                                M_BLOCKS=m_blocks))["ptx"]
+        assert ("%ctaid.y" in ptx) == (m_blocks > 1), "one block of rows reads no second grid axis"
 
 
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)

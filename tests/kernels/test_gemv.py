@@ -13,8 +13,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kiln.kernels.gemv import gemv  # noqa: E402
-from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, MAX_ROWS, fma_tile  # noqa: E402
-from tests.kernels.devices import DEVICE_DTYPES  # noqa: E402
+from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, MAX_ROWS, WIDEN_MAX_ROWS, fma_tile  # noqa: E402
+from tests.kernels.devices import DEVICE_DTYPES, DEVICES  # noqa: E402
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
 BF16 = dict(rtol=2e-2, atol=2e-2)
@@ -128,10 +128,26 @@ def test_gemv_rejects_bad_shapes():
         gemv(torch.randn(2, 32), w)
     with pytest.raises(AssertionError, match="differ"):
         gemv(torch.randn(2, 16, dtype=torch.float64), w)
-    with pytest.raises(AssertionError, match="fp32 weight"):
-        gemv(torch.randn(FMA_MAX_ROWS + 1, 16, dtype=torch.float16), w)
+    with pytest.raises(AssertionError, match="rows"):
+        gemv(torch.randn(WIDEN_MAX_ROWS + 1, 16, dtype=torch.float16), w)
+    with pytest.raises(AssertionError, match="plain product"):
+        gemv(torch.randn(FMA_MAX_ROWS + 1, 16, dtype=torch.float16), w, float_out=True)
     with pytest.raises(AssertionError, match="glu"):
         gemv(torch.randn(FMA_MAX_ROWS + 1, 16), w, glu=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [3, 5, 8, 33, WIDEN_MAX_ROWS])
+def test_gemv_widens_half_rows_for_an_fp32_weight(device, m):
+    """Half-precision rows against an fp32 weight (a MoE router): the fp32 `F.linear(x.float(),
+    weight)` to summation order, past 4 rows in blocks of 4 side by side (a partial last one at 5
+    and 33)."""
+    half = torch.float16 if device == "cpu" else torch.bfloat16  # (the interpreter has no bf16)
+    x, w = _case(m, 66, 200, torch.float32, device, seed=m)
+    x = x.to(half)
+    y = gemv(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, 66)
+    torch.testing.assert_close(y, F.linear(x.float(), w), **FP32)
 
 
 def test_gemv_max_rows_flag():

@@ -189,6 +189,36 @@ def test_minimax_gate_matches_reference(device, T, E, k, ties):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [5, 8, 33])
+def test_router_logits_past_four_rows_take_the_gemv(device, T, monkeypatch):
+    """More than 4 rows (a batch of 5+ decode steps, a verify of 2+ requests): the router's
+    logits still on the GEMV (blocks of 4 widened rows side by side), not a cast and cuBLAS's
+    split-K SIMT SGEMM (docs/benchmarks.md, forty-ninth pass); the fp32 logits to summation
+    order, and the gates' choices as the reference's."""
+    from kiln.kernels import gemv as gemv_module
+    from kiln.kernels.moe_gate import router_logits
+
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (calls.append(x.shape[0]), real(x, w, **kw))[1])
+    E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
+    x, weight, bias = _gate_inputs(device, T, E, S, torch.Generator().manual_seed(T))
+    x, weight = x.to(torch.float16 if device == "cpu" else torch.bfloat16), weight.float()
+    z = router_logits(x, weight, use_gemv=True)
+    assert calls == [T] and z.dtype == torch.float32 and z.shape == (T, E + S)
+    torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
+    gscale = torch.tensor(0.7, device=device)
+    ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
+    r_ids, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
+    assert torch.equal(ids, r_ids)
+    torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+    assert calls == [T, T]
+    router_logits(x, weight, use_gemv=False)  # (off the kernel path: F.linear)
+    assert calls == [T, T]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 3, 4])
 @pytest.mark.parametrize("ties", [False, True])
 def test_gates_with_router_logits_from_the_gemv(device, T, ties):
