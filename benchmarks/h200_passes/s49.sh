@@ -100,3 +100,14 @@ lane0_s49g() {
 lane0_s49h() {
   lane0_s49g
 }
+
+# `s49i`: `s49h` cut to the budget left: the GPU tests, then Inkling batch 8 once on each tree.
+lane0_s49i() {
+  export TRITON_CACHE_DIR=/tmp/triton-s49i-$$
+  step gpu_tests 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+    tests/kernels/test_moe_kernels.py -k "widens or router or gates"
+  local base="python scratch/b_base/benchmarks/decode_batch.py $C"
+  local ink="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step ink8_now 75 $DECODE $ink --out "$R/json/ink8_now.json"
+  step ink8_base 60 $base $ink --out "$R/json/ink8_base.json"
+}
