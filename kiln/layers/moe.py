@@ -76,9 +76,10 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _router_gemv(batch) -> bool:
     """Whether the router's logits of a few rows go through Kiln's GEMV: on the engine's kernel
-    path with the decode GEMV on (`--gemv-max-rows` > 0). Up to its 4-row loop whatever the
-    flag's row limit, for a speculative verify: there cuBLAS runs the fp32 GEMM as a split-K SIMT
-    kernel (`kiln.kernels.moe_gate.router_logits`; docs/benchmarks.md has the measurements)."""
+    path with the decode GEMV on (`--gemv-max-rows` > 0). Up to WIDEN_MAX_ROWS rows (blocks of 4
+    side by side) whatever the flag's row limit, for decode batches and speculative verifies:
+    there cuBLAS runs the fp32 GEMM as a cast, a split-K SIMT kernel and its reduction
+    (`kiln.kernels.moe_gate.router_logits`; docs/benchmarks.md has the measurements)."""
     backend = getattr(batch, "backend", None)
     return getattr(backend, "use_kernels", False) and getattr(backend, "gemv_max_rows", 0) > 0
 
