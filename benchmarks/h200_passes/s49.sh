@@ -83,15 +83,26 @@ lane0_s49f() {
 #   were 0.70 ms slower (the MMA loop's IEEE fp32 products over 5 programs take ~30 us a layer);
 #   the change was not committed.
 lane0_s49g() {
-  export TRITON_CACHE_DIR=/tmp/triton-s49g-$$
-  step gpu_tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
-    tests/kernels/test_moe_kernels.py -k "widens or router or gates or real_shapes"
+  _s49_router_ab s49g 120 "widens or router or gates or real_shapes" full
+}
+
+_s49_router_ab() {  # NAME TEST_LIMIT TEST_FILTER full|short: the router changes' GPU tests, then
+  # batch-8 plain decode against scratch/b_base (full: Inkling alternated twice and MiniMax-M3
+  # once each; short: Inkling once each)
+  export TRITON_CACHE_DIR=/tmp/triton-$1-$$
+  step gpu_tests $2 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+    tests/kernels/test_moe_kernels.py -k "$3"
   local base="python scratch/b_base/benchmarks/decode_batch.py $C"
   local ink="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   local mm="--model-path $MM --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
-  alternated ink8 "$base" $ink
-  step mm8_now_1 80 $DECODE $mm --out "$R/json/mm8_now_1.json"
-  step mm8_base_1 80 $base $mm --out "$R/json/mm8_base_1.json"
+  if [ "$4" = full ]; then
+    alternated ink8 "$base" $ink
+    step mm8_now_1 80 $DECODE $mm --out "$R/json/mm8_now_1.json"
+    step mm8_base_1 80 $base $mm --out "$R/json/mm8_base_1.json"
+  else
+    step ink8_now 75 $DECODE $ink --out "$R/json/ink8_now.json"
+    step ink8_base 60 $base $ink --out "$R/json/ink8_base.json"
+  fi
 }
 
 # `s49h` (carry scratch/b_base, as `s49g`): the routers' logits past 4 rows on the GEMV's FMA loop,
@@ -103,11 +114,5 @@ lane0_s49h() {
 
 # `s49i`: `s49h` cut to the budget left: the GPU tests, then Inkling batch 8 once on each tree.
 lane0_s49i() {
-  export TRITON_CACHE_DIR=/tmp/triton-s49i-$$
-  step gpu_tests 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
-    tests/kernels/test_moe_kernels.py -k "widens or router or gates"
-  local base="python scratch/b_base/benchmarks/decode_batch.py $C"
-  local ink="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
-  step ink8_now 75 $DECODE $ink --out "$R/json/ink8_now.json"
-  step ink8_base 60 $base $ink --out "$R/json/ink8_base.json"
+  _s49_router_ab s49i 90 "widens or router or gates" short
 }

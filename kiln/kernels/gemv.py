@@ -69,7 +69,8 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
                      NORM_ONE_PASS: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, TRACE: tl.constexpr,
                      XPIPE: tl.constexpr, ONE_TILE: tl.constexpr, ROUND_TO_X: tl.constexpr = False,
                      M_BLOCKS: tl.constexpr = 1):
-    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4, fp32 accumulation.
+    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= BLOCK_M <= 4 (M <= M_BLOCKS x BLOCK_M
+    with M_BLOCKS, below), fp32 accumulation.
     ROUND_TO_X (the plain store only): y is fp32 and takes the product rounded to x's dtype first.
     Tiles are addressed in 3-D ([1, BLOCK_N, BLOCK_K] weights, [BLOCK_M, 1, BLOCK_K] rows of x) so
     that both load straight into the product's layout (no shared-memory shuffle per tile).
@@ -423,11 +424,12 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
         block_m = triton.next_power_of_2(min(m, FMA_MAX_ROWS))
         _gemv_fma_kernel[(grid, m_blocks)](*args, **prefetch_args(weight, prefetch_bytes, grid),
-                                  **decode_conv_kernel_args(conv, y, conv_chunk),
-                                  **_norm_kernel_args(norm, x, block_m, norm_counter),
-                                  **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m, GLU=glu,
-                                  **trace_args(trace, x, grid), **{"XPIPE": True, **tile},
-                                  ONE_TILE=tile["BLOCK_K"] >= k, ROUND_TO_X=float_out, M_BLOCKS=m_blocks, **pdl)
+                                           **decode_conv_kernel_args(conv, y, conv_chunk),
+                                           **_norm_kernel_args(norm, x, block_m, norm_counter),
+                                           **rope_epilogue_args(rope, y, n, tile["BLOCK_N"]), BLOCK_M=block_m,
+                                           GLU=glu, **trace_args(trace, x, grid), **{"XPIPE": True, **tile},
+                                           ONE_TILE=tile["BLOCK_K"] >= k, ROUND_TO_X=float_out, M_BLOCKS=m_blocks,
+                                           **pdl)
         return y
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"

@@ -188,6 +188,24 @@ def test_minimax_gate_matches_reference(device, T, E, k, ties):
     torch.testing.assert_close(w, r_w, atol=1e-6, rtol=1e-5)
 
 
+def _logits_and_sink_gate_match_the_reference(x, weight, bias, k):
+    """The router's fp32 logits on the GEMV path (`use_gemv`) to summation order, and the sink
+    gate's choices and weights as the reference's. Returns (logits, global scale, the reference's
+    (ids, routed weights, shared weights))."""
+    from kiln.kernels.moe_gate import router_logits
+
+    z = router_logits(x, weight, use_gemv=True)
+    assert z.dtype == torch.float32 and z.shape == (x.shape[0], weight.shape[0])
+    torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
+    gscale = torch.tensor(0.7, device=x.device)
+    ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
+    want = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
+    assert torch.equal(ids, want[0])
+    torch.testing.assert_close(rw, want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sw, want[2], atol=1e-5, rtol=1e-5)
+    return z, gscale, want
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [5, 8, 33])
 def test_router_logits_past_four_rows_take_the_gemv(device, T, monkeypatch):
@@ -204,15 +222,7 @@ def test_router_logits_past_four_rows_take_the_gemv(device, T, monkeypatch):
     E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
     x, weight, bias = _gate_inputs(device, T, E, S, torch.Generator().manual_seed(T))
     x, weight = x.to(torch.float16 if device == "cpu" else torch.bfloat16), weight.float()
-    z = router_logits(x, weight, use_gemv=True)
-    assert calls == [T] and z.dtype == torch.float32 and z.shape == (T, E + S)
-    torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
-    gscale = torch.tensor(0.7, device=device)
-    ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
-    r_ids, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
-    assert torch.equal(ids, r_ids)
-    torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+    _logits_and_sink_gate_match_the_reference(x, weight, bias, k)
     assert calls == [T, T]
     router_logits(x, weight, use_gemv=False)  # (off the kernel path: F.linear)
     assert calls == [T, T]
@@ -227,22 +237,12 @@ def test_gates_with_router_logits_from_the_gemv(device, T, ties):
     router weight, half-precision rows widened in the kernel), the reference's ids, and weights to
     fp32 summation-order error. Exact ties (small integers) stay ties, so the lowest ids still
     win them."""
-    from kiln.kernels.moe_gate import router_logits
-
     E, S, k = (8, 2, 3) if device == "cpu" else (64, 2, 6)
     gen = torch.Generator().manual_seed(T + 100 * ties)
     x, weight, bias = _gate_inputs(device, T, E, S, gen, ties)
     # fp16 on the interpreter (it has no bf16); both are exact in fp32
     x, weight = x.to(torch.float16 if device == "cpu" else torch.bfloat16), weight.float()
-    z = router_logits(x, weight, use_gemv=True)
-    assert z.dtype == torch.float32 and z.shape == (T, E + S)
-    torch.testing.assert_close(z, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
-    gscale = torch.tensor(0.7, device=device)
-    ids, rw, sw = _km().sink_gate(x, weight, bias, gscale, k, 1.5, use_gemv=True)
-    r_ids_sink, r_rw, r_sw = ref.sink_gate_ref(x, weight, bias, gscale, k, 1.5)
-    assert torch.equal(ids, r_ids_sink)
-    torch.testing.assert_close(rw, r_rw, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sw, r_sw, atol=1e-5, rtol=1e-5)
+    z, gscale, (r_ids_sink, r_rw, r_sw) = _logits_and_sink_gate_match_the_reference(x, weight, bias, k)
     ids, w = _km().minimax_gate(x, weight[:E], bias, k, 2.5, use_gemv=True)
     r_ids, r_w = ref.minimax_gate_ref(x, weight[:E], bias, k, 2.5)
     assert torch.equal(ids, r_ids)
