@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import math
 
 CHECKED_TRITON = "3.6."
 ORIGINALS: dict = {}  # "module.name" -> the object a patch replaced (filled by install())
@@ -193,8 +194,6 @@ def _fast_type_bookkeeping(core) -> None:
 
 
 def _shared_shape_constants(core) -> None:
-    import math
-
     constexpr, tuple_cls, tensor = core.constexpr, core.tuple, core.tensor
     ORIGINALS["core.tensor.__init__"] = tensor.__init__
     by_shape: dict = {}  # shape (ints) -> ([constexpr per dimension], constexpr(element count))

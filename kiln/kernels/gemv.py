@@ -24,7 +24,10 @@ Two inner loops, picked by the number of rows:
   chosen for it at one row and 1024 < K <= 2048) has no loop: the program's whole row slice is
   loaded before the wait and reduced once, with no accumulator tile to carry, so its registers
   stay low enough that every program of the grid is resident at once.
-- 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton.
+- 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton. Except an fp32 weight's
+  half-precision rows (the MoE routers, up to WIDEN_MAX_ROWS): they stay on the FMA loop, blocks
+  of 4 rows side by side on a second grid axis (M_BLOCKS), since the MMA loop's IEEE fp32 products
+  are FMAs over too few programs (docs/benchmarks.md, forty-ninth pass).
 
 The tile is a fixed function of the shape, not autotuned (`kiln.kernels.gemv_tiles` holds the
 rules and the candidates `python -m benchmarks.kernel_bench.gemv --sweep` times).
@@ -415,14 +418,15 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
     if m <= FMA_MAX_ROWS or widen:
+        rows = min(m, FMA_MAX_ROWS)  # per program (M_BLOCKS blocks of them past FMA_MAX_ROWS)
         if not tile:  # (the RoPE half-dim matters to the interpreter's tile only: no work on a GPU launch)
             tile = interpreter_tile(n, rope[4].shape[2] // 2 if rope is not None else 0) if interpreting() \
-                else fma_tile(min(m, FMA_MAX_ROWS), k)
+                else fma_tile(rows, k)
         tile = dict(tile)
         if glu:
             tile["BLOCK_N"] = max(1, tile["BLOCK_N"] // 2)
         grid = triton.cdiv(args[4], tile["BLOCK_N"])
-        block_m = triton.next_power_of_2(min(m, FMA_MAX_ROWS))
+        block_m = triton.next_power_of_2(rows)
         _gemv_fma_kernel[(grid, m_blocks)](*args, **prefetch_args(weight, prefetch_bytes, grid),
                                            **decode_conv_kernel_args(conv, y, conv_chunk),
                                            **_norm_kernel_args(norm, x, block_m, norm_counter),
