@@ -4,14 +4,14 @@ does off the GEMV path) against Kiln's GEMV with fp32 output (`gemv(..., float_o
     python -m benchmarks.kernel_bench.lm_head [--rows 1 2 3 4 5] [--vocab 49216] [--hidden 2048] [--sweep]
 
 A speculative verify's LM head takes K + 1 rows per request (4 at K = 3, batch 1) and an MTP draft
-head one; the engine routes up to `--gemv-max-rows` rows (1 on Hopper) through the GEMV. Each
-variant is replayed from a CUDA graph over COPIES distinct weight copies in turn (so that the
-~200 MB matrix is not served from L2); medians in microseconds, with the share of the measured copy
-bandwidth the weight bytes reach, and the largest difference of the two results. `--sweep` also
-times the GEMV with every candidate tile (`candidate_tiles`) at each row count: the FMA tiles up
-to FMA_MAX_ROWS, the MMA tiles (`DOT_TILES`, 16 rows padded) past it. The data for a head tile other
-than the rule's (a verify's 4-row head is slower on every FMA tile than on cuBLAS, docs/benchmarks.md,
-forty-seventh and forty-eighth passes; 5 rows time what an MMA tile would do for 4).
+head one per request; the engine runs one row on the GEMV's FMA loop and 2..16 on its MMA loop
+with the head tile (`kiln.layers.decode_gemv.head_logits`, `gemv_tiles.dot_tile`), the GEMV column
+here. Each variant is replayed from a CUDA graph over COPIES distinct weight copies in turn (so that
+the ~200 MB matrix is not served from L2); medians in microseconds, with the share of the measured
+copy bandwidth the weight bytes reach, and the largest difference of the two results. `--sweep`
+also times the GEMV with every candidate tile (`candidate_tiles`) at each row count: the FMA tiles
+up to FMA_MAX_ROWS, the MMA tiles (`DOT_TILES`, 16 rows padded) past it (docs/benchmarks.md,
+forty-seventh to forty-ninth passes).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
 
     from benchmarks.kernel_bench.gemv import copy_bandwidth, tile_name
     from kiln.kernels.gemv import gemv
-    from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, candidate_tiles
+    from kiln.kernels.gemv_tiles import candidate_tiles
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -52,13 +52,11 @@ def main(argv=None) -> None:
     print("-" * len(head))
     for m in args.rows:
         x = torch.randn(m, args.hidden, generator=gen, device=dev).to(dtype)
-        float_out = m <= FMA_MAX_ROWS
-
         def cublas():
             return [F.linear(x, w).float() for w in heads]
 
-        def kiln():
-            return [gemv(x, w, float_out=float_out).float() for w in heads]
+        def kiln():  # as `kiln.layers.decode_gemv.head_logits` runs it: the MMA loop past one row
+            return [gemv(x, w, float_out=True, mma=m > 1) for w in heads]
 
         us = {}
         for name, fn in (("cublas", cublas), ("kiln", kiln)):
@@ -68,10 +66,10 @@ def main(argv=None) -> None:
         frac = {k: nbytes / bw / (v * 1e-6) for k, v in us.items()}
         print(f"{m:>4} {us['cublas']:>14.1f} {frac['cublas']:>5.1%} {us['kiln']:>8.1f} {frac['kiln']:>5.1%} "
               f"{diff:>9.2e}")
-        if args.sweep:  # (past FMA_MAX_ROWS: the MMA tiles, bf16 out)
+        if args.sweep:  # (past FMA_MAX_ROWS: the MMA tiles)
             for tile in candidate_tiles(m):
                 def tiled(tile=tile):
-                    return [gemv(x, w, tile=tile, float_out=float_out) for w in heads]
+                    return [gemv(x, w, tile=tile, float_out=True) for w in heads]
 
                 tiled()
                 t_us = triton.testing.do_bench_cudagraph(tiled, rep=100, return_mode="median") * 1e3 / COPIES

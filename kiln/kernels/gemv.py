@@ -27,7 +27,9 @@ Two inner loops, picked by the number of rows:
 - 5..16 rows: one 16-row MMA tile (`tl.dot`), pipelined by Triton. Except an fp32 weight's
   half-precision rows (the MoE routers, up to WIDEN_MAX_ROWS): they stay on the FMA loop, blocks
   of 4 rows side by side on a second grid axis (M_BLOCKS), since the MMA loop's IEEE fp32 products
-  are FMAs over too few programs (docs/benchmarks.md, forty-ninth pass).
+  are FMAs over too few programs (docs/benchmarks.md, forty-ninth pass). An LM head of 1..4 rows
+  can ask for the MMA loop too (`mma`): its wide head tile loads each weight tile once for all
+  rows, where every FMA tile loses to cuBLAS at 4 rows.
 
 The tile is a fixed function of the shape, not autotuned (`kiln.kernels.gemv_tiles` holds the
 rules and the candidates `python -m benchmarks.kernel_bench.gemv --sweep` times).
@@ -48,8 +50,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import interpreting
-from kiln.kernels.gemv_tiles import (FMA_MAX_ROWS, MAX_ROWS, WIDEN_MAX_ROWS, dot_tile, fma_tile, interpreter_tile,
-                                     prenorm_tile)
+from kiln.kernels.gemv_tiles import (FMA_MAX_ROWS, MAX_ROWS, WIDEN_MAX_ROWS, dot_tile, fma_tile, interpreter_dot_tile,
+                                     interpreter_tile, prenorm_tile)
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 from kiln.kernels.norm import norm_operands, normed_tile, normed_values, prenorm_inv_rms, store_normed_rows
 from kiln.kernels.prefetch import l2_prefetch_span, prefetch_args
@@ -232,8 +234,9 @@ def _gemv_fma_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
 @triton.jit
 def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN, PF_CHUNK, PF_PROGRAMS,
                      PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr):
-    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= 16 rows (one MMA tile)."""
+                     PREFETCH: tl.constexpr, ROUND_TO_X: tl.constexpr = False):
+    """Columns pid*BLOCK_N .. +BLOCK_N of y [M, N] for M <= 16 rows (one MMA tile). ROUND_TO_X: as
+    `_gemv_fma_kernel`'s (fp32 y of the product rounded to x's dtype)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
@@ -252,18 +255,25 @@ def _gemv_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, PF_SPAN,
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if ROUND_TO_X:  # (the same name's type must not change inside the branch: the compiler refuses it)
+        acc = acc.to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu: bool = False,
          prefetch_bytes: int = 0, conv: Optional[tuple] = None, rope: Optional[tuple] = None,
-         conv_chunk: bool = False, trace: Optional[torch.Tensor] = None, float_out: bool = False) -> torch.Tensor:
+         conv_chunk: bool = False, trace: Optional[torch.Tensor] = None, float_out: bool = False,
+         mma: bool = False) -> torch.Tensor:
     """x @ weight.T for x [M, K] with 1 <= M <= MAX_ROWS and weight [N, K] of x's dtype; y [M, N]
     in x's dtype, accumulated in fp32 (IEEE fp32 products for fp32 weights). `tile` overrides the
     shape rule (`fma_tile` / `dot_tile`; the benchmark's sweep).
 
-    float_out (M <= FMA_MAX_ROWS, no glu, conv or rope): y is fp32, bit for bit `.float()` of the
-    result in x's dtype, without that cast's launch (the LM heads' fp32 logits).
+    float_out (a plain product): y is fp32, bit for bit `.float()` of the result in x's dtype,
+    without that cast's launch (the LM heads' fp32 logits).
+
+    mma (a plain product): the MMA loop at any row count, 1..4 rows padded
+    to its 16 like 5..16 (an LM head: `dot_tile`'s head tile loads each weight tile once for all
+    rows, where every FMA tile loses to cuBLAS at 4 rows).
 
     An fp32 weight with bf16 / fp16 rows (the MoE routers, up to WIDEN_MAX_ROWS rows) gives the
     fp32 `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch); past
@@ -297,7 +307,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     `kiln.kernels.trace.FIELDS` values that receives each program's timestamps; the result does
     not change (`benchmarks/kernel_bench/gemv_trace.py`)."""
     return _launch(x, weight, tile, glu, prefetch_bytes, conv, None, rope, conv_chunk, trace=trace,
-                   float_out=float_out)
+                   float_out=float_out, mma=mma)
 
 
 def gemv_prenorm(h: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
@@ -385,7 +395,7 @@ def _norm_kernel_args(norm: Optional[tuple], x: torch.Tensor, block_m: int,
 
 
 def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_chunk=False,
-            norm_counter=None, trace=None, float_out=False) -> torch.Tensor:
+            norm_counter=None, trace=None, float_out=False, mma=False) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     # half-precision rows against an fp32 weight (the routers): widened in the kernel, fp32 result
@@ -405,9 +415,9 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
         assert m <= FMA_MAX_ROWS and not glu and conv is None and not widen, \
             "the RoPE epilogue takes 1..4 rows of a qkv projection, without glu or conv"
         n_out = n - 2 * rope[4].shape[1] * rope[4].shape[2]
-    if float_out:
-        assert m <= FMA_MAX_ROWS and not (glu or widen or conv is not None or rope is not None or norm is not None), \
-            f"float_out takes 1..{FMA_MAX_ROWS} rows of a plain product"
+    if float_out or mma:
+        assert not (glu or widen or conv is not None or rope is not None or norm is not None), \
+            "float_out and mma take a plain product (no glu, conv, rope, norm or widened rows)"
     if norm_counter is not None:  # the norm epilogue stores the sum and the normed rows, never y
         y = norm[3]
     else:
@@ -417,7 +427,7 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     pdl = pdl_launch(x.device)
     assert conv is None or (m <= FMA_MAX_ROWS and not glu), "the conv epilogue takes 1..4 rows, without glu"
     assert conv is None or norm is None, "a GEMV takes a norm prologue or a conv epilogue, not both"
-    if m <= FMA_MAX_ROWS or widen:
+    if (m <= FMA_MAX_ROWS or widen) and not mma:
         rows = min(m, FMA_MAX_ROWS)  # per program (M_BLOCKS blocks of them past FMA_MAX_ROWS)
         if not tile:  # (the RoPE half-dim matters to the interpreter's tile only: no work on a GPU launch)
             tile = interpreter_tile(n, rope[4].shape[2] // 2 if rope is not None else 0) if interpreting() \
@@ -438,8 +448,8 @@ def _launch(x, weight, tile, glu, prefetch_bytes, conv, norm, rope=None, conv_ch
     assert trace is None, f"only the FMA path (1..{FMA_MAX_ROWS} rows) is traced"
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"
     tile = {k: v for k, v in tile.items() if k != "XPIPE"} if tile else None  # the MMA loop has no XPIPE
-    tile = tile or (dict(BLOCK_N=16, BLOCK_K=32) if interpreting() else dot_tile())
+    tile = tile or (interpreter_dot_tile(n) if interpreting() else dot_tile(n))
     grid = triton.cdiv(n, tile["BLOCK_N"])
     _gemv_dot_kernel[(grid,)](*args, **prefetch_args(weight, prefetch_bytes, grid), PRECISION=precision,
-                              **tile, **pdl)
+                              ROUND_TO_X=float_out, **tile, **pdl)
     return y

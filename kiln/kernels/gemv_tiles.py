@@ -29,6 +29,10 @@ ROUTER_MAX_ROWS = 256  # a norm-prologue GEMV this narrow is a MoE router: one r
 # time beside it (wider and shallower tiles, more stages: more weight bytes in flight per program).
 DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3), (16, 128, 4, 6), (32, 128, 4, 4),
              (32, 256, 8, 4), (64, 128, 4, 4), (64, 128, 8, 5), (64, 256, 8, 3), (128, 128, 8, 3))
+# An LM head's MMA tile (`dot_tile`), for weights of at least HEAD_MIN_N rows (vocabularies; the
+# largest dense projection of the presets, an 8B gate_up, has 28672).
+HEAD_DOT_TILE = (64, 128, 4, 4)
+HEAD_MIN_N = 32768
 INTERPRETER_TILE = dict(BLOCK_N=4, BLOCK_K=32)
 INTERPRETER_PROGRAMS = 8  # about this many programs per interpreted FMA launch (`interpreter_tile`)
 INTERPRETER_MAX_BLOCK_N = 16
@@ -92,10 +96,21 @@ def prenorm_tile(m: int, n: int, k: int) -> dict:
     return fma_tile(m, k)
 
 
-def dot_tile() -> dict:
-    """The MMA tile for 5..16 rows (fixed, for the same reason as `fma_tile`)."""
-    bn, bk, warps, stages = DOT_TILES[0]
+def dot_tile(n: int = 0) -> dict:
+    """The MMA tile for 5..16 rows of a weight of n rows (fixed, for the same reason as
+    `fma_tile`). An LM head (n >= HEAD_MIN_N) takes HEAD_DOT_TILE: 64 weight rows of 128 columns
+    per program, each tile loaded once for all rows, streamed 49216 x 2048 at 98% of an H100's copy
+    bandwidth at 5 and 8 rows (68.0-68.5 us against cuBLAS + cast's 76.2-77.1 and the first tile's
+    78.2-79.0; docs/benchmarks.md, forty-ninth pass)."""
+    bn, bk, warps, stages = HEAD_DOT_TILE if n >= HEAD_MIN_N else DOT_TILES[0]
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def interpreter_dot_tile(n: int) -> dict:
+    """The MMA tile under Triton's interpreter: 16 x 32 tiles, and as with `interpreter_tile`
+    wider ones for a large weight, so that a tiny model's 49K-row LM head takes about
+    INTERPRETER_PROGRAMS programs, not thousands (the interpreter's cost is per program)."""
+    return dict(BLOCK_N=max(16, triton.next_power_of_2(triton.cdiv(n, INTERPRETER_PROGRAMS))), BLOCK_K=32)
 
 
 def candidate_tiles(m: int) -> list[dict]:

@@ -259,14 +259,17 @@ def decode_logits(head: nn.Module, hidden: torch.Tensor, batch) -> torch.Tensor:
 
 def head_logits(head: nn.Module, rows: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(rows).float()` for the rows themselves (`decode_logits` after its row
-    selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules. `batch`
-    None: the module."""
+    selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules, except
+    that with the GEMV on (--gemv-max-rows > 0) 2..MAX_ROWS rows take it too, on the MMA loop's
+    head tile (at 4-8 rows 68 us against cuBLAS + cast's 76 for a 49216 x 2048 head on an H100:
+    docs/benchmarks.md, forty-ninth pass). `batch` None: the module."""
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
     plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
-    if (plain and rows.dim() == 2 and 0 < rows.shape[0] <= max_rows and rows.dtype == head.weight.dtype
-            and kernel_path(batch, rows, head.weight)):
-        # fp32 logits straight from the GEMV: `.float()` of its bf16 result, bit for bit, one launch fewer
-        float_out = rows.shape[0] <= _kernels().FMA_MAX_ROWS
+    if (plain and max_rows > 0 and rows.dim() == 2 and 0 < rows.shape[0] <= _kernels().MAX_ROWS
+            and rows.dtype == head.weight.dtype and kernel_path(batch, rows, head.weight)):
+        # fp32 logits straight from the GEMV: `.float()` of its bf16 result, bit for bit, one launch
+        # fewer. One row takes the FMA loop; more the MMA loop's head tile whatever --gemv-max-rows
+        # (a verify, the draft heads and decode at batch 2-16)
         return head.gather(_kernels().gemv(rows, head.weight, prefetch_bytes=_prefetch_bytes(batch),
-                                           float_out=float_out)).float()
+                                           float_out=True, mma=rows.shape[0] > 1))
     return head.compute_logits(rows).float()

@@ -80,9 +80,10 @@ def test_kernel_path_verify_on_the_gemv_matches_reference_path(model_dir, tmp_pa
 
 @pytest.mark.parametrize("model_dir", ["inkling"], indirect=True)
 def test_kernel_path_draft_heads_on_the_gemv_match_reference_path(model_dir, tmp_path, monkeypatch):
-    # With the GEMV on (--gemv-max-rows 1), an MTP draft head of one row (batch 1) runs through
-    # Kiln's GEMV as a decode step's LM head does (`DraftVocab.logits` with the pass's batch): the
-    # drafts still equal the teacher-forced reference, and the output plain greedy's.
+    # With the GEMV on (--gemv-max-rows 1), an MTP draft head runs through Kiln's GEMV as a decode
+    # step's LM head does (`DraftVocab.logits` with the pass's batch), one row on the FMA loop and
+    # more (the prefill's, a verify's) on the MMA loop's head tile: the drafts still equal the
+    # teacher-forced reference, and the output plain greedy's.
     pytest.importorskip("triton")
     from kiln.engine.spec import draft_vocab
     from kiln.kernels import gemv as gemv_module
@@ -91,21 +92,22 @@ def test_kernel_path_draft_heads_on_the_gemv_match_reference_path(model_dir, tmp
     model_dir, _ = _fewer_layers(model_dir, tmp_path)
     gemv_calls, heads = [], []
     real_gemv, real_head = gemv_module.gemv, draft_vocab.head_logits
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (gemv_calls.append(1), real_gemv(x, w, **kw))[1])
+    monkeypatch.setattr(gemv_module, "gemv",
+                        lambda x, w, **kw: (gemv_calls.append(kw.get("mma", False)), real_gemv(x, w, **kw))[1])
 
     def head(lm_head, rows, batch):
         before = len(gemv_calls)
         out = real_head(lm_head, rows, batch)
-        heads.append((rows.shape[0], len(gemv_calls) > before))
+        heads.append((rows.shape[0], gemv_calls[before:]))
         return out
 
     monkeypatch.setattr(draft_vocab, "head_logits", head)
-    ps = prompts(1, seed=29, lo=18, hi=40)
+    ps = prompts(2, seed=29, lo=18, hi=40)
     core = spec_core(model_dir, 3, alpha=0.01, page_size=4, kernel_backend="triton", context_length=INTERP_CONTEXT,
                      gemv_max_rows=1)
     res, drafts, _ = run_spec(core, ps, max_tokens=8)
-    assert heads and all(took == (n == 1) for n, took in heads), heads  # one row: the GEMV; more: the module
-    assert any(took for _, took in heads)
+    assert heads and all(mma == [n > 1] for n, mma in heads), heads  # one GEMV each, the MMA loop past a row
+    assert {n > 1 for n, _ in heads} == {False, True}, heads  # (batch 2, and 1 once a request is done)
     assert {rid: r[1] for rid, r in res.items()} == run_plain(plain_core(model_dir, alpha=0.01, page_size=4), ps,
                                                               max_tokens=8)
     assert assert_mtp_reference(core, res, drafts) > 0

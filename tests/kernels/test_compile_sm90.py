@@ -217,6 +217,25 @@ def gemv_router() -> None:
         assert ("%ctaid.y" in ptx) == (m_blocks > 1), "one block of rows reads no second grid axis"
 
 
+def gemv_head() -> None:
+    """An LM head of a few rows on the MMA loop (`gemv(..., mma=True, float_out=True)`): the head
+    tile's weight stream before the PDL wait, and fp32 logits rounded through bf16 (as `.float()`
+    of a bf16 result), which the plain bf16 store does not need."""
+    from kiln.kernels.gemv import _gemv_dot_kernel
+    from kiln.kernels.gemv_tiles import dot_tile
+
+    tile = {k: v for k, v in dot_tile(49216).items() if k.startswith("BLOCK")}
+    ptx = {}
+    for float_out in (False, True):
+        consts = dict(PRECISION="tf32", PDL=True, PREFETCH=False, ROUND_TO_X=float_out, **tile)
+        ptx[float_out] = compile_sm90(_gemv_dot_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*fp32" if float_out else "*bf16"},
+                                      consts, divisible=("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym"))["ptx"]
+    for code in ptx.values():
+        assert "ld.global.v4" in code[:code.index("griddepcontrol.wait")], "the weight stream starts before the wait"
+    tail = ptx[True][ptx[True].rindex("mma."):]  # (the MMA loop's wgmma / mma, then the epilogue)
+    assert "cvt.rn.bf16" in tail and "st.global" in tail, "the fp32 logits are rounded through bf16"
+
+
 NO_NORM = dict(NORM=False, NORM_RES=False, NORM_KEEP=False, NORM_BLOCK=1, NORM_OUT=False, NORM_ONE_PASS=False)
 
 
@@ -448,7 +467,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "gemv_norm": lambda: gemv(True, norm=True), "gemv_glu_norm": lambda: gemv(True, glu=True, norm=True),
          "gemv_dot_prefetch": lambda: gemv(False, prefetch=True), "gemv_rope": lambda: gemv(True, rope=True),
          "gemv_norm_rope": lambda: gemv(True, norm=True, rope=True), "gemv_norm_out": lambda: gemv(True, norm_out=True),
-         "gemv_router": gemv_router,
+         "gemv_router": gemv_router, "gemv_head": gemv_head,
          "gemv_norm_traced": lambda: gemv(True, norm=True, trace=True), "moe_gemv": lambda: moe_gemv(False),
          "moe_gemv_shared": lambda: moe_gemv(True),
          "moe_gemv_conv": lambda: moe_gemv(True, conv=True),

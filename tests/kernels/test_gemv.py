@@ -56,16 +56,48 @@ def test_gemv_glu_is_gemv_then_silu_and_mul(device, dtype, m, n, k):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m,mma", [(1, False), (2, False), (4, False), (5, False), (MAX_ROWS, False), (1, True),
+                                   (3, True), (4, True)])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 200)])
-def test_gemv_float_out_is_the_cast_of_its_result(device, dtype, m, n, k):
-    """float_out (the LM heads' fp32 logits): bit for bit `.float()` of the result in x's dtype."""
+def test_gemv_float_out_is_the_cast_of_its_result(device, dtype, m, mma, n, k):
+    """float_out (the LM heads' fp32 logits): bit for bit `.float()` of the result in x's dtype,
+    on both loops (the MMA loop at 1..4 rows with `mma`)."""
     x, w = _case(m, n, k, dtype, device, seed=m * 100 + n + k)
-    y = gemv(x, w, float_out=True)
+    y = gemv(x, w, float_out=True, mma=mma)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y, gemv(x, w).float(), rtol=0, atol=0)
-    with pytest.raises(AssertionError, match="float_out"):
+    torch.testing.assert_close(y, gemv(x, w, mma=mma).float(), rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="float_out|glu takes"):
         gemv(x, torch.cat([w, w]), glu=True, float_out=True)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 200)])
+def test_gemv_mma_loop_at_few_rows_matches_linear(device, dtype, m, n, k, monkeypatch):
+    """`mma` (an LM head of 1..4 rows): the MMA loop's product, its rows padded to 16, close to
+    F.linear."""
+    from kiln.kernels import gemv as gemv_module
+
+    calls = []
+    real = gemv_module._gemv_dot_kernel
+    monkeypatch.setattr(gemv_module, "_gemv_dot_kernel", _Recording(real, calls))
+    x, w = _case(m, n, k, dtype, device, seed=m * 10 + n + k)
+    y = gemv(x, w, mma=True)
+    assert calls, "mma did not take the MMA loop"
+    torch.testing.assert_close(y, F.linear(x, w), **(FP32 if dtype == torch.float32 else BF16))
+    with pytest.raises(AssertionError, match="plain product"):
+        gemv(x, torch.cat([w, w]), glu=True, mma=True)
+
+
+class _Recording:
+    """A kernel stand-in that records its launches and runs the kernel."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
 
 
 @pytest.mark.gpu
@@ -130,7 +162,7 @@ def test_gemv_rejects_bad_shapes():
         gemv(torch.randn(2, 16, dtype=torch.float64), w)
     with pytest.raises(AssertionError, match="rows"):
         gemv(torch.randn(WIDEN_MAX_ROWS + 1, 16, dtype=torch.float16), w)
-    with pytest.raises(AssertionError, match="plain product"):
+    with pytest.raises(AssertionError, match="plain product"):  # (widened rows)
         gemv(torch.randn(FMA_MAX_ROWS + 1, 16, dtype=torch.float16), w, float_out=True)
     with pytest.raises(AssertionError, match="glu"):
         gemv(torch.randn(FMA_MAX_ROWS + 1, 16), w, glu=True)

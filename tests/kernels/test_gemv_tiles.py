@@ -63,3 +63,22 @@ def test_interpreter_tiles_keep_several_programs_and_rope_pairs():
     for half, bn in ((8, 16), (4, 8), (2, 4), (6, 4), (12, 8)):  # head dims 16, 8, 4, 12, 24
         t = interpreter_tile(512, rope_half=half)
         assert t["BLOCK_N"] == bn and half % (t["BLOCK_N"] // 2) == 0, (half, t)
+
+
+def test_lm_heads_take_the_head_tile_on_the_mma_loop():
+    """`dot_tile`: a vocabulary-sized weight (>= HEAD_MIN_N rows) takes HEAD_DOT_TILE, one of the
+    swept MMA candidates; the presets' dense projections (up to an 8B gate_up's 28672 rows) keep the
+    first. Under the interpreter the MMA loop keeps ~INTERPRETER_PROGRAMS programs for a 49K-row
+    head, and its 16-row floor for a narrow weight."""
+    from kiln.kernels.gemv_tiles import (DOT_TILES, HEAD_DOT_TILE, HEAD_MIN_N, INTERPRETER_PROGRAMS, dot_tile,
+                                         interpreter_dot_tile)
+
+    def key(t):
+        return t["BLOCK_N"], t["BLOCK_K"], t["num_warps"], t["num_stages"]
+
+    assert HEAD_DOT_TILE in DOT_TILES
+    assert key(dot_tile()) == key(dot_tile(28672)) == DOT_TILES[0]
+    assert key(dot_tile(HEAD_MIN_N)) == key(dot_tile(49216)) == key(dot_tile(128256)) == HEAD_DOT_TILE
+    assert 28672 < HEAD_MIN_N <= 49152  # (SmolLM2's vocabulary)
+    assert interpreter_dot_tile(37)["BLOCK_N"] == 16
+    assert -(-49216 // interpreter_dot_tile(49216)["BLOCK_N"]) <= INTERPRETER_PROGRAMS
