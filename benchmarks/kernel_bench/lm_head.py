@@ -52,6 +52,7 @@ def main(argv=None) -> None:
     print("-" * len(head))
     for m in args.rows:
         x = torch.randn(m, args.hidden, generator=gen, device=dev).to(dtype)
+
         def cublas():
             return [F.linear(x, w).float() for w in heads]
 

@@ -271,9 +271,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Optional[dict] = None, glu
     float_out (a plain product): y is fp32, bit for bit `.float()` of the result in x's dtype,
     without that cast's launch (the LM heads' fp32 logits).
 
-    mma (a plain product): the MMA loop at any row count, 1..4 rows padded
-    to its 16 like 5..16 (an LM head: `dot_tile`'s head tile loads each weight tile once for all
-    rows, where every FMA tile loses to cuBLAS at 4 rows).
+    mma (a plain product): the MMA loop at any row count, 1..4 rows padded to its 16 as 5..16 are
+    (an LM head: `dot_tile`'s head tile loads each weight tile once for all rows, where every FMA
+    tile loses to cuBLAS at 4 rows).
 
     An fp32 weight with bf16 / fp16 rows (the MoE routers, up to WIDEN_MAX_ROWS rows) gives the
     fp32 `F.linear(x.float(), weight)` (x widened exactly in the kernel: no cast launch); past
