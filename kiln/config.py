@@ -159,10 +159,12 @@ class EngineConfig:
         "slot (from L2 when their programs run together). 1: batch-1 decode only; up to 16. On an H200 "
         "the GEMVs lost from 2 tokens on (docs/benchmarks.md, nineteenth pass).")
     moe_gate_align_max_tokens: int = opt(
-        8, "MoE layers of 2 to this many tokens on the grouped expert GEMMs (decode batches, a speculative "
+        0, "MoE layers of 2 to this many tokens on the grouped expert GEMMs (decode batches, a speculative "
         "verify) have the router's gate kernel also sort its selections by expert for them "
         "(kiln/kernels/moe_align.py, GateAlign): one launch fewer per layer than the align kernel after "
-        "the gate. Up to 16 (and 64 selections: 10 tokens at top-k 6); 0: off.")
+        "the gate. Up to 16 (and 64 selections: 10 tokens at top-k 6); 0 (default): off, the align "
+        "kernel. Off until it has run and been timed on a GPU (benchmarks lane s50d; 8 is what it was "
+        "built for: a verify of 2 requests at K = 3, decode at batch 8).")
     gemv_l2_prefetch_mb: int = opt(
         0, "A decode GEMV whose weight is at most this many MiB also asks the whole matrix into L2 "
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "

@@ -4,10 +4,10 @@
 
 # `s50a` (carry scratch/b_6ae78c0: `git archive` of 6ae78c0, the tree before this session's two
 #   changes): the GPU tests of both changes (LM heads of 2-16 rows on the GEMV's MMA loop; the gate
-#   aligning a few tokens for the grouped MoE, `--moe-gate-align-max-tokens`); the head against
-#   cuBLAS + cast at 1-16 rows; Inkling `bench` K = 3 MTP rounds at batch 1 and 8 (verifies of 4 and
-#   32 rows, draft heads of 8) with both changes, with the head's only (`--moe-gate-align-max-tokens
-#   0`), and on 6ae78c0. 1K / 128.
+#   aligning a few tokens for the grouped MoE, `--moe-gate-align-max-tokens`, off by default); the
+#   head against cuBLAS + cast at 1-16 rows; Inkling `bench` K = 3 MTP rounds at batch 1 and 8
+#   (verifies of 4 and 32 rows, draft heads of 8) with both changes (the alignment up to 8 tokens),
+#   with the head's only (the default), and on 6ae78c0. 1K / 128.
 lane0_s50a() {
   export TRITON_CACHE_DIR=/tmp/triton-s50a-$$
   step gpu_kernels 100 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
@@ -30,11 +30,11 @@ lane0_s50c() {
     --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 --out "$R/json/mm8_base.json"
 }
 
-_s50_three() {  # NAME "ARGS": decode_batch.py ARGS (1K / 128) with both changes, without the gate's
-  # alignment, and on scratch/b_6ae78c0 (neither)
+_s50_three() {  # NAME "ARGS": decode_batch.py ARGS (1K / 128) with both changes (the gate's alignment
+  # up to 8 tokens: off by default), with the head's only (the default), and on scratch/b_6ae78c0 (neither)
   local a="$2 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
-  step $1_now 100 $DECODE $a --out "$R/json/$1_now.json"
-  step $1_noalign 70 $DECODE $a --moe-gate-align-max-tokens 0 --out "$R/json/$1_noalign.json"
+  step $1_align 100 $DECODE $a --moe-gate-align-max-tokens 8 --out "$R/json/$1_align.json"
+  step $1_now 70 $DECODE $a --out "$R/json/$1_now.json"
   step $1_head 90 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C $a --out "$R/json/$1_head.json"
 }
 
@@ -50,7 +50,7 @@ lane0_s50b() {
 
 # `s50d` (carry scratch/b_6ae78c0): `s50a` and the Inkling half of `s50c` cut to one call, for a
 #   budget that failed asks had mostly spent: the GPU tests, the K = 3 rounds at batch 1 and 8 on
-#   the three trees, plain batch 8 with both changes and on 6ae78c0, then the LM head's timings.
+#   the three variants, plain batch 8 with both changes and on 6ae78c0, then the LM head's timings.
 lane0_s50d() {
   export TRITON_CACHE_DIR=/tmp/triton-s50d-$$
   step gpu_kernels 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
@@ -59,7 +59,7 @@ lane0_s50d() {
     tests/engine/test_verify_ahead.py
   _s50_three ink_mtp "--model-path $INK --batch-sizes 1,8 --speculative-algorithm mtp --speculative-num-steps 3"
   local a="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
-  step ink8_now 60 $DECODE $a --out "$R/json/ink8_now.json"
+  step ink8_align 60 $DECODE $a --moe-gate-align-max-tokens 8 --out "$R/json/ink8_align.json"
   step ink8_head 60 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C $a --out "$R/json/ink8_head.json"
   step lm_head 40 python -m benchmarks.kernel_bench.lm_head --rows 1 2 4 8 16
 }

@@ -171,3 +171,20 @@ def test_layer_gate_aligns_up_to_its_flag(which, limit, monkeypatch):
         want = layer(x, SimpleNamespace(extras={}))  # the reference path
     assert len(calls) == (0 if limit else 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gate_align_flag():
+    """`--moe-gate-align-max-tokens`: off by default (not yet timed on a GPU), 0..16 (one gate
+    program's tokens), a clear error otherwise; the runner hands it to the backend."""
+    import argparse
+
+    from kiln.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(p)
+    assert EngineConfig.from_cli_args(p.parse_args(["--model-path", "m"])).moe_gate_align_max_tokens == 0
+    assert EngineConfig.from_cli_args(p.parse_args(["--model-path", "m", "--moe-gate-align-max-tokens", "8"])
+                                      ).moe_gate_align_max_tokens == 8
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="--moe-gate-align-max-tokens takes 0 to 16"):
+            EngineConfig(model_path="m", moe_gate_align_max_tokens=bad)
