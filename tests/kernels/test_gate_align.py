@@ -33,6 +33,21 @@ def _align_kernel_result(ids: torch.Tensor, T: int, k: int, E: int, chunks: int,
     return slots[: int(ends[-1])], ends
 
 
+def _count_align_launches(monkeypatch) -> list:
+    """A list that gains the grid of every `_align_kernel` launch of `fused_experts` from now on."""
+    from kiln.kernels import moe
+
+    calls, real = [], moe._align_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe, "_align_kernel", Counting())
+    return calls
+
+
 def _gate(which: str, T: int, E: int, k: int, device: str, same_rows: bool, align=None):
     """The sink (2 shared logits) or MiniMax gate of T random tokens (all the same with `same_rows`:
     every token then selects the same experts), aligning into `align` when given; returns the ids."""
@@ -86,7 +101,7 @@ def test_gate_align_sizes_and_limits():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_experts_on_the_gate_alignment_is_bit_identical(device):
+def test_fused_experts_on_the_gate_alignment_is_bit_identical(device, monkeypatch):
     """`fused_experts(aligned=)` skips its align launch and computes the same output, bit for bit;
     a filled alignment of other tokens is refused, an unfilled one ignored."""
     from kiln.kernels import moe
@@ -105,25 +120,16 @@ def test_fused_experts_on_the_gate_alignment_is_bit_identical(device):
     ids = _gate("sink", T, E, k, device, False, align)
     w = torch.rand(T, k, generator=gen).to(device)
     sw = torch.rand(T, S, generator=gen).to(device)
-    calls = []
-    real = moe._align_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(moe, "_align_kernel", Counting())
-        want = moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw))
-        assert len(calls) == 1
-        got = moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw), aligned=align)
-        assert len(calls) == 1, "a filled alignment needs no align launch"
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        unfilled = moe.gate_align(T, k, E, chunks, H, I, torch.device(device))
-        torch.testing.assert_close(moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw), aligned=unfilled),
-                                   want, rtol=0, atol=0)
-        assert len(calls) == 2
+    calls = _count_align_launches(monkeypatch)
+    want = moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw))
+    assert len(calls) == 1
+    got = moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw), aligned=align)
+    assert len(calls) == 1, "a filled alignment needs no align launch"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    unfilled = moe.gate_align(T, k, E, chunks, H, I, torch.device(device))
+    torch.testing.assert_close(moe.fused_experts(x, w13, w2, ids, w, shared=(sw13, sw2, sw), aligned=unfilled),
+                               want, rtol=0, atol=0)
+    assert len(calls) == 2
     other = moe.gate_align(T - 1, k, E, chunks, H, I, torch.device(device))
     other.filled = True
     with pytest.raises(AssertionError, match="other tokens"):
@@ -150,20 +156,11 @@ def test_layer_gate_aligns_up_to_its_flag(which, limit, monkeypatch):
     reference path computes; 0 keeps the align kernel."""
     if not kernels.interpreting():
         pytest.skip("CPU tensors run only under Triton's interpreter")
-    from kiln.kernels import moe
     from tests.kernels.test_moe_kernels import _layer
 
     layer, cfg, _ = _layer(which, "cpu")
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    calls = []
-    real = moe._align_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(moe, "_align_kernel", Counting())
+    calls = _count_align_launches(monkeypatch)
     with torch.no_grad():
         with monkeypatch.context() as m:
             m.setattr(kernels, "kernels_supported", lambda device: True)
