@@ -227,11 +227,13 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False)
     at most WIDEN_MAX_ROWS rows (decode, a speculative verify), one GEMV launch that widens x as
     it loads it (`kiln.kernels.gemv`), instead of a cast and an fp32 cuBLAS GEMM (a split-K
     SIMT kernel and its reduction at 2-32 rows: docs/benchmarks.md, "sixth pass" and
-    "forty-ninth pass"). Same products, another summation order."""
+    "forty-ninth pass"). Same products, another summation order. fp32 rows (a model served in
+    fp32) are not widened: the GEMV takes up to MAX_ROWS of them."""
     from kiln.kernels.gemv import gemv
-    from kiln.kernels.gemv_tiles import WIDEN_MAX_ROWS
+    from kiln.kernels.gemv_tiles import MAX_ROWS, WIDEN_MAX_ROWS
 
-    if use_gemv and 0 < x.shape[0] <= WIDEN_MAX_ROWS and weight.dtype == torch.float32 and x.dim() == 2:
+    rows = WIDEN_MAX_ROWS if x.dtype in (torch.bfloat16, torch.float16) else MAX_ROWS
+    if use_gemv and x.dim() == 2 and 0 < x.shape[0] <= rows and weight.dtype == torch.float32:
         return gemv(x, weight)
     return F.linear(x.float(), weight.float())
 

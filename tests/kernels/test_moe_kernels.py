@@ -229,6 +229,26 @@ def test_router_logits_past_four_rows_take_the_gemv(device, T, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_router_logits_of_fp32_rows_past_sixteen_take_cublas(device, monkeypatch):
+    """A model served in fp32 (the tiny presets' GPU tests): its rows are not widened, so the GEMV
+    takes at most MAX_ROWS of them and a 36-row batch's logits go to F.linear (before the fix the
+    GEMV's row check failed there, the fiftieth session's GPU run)."""
+    from kiln.kernels import gemv as gemv_module
+    from kiln.kernels.gemv_tiles import MAX_ROWS
+    from kiln.kernels.moe_gate import router_logits
+
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: (calls.append(x.shape[0]), real(x, w, **kw))[1])
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 32, generator=gen).to(device)
+    for t, on_gemv in ((MAX_ROWS, True), (MAX_ROWS + 1, False), (36, False)):
+        x = torch.randn(t, 32, generator=gen).to(device)
+        torch.testing.assert_close(router_logits(x, weight, use_gemv=True), x @ weight.T, atol=1e-5, rtol=1e-5)
+        assert (calls[-1:] == [t]) == on_gemv, (t, calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 3, 4])
 @pytest.mark.parametrize("ties", [False, True])
 def test_gates_with_router_logits_from_the_gemv(device, T, ties):
