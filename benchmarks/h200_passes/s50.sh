@@ -63,3 +63,13 @@ lane0_s50d() {
   step ink8_head 60 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C $a --out "$R/json/ink8_head.json"
   step lm_head 40 python -m benchmarks.kernel_bench.lm_head --rows 1 2 4 8 16
 }
+
+# `s50e` (carry scratch/b_6ae78c0): after `s50d`: the engine GPU test that failed there (the
+#   routers' fp32 rows past 16, fixed), then plain Inkling batch 8 with the LM head on the MMA loop
+#   (the default) against 6ae78c0, alternated twice.
+lane0_s50e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s50e-$$
+  step gpu_engine 100 python -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_cuda_graph.py
+  alternated ink8 "python scratch/b_6ae78c0/benchmarks/decode_batch.py $C" --model-path $INK --batch-sizes 8 \
+    --input-len 1024 --output-len 128 --cuda-graph-max-bs 8
+}
