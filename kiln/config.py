@@ -158,13 +158,6 @@ class EngineConfig:
         "align and sum launches (kiln/kernels/moe.py); tokens sharing an expert then read it once per "
         "slot (from L2 when their programs run together). 1: batch-1 decode only; up to 16. On an H200 "
         "the GEMVs lost from 2 tokens on (docs/benchmarks.md, nineteenth pass).")
-    moe_gate_align_max_tokens: int = opt(
-        0, "MoE layers of 2 to this many tokens on the grouped expert GEMMs (decode batches, a speculative "
-        "verify) have the router's gate kernel also sort its selections by expert for them "
-        "(kiln/kernels/moe_align.py, GateAlign): one launch fewer per layer than the align kernel after "
-        "the gate. Up to 16 (and 64 selections: 10 tokens at top-k 6); 0 (default): off, the align "
-        "kernel. Off until it has run and been timed on a GPU (benchmarks lane s50d; 8 is what it was "
-        "built for: a verify of 2 requests at K = 3, decode at batch 8).")
     gemv_l2_prefetch_mb: int = opt(
         0, "A decode GEMV whose weight is at most this many MiB also asks the whole matrix into L2 "
         "before its PDL wait, so that HBM could stream it while the kernel before (attention, a norm) "
@@ -243,8 +236,6 @@ class EngineConfig:
             raise ValueError(f"--gemv-max-rows takes 0 (off) to 16, got {self.gemv_max_rows}")
         if not 0 <= self.moe_gemv_max_tokens <= 16:  # past a few tokens every shared expert is re-read
             raise ValueError(f"--moe-gemv-max-tokens takes 0 to 16, got {self.moe_gemv_max_tokens}")
-        if not 0 <= self.moe_gate_align_max_tokens <= 16:  # one gate program's tokens
-            raise ValueError(f"--moe-gate-align-max-tokens takes 0 to 16, got {self.moe_gate_align_max_tokens}")
         if self.gemv_l2_prefetch_mb < 0:
             raise ValueError(f"--gemv-l2-prefetch-mb takes 0 (off) or more, got {self.gemv_l2_prefetch_mb}")
         if self.attention_early_kv_max_bs < 0:

@@ -1,5 +1,7 @@
 # Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
-# fiftieth session (2026-12-07).
+# fiftieth session (2026-12-07). `s50a`, `s50c` and `s50d` pass --moe-gate-align-max-tokens, which
+# was removed after c6dc37f (measured no faster: docs/benchmarks.md, fiftieth pass): run them at
+# c6dc37f. `s50d` ran (call 1); `s50b` and `s50e` run at any later commit.
 # shellcheck shell=bash
 
 # `s50a` (carry scratch/b_6ae78c0: `git archive` of 6ae78c0, the tree before this session's two

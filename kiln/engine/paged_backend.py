@@ -46,8 +46,7 @@ SPLIT_COUNTERS = 65536
 class PagedBackend:
     def __init__(self, full_kv, tables: dict[str, torch.Tensor], swa_kv=None, index_k=None,
                  conv=None, use_kernels: bool = False, gate: Optional[LayerGate] = None,
-                 gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, moe_gate_align_max_tokens: int = 0,
-                 gemv_prefetch_bytes: int = 0,
+                 gemv_max_rows: int = 0, moe_gemv_max_tokens: int = 1, gemv_prefetch_bytes: int = 0,
                  fused_router_gate: bool = False,
                  fold_norms_max_hidden: int = 0, early_kv_max_bs: int = 0, prologue_max_bs: int = 0,
                  qkv_rope: bool = False, msa_prologue: bool = False, msa_prologue_scores: bool = True,
@@ -55,7 +54,6 @@ class PagedBackend:
         self.use_kernels = use_kernels
         self.gemv_max_rows = gemv_max_rows  # kiln.layers.decode_gemv (on the kernel path only)
         self.moe_gemv_max_tokens = moe_gemv_max_tokens  # kiln.layers.moe: the expert GEMVs up to this many tokens
-        self.moe_gate_align_max_tokens = moe_gate_align_max_tokens  # kiln.layers.moe: the gate sorts them
         self.gemv_prefetch_bytes = gemv_prefetch_bytes  # its L2 prefetch (kiln.kernels.prefetch)
         self.fused_router_gate = fused_router_gate  # kiln.layers.moe: routers' logits + gate in one launch
         self.fold_norms_max_hidden = fold_norms_max_hidden  # kiln.layers.decode_gemv: pre-norms in GEMVs

@@ -201,7 +201,6 @@ class ModelRunner:
                                     use_kernels=self.use_kernels, gate=self.load_gate,
                                     gemv_max_rows=self.gemv_max_rows(),
                                     moe_gemv_max_tokens=self.config.moe_gemv_max_tokens,
-                                    moe_gate_align_max_tokens=self.config.moe_gate_align_max_tokens,
                                     gemv_prefetch_bytes=self.config.gemv_l2_prefetch_mb << 20,
                                     fused_router_gate=self.config.fused_router_gate,
                                     fold_norms_max_hidden=self.config.fold_norms_max_hidden,

@@ -14,8 +14,7 @@ column blocks, so chunk c reads rows c*I.. of the gate half, C*I + c*I.. (up) an
 
 Grouped path (more tokens than the GEMV path takes): four launches whose grids depend only on
 shapes, never on values, and no host sync, so the decode step can be captured in a CUDA graph.
-1. `_align_kernel` (`kiln.kernels.moe_align`, one program per expert, routed and shared; for a few
-   tokens the gate kernel stores the same instead, `aligned=`): like SGLang/vLLM's
+1. `_align_kernel` (`kiln.kernels.moe_align`, one program per expert, routed and shared): like SGLang/vLLM's
    moe_align_block_size. Every program histograms all routed ids (redundantly: the ids are few, and
    it saves a launch and a grid-wide sync), rounds each expert's count up to BLOCK_M, prefix-sums
    those into segment ends, then writes its own assignments' slot numbers into its segment of
@@ -55,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.moe_align import GateAlign, _align_kernel, _block_expert, sorted_rows
+from kiln.kernels.moe_align import _align_kernel, _block_expert
 from kiln.kernels.moe_gemv import experts_gemv
 from kiln.kernels.shortconv import decode_conv_epilogue, decode_conv_history, decode_conv_kernel_args
 
@@ -128,25 +127,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def shared_chunks(inter: int, shared_w2: torch.Tensor, shared_weights: Optional[torch.Tensor]) -> int:
     """How many routed-size chunks (C) the shared experts split into; 0 if they cannot be folded
     into `fused_experts` (a shared intermediate size that is not a multiple of the routed one)."""
-    return shared_chunk_count(inter, shared_w2.shape[1], shared_weights.shape[1] if shared_weights is not None else 1)
-
-
-def shared_chunk_count(inter: int, shared_inter: int, num_shared: int) -> int:
-    """`shared_chunks` from sizes: num_shared shared experts of shared_inter / num_shared each."""
-    if shared_inter == 0 or num_shared == 0 or shared_inter % num_shared or (shared_inter // num_shared) % inter:
+    total = shared_w2.shape[1]
+    n_shared = shared_weights.shape[1] if shared_weights is not None else 1
+    if total == 0 or n_shared == 0 or total % n_shared or (total // n_shared) % inter:
         return 0
-    return shared_inter // inter
-
-
-def gate_align(num_tokens: int, top_k: int, num_experts: int, chunks: int, hidden: int, inter: int,
-               device: torch.device, gemv_max_tokens: Optional[int] = None) -> Optional[GateAlign]:
-    """Buffers for the gate kernel to align a layer's tokens into (`GateAlign`), for the grouped
-    path's tiles at this many tokens (`pick_config`); None where `fused_experts` takes the GEMV
-    path (no alignment) or the tokens are more than one gate program aligns."""
-    if on_gemv_path(num_tokens, gemv_max_tokens=gemv_max_tokens):
-        return None
-    block_m = pick_config(num_tokens, top_k, num_experts, hidden, inter).block_m
-    return GateAlign.new(num_tokens, top_k, num_experts, chunks, block_m, device)
+    return total // inter
 
 
 @triton.jit
@@ -327,7 +312,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   shared: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                   config: Optional[MoEConfig] = None, conv: Optional[tuple] = None,
                   gemv_max_tokens: Optional[int] = None, conv_chunk: bool = False,
-                  trace: Optional[tuple] = None, aligned: Optional[GateAlign] = None) -> torch.Tensor:
+                  trace: Optional[tuple] = None) -> torch.Tensor:
     """sum_j w_j * Expert_{id_j}(x) (+ shared experts), as `experts_ref` (+ `shared_experts_ref`).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, k] (any int
@@ -345,8 +330,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     `conv_chunk` (the grouped path): the tokens are short chunks instead, conv as
     `kiln.engine.paged_backend.PagedBackend.chunk_conv_args` gives it (`kiln.kernels.gemv.gemv`'s
     `conv_chunk`). `trace` (the one-token path, CUDA): the two expert GEMVs' `kiln.kernels.trace`
-    buffers (`benchmarks/kernel_bench/gemv_trace.py --chains moe`). `aligned` (the grouped path):
-    the sorted slots the gate stored for these ids (`GateAlign`, when filled), so no align launch.
+    buffers (`benchmarks/kernel_bench/gemv_trace.py --chains moe`).
     """
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -384,24 +368,25 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
     cfg = config or pick_config(T, k, E, H, inter)
     bm = cfg.block_m
-    num_blocks = sorted_rows(T, k, E, chunks, bm) // bm
+
+    # Worst-case sorted rows: each nonempty routed expert pads at most BLOCK_M - 1 rows; each
+    # shared chunk holds all T tokens.
+    routed_rows = T * k + min(E, T * k) * (bm - 1)
+    rows = routed_rows + chunks * triton.cdiv(T, bm) * bm
+    num_blocks = triton.cdiv(rows, bm)
     num_slots = T * ks_slots
     dev = x.device
+    sorted_slots = torch.empty(num_blocks * bm, dtype=torch.int32, device=dev)
+    seg_end = torch.empty(e_tot, dtype=torch.int32, device=dev)
     act = torch.empty(num_blocks * bm, inter, dtype=w2.dtype, device=dev)
     slot_out = torch.empty(num_slots, H, dtype=torch.float32, device=dev)
     e_pad = max(32, triton.next_power_of_2(e_tot))  # tl.histogram wants >= 32 bins
-    if aligned is not None and aligned.filled:  # the gate stored them
-        assert (aligned.num_tokens, aligned.top_k, aligned.num_experts, aligned.chunks, aligned.block_m) == \
-            (T, k, E, chunks, bm), "the gate aligned other tokens or tiles than these"
-        sorted_slots, seg_end = aligned.sorted_slots, aligned.seg_end
-    else:
-        sorted_slots = torch.empty(num_blocks * bm, dtype=torch.int32, device=dev)
-        seg_end = torch.empty(e_tot, dtype=torch.int32, device=dev)
-        chunk = max(128, min(ALIGN_CHUNK_MAX, triton.next_power_of_2(T * k)))
-        _align_kernel[(e_tot,)](
-            ids, sorted_slots, seg_end, T * k, T, num_slots,
-            E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4,
-            **pdl_launch(x.device))
+    chunk = max(128, min(ALIGN_CHUNK_MAX, triton.next_power_of_2(T * k)))
+
+    _align_kernel[(e_tot,)](
+        ids, sorted_slots, seg_end, T * k, T, num_slots,
+        E=E, E_TOT=e_tot, K=k, KS=ks_slots, BLOCK_M=bm, E_PAD=e_pad, CHUNK=chunk, num_warps=4,
+        **pdl_launch(x.device))
 
     bn, bk, warps, stages = cfg.up
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](

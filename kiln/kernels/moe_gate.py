@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.launch import pdl_launch, wait_for_previous
-from kiln.kernels.moe_align import GateAlign, align_in_one_program, no_gate_align
 from triton.language.extra import libdevice
 
 from kiln.kernels import interpreting
@@ -116,37 +115,21 @@ def _minimax_select(z_ptr, rows, row_ok, bias_ptr, ids_ptr, w_ptr, scaling,
 
 @triton.jit
 def _sink_gate_kernel(z_ptr, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, T, route_scale,
-                      sorted_ptr, seg_end_ptr, num_slots,
                       E: tl.constexpr, S: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
-                      ALIGN: tl.constexpr, E_TOT: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      E_PAD: tl.constexpr, A_PAD: tl.constexpr, T_PAD: tl.constexpr):
-    """ALIGN (one program for all T tokens): then also the grouped MoE's sorted slots and segment
-    ends of the ids just selected (`kiln.kernels.moe_align.align_in_one_program`)."""
+                      BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _sink_select(z_ptr, rows, rows < T, bias_ptr, gscale_ptr, ids_ptr, rw_ptr, sw_ptr, route_scale, E, S, K, N_PAD,
                  PRECISE)
-    if ALIGN:
-        tl.debug_barrier()  # every thread's ids stored before any reads them back
-        align_in_one_program(ids_ptr, sorted_ptr, seg_end_ptr, T, num_slots, E, E_TOT, K, KS, BLOCK_M, E_PAD, A_PAD,
-                             T_PAD)
 
 
 @triton.jit
-def _minimax_gate_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, T, scaling, sorted_ptr, seg_end_ptr, num_slots,
+def _minimax_gate_kernel(z_ptr, bias_ptr, ids_ptr, w_ptr, T, scaling,
                          E: tl.constexpr, K: tl.constexpr, N_PAD: tl.constexpr,
-                         BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
-                         ALIGN: tl.constexpr, E_TOT: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         E_PAD: tl.constexpr, A_PAD: tl.constexpr, T_PAD: tl.constexpr):
-    """ALIGN: as `_sink_gate_kernel`'s."""
+                         BLOCK_T: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _minimax_select(z_ptr, rows, rows < T, bias_ptr, ids_ptr, w_ptr, scaling, E, K, N_PAD, PRECISE)
-    if ALIGN:
-        tl.debug_barrier()
-        align_in_one_program(ids_ptr, sorted_ptr, seg_end_ptr, T, num_slots, E, E_TOT, K, KS, BLOCK_M, E_PAD, A_PAD,
-                             T_PAD)
 
 
 @triton.jit
@@ -255,8 +238,8 @@ def _gate_warps(block_t: int) -> int:
 
 def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
               global_scale: torch.Tensor, top_k: int, route_scale: float, use_gemv: bool = False,
-              counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None,
-              align: Optional[GateAlign] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inkling's router (MODELS.md 2.3) = `sink_gate_ref(..., forced_ids=None)`.
 
     x [T, H]; weight [E+S, H]; expert_bias [E]; global_scale [] (read on the device, no sync).
@@ -264,9 +247,7 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     (int32 [1], zero, the caller's: `SinkGate`'s buffer) the logits and the gate run as one launch
     (`_router_gate_kernel`), the counter zero again after it. `logits`: F.linear(x.float(), weight)
     computed by the caller (the router GEMV with the norm before it in its prologue,
-    `kiln.layers.decode_gemv.decode_prenorm`); x is then not read. `align` (for T tokens of
-    top_k ids over E experts): the gate kernel also stores the grouped MoE's sorted slots there and
-    marks it filled (`_gate_kernel_align`; the logits then never run in the gate's launch).
+    `kiln.layers.decode_gemv.decode_prenorm`); x is then not read.
     Returns (topk_ids [T, k] int64, routed_w [T, k] fp32, shared_w [T, S] fp32)."""
     e = expert_bias.shape[0]
     s = weight.shape[0] - e
@@ -276,7 +257,7 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     shared_w = torch.empty(t, s, dtype=torch.float32, device=x.device)
     if t == 0:
         return ids, routed_w, shared_w
-    if logits is None and align is None and _fuses(x, weight, use_gemv, counter):
+    if logits is None and _fuses(x, weight, use_gemv, counter):
         _fused_router_gate(x, weight, counter, expert_bias, global_scale, ids, routed_w,
                            shared_w if s > 0 else routed_w, top_k, route_scale, sink=True)
         return ids, routed_w, shared_w
@@ -284,45 +265,32 @@ def sink_gate(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor,
     bt = _block_t(t)
     _sink_gate_kernel[(triton.cdiv(t, bt),)](
         z, expert_bias, global_scale, ids, routed_w, shared_w if s > 0 else routed_w, t,
-        float(route_scale), **_gate_kernel_align(align, ids, t, top_k, e), E=e, S=s, K=top_k,
-        N_PAD=max(16, triton.next_power_of_2(e + s)), BLOCK_T=bt, PRECISE=not interpreting(),
-        num_warps=_gate_warps(bt), **pdl_launch(z.device))
+        float(route_scale), E=e, S=s, K=top_k, N_PAD=max(16, triton.next_power_of_2(e + s)),
+        BLOCK_T=bt, PRECISE=not interpreting(), num_warps=_gate_warps(bt), **pdl_launch(z.device))
     return ids, routed_w, shared_w
 
 
 def minimax_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                  routed_scaling_factor: float, use_gemv: bool = False,
-                 counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None,
-                 align: Optional[GateAlign] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 counter: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MiniMax-M3's router (MODELS.md 3.2) = `minimax_gate_ref(..., forced_ids=None)`.
 
-    x [T, H]; weight [E, H]; bias [E]; `use_gemv`, `counter`, `logits` and `align` as in
-    `sink_gate`. Returns (topk_ids [T, k] int64, routed_w [T, k] fp32)."""
+    x [T, H]; weight [E, H]; bias [E]; `use_gemv`, `counter` and `logits` as in `sink_gate`. Returns
+    (topk_ids [T, k] int64, routed_w [T, k] fp32)."""
     e = weight.shape[0]
     t = x.shape[0]
     ids = torch.empty(t, top_k, dtype=torch.long, device=x.device)
     w = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     if t == 0:
         return ids, w
-    if logits is None and align is None and _fuses(x, weight, use_gemv, counter):
+    if logits is None and _fuses(x, weight, use_gemv, counter):
         _fused_router_gate(x, weight, counter, bias, bias, ids, w, w, top_k, routed_scaling_factor, sink=False)
         return ids, w
     z = router_logits(x, weight, use_gemv) if logits is None else logits
     bt = _block_t(t)
     _minimax_gate_kernel[(triton.cdiv(t, bt),)](
-        z, bias, ids, w, t, float(routed_scaling_factor), **_gate_kernel_align(align, ids, t, top_k, e), E=e,
-        K=top_k, N_PAD=max(16, triton.next_power_of_2(e)), BLOCK_T=bt, PRECISE=not interpreting(),
+        z, bias, ids, w, t, float(routed_scaling_factor), E=e, K=top_k,
+        N_PAD=max(16, triton.next_power_of_2(e)), BLOCK_T=bt, PRECISE=not interpreting(),
         num_warps=_gate_warps(bt), **pdl_launch(z.device))
     return ids, w
-
-
-def _gate_kernel_align(align: Optional[GateAlign], ids: torch.Tensor, t: int, top_k: int, e: int) -> dict:
-    """A gate kernel's alignment arguments: `align`'s (marked filled: the launch stores it) when
-    given, which must be for these tokens, ids and experts and fit one gate program; none otherwise."""
-    if align is None:
-        return no_gate_align(ids)
-    assert (align.num_tokens, align.top_k, align.num_experts) == (t, top_k, e), \
-        f"the alignment is for {align.num_tokens} x {align.top_k} of {align.num_experts} experts, not {t} x {top_k} of {e}"
-    assert _block_t(t) >= t, "the gate aligns only the tokens of one program"
-    align.filled = True
-    return align.kernel_args()

@@ -128,14 +128,12 @@ class SinkGate(nn.Module):
         self.global_scale = nn.Parameter(torch.ones(()), requires_grad=False)
         _selection_counter(self)
 
-    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None, align=None):
-        """`align`: a `kiln.kernels.moe_align.GateAlign` the kernel path also sorts the selection
-        into (`_gate_align`), and marks filled."""
+    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight, self.global_scale):
                 return _kernel_ops().sink_gate(x, self.weight, self.expert_bias, self.global_scale,
                                                self.top_k, self.route_scale, _router_gemv(batch),
-                                               _fused_gate_counter(self, batch), logits, align)
+                                               _fused_gate_counter(self, batch), logits)
             return ref_ops.sink_gate_ref(x, self.weight, self.expert_bias, self.global_scale,
                                          self.top_k, self.route_scale, forced)
         return _routing(self, batch, compute)
@@ -155,13 +153,12 @@ class MiniMaxGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         _selection_counter(self)
 
-    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None, align=None):
-        """`align`: as `SinkGate.forward`'s."""
+    def forward(self, x: torch.Tensor, batch=None, logits: Optional[torch.Tensor] = None):
         def compute(forced):
             if forced is None and _use_kernels(x, self.weight):
                 return _kernel_ops().minimax_gate(x, self.weight, self.e_score_correction_bias,
                                                   self.top_k, self.routed_scaling_factor, _router_gemv(batch),
-                                                  _fused_gate_counter(self, batch), logits, align)
+                                                  _fused_gate_counter(self, batch), logits)
             return ref_ops.minimax_gate_ref(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.routed_scaling_factor, forced)
         return _routing(self, batch, compute)
@@ -255,30 +252,9 @@ class SharedExperts(nn.Module):
             yield base + "down_proj.weight", self.w2[:, down]
 
 
-def _gate_align(experts: Experts, shared: SharedExperts, x: torch.Tensor, top_k: int, batch):
-    """Buffers for the gate kernel to sort this layer's tokens by expert in, for the grouped expert
-    GEMMs (`kiln.kernels.moe.gate_align`; one launch fewer than the align kernel after the gate):
-    up to `--moe-gate-align-max-tokens` tokens on the kernel path, with plain experts whose shared
-    experts fold in as `_routed_plus_shared` runs them. None otherwise."""
-    backend = getattr(batch, "backend", None)
-    t = x.shape[0]
-    if x.dim() != 2 or not 0 < t <= getattr(backend, "moe_gate_align_max_tokens", 0):
-        return None
-    if type(experts).forward is not Experts.forward or not _use_kernels(x, experts.w13, experts.w2, shared.w13,
-                                                                         shared.w2):
-        return None
-    ops = _kernel_ops()
-    chunks = ops.shared_chunk_count(experts.inter_per_rank, shared.w2.shape[1], shared.num_shared)
-    if chunks == 0:
-        return None
-    return ops.gate_align(t, top_k, experts.num_experts, chunks, x.shape[1], experts.inter_per_rank, x.device,
-                          getattr(backend, "moe_gemv_max_tokens", None))
-
-
 def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor, ids: torch.Tensor,
                         routed_w: torch.Tensor, shared_w: Optional[torch.Tensor],
-                        pc: ParallelContext, out_conv: Optional[nn.Module] = None, batch=None,
-                        aligned=None) -> torch.Tensor:
+                        pc: ParallelContext, out_conv: Optional[nn.Module] = None, batch=None) -> torch.Tensor:
     """The MoE layer's output [T, H] in x's dtype: routed + shared experts summed in fp32, the sum
     all-reduced over the TP ranks, cast once, then `out_conv` if given. On the kernel path the
     shared experts are always-selected extra slots of the routed grouped GEMMs, and on one rank
@@ -287,8 +263,7 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
     `out_conv`: a ShortConv on the layer's output (Inkling's out_conv): in the epilogue of the
     experts' last kernel where it runs there (one rank; a decode step on the expert GEMVs, or a
     verify's short chunks of at most a few tokens on the grouped path: `kiln.kernels.moe.takes_conv`,
-    `epilogue_conv_args`), else as its own call after the all-reduce. `aligned`: `_gate_align`'s
-    buffers, which the gate filled (or not)."""
+    `epilogue_conv_args`), else as its own call after the all-reduce."""
     out_dtype = torch.float32 if pc.tp_size > 1 else x.dtype
     # A subclass with its own forward (the LoRA mixin adds adapters to the weights) keeps it.
     plain = type(experts).forward is Experts.forward
@@ -309,7 +284,7 @@ def _routed_plus_shared(experts: Experts, shared: SharedExperts, x: torch.Tensor
                     chunk = conv is not None
             out = ops.fused_experts(x, experts.w13, experts.w2, ids, routed_w, out_dtype,
                                     shared=(shared.w13, shared.w2, shared_w), conv=conv, gemv_max_tokens=gemv_tokens,
-                                    conv_chunk=chunk, aligned=aligned)
+                                    conv_chunk=chunk)
             if conv is not None:
                 return out
     if out is None:
@@ -338,10 +313,9 @@ class SinkMoE(nn.Module):
         expert kernels' epilogue (`_routed_plus_shared`), so a forward hook on this module sees the
         output after the conv. `router_logits`: the router's logits of x
         when the caller has them (`SinkGate`)."""
-        align = _gate_align(self.experts, self.shared_experts, x, self.router.top_k, batch)
-        ids, routed_w, shared_w = self.router(x, batch, router_logits, align)
+        ids, routed_w, shared_w = self.router(x, batch, router_logits)
         return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, shared_w, self.pc,
-                                   out_conv, batch, align)
+                                   out_conv, batch)
 
 
 class MiniMaxMoE(nn.Module):
@@ -361,10 +335,8 @@ class MiniMaxMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The MoE output; `router_logits`: the gate's logits of x when the caller has them (`MiniMaxGate`)."""
-        align = _gate_align(self.experts, self.shared_experts, x, self.gate.top_k, batch)
-        ids, routed_w = self.gate(x, batch, router_logits, align)
-        return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc, batch=batch,
-                                   aligned=align)
+        ids, routed_w = self.gate(x, batch, router_logits)
+        return _routed_plus_shared(self.experts, self.shared_experts, x, ids, routed_w, None, self.pc, batch=batch)
 
 
 _EXPERT_NAME = re.compile(r"^(.*\.)?experts\.(\d+)\.(gate|up|down)_proj\.weight$")
