@@ -68,10 +68,11 @@ lane0_s50d() {
 
 # `s50e` (carry scratch/b_6ae78c0): after `s50d`: the engine GPU test that failed there (the
 #   routers' fp32 rows past 16, fixed), then plain Inkling batch 8 with the LM head on the MMA loop
-#   (the default) against 6ae78c0, alternated twice.
+#   (the default) and on 6ae78c0, once each (the budget left).
 lane0_s50e() {
   export TRITON_CACHE_DIR=/tmp/triton-s50e-$$
-  step gpu_engine 100 python -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_cuda_graph.py
-  alternated ink8 "python scratch/b_6ae78c0/benchmarks/decode_batch.py $C" --model-path $INK --batch-sizes 8 \
-    --input-len 1024 --output-len 128 --cuda-graph-max-bs 8
+  step gpu_engine 80 python -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_cuda_graph.py
+  local a="--model-path $INK --batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step ink8_now 55 $DECODE $a --out "$R/json/ink8_now.json"
+  step ink8_head 50 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C $a --out "$R/json/ink8_head.json"
 }
