@@ -151,7 +151,7 @@ class EngineConfig:
         "rows cuBLAS is mostly faster (docs/benchmarks.md, ninth pass). With the GEMV on, a "
         "speculative verify of at most 4 rows runs Inkling's o_proj and dense down_proj (with their "
         "ShortConv in the epilogue) through it whatever this limit (nineteenth pass), and an LM head of "
-        "2-16 rows (a verify's, the draft heads', a decode batch's) takes its MMA loop (forty-ninth pass).")
+        "2-16 rows (a verify's, the draft heads', a decode batch's) takes its MMA loop (fiftieth pass).")
     moe_gemv_max_tokens: int = opt(
         1, "MoE layers of at most this many tokens run their experts as two expert GEMVs, one program "
         "row per token and slot (kiln/kernels/moe_gemv.py), instead of the grouped GEMMs with their "

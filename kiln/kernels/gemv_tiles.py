@@ -98,10 +98,11 @@ def prenorm_tile(m: int, n: int, k: int) -> dict:
 
 def dot_tile(n: int = 0) -> dict:
     """The MMA tile for 5..16 rows (1..16 with `gemv`'s `mma`) of a weight of n rows (fixed, for
-    the same reason as `fma_tile`). An LM head (n >= HEAD_MIN_N) takes HEAD_DOT_TILE: 64 weight rows of 128 columns
-    per program, each tile loaded once for all rows, streamed 49216 x 2048 at 98% of an H100's copy
-    bandwidth at 5 and 8 rows (68.0-68.5 us against cuBLAS + cast's 76.2-77.1 and the first tile's
-    78.2-79.0; docs/benchmarks.md, forty-ninth pass)."""
+    the same reason as `fma_tile`). An LM head (n >= HEAD_MIN_N) takes HEAD_DOT_TILE: 64 weight
+    rows of 128 columns per program, each tile loaded once for all rows. On an H100 it streamed a
+    49216 x 2048 head at 98% of the copy bandwidth at 5 and 8 rows (68.0-68.5 us against cuBLAS +
+    cast's 76.2-77.1 and the first tile's 78.2-79.0; forty-ninth pass), with fp32 logits 69.1-71.3
+    us against 80.0-83.3 at 2-16 rows (docs/benchmarks.md, fiftieth pass)."""
     bn, bk, warps, stages = HEAD_DOT_TILE if n >= HEAD_MIN_N else DOT_TILES[0]
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 

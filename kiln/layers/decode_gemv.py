@@ -261,8 +261,9 @@ def head_logits(head: nn.Module, rows: torch.Tensor, batch) -> torch.Tensor:
     """`head.compute_logits(rows).float()` for the rows themselves (`decode_logits` after its row
     selection; the MTP draft heads' rows), through the GEMV under `decode_logits`'s rules, except
     that with the GEMV on (--gemv-max-rows > 0) 2..MAX_ROWS rows take it too, on the MMA loop's
-    head tile (at 5-8 rows 68 us against cuBLAS + cast's 76 for a 49216 x 2048 head on an H100:
-    docs/benchmarks.md, forty-ninth pass). `batch` None: the module."""
+    head tile (69-71 us against cuBLAS + cast's 80-83 at 2-16 rows for a 49216 x 2048 head on an
+    H100, and a batch-1 K = 3 round 2.72 -> 2.67 ms: docs/benchmarks.md, fiftieth pass). `batch`
+    None: the module."""
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
     plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
     if (plain and max_rows > 0 and rows.dim() == 2 and 0 < rows.shape[0] <= _kernels().MAX_ROWS

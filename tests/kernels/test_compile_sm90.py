@@ -228,8 +228,9 @@ def gemv_head() -> None:
     ptx = {}
     for float_out in (False, True):
         consts = dict(PRECISION="tf32", PDL=True, PREFETCH=False, ROUND_TO_X=float_out, **tile)
-        ptx[float_out] = compile_sm90(_gemv_dot_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*fp32" if float_out else "*bf16"},
-                                      consts, divisible=("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym"))["ptx"]
+        types = {"X": "*bf16", "W": "*bf16", "Y": "*fp32" if float_out else "*bf16"}
+        ptx[float_out] = compile_sm90(_gemv_dot_kernel, types, consts,
+                                      divisible=("X", "W", "Y", "N", "K", "stride_xm", "stride_wn", "stride_ym"))["ptx"]
     for code in ptx.values():
         assert "ld.global.v4" in code[:code.index("griddepcontrol.wait")], "the weight stream starts before the wait"
     tail = ptx[True][ptx[True].rindex("mma."):]  # (the MMA loop's wgmma / mma, then the epilogue)
