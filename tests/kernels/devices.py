@@ -20,6 +20,24 @@ DEVICE_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-fp32", marks=INTERPR
                  pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu)]
 
 
+def record_launches(monkeypatch, module, *names: str) -> list:
+    """A list that gains a kernel's name each time `module.<name>[grid](...)` launches from now on,
+    for each of `names` (the kernel still runs): which kernels a path took."""
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorded(name))
+    return launched
+
+
 def count_compiles(monkeypatch, kernel_name: str) -> list:
     """A list that gains an entry each time Triton compiles (or loads from its disk cache) a new
     variant of the kernel named `kernel_name` in this process, for the tests that check a kernel

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from kiln.kernels.gemv import gemv  # noqa: E402
 from kiln.kernels.gemv_tiles import FMA_MAX_ROWS, MAX_ROWS, WIDEN_MAX_ROWS, fma_tile  # noqa: E402
-from tests.kernels.devices import DEVICE_DTYPES, DEVICES  # noqa: E402
+from tests.kernels.devices import DEVICE_DTYPES, DEVICES, record_launches  # noqa: E402
 
 FP32 = dict(rtol=1e-4, atol=1e-4)
 BF16 = dict(rtol=2e-2, atol=2e-2)
@@ -78,26 +78,13 @@ def test_gemv_mma_loop_at_few_rows_matches_linear(device, dtype, m, n, k, monkey
     F.linear."""
     from kiln.kernels import gemv as gemv_module
 
-    calls = []
-    real = gemv_module._gemv_dot_kernel
-    monkeypatch.setattr(gemv_module, "_gemv_dot_kernel", _Recording(real, calls))
+    calls = record_launches(monkeypatch, gemv_module, "_gemv_dot_kernel")
     x, w = _case(m, n, k, dtype, device, seed=m * 10 + n + k)
     y = gemv(x, w, mma=True)
     assert calls, "mma did not take the MMA loop"
     torch.testing.assert_close(y, F.linear(x, w), **(FP32 if dtype == torch.float32 else BF16))
     with pytest.raises(AssertionError, match="plain product"):
         gemv(x, torch.cat([w, w]), glu=True, mma=True)
-
-
-class _Recording:
-    """A kernel stand-in that records its launches and runs the kernel."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 @pytest.mark.gpu

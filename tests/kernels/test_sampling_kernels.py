@@ -25,7 +25,7 @@ from kiln.engine import sampler as sampler_mod  # noqa: E402
 from kiln.engine.sampler import Sampler, SamplingBatch, make_generator  # noqa: E402
 from kiln.kernels import sampling  # noqa: E402
 from kiln.kernels.softmax import temperature_softmax  # noqa: E402
-from tests.kernels.devices import DEVICES, count_compiles  # noqa: E402
+from tests.kernels.devices import DEVICES, count_compiles, record_launches  # noqa: E402
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -201,27 +201,13 @@ def test_rows_without_a_search_skip_the_chunked_launches(device, monkeypatch):
     logits = (_logits("random", 4, v, gen) * 2).to(device)
     temps, ks, ps, ms = _rows(device, [0, 0, 0, 0], [1.0] * 4, [0.0, 0.05, 0.3, 0.0], [1.0, 0.7, 1.3, 1.0])
     e = torch.empty(4, v).exponential_(generator=gen).to(device)
-    launched = []
-    for name in ("_table_kernel", "_copy_kernel"):
-        kernel = getattr(sampling, name)
-        monkeypatch.setattr(sampling, name, _Spy(kernel, launched, name))
+    launched = record_launches(monkeypatch, sampling, "_table_kernel", "_copy_kernel")
     with_table = sampling.sample(logits, temps, ks, ps, ms, e)
     assert launched == ["_table_kernel", "_copy_kernel"]
     launched.clear()
     without = sampling.sample(logits, temps, ks, ps, ms, e, searches=False)
     assert launched == []
     assert torch.equal(with_table, without)
-
-
-class _Spy:
-    """`kernel[grid](...)` that records `name` first."""
-
-    def __init__(self, kernel, calls, name):
-        self.kernel, self.calls, self.name = kernel, calls, name
-
-    def __getitem__(self, grid):
-        self.calls.append(self.name)
-        return self.kernel[grid]
 
 
 # ---------------------------------------------------------------------------------- draws
