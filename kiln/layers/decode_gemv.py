@@ -266,8 +266,9 @@ def head_logits(head: nn.Module, rows: torch.Tensor, batch) -> torch.Tensor:
     None: the module."""
     max_rows = getattr(getattr(batch, "backend", None), "gemv_max_rows", 0)
     plain = type(head).compute_logits is ParallelLMHead.compute_logits and not hooked(head)  # (an adapter's must run)
-    if (plain and max_rows > 0 and rows.dim() == 2 and 0 < rows.shape[0] <= _kernels().MAX_ROWS
-            and rows.dtype == head.weight.dtype and kernel_path(batch, rows, head.weight)):
+    # (the row limit last: it imports the kernels, which need Triton; off the kernel path: absent)
+    if (plain and max_rows > 0 and rows.dim() == 2 and rows.dtype == head.weight.dtype
+            and kernel_path(batch, rows, head.weight) and 0 < rows.shape[0] <= _kernels().MAX_ROWS):
         # fp32 logits straight from the GEMV: `.float()` of its bf16 result, bit for bit, one launch
         # fewer. One row takes the FMA loop; more the MMA loop's head tile whatever --gemv-max-rows
         # (a verify, the draft heads and decode at batch 2-16)
