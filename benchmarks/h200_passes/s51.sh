@@ -1,0 +1,22 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# fifty-first session (2026-12-07).
+# shellcheck shell=bash
+
+# `s51a` (carry scratch/b_6ae78c0 and scratch/b_base: `git archive`s of 6ae78c0, the tree before
+#   the fiftieth session's LM-head change and router fix, and of 9f44ec8, the tree before the
+#   routers past 4 rows went to the GEMV's FMA loop): the GPU test that the fiftieth session's
+#   router bug failed (fp32 tiny presets in CUDA graphs); Inkling `bench` plain batch 8 with the
+#   LM head of 8 rows on the MMA loop against 6ae78c0; MiniMax-M3 `bench` at batch 8 on the three
+#   trees (the routers' change, measured on Inkling only in the forty-ninth pass). 1K / 128.
+lane0_s51a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s51a-$$
+  step gpu_engine 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_cuda_graph.py \
+    tests/kernels/test_moe_kernels.py -k "router or graphs"
+  local a="--batch-sizes 8 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step ink8_now 55 $DECODE --model-path $INK $a --out "$R/json/ink8_now.json"
+  step ink8_head 50 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C --model-path $INK $a --out "$R/json/ink8_head.json"
+  step mm8_now 55 $DECODE --model-path $MM $a --out "$R/json/mm8_now.json"
+  step mm8_head 50 python scratch/b_6ae78c0/benchmarks/decode_batch.py $C --model-path $MM $a --out "$R/json/mm8_head.json"
+  step mm8_base 50 python scratch/b_base/benchmarks/decode_batch.py $C --model-path $MM $a --out "$R/json/mm8_base.json"
+  step ink8_now2 50 $DECODE --model-path $INK $a --out "$R/json/ink8_now2.json"
+}
