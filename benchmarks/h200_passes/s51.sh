@@ -20,3 +20,11 @@ lane0_s51a() {
   step mm8_base 50 python scratch/b_base/benchmarks/decode_batch.py $C --model-path $MM $a --out "$R/json/mm8_base.json"
   step ink8_now2 50 $DECODE --model-path $INK $a --out "$R/json/ink8_now2.json"
 }
+
+# `s51b`: the whole GPU suite at the current code (last run whole in the forty-sixth pass, at
+#   c576b65; four sessions of kernel changes since: the routers past 4 rows, the LM heads of 2-16
+#   rows on the MMA loop, the router fix for fp32 rows).
+lane0_s51b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s51b-$$
+  step gpu_tests 420 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
+}
