@@ -28,3 +28,20 @@ lane0_s51b() {
   export TRITON_CACHE_DIR=/tmp/triton-s51b-$$
   step gpu_tests 420 python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
 }
+
+# `s51c`: `s51b` and, on a card with more than 100 GB (an H200: Inkling's KV at batch 32-128 does
+#   not fit an H100's 80 GB, forty-eighth pass), Inkling `bench` at input 8192 / output 1024,
+#   batch 8 / 32 / 64 / 128 with the current kernels (the issue's large-batch row, last measured
+#   on an H200 in the fourteenth pass; `s50b` has both hybrids, for a call of its own).
+lane0_s51c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s51c-$$
+  step gpu_tests ${T_SUITE:-240} python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mib:-0}" -gt 100000 ]; then
+    step inkling_8k ${T_INK:-280} $DECODE --model-path $INK --batch-sizes 8,32,64,128 --input-len 8192 \
+      --output-len 1024 --time-limit 60 --out "$R/json/inkling_8k_1024.json"
+  else
+    echo "=== inkling_8k: skipped (${mib} MiB: not an H200)"
+  fi
+}
