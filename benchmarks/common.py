@@ -64,26 +64,30 @@ _preset_dirs: dict[str, str] = {}
 def resolve_model_path(model_path: str) -> str:
     """`preset:ARCH/PRESET` (e.g. `preset:inkling/bench`, `preset:minimax_m3/tiny`) -> a temporary
     directory holding that preset's config.json from `kiln.models.presets` (named `ARCH-PRESET`,
-    removed at exit); any other path is returned unchanged. Presets have no weights: run them with
-    `--load-format dummy` (the benchmarks' default)."""
+    removed at exit); any other path is returned unchanged. `preset:minimax_m3/PRESET+dspark` adds
+    the preset's DSpark drafter (`presets.with_dspark`; `--speculative-algorithm dspark`). Presets
+    have no weights: run them with `--load-format dummy` (the benchmarks' default)."""
     if not str(model_path).startswith(PRESET_PREFIX):
         return model_path
     spec = str(model_path)[len(PRESET_PREFIX):]
     if spec in _preset_dirs:
         return _preset_dirs[spec]
+    from kiln.models.presets import DSPARK_SUFFIX, get_preset
+
     arch, sep, preset = spec.partition("/")
     if not sep:
         raise ValueError(f"--model-path {model_path!r}: expected preset:ARCH/PRESET, e.g. preset:inkling/bench")
+    dspark = preset.endswith(DSPARK_SUFFIX)
+    name = preset
+    preset = preset[:-len(DSPARK_SUFFIX)] if dspark else preset
     import atexit
     import shutil
     import tempfile
 
-    from kiln.models.presets import get_preset
-
-    cfg = get_preset(arch, preset)
+    cfg = get_preset(arch, preset, dspark=dspark)
     root = tempfile.mkdtemp(prefix="kiln-bench-preset-")
     atexit.register(shutil.rmtree, root, True)
-    path = os.path.join(root, f"{arch}-{preset}")
+    path = os.path.join(root, f"{arch}-{name}")
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Directory with SmolLM2's tokenizer files (default: the embedded model's).")
     init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="Weight dtype (default: float32 for tiny/small, bfloat16 for bench).")
+    init.add_argument("--dspark", action="store_true",
+                      help="MiniMax-M3: also write the preset's DSpark drafter (dspark_config and its weights), "
+                      "served with --speculative-algorithm dspark.")
     weights = init.add_mutually_exclusive_group()
     weights.add_argument("--no-weights", dest="with_weights", action="store_false", default=None,
                          help="Config and tokenizer only; serve with --load-format dummy (bench's default).")
@@ -96,8 +99,11 @@ def _init_model(args: argparse.Namespace) -> None:
     from kiln.models.presets import DEFAULT_WITH_WEIGHTS
 
     with_weights = DEFAULT_WITH_WEIGHTS[args.preset] if args.with_weights is None else args.with_weights
-    config = init_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype,
-                        with_weights=with_weights, tokenizer_path=args.tokenizer_path)
+    try:
+        config = init_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype,
+                            with_weights=with_weights, tokenizer_path=args.tokenizer_path, dspark=args.dspark)
+    except ValueError as e:  # a flag that does not fit the architecture (--dspark on Inkling)
+        raise SystemExit(f"kiln init-model: {e}") from None
     what = "weights, config and tokenizer" if with_weights else \
         "config and tokenizer, no weights (serve with --load-format dummy)"
     print(f"kiln init-model: wrote {args.arch} {args.preset} ({describe(config)}) to {args.out}: {what}")

@@ -23,7 +23,7 @@ import os
 from typing import Optional
 
 from kiln.models.presets import (DEFAULT_DTYPE, DEFAULT_WITH_WEIGHTS, get_preset, param_counts,
-                                 round_vocab)
+                                 round_vocab, with_dspark)
 
 # MODELS.md 6 (and 5: the image sentinel). `<|im_start|>` / `<|im_end|>` are already SmolLM2's.
 # The reasoning and tool-call markers are added tokens that are *not* special, so that they stay in
@@ -138,15 +138,17 @@ def build_tokenizer(base: Optional[str] = None):
 
 def init_model(arch: str, preset: str, out_dir: str, seed: int = 0, dtype: Optional[str] = None,
                with_weights: Optional[bool] = None, max_shard_bytes: int = SHARD_BYTES,
-               tokenizer_path: Optional[str] = None) -> dict:
+               tokenizer_path: Optional[str] = None, dspark: bool = False) -> dict:
     """Write a checkpoint directory for `PRESETS[arch][preset]`; return its config.json dict.
 
     `dtype`: weight dtype (default float32 for tiny/small, bfloat16 for bench). `with_weights`
     None: the preset's default (tiny/small yes; bench no: config + tokenizer only, serve it with
     `--load-format dummy`). `tokenizer_path`: the base tokenizer's directory (default: the
     embedded SmolLM2's; a machine without it, such as an offline GPU host, passes its files).
+    `dspark` (MiniMax-M3): with the preset's DSpark drafter (`presets.with_dspark`), served with
+    `--speculative-algorithm dspark`.
     """
-    config = get_preset(arch, preset)
+    config = get_preset(arch, preset, dspark=dspark)  # (an Inkling with dspark: ValueError naming the fix)
     dtype = dtype or DEFAULT_DTYPE[preset]
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -160,6 +162,8 @@ def init_model(arch: str, preset: str, out_dir: str, seed: int = 0, dtype: Optio
     vocab = round_vocab(len(tok))
     if vocab != config["vocab_size"]:  # the preset assumes SmolLM2's vocab; follow the tokenizer
         config["vocab_size"] = vocab
+        if dspark:  # its mask token is the vocabulary's last id
+            config = with_dspark(config, preset)
     im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
     config.update(torch_dtype=dtype, bos_token_id=im_start, eos_token_id=im_end)
     _validate(config)

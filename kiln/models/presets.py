@@ -139,13 +139,41 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def get_preset(arch: str, preset: str) -> dict[str, Any]:
-    """A copy of `PRESETS[arch][preset]`; ValueError naming the choices otherwise."""
+# MiniMax-M3's DSpark drafter per preset (MODELS.md 3.3: the DFlash design of MODELS.md 4), added by
+# `kiln init-model --dspark` and `preset:minimax_m3/PRESET+dspark`. Sizes not listed are the
+# target's (16 / 4 heads of 128 at `bench`); the taps follow SGLang's default [2, L // 2, L - 3],
+# each shifted by one (a tap is the residual entering the layer); five layers and B = 16 as
+# z-lab's DFlash2 configuration, `tiny` as small as the CPU tests' drafters.
+DSPARK_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"target_layer_ids": [1, 3], "num_layers": 2, "block_size": 8, "intermediate_size": 96},
+    "small": {"target_layer_ids": [3, 7, 10], "num_layers": 2, "block_size": 16, "intermediate_size": 768},
+    "bench": {"target_layer_ids": [3, 13, 22], "num_layers": 5, "block_size": 16, "intermediate_size": 6144},
+}
+DSPARK_SUFFIX = "+dspark"  # `preset:minimax_m3/bench+dspark` in the benchmarks
+
+
+def with_dspark(config: dict[str, Any], preset: str) -> dict[str, Any]:
+    """`config` (a MiniMax-M3 preset dict) with `dspark_config`: `DSPARK_PRESETS[preset]`, its
+    mask token the vocabulary's last id (a padding id past the tokenizer's tokens, as
+    `kiln train-draft`'s DFlash default). Call it after the vocabulary is final."""
+    if config.get("model_type") != "minimax_m3":
+        raise ValueError(f"a DSpark drafter belongs to MiniMax-M3 checkpoints (MODELS.md 3.3), not "
+                         f"{config.get('model_type')!r}; for a block drafter on another model train a DFlash "
+                         "drafter (`kiln train-draft --method dflash`)")
+    drafter = dict(DSPARK_PRESETS[preset], mask_token_id=int(config["vocab_size"]) - 1)
+    drafter["target_layer_ids"] = list(drafter["target_layer_ids"])
+    return {**config, "dspark_config": drafter}
+
+
+def get_preset(arch: str, preset: str, dspark: bool = False) -> dict[str, Any]:
+    """A copy of `PRESETS[arch][preset]` (with `dspark`, plus its DSpark drafter: `with_dspark`);
+    ValueError naming the choices otherwise."""
     if arch not in PRESETS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {list(PRESETS)}")
     if preset not in PRESETS[arch]:
         raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS[arch])}")
-    return {k: (list(v) if isinstance(v, list) else v) for k, v in PRESETS[arch][preset].items()}
+    config = {k: (list(v) if isinstance(v, list) else v) for k, v in PRESETS[arch][preset].items()}
+    return with_dspark(config, preset) if dspark else config
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -161,7 +189,8 @@ def param_counts(config: Any) -> tuple[int, int]:
 
     total: every parameter (router bias buffers excluded; a tied head counted once).
     active: what one token's forward through the main model reads: total minus the MTP layers
-    (Inkling) and minus the E - k routed experts of every MoE layer a token skips.
+    (Inkling) or the DSpark drafter (MiniMax-M3's `dspark_config`) and minus the E - k routed
+    experts of every MoE layer a token skips.
     """
     g = lambda name, default=None: _get(config, name, default)  # noqa: E731
     arch = g("model_type")
@@ -197,11 +226,31 @@ def param_counts(config: Any) -> tuple[int, int]:
         attn = 2 * hq * d * h + 2 * hkv * d * h + 2 * d + 2 * hkv * di * h  # q, o, k, v, q/k norm, indexer
         moe = e * h + e * expert + swiglu(s * moe_inter)  # gate, routed experts, the shared expert
         body = layers * (attn + 2 * h) + dense_layers * swiglu(inter) + moe_layers * moe
-        total = embed + body
-        if g("dspark_config") is not None:
-            raise ValueError("param_counts does not count a DSpark drafter")
-        return total, total - moe_layers * (e - k) * expert
+        active = embed + body - moe_layers * (e - k) * expert
+        return embed + body + _dspark_count(g("dspark_config"), config), active
     raise ValueError(f"param_counts: unsupported model_type {arch!r}")
+
+
+def _dspark_count(drafter: Any, target: Any) -> int:
+    """Parameters of a DSpark drafter (`dspark_config`: a dict or a parsed config; None: 0), the
+    layout of `kiln.models.block_drafter`: fc and the context norm, per layer the attention (q, k,
+    v, o, q/k norm), two norms and a SwiGLU MLP, then the final norm. It shares the target's
+    embedding and LM head, so they are not counted again."""
+    if drafter is None:
+        return 0
+    if not isinstance(drafter, dict):
+        drafter = vars(drafter)
+    if drafter.get("conv_kernel_size") or drafter.get("selector_rank"):
+        raise ValueError("param_counts does not count DFlash2's conv or candidate selector")
+    t = lambda name, default=None: _get(target, name, default)  # noqa: E731
+    h = int(t("hidden_size"))
+    hq = int(drafter.get("num_attention_heads") or t("num_attention_heads"))
+    hkv = int(drafter.get("num_key_value_heads") or t("num_key_value_heads", hq))
+    d = int(drafter.get("head_dim") or t("head_dim", h // hq))
+    inter = int(drafter.get("intermediate_size") or t("intermediate_size"))
+    taps = len(drafter["target_layer_ids"])
+    layer = h * (hq * d + 2 * hkv * d) + hq * d * h + 2 * d + 2 * h + 3 * h * inter
+    return taps * h * h + h + int(drafter.get("num_layers", 1)) * layer + h
 
 
 def format_count(n: int) -> str:

@@ -150,6 +150,14 @@ def test_preset_model_path(tmp_path):
     assert hf_baseline.hf_unsupported_reason(os.path.join(REPO, "benchmarks", "configs", "qwen3-0.6b")) is None
     with pytest.raises(ValueError):
         common.resolve_model_path("preset:inkling")
+    dspark = common.resolve_model_path("preset:minimax_m3/bench+dspark")
+    assert os.path.basename(dspark) == "minimax_m3-bench+dspark"
+    with open(os.path.join(dspark, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg == presets.get_preset("minimax_m3", "bench", dspark=True)
+    assert cfg["dspark_config"]["num_layers"] == 5 and cfg["dspark_config"]["mask_token_id"] == cfg["vocab_size"] - 1
+    with pytest.raises(ValueError, match="belongs to MiniMax-M3"):
+        common.resolve_model_path("preset:inkling/tiny+dspark")
 
 
 def test_latency_on_inkling_tiny(one_thread, capsys):

@@ -165,6 +165,14 @@ def test_param_counts(arch):
         total, active = param_counts(cfg)
         assert total == sum(p.numel() for p in model.parameters()), preset
         assert 0 < active < total
+    if arch == "minimax_m3":  # the DSpark drafter: in the total, not in what a token reads
+        for preset in PRESETS[arch]:
+            cfg = get_preset(arch, preset, dspark=True)
+            with torch.device("meta"):
+                model = get_model_class(arch)(parse_model_config(cfg), max_positions=16)
+            total, active = param_counts(cfg)
+            assert total == sum(p.numel() for p in model.parameters()), preset
+            assert total > param_counts(PRESETS[arch][preset])[0] and active == param_counts(PRESETS[arch][preset])[1]
     total, active = param_counts(PRESETS[arch]["bench"])
     assert 1e9 < total < 1e10 and active < total / 3
     assert 1e7 < param_counts(PRESETS[arch]["small"])[0] < 1e8
@@ -240,6 +248,40 @@ def test_cli_init_model_then_serve(tmp_path):
         routed = resp.json()["meta_info"]["routed_experts"]
         moe_layers = 6 - 1  # tiny Inkling: 6 layers, the first dense
         assert len(routed) == 20 + 3 - 1 and all(len(t) == moe_layers and len(t[0]) == 2 for t in routed)
+
+
+def test_dspark_checkpoint_drafts_and_keeps_greedy_output(tmp_path):
+    """`init-model --dspark`: MiniMax-M3 with its DSpark drafter (config and weights under
+    `dspark.`), served with `--speculative-algorithm dspark`: its drafts are verified and greedy
+    output equals the plain engine's."""
+    out = str(tmp_path / "mm-dspark")
+    cfg = init_model("minimax_m3", "tiny", out, seed=0, dspark=True)
+    drafter = cfg["dspark_config"]
+    assert drafter["mask_token_id"] == cfg["vocab_size"] - 1 and drafter["block_size"] == 8
+    assert any(n.startswith("dspark.layers.1.") for n in _read_weights(out))
+    prompt = list(range(40, 90))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", {}), ("dspark", {"speculative_algorithm": "dspark", "speculative_num_steps": 3})):
+        core = EngineCore(EngineConfig(model_path=out, device="cpu", max_total_tokens=1024, **spec))
+        core.add_request(GenerateReq(rid="a", input_ids=prompt, params=params))
+        outputs[name] = []
+        while core.has_work():
+            for o in core.step():
+                assert o.error is None, o.error
+                outputs[name].extend(o.new_token_ids)
+        if spec:
+            assert core.runner.draft_model is core.runner.model.dspark
+            assert core.stats().spec.verify_steps > 0
+    assert len(outputs["plain"]) == 12 and outputs["dspark"] == outputs["plain"]
+
+
+def test_dspark_on_inkling_names_the_fix(tmp_path, capsys):
+    from kiln.cli import main
+
+    with pytest.raises(SystemExit, match="belongs to MiniMax-M3 .*kiln train-draft --method dflash"):
+        main(["init-model", "--arch", "inkling", "--preset", "tiny", "--dspark", "--out", str(tmp_path / "x")])
+    assert not os.path.exists(tmp_path / "x")
 
 
 def test_inkling_loader_ignores_runtime_buffers(tmp_path):
