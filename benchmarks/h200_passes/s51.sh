@@ -45,3 +45,18 @@ lane0_s51c() {
     echo "=== inkling_8k: skipped (${mib} MiB: not an H200)"
   fi
 }
+
+# `s51d`: `s51b` (the whole GPU suite), then MiniMax-M3 `bench` with its DSpark drafter
+#   (`preset:minimax_m3/bench+dspark`: 5 layers, B = 16, taps 3 / 13 / 22; random weights, so L ~ 1
+#   and a round's time is its cost) against plain decode on the same target: K = 3 rounds at batch
+#   1 and 8, K = 7 at batch 1. 1K / 128. Never measured at a real shape before.
+lane0_s51d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s51d-$$
+  step gpu_tests ${T_SUITE:-240} python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
+  local a="--input-len 1024 --output-len 128 --cuda-graph-max-bs 8" d="--speculative-algorithm dspark"
+  step mm_plain 60 $DECODE --model-path $MM --batch-sizes 1,8 $a --out "$R/json/mm_plain.json"
+  step mm_dspark3 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 $a $d --speculative-num-steps 3 \
+    --out "$R/json/mm_dspark3.json"
+  step mm_dspark7 60 $DECODE --model-path $MM+dspark --batch-sizes 1 $a $d --speculative-num-steps 7 \
+    --out "$R/json/mm_dspark7.json"
+}
