@@ -14,7 +14,7 @@ E - k routed experts a token does not use; embedding and LM head counted, untied
     inkling     bench    5.76 B      1.10 B
     minimax_m3  tiny     6.55 M      6.44 M
     minimax_m3  small    46.6 M      31.4 M
-    minimax_m3  bench    5.25 B      1.05 B
+    minimax_m3  bench    5.25 B      1.05 B     (with its DSpark drafter, `with_dspark`: 5.50 B)
 
 `tiny` runs the test suite on a CPU in seconds (both sliding and full layers, MSA selection from
 32 tokens on, attention scaling from position 31 on); `small` is for CPU demos; `bench` is sized
