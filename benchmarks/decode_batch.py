@@ -19,6 +19,11 @@ tokens each (ignore_eos; greedy, or sampled with `--temperature`), all submitted
 - `round_ms`: decode time / scheduler steps in the decode phase (one speculative round each with
   `--speculative-algorithm`; = `step_ms` without), and `accept_len`: tokens per round per request
   (accepted drafts + 1, from the engine's speculative counters; None without speculation);
+- with `--speculative-algorithm`: `round_bound_ms`, the bytes one round of K drafts must read
+  (`roofline.round_bytes`: the verify at K + 1 rows per request, the drafter, its draft heads) at
+  the measured bandwidth, and `frac_of_round_bound` = round_bound_ms / round_ms (with
+  `--speculative-adaptive` the bound is a full-length round's: shorter rounds read less).
+  `frac_of_roofline` stays the plain step's: above 1 when speculation beats it;
 - `round_p50_ms` / `round_max_ms`: the median and the largest gap between two `core.step()`
   returns in the decode phase (the mean, `round_ms`, moves with a few stalls; the median does not),
   and the note names the step of the largest gap;
@@ -50,7 +55,7 @@ from kiln.engine.io import GenerateReq  # noqa: E402
 from kiln.engine.request import SamplingParams  # noqa: E402
 
 COLUMNS = ["batch", "input_len", "output_len", "prefill_s", "step_ms", "round_ms", "round_p50_ms", "round_max_ms",
-           "accept_len", "decode_tok_s",
+           "accept_len", "round_bound_ms", "frac_of_round_bound", "decode_tok_s",
            "total_tok_s", "roofline_tok_s", "frac_of_roofline", "gpu_idle_frac", "note"]
 
 
@@ -98,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs warmed at capture).")
     common.add_bench_args(p)
     return p
+
+
+def round_bytes(core, meta_model, contexts: list[float]) -> dict:
+    """`roofline.round_bytes` for the engine's speculative rounds: its algorithm and K, its DFlash
+    drafter (DSpark's is inside `meta_model`), and its token map's rows (`--speculative-token-map`)."""
+    algo = core.config.speculative_algorithm
+    vocab = getattr(core.scheduler.spec.drafter, "vocab", None)
+    rows = len(vocab.ids) if vocab is not None and vocab.ids is not None else None
+    return roofline.round_bytes(meta_model, contexts, core.runner.spec_steps, algo,
+                                drafter=core.runner.draft_model if algo == "dflash" else None,
+                                draft_head_rows=rows, tp_size=core.config.tp_size)
 
 
 def always_draft(core) -> None:
@@ -390,6 +406,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             row["roofline_tok_s"] = bs * bw / rl["bytes_per_step"]
             row["frac_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
         row["bytes_per_step"] = rl["bytes_per_step"]
+        if config.speculative_algorithm and bw and row.get("round_ms"):
+            rb = round_bytes(core, meta_model, [args.input_len + args.output_len / 2] * bs)
+            row["bytes_per_round"] = rb["bytes_per_round"]
+            row["round_bound_ms"] = rb["bytes_per_round"] / bw * 1e3
+            row["frac_of_round_bound"] = row["round_bound_ms"] / row["round_ms"]
         log(f"batch {bs}: {common.format_table([row], COLUMNS)}")
         rows.append(row)
     title = (f"Decode at fixed batch: {common.model_name(config.model_path)}, {dtype}, {device}, "

@@ -272,6 +272,58 @@ def per_gpu(rl: dict, tp_size: int) -> dict:
     return out
 
 
+def _unique_bytes(modules: Sequence[torch.nn.Module]) -> int:
+    """Parameter bytes of `modules`, each tensor once."""
+    seen = {id(p): _param_bytes(p) for m in modules for p in m.parameters()}
+    return sum(seen.values())
+
+
+def round_bytes(model: torch.nn.Module, contexts: Sequence[float], num_steps: int, algorithm: str,
+                drafter: Optional[torch.nn.Module] = None, draft_head_rows: Optional[int] = None,
+                tp_size: int = 1) -> dict:
+    """Bytes one speculative round must read with K = `num_steps` drafts for each of the B sequences
+    of `contexts` (per GPU, as `per_gpu`):
+
+    - the verify: the target's weights at B (K + 1) rows (`roofline_bytes`: for MoE the distinct
+      experts those rows hit under uniform routing) and the state of the B sequences, once (a
+      sequence's K + 1 rows share it);
+    - the drafter: `mtp`, the first K MTP layers and K draft heads (the chain runs each layer and
+      its head once per round); `dflash` / `dspark`, the block drafter (`drafter`: DFlash's own
+      module; DSpark's is inside `model`) and one draft head for the K rows of a block; `ngram`,
+      nothing. A draft head reads the LM head, or its `draft_head_rows` rows with a token map.
+      The drafters' own caches (MTP windows, a block drafter's context K/V) are not counted.
+
+    Returns verify_weight_bytes, kv_bytes, drafter_bytes, draft_head_bytes and bytes_per_round. The
+    drafter is replicated under tensor parallelism, so only the target's parts are divided.
+    """
+    from kiln.models.block_drafter import BlockDrafter
+    from kiln.models.mtp import MTPLayer
+
+    assert num_steps >= 1, num_steps
+    verify = per_gpu(roofline_bytes(model, [c for c in contexts for _ in range(num_steps + 1)]), tp_size)
+    state = per_gpu(roofline_bytes(model, contexts), tp_size)
+    vocab = model.lm_head.vocab_size
+    head = verify["weights"]["lm_head"] // vocab * (vocab if draft_head_rows is None else draft_head_rows)
+    head = head / tp_size if tp_size > 1 else head
+    if algorithm == "mtp":
+        layers = sorted((m for m in model.modules() if isinstance(m, MTPLayer)), key=lambda m: m.k)[:num_steps]
+        assert len(layers) == num_steps, f"{num_steps} MTP steps, {len(layers)} MTP layers"
+        drafter_bytes, heads = _unique_bytes(layers), num_steps
+    elif algorithm in ("dflash", "dspark"):
+        if drafter is None:
+            drafter = next((m for m in model.modules() if isinstance(m, BlockDrafter)), None)
+        assert drafter is not None, f"{algorithm}: no block drafter given or inside the model"
+        drafter_bytes, heads = _unique_bytes([drafter]), 1
+    elif algorithm == "ngram":
+        drafter_bytes, heads = 0, 0
+    else:
+        raise ValueError(f"round_bytes: unknown speculative algorithm {algorithm!r}")
+    out = {"verify_weight_bytes": verify["weight_bytes"], "kv_bytes": state["kv_bytes"],
+           "drafter_bytes": drafter_bytes, "draft_head_bytes": heads * head}
+    out["bytes_per_round"] = sum(out.values())
+    return out
+
+
 def measure_bandwidth(device: Any, nbytes: Optional[int] = None, iters: int = 20) -> Optional[float]:
     """Memory bandwidth in bytes/s from a large same-device copy: each copy reads and writes
     `nbytes`, so bandwidth = 2 * nbytes * iters / time. On CPU a smaller copy gives DRAM speed."""

@@ -183,6 +183,10 @@ def test_decode_batch_times_full_ngram_rounds_on_random_weights(tiny_dir, one_th
     # 8 decoded tokens per request: a round every step, each emitting 1 to 4 of them
     assert row["accept_len"] is not None and 1.0 <= row["accept_len"] <= 4.0 and _positive(row["round_ms"])
     assert guesses and set(guesses) == {3}
+    # the round's own bound: a verify of K + 1 rows per request and no drafter, so on this dense
+    # model the bytes of a plain step
+    assert row["bytes_per_round"] == row["bytes_per_step"] and _positive(row["round_bound_ms"])
+    assert row["frac_of_round_bound"] == pytest.approx(row["round_bound_ms"] / row["round_ms"])
 
 
 def test_gpu_idle_fraction_union():

@@ -113,6 +113,46 @@ def test_roofline_minimax_tiny_hand_count(contexts):
     assert rl["params"]["total"] == presets.param_counts(presets.PRESETS["minimax_m3"]["tiny"])[0]
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_round_bytes_of_mtp_rounds_by_hand(k):
+    """A round of K MTP drafts reads the verify (the target's weights at B (K + 1) rows, the B
+    sequences' state once), the first K MTP layers and K draft heads (of a token map's rows)."""
+    ctx = [40, 100]
+    m = roofline.meta_model(presets.get_preset("inkling", "tiny"), torch.float32)
+    rb = roofline.round_bytes(m, ctx, k, "mtp")
+    rows = _inkling_tiny_hand([c for c in ctx for _ in range(k + 1)], 4)
+    hand = _inkling_tiny_hand(ctx, 4)
+    assert rb["verify_weight_bytes"] == pytest.approx(rows["weights"], rel=1e-12)
+    assert rows["weights"] > hand["weights"]  # more rows hit more experts
+    assert rb["kv_bytes"] == hand["kv"]
+    assert rb["drafter_bytes"] == hand["mtp"] * k / 2  # tiny has 2 MTP layers of one shape
+    assert rb["draft_head_bytes"] == k * V * 64 * 4
+    assert rb["bytes_per_round"] == pytest.approx(rows["weights"] + hand["kv"] + hand["mtp"] * k / 2 + k * V * 64 * 4)
+    assert roofline.round_bytes(m, ctx, k, "mtp", draft_head_rows=100)["draft_head_bytes"] == k * 100 * 64 * 4
+    with pytest.raises(AssertionError, match="3 MTP steps, 2 MTP layers"):
+        roofline.round_bytes(m, ctx, 3, "mtp")
+    ngram = roofline.round_bytes(m, ctx, k, "ngram")
+    assert ngram["drafter_bytes"] == ngram["draft_head_bytes"] == 0
+    assert ngram["bytes_per_round"] == rb["verify_weight_bytes"] + rb["kv_bytes"]
+    with pytest.raises(ValueError, match="unknown speculative algorithm"):
+        roofline.round_bytes(m, ctx, k, "eagle")
+
+
+def test_round_bytes_of_dspark_rounds():
+    """A block drafter is read once a round with one draft head for its K rows; DSpark's is the
+    target's own (counted by `presets.param_counts`), and without one the round is refused."""
+    cfg = presets.get_preset("minimax_m3", "tiny", dspark=True)
+    m = roofline.meta_model(cfg, torch.float32)
+    rb = roofline.round_bytes(m, [60], 3, "dspark")
+    drafter = presets.param_counts(cfg)[0] - presets.param_counts(presets.get_preset("minimax_m3", "tiny"))[0]
+    assert rb["drafter_bytes"] == drafter * 4 and rb["draft_head_bytes"] == V * 64 * 4
+    assert rb["verify_weight_bytes"] == pytest.approx(_minimax_tiny_hand([60] * 4, 4)["weights"], rel=1e-12)
+    assert rb["kv_bytes"] == _minimax_tiny_hand([60], 4)["kv"]
+    with pytest.raises(AssertionError, match="no block drafter"):
+        roofline.round_bytes(roofline.meta_model(presets.get_preset("minimax_m3", "tiny"), torch.float32), [60], 3,
+                             "dspark")
+
+
 def test_expected_experts_and_batch_one():
     assert roofline.expected_distinct_experts(64, 6, 1) == 6
     assert roofline.expected_distinct_experts(8, 2, 3) == pytest.approx(8 * (1 - 0.75 ** 3))
