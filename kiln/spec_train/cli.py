@@ -10,7 +10,8 @@ import sys
 from kiln.spec_train.config import TrainDraftConfig
 
 # --method -> (module, function called with the config)
-TRAINERS = {"mtp": ("kiln.spec_train.mtp", "train_mtp"), "dflash": ("kiln.spec_train.dflash_run", "train_dflash_run")}
+TRAINERS = {"mtp": ("kiln.spec_train.mtp", "train_mtp"), "dflash": ("kiln.spec_train.dflash_run", "train_dflash_run"),
+            "dspark": ("kiln.spec_train.dflash_run", "train_dflash_run")}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

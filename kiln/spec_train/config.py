@@ -17,7 +17,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from kiln.config import opt
 
-METHODS = ("mtp", "dflash")
+METHODS = ("mtp", "dflash", "dspark")
 
 
 def required(help: str, choices: Optional[list] = None):
@@ -32,8 +32,9 @@ class TrainDraftConfig:
 
     target: str = required("The frozen target: an HF directory or a .gguf file ('embedded': the embedded "
                            "SmolLM2-135M-Instruct).")
-    method: str = required("What to train: 'mtp' (MTP layers added to the target's checkpoint) or "
-                           "'dflash' (a standalone block drafter).", list(METHODS))
+    method: str = required("What to train: 'mtp' (MTP layers added to the target's checkpoint), 'dflash' "
+                           "(a standalone block drafter) or 'dspark' (a MiniMax-M3 target's built-in block "
+                           "drafter: the DFlash design, written into a copy of its checkpoint).", list(METHODS))
     out: str = required("Output directory: the drafter checkpoint, plus data/ (cached generations) and "
                         "metrics.jsonl / loss.png.")
     # Data: the target's own continuations (self-distillation)
@@ -65,7 +66,7 @@ class TrainDraftConfig:
                           "of every token, not only the argmax). On SmolLM2 it did not raise acceptance, on "
                           "greedy or sampled data (docs/speculative.md, 'Soft labels'). Validation reports the "
                           "token cross-entropy either way.", ["tokens", "target"])
-    # DFlash
+    # DFlash (and DSpark, the same drafter stored in a MiniMax-M3 checkpoint: the dflash_* options apply)
     dflash_num_layers: int = opt(1, "dflash: drafter layers.")
     dflash_block_size: int = opt(8, "dflash: block size B (the anchor + B-1 drafts; serve with K <= B-1).")
     dflash_layer_ids: Optional[list] = opt(None, "dflash: target layers whose input hidden state is tapped "
@@ -110,7 +111,7 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
-        if self.method == "dflash" and (self.time_limit_s or self.keep_best or not self.cache_hidden):
+        if self.method in ("dflash", "dspark") and (self.time_limit_s or self.keep_best or not self.cache_hidden):
             raise ValueError("--time-limit-s, --keep-best and --no-cache-hidden apply to --method mtp only")
         if self.synthetic_prompts < 0:
             raise ValueError(f"--synthetic-prompts must be >= 0, got {self.synthetic_prompts}")

@@ -1,6 +1,9 @@
 """`kiln train-draft --method dflash`: a DFlash block drafter (MODELS.md 4) trained against any
 frozen Kiln target on its own continuations, written as a directory that
-`--speculative-algorithm dflash --speculative-draft-model-path DIR` serves.
+`--speculative-algorithm dflash --speculative-draft-model-path DIR` serves. `--method dspark`
+trains the same drafter against a MiniMax-M3 target and writes it the way MODELS.md 3.3 ships it:
+a copy of the target's checkpoint with `dspark_config` and `dspark.*` weights (any drafter the
+target had replaced), served with `--speculative-algorithm dspark`.
 
 The data step is the MTP method's (`data.load_or_generate`, cached in DIR/data); the training
 loop is `dflash.train_dflash` (random anchors, the block mask, loss weighted by
@@ -38,21 +41,45 @@ def load_target(source, device: str, max_positions: int):
 def drafter_config(cfg, target_config) -> BlockDrafterConfig:
     """The drafter's shape from the flags; taps default to three target layers spread over the
     depth (first, middle, last: the residual entering each)."""
+    return BlockDrafterConfig.from_dict(drafter_fields(cfg, target_config), target_config,
+                                        where=f"kiln train-draft --method {cfg.method}")
+
+
+def drafter_fields(cfg, target_config) -> dict:
+    """The drafter's config fields set by the flags (`drafter_config` parses them; a DSpark
+    checkpoint stores them as its `dspark_config`)."""
     layers = target_config.num_hidden_layers
     ids = cfg.dflash_layer_ids or sorted({1 if layers > 1 else 0, layers // 2, layers - 1})
     mask = cfg.dflash_mask_token_id if cfg.dflash_mask_token_id is not None else target_config.vocab_size - 1
-    return BlockDrafterConfig.from_dict({"target_layer_ids": ids, "num_layers": cfg.dflash_num_layers,
-                                         "block_size": cfg.dflash_block_size, "mask_token_id": mask,
-                                         "conv_kernel_size": cfg.dflash_conv_kernel_size,
-                                         "conv_group_size": cfg.dflash_conv_group_size,
-                                         "selector_rank": cfg.dflash_selector_rank,
-                                         "selector_top_k": cfg.dflash_selector_top_k},
-                                        target_config, where="kiln train-draft --method dflash")
+    return {"target_layer_ids": [int(i) for i in ids], "num_layers": cfg.dflash_num_layers,
+            "block_size": cfg.dflash_block_size, "mask_token_id": mask,
+            "conv_kernel_size": cfg.dflash_conv_kernel_size, "conv_group_size": cfg.dflash_conv_group_size,
+            "selector_rank": cfg.dflash_selector_rank, "selector_top_k": cfg.dflash_selector_top_k}
+
+
+def check_target(cfg, source) -> None:
+    """`--method dspark` needs a MiniMax-M3 target (MODELS.md 3.3): checked before any data is made."""
+    model_type = source.config.get("model_type")
+    if cfg.method == "dspark" and model_type != "minimax_m3":
+        raise ValueError(f"--method dspark trains a MiniMax-M3 checkpoint's built-in drafter; the target is "
+                         f"{model_type!r}: train a standalone block drafter with --method dflash")
+
+
+def save_dspark(drafter, source, fields: dict, out: str) -> None:
+    """`out` = the MiniMax-M3 target `source` with `drafter` as its DSpark drafter: the target's
+    tensors but any old `dspark.*`, the drafter's under `dspark.`, and config.json with
+    `dspark_config` = `fields` (what `--speculative-algorithm dspark` reads)."""
+    from kiln.spec_train.mtp import write_checkpoint
+
+    tensors = {f"dspark.{name}": t.detach() for name, t in drafter.checkpoint_state_dict().items()}
+    config = {**source.config, "dspark_config": fields}
+    write_checkpoint(source, tensors, config, out, prefix="dspark.")
 
 
 def train_dflash_run(cfg) -> dict:
     """Generate (or reuse) the data, train (holding back `val_fraction` of the sequences for
-    validation), write the drafter directory, metrics.jsonl and loss.png into cfg.out. Returns the
+    validation), write the drafter directory (`--method dspark`: the target's checkpoint with the
+    drafter, `save_dspark`), metrics.jsonl and loss.png into cfg.out. Returns the
     last validation CE and accuracy per block position (without validation: the training loss and
     accuracy of the last steps)."""
     from tqdm import tqdm
@@ -66,6 +93,7 @@ def train_dflash_run(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
     source = resolve_model(target_path(cfg.target))
+    check_target(cfg, source)
     samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
     data = [(s.ids[:cfg.max_seq_len], len(s.prompt_ids)) for s in samples]
     random.Random(cfg.seed).shuffle(data)
@@ -103,7 +131,10 @@ def train_dflash_run(cfg) -> dict:
     for bar in bars:
         bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
-    save_dflash(drafter, cfg.out, extra={"trained_by": "kiln train-draft", "target": cfg.target})
+    if cfg.method == "dspark":
+        save_dspark(drafter, source, drafter_fields(cfg, target_config), cfg.out)
+    else:
+        save_dflash(drafter, cfg.out, extra={"trained_by": "kiln train-draft", "target": cfg.target})
     last = next((h for h in reversed(history) if "val_ce_k" in h), None)
     if last is not None:
         return {k: [round(x, 3) for x in last[k]] for k in ("val_ce_k", "val_acc_k")}

@@ -341,21 +341,22 @@ def export_checkpoint(model, source, cfg) -> None:
     write_checkpoint(source, mtp, mtp_config(source.config, cfg), cfg.out)
 
 
-def write_checkpoint(source, mtp: dict, config: dict, out: str) -> None:
-    """Write `out` as a servable checkpoint: the target `source`'s tensors as they are on disk,
-    the MTP tensors `mtp` ({"mtp.{k}...": tensor}, cast to the target's dtype), `config` as
-    config.json, and the target's tokenizer and generation config."""
+def write_checkpoint(source, added: dict, config: dict, out: str, prefix: str = "mtp.") -> None:
+    """Write `out` as a servable checkpoint: the target `source`'s tensors as they are on disk but
+    those under `prefix`, the drafter's tensors `added` ({"mtp.{k}...": tensor}, or DSpark's
+    "dspark...."; cast to the target's dtype), `config` as config.json, and the target's tokenizer
+    and generation config."""
     from safetensors.torch import save_file
 
     from kiln.loader import iter_weights
     from kiln.loader.source import TOKENIZER_FILES
 
-    if not mtp or not all(n.startswith("mtp.") for n in mtp):
-        raise ValueError("write_checkpoint: expected a non-empty set of mtp.* tensors")
+    if not added or not all(n.startswith(prefix) for n in added):
+        raise ValueError(f"write_checkpoint: expected a non-empty set of {prefix}* tensors")
     os.makedirs(out, exist_ok=True)
-    state = {n: t.contiguous() for n, t in iter_weights(source) if not n.startswith("mtp.")}
+    state = {n: t.contiguous() for n, t in iter_weights(source) if not n.startswith(prefix)}
     dtype = next(iter(state.values())).dtype
-    for name, t in mtp.items():
+    for name, t in added.items():
         state[name] = t.to("cpu", dtype).contiguous().clone()
     for name in os.listdir(out):
         if name.endswith(".safetensors") or name == "model.safetensors.index.json":
