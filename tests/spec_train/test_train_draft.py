@@ -239,8 +239,8 @@ def test_train_dspark_into_a_tiny_minimax_m3_then_serve(tmp_path):
     target = _write_target(str(tmp_path / "target"), config)
     out = str(tmp_path / "dspark")
     main(["train-draft", "--target", target, "--method", "dspark", "--out", out, "--prompts",
-          os.path.join(target, "prompts.jsonl"), "--num-prompts", "40", "--max-new-tokens", "40",
-          "--dflash-block-size", "4", "--dflash-layer-ids", "[1, 3]", "--num-steps", "60", "--lr", "3e-3",
+          os.path.join(target, "prompts.jsonl"), "--num-prompts", "24", "--max-new-tokens", "32",
+          "--dflash-block-size", "4", "--dflash-layer-ids", "[1, 3]", "--num-steps", "40", "--lr", "3e-3",
           "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--val-fraction", "0",
           "--no-progress"])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -255,10 +255,11 @@ def test_train_dspark_into_a_tiny_minimax_m3_then_serve(tmp_path):
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
 
-    # The training prompts: this random MiniMax-M3's continuations are too irregular for 60 steps to
-    # generalise (held-out prompts accept ~1.03), but served drafts that match what was trained
-    # show that the checkpoint serves the trained drafter (an untrained one accepts ~1.0).
-    ps = [json.loads(line)["prompt_ids"] for line in open(os.path.join(target, "prompts.jsonl"))][:16]
+    # The training prompts: this random MiniMax-M3's continuations are too irregular for a short run
+    # to generalise (held-out prompts accepted ~1.03 after 60 steps), but served drafts that match
+    # what was trained show that the checkpoint serves the trained drafter (an untrained one
+    # accepts ~1.0; this one ~1.7).
+    ps = [json.loads(line)["prompt_ids"] for line in open(os.path.join(target, "prompts.jsonl"))][:8]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain, _ = _acceptance(target, ps, spec=False)
     with Engine(out, skip_tokenizer_init=True, max_total_tokens=2048, speculative_algorithm="dspark",
