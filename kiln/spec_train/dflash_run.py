@@ -91,9 +91,9 @@ def train_dflash_run(cfg) -> dict:
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    os.makedirs(cfg.out, exist_ok=True)
     source = resolve_model(target_path(cfg.target))
     check_target(cfg, source)
+    os.makedirs(cfg.out, exist_ok=True)
     samples = [s for s in load_or_generate(cfg, os.path.join(cfg.out, "data")) if s.output_ids]
     data = [(s.ids[:cfg.max_seq_len], len(s.prompt_ids)) for s in samples]
     random.Random(cfg.seed).shuffle(data)

@@ -233,7 +233,7 @@ def test_train_dspark_into_a_tiny_minimax_m3_then_serve(tmp_path):
     llama = _write_target(str(tmp_path / "llama"))
     with pytest.raises(SystemExit):
         main(["train-draft", "--target", llama, "--method", "dspark", "--out", str(tmp_path / "no")])
-    assert not os.path.exists(tmp_path / "no" / "data")
+    assert not os.path.exists(tmp_path / "no")
 
     config = {**get_preset("minimax_m3", "tiny"), "vocab_size": 128, "max_position_embeddings": 256, "eos_token_id": 1}
     target = _write_target(str(tmp_path / "target"), config)
