@@ -183,19 +183,25 @@ def test_train_mtp_on_a_tiny_target_then_serve(tmp_path, monkeypatch):
     assert soft["val_loss"] < start["val_loss"] - 0.5, (soft, start)
 
 
+def _train_block_drafter(method: str, target: str, out: str, prompts: int, new_tokens: int, steps: int,
+                         taps: str) -> list[dict]:
+    """`kiln train-draft --method {dflash,dspark}` with B = 4 on the target's prompts; its metrics rows."""
+    from kiln.cli import main
+
+    main(["train-draft", "--target", target, "--method", method, "--out", out, "--prompts",
+          os.path.join(target, "prompts.jsonl"), "--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens),
+          "--dflash-block-size", "4", "--dflash-layer-ids", taps, "--num-steps", str(steps), "--lr", "3e-3",
+          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--val-fraction", "0",
+          "--no-progress"])
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
 def test_train_dflash_on_a_tiny_target_then_serve(tmp_path):
     """`--method dflash`: the loss falls, the directory serves with --speculative-algorithm
     dflash token-identical to the target, with a higher acceptance than chance."""
-    from kiln.cli import main
-
     target = _write_target(str(tmp_path / "target"))
     out = str(tmp_path / "dflash")
-    main(["train-draft", "--target", target, "--method", "dflash", "--out", out, "--prompts",
-          os.path.join(target, "prompts.jsonl"), "--num-prompts", "40", "--max-new-tokens", "40",
-          "--dflash-block-size", "4", "--dflash-layer-ids", "[0, 1]", "--num-steps", "60", "--lr", "3e-3",
-          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--val-fraction", "0",
-          "--no-progress"])
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = _train_block_drafter("dflash", target, out, prompts=40, new_tokens=40, steps=60, taps="[0, 1]")
     assert len(rows) == 60
     first = sum(r["loss"] for r in rows[:10]) / 10
     last = sum(r["loss"] for r in rows[-10:]) / 10
@@ -238,12 +244,7 @@ def test_train_dspark_into_a_tiny_minimax_m3_then_serve(tmp_path):
     config = {**get_preset("minimax_m3", "tiny"), "vocab_size": 128, "max_position_embeddings": 256, "eos_token_id": 1}
     target = _write_target(str(tmp_path / "target"), config)
     out = str(tmp_path / "dspark")
-    main(["train-draft", "--target", target, "--method", "dspark", "--out", out, "--prompts",
-          os.path.join(target, "prompts.jsonl"), "--num-prompts", "24", "--max-new-tokens", "32",
-          "--dflash-block-size", "4", "--dflash-layer-ids", "[1, 3]", "--num-steps", "40", "--lr", "3e-3",
-          "--warmup-steps", "5", "--batch-tokens", "512", "--max-seq-len", "64", "--val-fraction", "0",
-          "--no-progress"])
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = _train_block_drafter("dspark", target, out, prompts=24, new_tokens=32, steps=40, taps="[1, 3]")
     assert sum(r["loss"] for r in rows[-10:]) / 10 < sum(r["loss"] for r in rows[:10]) / 10 - 0.3
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert {k: v for k, v in cfg.items() if k != "dspark_config"} == config
