@@ -60,3 +60,17 @@ lane0_s51d() {
   step mm_dspark7 60 $DECODE --model-path $MM+dspark --batch-sizes 1 $a $d --speculative-num-steps 7 \
     --out "$R/json/mm_dspark7.json"
 }
+
+# `s51e` (for the next session; not run): `test_pdl.py` with the GEMV's row limit pinned (the
+#   suite's one failure in `s51d`, fixed in the test), then where a DSpark round's GPU time goes:
+#   MiniMax-M3 `bench` plain and with its 5-layer DSpark drafter (K = 3), batch 1, profiled with PDL
+#   off as `s49d` profiles Inkling's MTP rounds (`--gemv-max-rows 1` keeps the GEMV without PDL).
+lane0_s51e() {
+  export TRITON_CACHE_DIR=/tmp/triton-s51e-$$
+  step gpu_pdl 150 python -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py -rA
+  local a="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  local p="--disable-pdl --gemv-max-rows 1 --profile --profile-steps 20"
+  step mm_plain_prof 90 $DECODE --model-path $MM $a $p --kernel-rows 40 --out "$R/json/mm_plain_prof.json"
+  step mm_dspark_prof 120 $DECODE --model-path $MM+dspark $a --speculative-algorithm dspark \
+    --speculative-num-steps 3 $p --kernel-rows 60 --out "$R/json/mm_dspark_prof.json"
+}
