@@ -77,9 +77,8 @@ def resolve_model_path(model_path: str) -> str:
     arch, sep, preset = spec.partition("/")
     if not sep:
         raise ValueError(f"--model-path {model_path!r}: expected preset:ARCH/PRESET, e.g. preset:inkling/bench")
-    dspark = preset.endswith(DSPARK_SUFFIX)
-    name = preset
-    preset = preset[:-len(DSPARK_SUFFIX)] if dspark else preset
+    name, preset = preset, preset.removesuffix(DSPARK_SUFFIX)
+    dspark = preset != name
     import atexit
     import shutil
     import tempfile

@@ -41,20 +41,16 @@ def load_target(source, device: str, max_positions: int):
 def drafter_config(cfg, target_config) -> BlockDrafterConfig:
     """The drafter's shape from the flags; taps default to three target layers spread over the
     depth (first, middle, last: the residual entering each)."""
-    return BlockDrafterConfig.from_dict(drafter_fields(cfg, target_config), target_config,
-                                        where=f"kiln train-draft --method {cfg.method}")
-
-
-def drafter_fields(cfg, target_config) -> dict:
-    """The drafter's config fields set by the flags (`drafter_config` parses them; a DSpark
-    checkpoint stores them as its `dspark_config`)."""
     layers = target_config.num_hidden_layers
     ids = cfg.dflash_layer_ids or sorted({1 if layers > 1 else 0, layers // 2, layers - 1})
     mask = cfg.dflash_mask_token_id if cfg.dflash_mask_token_id is not None else target_config.vocab_size - 1
-    return {"target_layer_ids": [int(i) for i in ids], "num_layers": cfg.dflash_num_layers,
-            "block_size": cfg.dflash_block_size, "mask_token_id": mask,
-            "conv_kernel_size": cfg.dflash_conv_kernel_size, "conv_group_size": cfg.dflash_conv_group_size,
-            "selector_rank": cfg.dflash_selector_rank, "selector_top_k": cfg.dflash_selector_top_k}
+    return BlockDrafterConfig.from_dict({"target_layer_ids": ids, "num_layers": cfg.dflash_num_layers,
+                                         "block_size": cfg.dflash_block_size, "mask_token_id": mask,
+                                         "conv_kernel_size": cfg.dflash_conv_kernel_size,
+                                         "conv_group_size": cfg.dflash_conv_group_size,
+                                         "selector_rank": cfg.dflash_selector_rank,
+                                         "selector_top_k": cfg.dflash_selector_top_k},
+                                        target_config, where=f"kiln train-draft --method {cfg.method}")
 
 
 def check_target(cfg, source) -> None:
@@ -65,13 +61,15 @@ def check_target(cfg, source) -> None:
                          f"{model_type!r}: train a standalone block drafter with --method dflash")
 
 
-def save_dspark(drafter, source, fields: dict, out: str) -> None:
+def save_dspark(drafter, source, out: str) -> None:
     """`out` = the MiniMax-M3 target `source` with `drafter` as its DSpark drafter: the target's
-    tensors but any old `dspark.*`, the drafter's under `dspark.`, and config.json with
-    `dspark_config` = `fields` (what `--speculative-algorithm dspark` reads)."""
+    tensors but any old `dspark.*`, the drafter's under `dspark.`, and config.json with the
+    drafter's config as `dspark_config` (as `save_dflash` writes it; the vocabulary is the
+    target's own)."""
     from kiln.spec_train.mtp import write_checkpoint
 
     tensors = {f"dspark.{name}": t.detach() for name, t in drafter.checkpoint_state_dict().items()}
+    fields = {k: v for k, v in drafter.config.to_dict().items() if k != "vocab_size"}
     config = {**source.config, "dspark_config": fields}
     write_checkpoint(source, tensors, config, out, prefix="dspark.")
 
@@ -132,7 +130,7 @@ def train_dflash_run(cfg) -> dict:
         bar.close()
     plot_losses(history, os.path.join(cfg.out, "loss.png"))
     if cfg.method == "dspark":
-        save_dspark(drafter, source, drafter_fields(cfg, target_config), cfg.out)
+        save_dspark(drafter, source, cfg.out)
     else:
         save_dflash(drafter, cfg.out, extra={"trained_by": "kiln train-draft", "target": cfg.target})
     last = next((h for h in reversed(history) if "val_ce_k" in h), None)
