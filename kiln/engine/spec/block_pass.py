@@ -9,8 +9,9 @@ launching its small PyTorch ops (H200, Inkling `bench`, a 1-layer drafter; docs/
 Here the block's own K/V go into the drafter's page space (`DRAFT_KV`) at the block's positions
 anchor .. anchor + B - 1, right after the context K/V of the committed positions < anchor. Then
 every block row attends to keys 0 .. anchor + B - 1 of its request, all of them (the block is
-bidirectional): exactly the decode attention kernel with seq_len = anchor + B, one query row per
-block row. Nothing depends on the context length but the kernel's loop bounds, so the pass is
+bidirectional): the decode attention of one query row per block row with seq_len = anchor + B,
+which `kiln.kernels.block_attention` computes with a block's rows in one program, reading the
+request's K/V once per block (not once per row). Nothing depends on the context length but the kernel's loop bounds, so the pass is
 captured once per batch size, its inputs per *request* (anchor token, anchor position, request
 row) in static buffers, every row's token, position and slot derived on the device.
 
@@ -108,13 +109,13 @@ class PagedBlockPass:
         rows, pos = rows.view(-1), pos.view(-1)
         emb = o.target.model.embed_tokens(ids.reshape(-1))
         scale = drafter.config.head_dim ** -0.5
-        from kiln.kernels.decode_attention import decode_attention
+        from kiln.kernels.block_attention import block_attention
         from kiln.kernels.kv_store import store_kv
 
         def layer_cache(i: int):
             k_cache, v_cache = pool.layer(i)
             return (lambda k, v: store_kv(k, v, k_cache, v_cache, slots),
-                    lambda q: decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale))
+                    lambda q: block_attention(q, k_cache, v_cache, table, rows, seq_lens, scale, B))
 
         h = drafter.forward_paged(emb.to(drafter.fc.weight.dtype), pos, self.route,
                                   [layer_cache(i) for i in range(len(drafter.layers))])
