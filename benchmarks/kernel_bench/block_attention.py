@@ -4,7 +4,7 @@ program per run of rows, KV head and split), CUDA only.
 
     python -m benchmarks.kernel_bench.block_attention [--batch 1 8] [--context 1024 8192 32768]
                                                       [--block 16] [--min-split-keys 64 256 1024]
-                                                      [--table-len 131088]
+                                                      [--programs-per-sm 1 2 4] [--table-len 131088]
 
 Shape: MiniMax-M3 `bench`'s DSpark drafter (and Inkling `bench`'s DFlash drafter): Hq = 16,
 Hkv = 4, D = 128, bf16, pages of 16 tokens in random order; every block's keys are its context
@@ -15,7 +15,8 @@ of 20 calls, each after an L2 flush, less the flushes alone (medians of
 `triton.testing.do_bench`; `benchmarks.kernel_bench.attention.in_graph_time`), which is how it
 runs inside the pass's graph after the layer's projections have left the K/V cold. GB/s = the
 K+V bytes the call must read (each request's keys once) / that time. Each variant is checked
-against the reference (`paged_decode_attention`) first.
+against the reference (`paged_decode_attention`) first. One `block` row per least keys per split
+x programs per SM (the module's MIN_SPLIT_KEYS and PROGRAMS_PER_SM, set for the row).
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=16, help="rows per block (B)")
     ap.add_argument("--min-split-keys", type=int, nargs="+", default=[64, 256, 1024],
                     help="block_attention's least keys per split, one row each")
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1],
+                    help="block_attention's PROGRAMS_PER_SM, one row each")
     ap.add_argument("--table-len", type=int, default=131088, help="page-table width (0: context + B)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernel_bench.block_attention needs CUDA")
     import triton
 
+    from kiln.kernels import block_attention as module
     from kiln.kernels.block_attention import block_attention
     from kiln.kernels.decode_attention import decode_attention
     from kiln.ops.attention import paged_decode_attention
@@ -52,7 +56,7 @@ def main(argv=None) -> None:
     flush = torch.empty(32 * 2 ** 20, dtype=torch.int32, device=dev)  # 128 MB > the 50-60 MB L2
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# Hq {HQ} Hkv {HKV} D {D} B {B}, {dtype}, page {PAGE}; us one call adds in a graph (L2 flushed)")
-    print(f"{'batch':>6}{'ctx':>7}{'variant':>16}{'us':>9}{'GB/s':>8}{'vs rows':>9}")
+    print(f"{'batch':>6}{'ctx':>7}{'variant':>20}{'us':>9}{'GB/s':>8}{'vs rows':>9}")
     gen = torch.Generator(device=dev).manual_seed(0)
     for b in args.batch:
         for ctx in args.context:
@@ -71,16 +75,22 @@ def main(argv=None) -> None:
             ref = paged_decode_attention(q, k_cache, v_cache, table, slots, lens, scale).float()
             variants = {"rows (decode)": lambda: decode_attention(q, k_cache, v_cache, table, slots, lens, scale)}
             for m in args.min_split_keys:
-                variants[f"block >={m}"] = (lambda m=m: block_attention(q, k_cache, v_cache, table, slots, lens,
-                                                                        scale, B, min_split_keys=m))
+                for p in args.programs_per_sm:
+                    variants[f"block >={m} {p}/SM"] = (m, p)
             kv_bytes = b * n_keys * HKV * D * 2 * k_cache.element_size()
             base = None
+            default = module.PROGRAMS_PER_SM
             for name, call in variants.items():
+                if isinstance(call, tuple):  # a block row: its split settings
+                    m, module.PROGRAMS_PER_SM = call
+                    call = (lambda m=m: block_attention(q, k_cache, v_cache, table, slots, lens, scale, B,
+                                                        min_split_keys=m))
                 err = (call().float() - ref).abs().max().item()
                 assert err < 5e-2, f"{name}: differs from the reference by {err}"
                 us = 1e3 * in_graph_time(call, flush, bench)
                 base = base or us
-                print(f"{b:>6}{ctx:>7}{name:>16}{us:>9.2f}{kv_bytes / us / 1e3:>8.0f}{base / us:>8.2f}x", flush=True)
+                print(f"{b:>6}{ctx:>7}{name:>20}{us:>9.2f}{kv_bytes / us / 1e3:>8.0f}{base / us:>8.2f}x", flush=True)
+                module.PROGRAMS_PER_SM = default
             del k_cache, v_cache, table, q, ref
             torch.cuda.empty_cache()
 

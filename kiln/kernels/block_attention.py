@@ -29,17 +29,30 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import assert_rows
-from kiln.kernels.decode_attention import LOG2E, decode_config, dot_precision, head_dim_block, pick_num_splits
+from kiln.kernels.decode_attention import MAX_SPLITS, LOG2E, _num_sms, decode_config, dot_precision, head_dim_block
 from kiln.kernels.decode_splits import _merge_kernel, _split_len, merge_tile
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
 # Query rows (rows x heads of a group) in one program's tile: 64 keeps the fp32 accumulator at 64
 # registers a thread at 4 warps and D = 128.
 MAX_TILE_ROWS = 64
-# Keys per split at least. A split's partials are a whole tile (rows x heads x D fp32: 32 KB at
-# B = 16, G = 4, D = 128), as many bytes as 64 keys' K and V, so short splits double the traffic
-# that `decode_attention`'s one-row splits do not.
+# Keys per split at least, and (run, KV head, split) programs per SM that the split count aims
+# at. A split's partials are a whole tile (rows x heads x D fp32: 32 KB at B = 16, G = 4,
+# D = 128, as many bytes as 64 keys' K and V) and each program's tile is 4x `decode_attention`'s,
+# so fewer, longer splits than its 4-8 programs per SM: on an H100 (B = 16, Hq 16, Hkv 4, D 128;
+# docs/benchmarks.md, fifty-second pass) splits of at least 64 keys took 11.8 us at batch 1 / 1K
+# against 14.4 at 256, but 25.6 against 19.4 at batch 8 / 1K, where they made 544 programs.
 MIN_SPLIT_KEYS = 64
+PROGRAMS_PER_SM = 1
+
+
+def pick_block_splits(programs: int, kv_heads: int, max_keys: int, device: torch.device, min_split: int) -> int:
+    """Splits per run: about PROGRAMS_PER_SM programs per SM over the grid, never more than the
+    `min_split`-key splits of `max_keys` or `MAX_SPLITS` (the merge's partials)."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    splits = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, programs * kv_heads))
+    return max(1, min(splits, triton.cdiv(max(max_keys, 1), min_split), MAX_SPLITS))
 
 
 def rows_per_program(rows_per_block: int, group: int) -> int:
@@ -155,7 +168,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     min_split = max(1, triton.cdiv(min_split, block_n)) * block_n
     max_keys = req_to_token.shape[1] if max_len is None else max_len
     if num_splits is None:
-        num_splits = pick_num_splits(programs, hkv, max_keys, q.device, min_split)
+        num_splits = pick_block_splits(programs, hkv, max_keys, q.device, min_split)
     if num_splits > 1:
         mid_o = torch.empty(n, hq, num_splits, d, device=q.device, dtype=torch.float32)
         mid_lse = torch.empty(n, hq, num_splits, device=q.device, dtype=torch.float32)

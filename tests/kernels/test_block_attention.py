@@ -128,3 +128,13 @@ def test_block_attention_cuda_graph_replays_new_lengths():
         graph.replay()
         want = paged_decode_attention(q, k_cache, v_cache, r2t, slots, lens, 0.1)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_block_splits_aim_at_programs_per_sm_within_the_caps():
+    from kiln.kernels import block_attention as module
+
+    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
+    assert module.pick_block_splits(1, 1, 10_000, cpu, 64) == 4 * module.PROGRAMS_PER_SM
+    assert module.pick_block_splits(1, 1, 100, cpu, 64) == 2  # no more splits than 64-key chunks
+    assert module.pick_block_splits(8, 4, 10_000, cpu, 64) == 1
+    assert module.pick_block_splits(0, 4, 0, cpu, 64) == 1
