@@ -37,19 +37,21 @@ lane0_s52b() {
 # `s52c` (carry scratch/b_9d0776d): `block_attention`'s split count from programs per SM (1, the
 #   new default, against 2 and 4, at least 64 or 256 keys a split; `s52a` ran the old rule, 4-8
 #   programs per SM), its GPU tests; MiniMax-M3 `bench` + DSpark K = 3 rounds at batch 1 and 8, 1K
-#   and 8K, this tree against 9d0776d, twice each alternated; then `s52b`'s profiles.
+#   and 8K, this tree against 9d0776d; then `s52b`'s DSpark round profile (the plain step's
+#   profile left out: device time was short).
 lane0_s52c() {
   export TRITON_CACHE_DIR=/tmp/triton-s52c-$$
   step gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_block_attention.py
   step kbench 150 python -m benchmarks.kernel_bench.block_attention --batch 1 8 --context 1024 8192 32768 \
     --min-split-keys 64 256 --programs-per-sm 1 2 4
   local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
-  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C" i
-  for i in 1 2; do
-    step ds_now_$i 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_now_$i.json"
-    step ds_base_$i 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_base_$i.json"
-    step ds8k_now_$i 60 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_now_$i.json"
-    step ds8k_base_$i 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_base_$i.json"
-  done
-  lane0_s52b
+  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
+  step ds1k_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_now.json"
+  step ds1k_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_base.json"
+  step ds8k_now 60 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_now.json"
+  step ds8k_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_base.json"
+  local a="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step mm_dspark_prof 120 $DECODE --model-path $MM+dspark $a --speculative-algorithm dspark \
+    --speculative-num-steps 3 --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 60 \
+    --out "$R/json/mm_dspark_prof.json"
 }
