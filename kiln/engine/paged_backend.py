@@ -118,11 +118,15 @@ class PagedBackend:
         """[T] the request row of every token: `extras["token_slots"]` when the batch brings it
         (graph batches fill it once per replay, not once per layer; the MTP chain graph's rows
         include padding), else each sequence's row repeated over its extend (no host sync: the
-        output size is the token count)."""
+        output size is the token count), kept in the batch for its other layers. Not kept in a
+        graph batch: its warm-up's tensor would be read by the capture instead of recomputed."""
         slots = batch.extras.get("token_slots")
         if slots is not None:
             return slots
-        return torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=num_tokens)
+        slots = torch.repeat_interleave(batch.req_slots, batch.extend_lens_t, output_size=num_tokens)
+        if not batch.in_graph:
+            batch.extras["token_slots"] = slots
+        return slots
 
     # ---- attention -----------------------------------------------------------------------
     def _kv(self, layer) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -367,7 +371,8 @@ class PagedBackend:
             return self.k_msa.msa_extend(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], batch.req_slots,
                                          batch.prefix_lens_t, batch.extend_lens_t, batch.extend_starts_t,
                                          layer.block_size, layer.topk_blocks, layer.scale, max_len=max_len,
-                                         split_counters=self.split_counters)
+                                         split_counters=self.split_counters, q_pos=batch.positions,
+                                         row_slots=self._token_slots(batch, q.shape[0]))
         slots = batch.extras.get("req_slots_cpu") or batch.req_slots.tolist()
         return msa_ops.paged_msa_attention(q, qI, k_cache, v_cache, ki_cache, self.tables["main"], slots,
                                            batch.prefix_lens, batch.extend_lens, layer.block_size,

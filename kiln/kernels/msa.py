@@ -407,7 +407,8 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_starts: torch.Tensor,
                block_size: int, topk_blocks: int, scale: float,
                max_len: Optional[int] = None, split_counters: Optional[torch.Tensor] = None,
-               select_in_attention: bool = True) -> torch.Tensor:
+               select_in_attention: bool = True, q_pos: Optional[torch.Tensor] = None,
+               row_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MSA of each sequence's new queries over its whole cache (chunked prefill, mixed batches):
     `kiln.ops.msa.paged_msa_attention` with device-tensor metadata.
 
@@ -415,14 +416,17 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
     extend_starts: [S] int64 on the device (sequence s owns rows extend_starts[s] ..
     + extend_lens[s], at positions prefix_lens[s] ..). No host sync. Selection and attention run
     per query row with the decode kernels (each row gathers its own N blocks);
-    `select_in_attention` as `msa_decode`'s.
+    `select_in_attention` as `msa_decode`'s. `q_pos` and `row_slots` ([T] int64: every row's
+    position and request row) may pass what the caller already has (the engine's positions and
+    token rows); without them they are derived here, ~10 small launches, per call: a verify of
+    MiniMax-M3 `bench` paid them on every one of its 24 layers (fifty-second pass).
     """
     t = q.shape[0]
-    rows = torch.arange(t, device=q.device)
-    seq = torch.repeat_interleave(torch.arange(extend_lens.shape[0], device=q.device), extend_lens,
-                                  output_size=t)
-    q_pos = prefix_lens[seq] + rows - extend_starts[seq]
-    row_slots = req_slots[seq]
+    if q_pos is None or row_slots is None:
+        seq = torch.repeat_interleave(torch.arange(extend_lens.shape[0], device=q.device), extend_lens,
+                                      output_size=t)
+        q_pos = prefix_lens[seq] + torch.arange(t, device=q.device) - extend_starts[seq]
+        row_slots = req_slots[seq]
     scores = msa_extend_scores(qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens,
                                extend_starts, block_size, max_len)
     return _select_and_attend(q, k_cache, v_cache, req_to_token, row_slots, q_pos, scores, block_size,

@@ -112,7 +112,7 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
 
 @triton.jit
 def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr, seq_len_ptr,
-                          seq_start_ptr, tile_end_ptr, s_ptr,
+                          seq_start_ptr, s_ptr,
                           s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs, num_blocks,
                           NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, TILE_Q: tl.constexpr, TILE_T: tl.constexpr,
@@ -120,20 +120,24 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     """S[row, g, blk] for TILE_Q consecutive queries of one sequence: [TILE_Q, DI] x [DI, TILE_T]
     dots against the block's index keys, causal mask, row max.
 
-    Programs are laid out over an upper bound of the tile count; tile_end_ptr holds the running
-    total of tiles per sequence, so a program finds its sequence by counting the ends <= its id
-    (programs past the last tile store nothing). As in the decode kernel, program p of a tile
+    Programs are laid out over an upper bound of the tile count; every program sums the tiles per
+    sequence itself (a running total over at most NUM_SEQS_P lengths) and finds its sequence by
+    counting the ends <= its id (programs past the last tile store nothing). A cumsum launched
+    before the kernel cost a verify of MiniMax-M3 `bench` three launches a layer (fifty-second
+    pass). As in the decode kernel, program p of a tile
     scores blocks p, p + P, .. up to the tile's last visible key, whatever the grid's size.
     """
     wait_for_previous(PDL)
     tile = tl.program_id(0)
     g = tl.program_id(2)
     offs_s = tl.arange(0, NUM_SEQS_P)
-    ends = tl.load(tile_end_ptr + offs_s, mask=offs_s < num_seqs, other=2147483647)
+    s_mask = offs_s < num_seqs
+    tiles = (tl.load(seq_len_ptr + offs_s, mask=s_mask, other=0).to(tl.int32) + TILE_Q - 1) // TILE_Q
+    ends = tl.where(s_mask, tl.cumsum(tiles, axis=0), 2147483647)
     seq = tl.sum((ends <= tile).to(tl.int32), axis=0)
     live = seq < num_seqs
+    first_tile = tl.sum(tl.where(offs_s < seq, tiles, 0), axis=0)  # the tiles before this sequence's
     seq = tl.minimum(seq, num_seqs - 1)
-    first_tile = tl.load(tile_end_ptr + seq - 1, mask=seq > 0, other=0)
     n = tl.load(seq_len_ptr + seq)
     prefix = tl.load(seq_prefix_ptr + seq)
     row0 = tl.load(seq_start_ptr + seq)
@@ -242,7 +246,6 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     if t == 0 or ns == 0:
         return scores
     tq = _EXTEND_TILE_Q
-    tile_end = torch.cumsum((extend_lens + tq - 1) // tq, 0)
     max_tiles = -(-t // tq) + ns  # each sequence wastes less than one tile
     # Eager (max_len given, so nb is tight): a program per block, which keeps a long sequence's
     # blocks parallel beside a long prefill chunk. In a graph nb spans the context: fill the GPU.
@@ -251,7 +254,7 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     per_tile = programs or _score_programs(max_tiles, g, nb, qI.device)
     assert per_tile <= 65535 and g <= 65535
     _extend_scores_kernel[(max_tiles, per_tile, g)](
-        qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, tile_end, scores,
+        qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
         scores.stride(0), scores.stride(1), math.sqrt(di), ns, nb,
         NUM_SEQS_P=_p2(ns), DI=di, DI_P=max(16, _p2(di)), BLOCK_SIZE=block_size, TILE_Q=tq,

@@ -389,7 +389,7 @@ def msa_scores() -> None:
     from kiln.kernels.msa_scores import _decode_scores_kernel, _extend_scores_kernel
 
     i64 = ("r2t_ptr", "rslot_ptr", "qpos_ptr", "seq_rslot_ptr", "seq_prefix_ptr", "seq_len_ptr", "seq_start_ptr")
-    types = {"qI_ptr": "*bf16", "kI_ptr": "*bf16", "s_ptr": "*fp32", "sqrt_di": "fp32", "tile_end_ptr": "*i64",
+    types = {"qI_ptr": "*bf16", "kI_ptr": "*bf16", "s_ptr": "*fp32", "sqrt_di": "fp32",
              **{n: "*i64" for n in i64}}
     compile_sm90(_decode_scores_kernel, types, dict(HALF=64, BLOCK_HALF=64, BLOCK_SIZE=128, TILE_T=64, PDL=True))
     compile_sm90(_extend_scores_kernel, types, dict(NUM_SEQS_P=4, DI=128, DI_P=128, BLOCK_SIZE=128, TILE_Q=32,

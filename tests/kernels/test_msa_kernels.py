@@ -328,10 +328,13 @@ def test_extend_matches_reference(device, kind):
     scores = K.msa_extend_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, dev(prefix), dev(ext),
                                  starts, p["block"])
     check_scores(scores, c, p["block"])
-    for select_in_attention in (True, False):
+    # the engine passes every row's position and request row (its batch has them) instead
+    rows = dict(q_pos=dev([pre + i for pre, n in zip(prefix, ext) for i in range(n)]),
+                row_slots=c.req_slots.repeat_interleave(dev(ext)))
+    for select_in_attention, given in ((True, {}), (False, {}), (True, rows)):
         out = K.msa_extend(c.q, c.qI, c.k_cache, c.v_cache, c.ki_cache, c.req_to_token, c.req_slots,
                            dev(prefix), dev(ext), starts, p["block"], p["topk"], scale,
-                           select_in_attention=select_in_attention)
+                           select_in_attention=select_in_attention, **given)
         torch.testing.assert_close(out, reference(c, p["block"], p["topk"], scale), rtol=1e-4, atol=1e-5)
 
 
