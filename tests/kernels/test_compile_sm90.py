@@ -62,6 +62,22 @@ def extend_attention(mtp: bool) -> None:
                                              DOT_PRECISION="tf32", PDL=mtp))
 
 
+def block_attention() -> None:
+    """A block's rows x heads in one tile (64 rows at DSpark `bench`): the key loop pipelined as
+    `decode_attention`'s."""
+    from kiln.kernels.block_attention import _block_attention_kernel
+
+    types = {**{n: "*bf16" for n in ("Q", "K", "V", "Out")}, "MidO": "*fp32", "MidLse": "*fp32",
+             "scale_log2": "fp32", **{n: "*i64" for n in ("ReqToToken", "ReqSlots", "SeqLens")}}
+    aligned = tuple(n for n in _block_attention_kernel.arg_names
+                    if types.get(n, "").startswith("*") or n.startswith("stride_"))
+    asm = compile_sm90(_block_attention_kernel, types, dict(GROUP=4, ROWS=16, BLOCK_M=64, HEAD_DIM=128, BLOCK_D=128,
+                                                            BLOCK_N=64, SPLIT=True, MIN_SPLIT=64,
+                                                            DOT_PRECISION="tf32", PDL=True), divisible=aligned)
+    copies = [line for line in asm["ttgir"].splitlines() if "async_copy_global_to_local" in line]
+    assert sum("64x128x!tt.ptr<bf16>" in line for line in copies) >= 2, "the K and V loads are not pipelined"
+
+
 def decode_attention(mtp: bool, merge_here: bool = False, rel_proj: bool = False, early_kv: bool = False,
                      prologue: bool = False) -> None:
     """merge_here: the splits merged in the kernel (an acq_rel atomic count, then the last program
@@ -481,7 +497,7 @@ CASES = {"conv_qk_norm": lambda: conv_qk_norm(False), "conv_qk_norm_lam": lambda
          "decode_prologue": lambda: decode_attention(False, merge_here=True, rel_proj=True, early_kv=True,
                                                      prologue=True),
          "decode_prologue_sliding": lambda: decode_attention(False, merge_here=True, early_kv=True, prologue=True),
-         "rope": rope, "msa_scores": msa_scores, "msa_prologue": msa_prologue, "msa_sparse_merge": msa_sparse_merge,
+         "rope": rope, "block_attention": block_attention, "msa_scores": msa_scores, "msa_prologue": msa_prologue, "msa_sparse_merge": msa_sparse_merge,
          "msa_select_here": msa_select_here, "persistent_chain": persistent_chain}
 
 
