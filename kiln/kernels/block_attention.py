@@ -40,8 +40,9 @@ MAX_TILE_ROWS = 64
 # at. A split's partials are a whole tile (rows x heads x D fp32: 32 KB at B = 16, G = 4,
 # D = 128, as many bytes as 64 keys' K and V) and each program's tile is 4x `decode_attention`'s,
 # so fewer, longer splits than its 4-8 programs per SM: on an H100 (B = 16, Hq 16, Hkv 4, D 128;
-# docs/benchmarks.md, fifty-second pass) splits of at least 64 keys took 11.8 us at batch 1 / 1K
-# against 14.4 at 256, but 25.6 against 19.4 at batch 8 / 1K, where they made 544 programs.
+# docs/benchmarks.md, fifty-second pass) one program per SM took 17.6 us at batch 8 / 1K against
+# 25.8 at four, and was within 7% of the best setting at batch 1 and 8, 1K to 32K. Splits of at
+# least 64 keys: 11.7 us at batch 1 / 1K against 14.4 at 256.
 MIN_SPLIT_KEYS = 64
 PROGRAMS_PER_SM = 1
 

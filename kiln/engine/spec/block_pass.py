@@ -11,9 +11,10 @@ anchor .. anchor + B - 1, right after the context K/V of the committed positions
 every block row attends to keys 0 .. anchor + B - 1 of its request, all of them (the block is
 bidirectional): the decode attention of one query row per block row with seq_len = anchor + B,
 which `kiln.kernels.block_attention` computes with a block's rows in one program, reading the
-request's K/V once per block (not once per row). Nothing depends on the context length but the kernel's loop bounds, so the pass is
-captured once per batch size, its inputs per *request* (anchor token, anchor position, request
-row) in static buffers, every row's token, position and slot derived on the device.
+request's K/V once per block (not once per row). Nothing depends on the context length but the
+kernel's loop bounds, so the pass is captured once per batch size, its inputs per *request*
+(anchor token, anchor position, request row) in static buffers, every row's token, position and
+slot derived on the device.
 
 Why writing the block rows into the pool is safe: positions >= anchor = `num_computed` are past
 the committed prefix. The next target forward stores the context K/V of every row it computes
