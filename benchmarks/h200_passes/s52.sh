@@ -56,15 +56,17 @@ lane0_s52c() {
     --out "$R/json/mm_dspark_prof.json"
 }
 
-# `s52d` (carry scratch/b_9d0776d): MiniMax-M3's verify without its per-layer metadata launches
-#   (`msa_extend` takes the batch's positions and token rows; the extend score kernel sums its
-#   tiles itself: ~14 launches fewer per MSA layer), with `block_attention`: the MSA GPU tests,
-#   then DSpark K = 3 rounds at batch 1 and 8, 1K and 8K, this tree against 9d0776d, and the
-#   round's profile again.
+# `s52d` (for the next session; not run: the device time ran out; carry scratch/b_9d0776d):
+#   MiniMax-M3's verify without its per-layer metadata launches (`msa_extend` takes the batch's
+#   positions and token rows; the extend score kernel sums its tiles itself: ~14 launches fewer
+#   per MSA layer), with `block_attention`: the MSA GPU tests and the engine's block-drafter tests
+#   on CUDA (graphs, rounds on the device: they run `block_attention` in the engine), then DSpark
+#   K = 3 rounds at batch 1 and 8, 1K and 8K, this tree against 9d0776d, and the round's profile
+#   again.
 lane0_s52d() {
   export TRITON_CACHE_DIR=/tmp/triton-s52d-$$
-  step gpu_tests 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_msa_kernels.py \
-    tests/engine/test_block_pass.py
+  step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_msa_kernels.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_block_rounds_on_device.py tests/engine/test_draft_sampling.py
   local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
   local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
   step ds1k_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_now.json"
