@@ -34,6 +34,20 @@ lane0_s52b() {
     --speculative-num-steps 3 $p --kernel-rows 60 --out "$R/json/mm_dspark_prof.json"
 }
 
+# dspark_rounds_vs_base INPUT_LEN...: MiniMax-M3 `bench` + DSpark K = 3 rounds at batch 1 and 8, per
+#   input length on this tree and on scratch/b_9d0776d (the block pass before this session).
+dspark_rounds_vs_base() {
+  local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
+  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C" len tag
+  for len in "$@"; do
+    tag=ds$((len / 1024))k
+    step ${tag}_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
+      --out "$R/json/${tag}_now.json"
+    step ${tag}_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
+      --out "$R/json/${tag}_base.json"
+  done
+}
+
 # `s52c` (carry scratch/b_9d0776d): `block_attention`'s split count from programs per SM (1, the
 #   new default, against 2 and 4, at least 64 or 256 keys a split; `s52a` ran the old rule, 4-8
 #   programs per SM), its GPU tests; MiniMax-M3 `bench` + DSpark K = 3 rounds at batch 1 and 8, 1K
@@ -44,12 +58,7 @@ lane0_s52c() {
   step gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_block_attention.py
   step kbench 150 python -m benchmarks.kernel_bench.block_attention --batch 1 8 --context 1024 8192 32768 \
     --min-split-keys 64 256 --programs-per-sm 1 2 4
-  local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
-  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
-  step ds1k_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_now.json"
-  step ds1k_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_base.json"
-  step ds8k_now 60 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_now.json"
-  step ds8k_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_base.json"
+  dspark_rounds_vs_base 1024 8192
   local a="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   step mm_dspark_prof 120 $DECODE --model-path $MM+dspark $a --speculative-algorithm dspark \
     --speculative-num-steps 3 --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 60 \
@@ -67,11 +76,7 @@ lane0_s52d() {
   export TRITON_CACHE_DIR=/tmp/triton-s52d-$$
   step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_msa_kernels.py \
     tests/engine/test_cuda_graph.py tests/engine/test_block_rounds_on_device.py tests/engine/test_draft_sampling.py
-  local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
-  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
-  step ds1k_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_now.json"
-  step ds1k_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 $d --out "$R/json/ds1k_base.json"
-  step ds8k_now 60 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 8192 $d --out "$R/json/ds8k_now.json"
+  dspark_rounds_vs_base 1024 8192
   local a="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
   step mm_dspark_prof 100 $DECODE --model-path $MM+dspark $a --speculative-algorithm dspark \
     --speculative-num-steps 3 --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 40 \

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels import assert_rows
-from kiln.kernels.decode_attention import MAX_SPLITS, LOG2E, _num_sms, decode_config, dot_precision, head_dim_block
+from kiln.kernels.decode_attention import (LOG2E, MAX_SPLITS, decode_config, dot_precision, head_dim_block,
+                                           sm_count)
 from kiln.kernels.decode_splits import _merge_kernel, _split_len, merge_tile
 from kiln.kernels.launch import pdl_launch, wait_for_previous
 
@@ -50,9 +51,7 @@ PROGRAMS_PER_SM = 1
 def pick_block_splits(programs: int, kv_heads: int, max_keys: int, device: torch.device, min_split: int) -> int:
     """Splits per run: about PROGRAMS_PER_SM programs per SM over the grid, never more than the
     `min_split`-key splits of `max_keys` or `MAX_SPLITS` (the merge's partials)."""
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-    splits = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, programs * kv_heads))
+    splits = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(1, programs * kv_heads))
     return max(1, min(splits, triton.cdiv(max(max_keys, 1), min_split), MAX_SPLITS))
 
 

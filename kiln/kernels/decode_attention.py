@@ -51,6 +51,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, which the split counts aim to fill; 4 off CUDA (the interpreter),
+    so that CPU tests still split a little."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def head_dim_block(d: int) -> int:
     """The padded head dim the kernels work on; D itself must be in [16, 256]."""
     assert 16 <= d <= 256, (
@@ -94,8 +102,7 @@ def pick_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.devi
                     min_split_keys: int = 0) -> int:
     """How many chunks each sequence's keys are split into (see MIN_PROGRAMS_PER_SM); never more
     than `max_keys` fills at `min_split_keys` keys a split (the kernel's least split length)."""
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
+    sms = sm_count(device)
     programs = max(1, batch * kv_heads)
     low = triton.cdiv(MIN_PROGRAMS_PER_SM * sms, programs)
     high = triton.cdiv(MAX_PROGRAMS_PER_SM * sms, programs)

@@ -54,3 +54,18 @@ def count_compiles(monkeypatch, kernel_name: str) -> list:
 
     monkeypatch.setattr(jit.JITFunction, "_do_compile", counted)
     return compiled
+
+
+def capture_graph(fn):
+    """(graph, out): `fn` run once on a side stream (Triton compiles and loads its kernels there,
+    outside the capture), then captured in a CUDA graph whose replays rewrite `out`."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

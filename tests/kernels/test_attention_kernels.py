@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from kiln.kernels.attention import decode_attention, extend_attention  # noqa: E402
 from kiln.ops.attention import RelProjection, materialized, paged_attention, paged_decode_attention  # noqa: E402
-from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY, capture_graph  # noqa: E402
 
 
 
@@ -330,14 +330,7 @@ def test_decode_cuda_graph_capture(window, rel_len, merge_here):
     counters = torch.zeros(32, dtype=torch.int32, device="cuda") if merge_here else None
     run = lambda: decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.1, window, rel,  # noqa: E731
                                    max_len=max_len, split_counters=counters)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up compiles and loads the kernels outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     for new_lens in ([2048, 3, 1500, 64], [1, 1, 1, 1], [100, 1025, 2048, 513]):
         lens.copy_(torch.tensor(new_lens))
         q.copy_(torch.randn(4, hq, d, generator=gen).to(torch.bfloat16))

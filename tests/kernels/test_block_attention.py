@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from kiln.kernels.block_attention import block_attention, rows_per_program  # noqa: E402
 from kiln.ops.attention import paged_decode_attention  # noqa: E402
-from tests.kernels.devices import DEVICES, INTERPRETER_ONLY, record_launches  # noqa: E402
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY, capture_graph, record_launches  # noqa: E402
 from tests.kernels.test_attention_kernels import _paged_cache, _tol  # noqa: E402
 
 
@@ -114,14 +114,7 @@ def test_block_attention_cuda_graph_replays_new_lengths():
     lens = torch.full((2 * B,), 64, device="cuda")
     q = torch.randn(2 * B, hq, d, generator=gen).to("cuda", torch.bfloat16)
     run = lambda: block_attention(q, k_cache, v_cache, r2t, slots, lens, 0.1, B, max_len=max_len)  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up compiles and loads the kernels outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     for a, b in ((4096, 17), (1, 1040), (2000, 513)):
         lens.copy_(torch.tensor([a] * B + [b] * B))
         q.copy_(torch.randn(2 * B, hq, d, generator=gen).to(torch.bfloat16))

@@ -14,7 +14,7 @@ import torch
 
 from kiln import kernels
 from kiln.ops import moe as ref
-from tests.kernels.devices import DEVICES, INTERPRETER_ONLY  # noqa: E402
+from tests.kernels.devices import DEVICES, INTERPRETER_ONLY, capture_graph  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
 
@@ -436,19 +436,6 @@ def test_layer_keeps_an_overridden_experts_forward(kernels_on_cpu):
     assert calls == ["forward"]
 
 
-def _capture(fn):
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile the kernels before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["sink", "minimax"])
 @pytest.mark.parametrize("T", [1, 64])
@@ -458,7 +445,7 @@ def test_layer_cuda_graph_replay_equals_eager(which, T):
     x = torch.randn(T, cfg.hidden_size, generator=gen).to("cuda", dtype)
     batch = SimpleNamespace(extras={})
     with torch.inference_mode():
-        graph, out = _capture(lambda: moe(x, batch))
+        graph, out = capture_graph(lambda: moe(x, batch))
         ids_out = batch.extras["routed_experts"][1]
         for step in range(2):  # change the input in place, replay, compare with eager
             x.copy_(torch.randn(T, cfg.hidden_size, generator=gen).to("cuda", dtype))
