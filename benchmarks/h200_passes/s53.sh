@@ -1,0 +1,25 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# fifty-third session (2026-12-07).
+# shellcheck shell=bash
+
+# `s53a` (carry scratch/b_9d0776d; the fifty-second session's `s52d`, which found no machine, and
+#   more): the GPU tests of what the fifty-second session changed and did not run on a GPU (the MSA
+#   kernels after `msa_extend`'s caller-given rows, the engine's block-drafter tests with
+#   `block_attention`, the kernel tests that share `capture_graph` since 4a21323), then MiniMax-M3
+#   `bench` + DSpark K = 3 rounds at batch 1 and 8, 1K and 8K, this tree against 9d0776d; Inkling
+#   `bench` + a 1-layer DFlash drafter (B = 8), K = 3 sampled rounds at batch 1 and 8, against
+#   9d0776d; the DSpark round's profile.
+lane0_s53a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s53a-$$
+  step gpu_tests 170 python -m pytest -q -p no:cacheprovider -m gpu -n 4 -rfEs tests/kernels/test_msa_kernels.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_block_rounds_on_device.py tests/engine/test_draft_sampling.py \
+    tests/kernels/test_block_attention.py tests/kernels/test_attention_kernels.py tests/kernels/test_moe_kernels.py
+  dspark_rounds_vs_base 1024 8192
+  _s38_dflash_config
+  step df_now 70 $DECODE $S38_DFLASH --out "$R/json/df_now.json"
+  step df_base 60 python scratch/b_9d0776d/benchmarks/decode_batch.py $C $S38_DFLASH --out "$R/json/df_base.json"
+  local a="--batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8"
+  step mm_dspark_prof 80 $DECODE --model-path $MM+dspark $a --speculative-algorithm dspark \
+    --speculative-num-steps 3 --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 50 \
+    --out "$R/json/mm_dspark_prof.json"
+}
