@@ -11,7 +11,7 @@
 #   9d0776d; the DSpark round's profile.
 lane0_s53a() {
   export TRITON_CACHE_DIR=/tmp/triton-s53a-$$
-  step gpu_tests 170 python -m pytest -q -p no:cacheprovider -m gpu -n 4 -rfEs tests/kernels/test_msa_kernels.py \
+  step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu -n 6 -rfEs tests/kernels/test_msa_kernels.py \
     tests/engine/test_cuda_graph.py tests/engine/test_block_rounds_on_device.py tests/engine/test_draft_sampling.py \
     tests/kernels/test_block_attention.py tests/kernels/test_attention_kernels.py tests/kernels/test_moe_kernels.py
   dspark_rounds_vs_base 1024 8192
