@@ -428,6 +428,6 @@ def msa_extend(q: torch.Tensor, qI: torch.Tensor, k_cache: torch.Tensor, v_cache
         q_pos = prefix_lens[seq] + torch.arange(t, device=q.device) - extend_starts[seq]
         row_slots = req_slots[seq]
     scores = msa_extend_scores(qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens,
-                               extend_starts, block_size, max_len)
+                               extend_starts, block_size, max_len, select_blocks=topk_blocks)
     return _select_and_attend(q, k_cache, v_cache, req_to_token, row_slots, q_pos, scores, block_size,
                               topk_blocks, scale, split_counters, select_in_attention)

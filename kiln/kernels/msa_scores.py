@@ -114,7 +114,7 @@ def _decode_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, rslot_ptr, qpos_ptr, s_ptr,
 def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr, seq_len_ptr,
                           seq_start_ptr, s_ptr,
                           s_qr, s_qg, s_ks, s_kg, s_r2t, s_sr, s_sg, sqrt_di, num_seqs, num_blocks,
-                          NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
+                          select_blocks, NUM_SEQS_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, TILE_Q: tl.constexpr, TILE_T: tl.constexpr,
                           DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """S[row, g, blk] for TILE_Q consecutive queries of one sequence: [TILE_Q, DI] x [DI, TILE_T]
@@ -125,7 +125,9 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     counting the ends <= its id (programs past the last tile store nothing). A cumsum launched
     before the kernel cost a verify of MiniMax-M3 `bench` three launches a layer (fifty-second
     pass). As in the decode kernel, program p of a tile
-    scores blocks p, p + P, .. up to the tile's last visible key, whatever the grid's size.
+    scores blocks p, p + P, .. up to the tile's last visible key, whatever the grid's size; with
+    select_blocks = N > 0 only what selection reads (`_score_blocks`): the blocks before each
+    query's own, of queries with more than N causal blocks.
     """
     wait_for_previous(PDL)
     tile = tl.program_id(0)
@@ -154,8 +156,14 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
     # A key is needed if some live query of the tile sees it: positions below `end`, one past
     # the last live query's (prefix + min(n, tile end) - 1); a dead program has end = 0.
     end = tl.where(live, prefix + tl.minimum(n, (tile - first_tile + 1) * TILE_Q), 0)
+    # Under selection a query with at most N causal blocks takes them all and reads no score,
+    # and a longer one reads only the blocks before its own (a verify at a 1K context: none).
+    local = q_pos // BLOCK_SIZE
+    needed = qmask & ((select_blocks == 0) | (local + 1 > select_blocks))
+    stop = tl.where(select_blocks > 0, tl.max(tl.where(needed, local, 0), axis=0),
+                    (end + BLOCK_SIZE - 1) // BLOCK_SIZE)
     blk = tl.program_id(1)
-    while blk < tl.minimum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, num_blocks):
+    while blk < tl.minimum(stop, num_blocks):
         best = tl.full([TILE_Q], float("-inf"), tl.float32)
         for t0 in range(0, BLOCK_SIZE, TILE_T):
             t = t0 + offs_t
@@ -167,7 +175,8 @@ def _extend_scores_kernel(qI_ptr, kI_ptr, r2t_ptr, seq_rslot_ptr, seq_prefix_ptr
             logit = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [TILE_Q, TILE_T], fp32
             vis = tmask[None, :] & (pos[None, :] <= q_pos[:, None])
             best = tl.maximum(best, tl.max(tl.where(vis, logit, float("-inf")), axis=1))
-        tl.store(s_ptr + rows * s_sr + g * s_sg + blk, best / sqrt_di, mask=qmask)
+        tl.store(s_ptr + rows * s_sr + g * s_sg + blk, best / sqrt_di,
+                 mask=needed & ((select_blocks == 0) | (blk < local)))
         blk += tl.num_programs(1)
 
 
@@ -232,16 +241,22 @@ _EXTEND_TILE_Q = 32
 def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: torch.Tensor,
                       req_slots: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                       extend_starts: torch.Tensor, block_size: int,
-                      max_len: Optional[int] = None, programs: Optional[int] = None) -> torch.Tensor:
+                      max_len: Optional[int] = None, programs: Optional[int] = None,
+                      select_blocks: int = 0) -> torch.Tensor:
     """Block scores S [T, G, NB] fp32 for the new queries of several sequences (concatenated in
     qI [T, G, DI]; sequence s has extend_lens[s] queries from row extend_starts[s], at positions
-    prefix_lens[s]..). Blocks with no key visible to a query are -inf. `programs` overrides the
-    programs per (query tile, head) (tests)."""
+    prefix_lens[s]..). Blocks with no key visible to a query are -inf. With `select_blocks` N > 0,
+    only what `msa_select(..., N)` reads, as `msa_decode_scores`: the blocks before each query's
+    own, of queries with more than N causal blocks; the rest hold anything, unfilled. `programs`
+    overrides the programs per (query tile, head) (tests)."""
     assert_rows(req_slots=req_slots, prefix_lens=prefix_lens, extend_lens=extend_lens, extend_starts=extend_starts)
     t, g, di = qI.shape
     assert ki_cache.stride(-1) == 1 and qI.stride(-1) == 1 and req_to_token.stride(-1) == 1
     nb = _num_blocks(req_to_token, block_size, max_len)
-    scores = torch.full((t, g, nb), float("-inf"), dtype=torch.float32, device=qI.device)
+    if select_blocks > 0:  # nothing unwritten is read: no fill launch
+        scores = torch.empty(t, g, nb, dtype=torch.float32, device=qI.device)
+    else:
+        scores = torch.full((t, g, nb), float("-inf"), dtype=torch.float32, device=qI.device)
     ns = extend_lens.shape[0]
     if t == 0 or ns == 0:
         return scores
@@ -256,7 +271,7 @@ def msa_extend_scores(qI: torch.Tensor, ki_cache: torch.Tensor, req_to_token: to
     _extend_scores_kernel[(max_tiles, per_tile, g)](
         qI, ki_cache, req_to_token, req_slots, prefix_lens, extend_lens, extend_starts, scores,
         qI.stride(0), qI.stride(1), ki_cache.stride(0), ki_cache.stride(1), req_to_token.stride(0),
-        scores.stride(0), scores.stride(1), math.sqrt(di), ns, nb,
+        scores.stride(0), scores.stride(1), math.sqrt(di), ns, nb, select_blocks,
         NUM_SEQS_P=_p2(ns), DI=di, DI_P=max(16, _p2(di)), BLOCK_SIZE=block_size, TILE_Q=tq,
         TILE_T=max(16, min(_p2(block_size), 64)), DOT_PREC=_dot_precision(qI.dtype), num_warps=4,
         **pdl_launch(qI.device))

@@ -194,6 +194,33 @@ def test_decode_scores_only_what_selection_reads(device, programs, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("programs", [None, 2])
+def test_extend_scores_only_what_selection_reads(device, programs, monkeypatch):
+    """As the decode test above, for chunks of several queries: with select_blocks = N a query
+    with at most N causal blocks is not scored and a longer one only before its own block, within
+    one query tile whose queries differ in that (a prefill from 0 crossing N blocks, a verify-like
+    chunk after a long prefix, a short sequence)."""
+    p = TINY  # block 4, N 3: positions 0..11 take every causal block, 12+ select
+    prefix, ext = [0, 37, 2], [15, 4, 3]
+    c = make_case(device, torch.float32, prefix, ext, p["hq"], p["g"], p["d"], p["di"], p["max_len"], seed=9)
+    dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    starts = dev([sum(ext[:i]) for i in range(len(ext))])
+    args = (c.qI, c.ki_cache, c.req_to_token, c.req_slots, dev(prefix), dev(ext), starts, p["block"])
+    full = K.msa_extend_scores(*args)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    got = K.msa_extend_scores(*args, programs=programs, select_blocks=p["topk"])
+    monkeypatch.undo()
+    positions = [pre + i for pre, n in zip(prefix, ext) for i in range(n)]
+    assert any(q // p["block"] + 1 > p["topk"] for q in positions[:15])  # the first tile mixes both
+    for r, q in enumerate(positions):
+        local = q // p["block"]
+        scored = local if local + 1 > p["topk"] else 0
+        torch.testing.assert_close(got[r, :, :scored], full[r, :, :scored], rtol=0, atol=0)
+        assert got[r, :, scored:].isnan().all(), (r, got[r])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_scores_stop_at_max_len(device):
     """A row longer than max_len (a caller's error) must not make the kernels store past the
     scores' NB blocks into the next (row, head): each row's blocks below NB stay right. The last
