@@ -23,3 +23,31 @@ lane0_s53a() {
     --speculative-num-steps 3 --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 50 \
     --out "$R/json/mm_dspark_prof.json"
 }
+
+# `s53b` (carry scratch/b_9d0776d and scratch/b_4a21323): (1) whether Inkling's sampled DFlash
+#   rounds lost 0.38 ms at batch 1 with `block_attention` (s53a: 3.01 against 2.63 ms on 9d0776d):
+#   this tree and 9d0776d alternated, greedy rounds on both, and both trees' rounds profiled with
+#   PDL off; (2) MiniMax-M3's extend scores only where selection reads them (no scores at all
+#   at a 1K context), its GPU tests and DSpark K = 3 rounds at 1K and 8K against 4a21323.
+lane0_s53b() {
+  export TRITON_CACHE_DIR=/tmp/triton-s53b-$$
+  step msa_tests 100 python -m pytest -q -p no:cacheprovider -m gpu -n 6 -rfEs tests/kernels/test_msa_kernels.py
+  local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
+  local b4="python scratch/b_4a21323/benchmarks/decode_batch.py $C" b9="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
+  local len
+  for len in 1024 8192; do
+    step ds$((len / 1024))k_now 70 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
+      --out "$R/json/ds$((len / 1024))k_now.json"
+    step ds$((len / 1024))k_4a2 60 $b4 --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
+      --out "$R/json/ds$((len / 1024))k_4a2.json"
+  done
+  _s38_dflash_config
+  local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1"
+  alternated df1 "$b9" $df1
+  local g1="${df1/--temperature 1.0 --speculative-use-rejection-sampling/}"
+  step dfg1_now 45 $DECODE $g1 --out "$R/json/dfg1_now.json"
+  step dfg1_base 45 $b9 $g1 --out "$R/json/dfg1_base.json"
+  local p="--disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 40"
+  step df1_prof_now 55 $DECODE $df1 $p --out "$R/json/df1_prof_now.json"
+  step df1_prof_base 55 $b9 $df1 $p --out "$R/json/df1_prof_base.json"
+}
