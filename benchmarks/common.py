@@ -152,6 +152,36 @@ def build_core(config: EngineConfig, hf_model: Optional[torch.nn.Module] = None,
     return core
 
 
+class GcTimer:
+    """Counts the cyclic collector's runs and their time while open (`gc.callbacks`), so that a
+    benchmark row can say whether collections ran inside its measurement."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = 0.0
+        self._t0 = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+            self._t0 = None
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def note(self) -> str:
+        """"gc N (gen0/gen1/gen2) X ms; " or "" when nothing was collected."""
+        n = sum(self.collections)
+        return f"gc {n} ({'/'.join(map(str, self.collections))}) {self.seconds * 1e3:.1f} ms; " if n else ""
+
+
 def release_memory() -> None:
     """After `del core` (or any large object): collect cycles and give cached device memory back,
     so the next engine starts with the GPU free (build_core froze the heap: unfrozen first, or

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="Top-p of every request (with --temperature > 0).")
     p.add_argument("--top-k", type=int, default=0, help="Top-k of every request (0: off; with --temperature > 0).")
     p.add_argument("--min-p", type=float, default=0.0, help="Min-p of every request (0: off; with --temperature > 0).")
+    p.add_argument("--refreeze-after-warmup", action="store_true",
+                   help="After each warm-up, freeze the heap again (gc.freeze), as the core's build does: what "
+                        "the warm-up made, its Triton compiles among it, is then out of the collector's walks.")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="Before each batch size, an unmeasured run of it (same input, 8 output tokens), so that "
                         "Triton compiles the eager paths' kernels outside the measurement. auto: on with "
@@ -226,6 +229,7 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
     retractions0 = core.stats().num_retractions_total
     first, done, steps = {}, {}, 0
     gaps = []  # seconds between consecutive step returns in the decode phase
+    gc_timer = common.GcTimer().__enter__()  # collections inside the measurement go into the note
     start = last = time.perf_counter()
     for i in range(bs):
         params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
@@ -312,6 +316,8 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += "time limit: partial; "
             break
     end = time.perf_counter()
+    gc_timer.__exit__()
+    note += gc_timer.note()
     if prof_from is not None:  # the decode ended inside the window (speculative rounds: fewer steps than tokens)
         idle = close_profile(prof, steps - prof_from)
         note += f"idle over the last {steps - prof_from} steps; "
@@ -392,6 +398,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             warm = argparse.Namespace(**{**vars(args), "output_len": 8, "profile": False, "host_profile": False,
                                          "host_phases": False})
             common.run_guarded(f"batch {bs} warm-up", lambda: run_batch(core, bs, warm, min(mc.vocab_size, 10001), device))
+            if args.refreeze_after_warmup:
+                # what the warm-up made (its Triton compiles' objects among it) out of the collector's walks
+                from kiln.engine.gc_tuning import tune_gc
+
+                tune_gc()
         if spread is not None:
             spread.counts.clear()
         row, err = common.run_guarded(f"batch {bs}", lambda: run_batch(core, bs, args, min(mc.vocab_size, 10001), device))

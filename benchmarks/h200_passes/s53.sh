@@ -51,3 +51,25 @@ lane0_s53b() {
   step df1_prof_now 55 $DECODE $df1 $p --out "$R/json/df1_prof_now.json"
   step df1_prof_base 55 $b9 $df1 $p --out "$R/json/df1_prof_base.json"
 }
+
+# `s53c`: why a process's first sampled DFlash run is slow (s53b: batch-1 rounds 3.21 and 3.76 ms
+#   in the first run of each tree, 2.54 and 2.52 in the second; p50 too, so every round): each
+#   pair below starts from an empty Triton cache (the first run compiles every kernel), then runs
+#   again with it filled. Every row's note counts the collector's runs inside the measurement.
+#   Pair 1 with the host phases timed, pair 2 with the heap frozen again after the warm-up (what
+#   the compiles left out of the collector's walks), pair 3 profiled (GPU idle, kernels). Then
+#   MiniMax-M3's DSpark K = 3 sampled rounds (T = 1, rejection sampling; never measured).
+lane0_s53c() {
+  _s38_dflash_config
+  local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1" tag
+  local -A extra=([hp]="--host-phases --profile-steps 20" [rf]="--refreeze-after-warmup"
+                  [pr]="--profile --profile-steps 20 --kernel-rows 14")
+  for tag in hp rf pr; do
+    export TRITON_CACHE_DIR=/tmp/triton-s53c-$tag-$$
+    step df1_${tag}_compiling 90 $DECODE $df1 ${extra[$tag]} --out "$R/json/df1_${tag}_compiling.json"
+    step df1_${tag}_cached 45 $DECODE $df1 ${extra[$tag]} --out "$R/json/df1_${tag}_cached.json"
+  done
+  step ds_sampled 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len 1024 --output-len 128 \
+    --cuda-graph-max-bs 8 --speculative-algorithm dspark --speculative-num-steps 3 --temperature 1.0 \
+    --speculative-use-rejection-sampling --out "$R/json/ds_sampled.json"
+}

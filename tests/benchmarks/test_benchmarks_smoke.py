@@ -140,6 +140,32 @@ def test_decode_batch_quick(tiny_dir, tmp_path, one_thread, capsys):
     assert json.loads(out.read_text())["meta"]["benchmark"] == "decode_batch"
 
 
+def test_gc_timer_counts_collections_inside_only():
+    import gc
+
+    with common.GcTimer() as t:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after the window: not counted
+    assert t.collections == [1, 0, 1] and t.seconds > 0
+    assert t.note().startswith("gc 2 (1/0/1) ")
+    assert common.GcTimer().note() == ""
+
+
+def test_decode_batch_refreezes_after_its_warmup(tiny_dir, one_thread, monkeypatch):
+    """--refreeze-after-warmup freezes the heap once more per batch size, after that size's warm-up."""
+    import gc
+
+    freezes = []
+    real = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real())[1])
+    args = ["--model-path", tiny_dir, "--quick", "--device", "cpu", "--threads", "1", "--warmup", "on"]
+    decode_batch.main(args)
+    base = len(freezes)
+    decode_batch.main(args + ["--refreeze-after-warmup"])
+    assert len(freezes) - base == base + 2  # the core's build, then after each of the two warm-ups
+
+
 def test_decode_batch_flags_a_batch_that_did_not_fit_the_pool(tiny_dir, one_thread, capsys):
     """Four requests of 32 + 8 tokens in a pool of 100 run in waves (or are retracted): the row keeps
     its end-to-end throughput and says so, with no per-step numbers (a wave's tail would pass for a
