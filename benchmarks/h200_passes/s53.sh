@@ -73,3 +73,17 @@ lane0_s53c() {
     --cuda-graph-max-bs 8 --speculative-algorithm dspark --speculative-num-steps 3 --temperature 1.0 \
     --speculative-use-rejection-sampling --out "$R/json/ds_sampled.json"
 }
+
+# `s53d`: `s53c` cut to its first two pairs (the device time left after two asks that got no
+#   machine): host phases and the collector's runs, first run against second; the heap frozen
+#   again after the warm-up.
+lane0_s53d() {
+  _s38_dflash_config
+  local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1" tag
+  local -A extra=([hp]="--host-phases --profile-steps 20" [rf]="--refreeze-after-warmup")
+  for tag in hp rf; do
+    export TRITON_CACHE_DIR=/tmp/triton-s53d-$tag-$$
+    step df1_${tag}_compiling 80 $DECODE $df1 ${extra[$tag]} --out "$R/json/df1_${tag}_compiling.json"
+    step df1_${tag}_cached 40 $DECODE $df1 ${extra[$tag]} --out "$R/json/df1_${tag}_cached.json"
+  done
+}
