@@ -224,12 +224,18 @@ def _spec_counts(core):
 
 
 def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
+    """One batch size's measured run (`_run_batch`), its note saying how often the cyclic
+    collector ran inside it."""
+    with common.GcTimer() as gc_timer:
+        return _run_batch(core, bs, args, vocab, device, gc_timer)
+
+
+def _run_batch(core, bs: int, args, vocab: int, device: str, gc_timer) -> dict:
     rng = random.Random(args.seed + bs)
     core.flush_cache()
     retractions0 = core.stats().num_retractions_total
     first, done, steps = {}, {}, 0
     gaps = []  # seconds between consecutive step returns in the decode phase
-    gc_timer = common.GcTimer().__enter__()  # collections inside the measurement go into the note
     start = last = time.perf_counter()
     for i in range(bs):
         params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
@@ -316,7 +322,6 @@ def run_batch(core, bs: int, args, vocab: int, device: str) -> dict:
             note += "time limit: partial; "
             break
     end = time.perf_counter()
-    gc_timer.__exit__()
     note += gc_timer.note()
     if prof_from is not None:  # the decode ended inside the window (speculative rounds: fewer steps than tokens)
         idle = close_profile(prof, steps - prof_from)
