@@ -90,8 +90,9 @@ class TrainDraftConfig:
     warmup_steps: int = opt(10, "Linear warmup steps.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: no clipping).")
-    autocast_bf16: bool = opt(False, "Run the drafter's forward/backward under bfloat16 autocast (about 2x on "
-                              "CPUs with bf16 matmuls); weights and the optimizer stay fp32.")
+    autocast_bf16: bool = opt(False, "Run the drafter's forward/backward under bfloat16 autocast (about 2-4x on "
+                              "CPUs with bf16 matmuls, AVX512-BF16 or AMX; several times slower on CPUs "
+                              "without them, which get a warning); weights and the optimizer stay fp32.")
     time_limit_s: float = opt(0.0, "mtp: stop training after this many seconds (steps and validations; 0: no "
                               "limit), with a final validation; the cosine decay then follows whichever of "
                               "--num-steps and the time limit runs out first, so a clock-bound run still ends at "

@@ -49,6 +49,25 @@ def test_flags_build_the_config_and_bad_ones_fail(tmp_path, capsys):
         TrainDraftConfig(target="t", method="eagle", out="o")
 
 
+def test_autocast_bf16_warns_on_a_cpu_without_bf16_matmuls(tmp_path, caplog):
+    from kiln.spec_train.cli import cpu_lacks_bf16_matmul, warn_on_slow_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    assert cpu_lacks_bf16_matmul(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert not cpu_lacks_bf16_matmul(str(info))
+    assert not cpu_lacks_bf16_matmul(str(tmp_path / "missing"))  # unreadable: no claim
+    bf16 = TrainDraftConfig(target="t", method="mtp", out="o", autocast_bf16=True)
+    with caplog.at_level("WARNING", logger="kiln.spec_train"):
+        assert warn_on_slow_bf16(bf16, lambda: True)
+    assert "drop --autocast-bf16" in caplog.text
+    assert not warn_on_slow_bf16(bf16, lambda: False)
+    assert not warn_on_slow_bf16(TrainDraftConfig(target="t", method="mtp", out="o"), lambda: True)
+    on_gpu = TrainDraftConfig(target="t", method="mtp", out="o", autocast_bf16=True, device="cuda")
+    assert not warn_on_slow_bf16(on_gpu, lambda: True)
+
+
 def test_missing_target_and_missing_trainer_are_clear(tmp_path, monkeypatch, capsys):
     from kiln.cli import main
 
