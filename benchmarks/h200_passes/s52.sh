@@ -35,16 +35,17 @@ lane0_s52b() {
 }
 
 # dspark_rounds_vs_base INPUT_LEN...: MiniMax-M3 `bench` + DSpark K = 3 rounds at batch 1 and 8, per
-#   input length on this tree and on scratch/b_9d0776d (the block pass before this session).
+#   input length on this tree and on a base tree: $DS_BASE_TREE (default scratch/b_9d0776d, the block
+#   pass before the fifty-second session), its rows named ds<K>k_$DS_BASE_TAG (default "base").
 dspark_rounds_vs_base() {
   local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
-  local base="python scratch/b_9d0776d/benchmarks/decode_batch.py $C" len tag
+  local base="python ${DS_BASE_TREE:-scratch/b_9d0776d}/benchmarks/decode_batch.py $C" len tag
   for len in "$@"; do
     tag=ds$((len / 1024))k
     step ${tag}_now 80 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
       --out "$R/json/${tag}_now.json"
-    step ${tag}_base 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
-      --out "$R/json/${tag}_base.json"
+    step ${tag}_${DS_BASE_TAG:-base} 60 $base --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
+      --out "$R/json/${tag}_${DS_BASE_TAG:-base}.json"
   done
 }
 

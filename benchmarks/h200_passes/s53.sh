@@ -32,15 +32,8 @@ lane0_s53a() {
 lane0_s53b() {
   export TRITON_CACHE_DIR=/tmp/triton-s53b-$$
   step msa_tests 100 python -m pytest -q -p no:cacheprovider -m gpu -n 6 -rfEs tests/kernels/test_msa_kernels.py
-  local d="--speculative-algorithm dspark --speculative-num-steps 3 --cuda-graph-max-bs 8 --output-len 128"
-  local b4="python scratch/b_4a21323/benchmarks/decode_batch.py $C" b9="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
-  local len
-  for len in 1024 8192; do
-    step ds$((len / 1024))k_now 70 $DECODE --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
-      --out "$R/json/ds$((len / 1024))k_now.json"
-    step ds$((len / 1024))k_4a2 60 $b4 --model-path $MM+dspark --batch-sizes 1,8 --input-len $len $d \
-      --out "$R/json/ds$((len / 1024))k_4a2.json"
-  done
+  local b9="python scratch/b_9d0776d/benchmarks/decode_batch.py $C"
+  DS_BASE_TREE=scratch/b_4a21323 DS_BASE_TAG=4a2 dspark_rounds_vs_base 1024 8192
   _s38_dflash_config
   local df1="${S38_DFLASH/--batch-sizes 1,8/} --batch-sizes 1"
   alternated df1 "$b9" $df1
