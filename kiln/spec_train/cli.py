@@ -56,8 +56,11 @@ def warn_on_slow_bf16(cfg: TrainDraftConfig, lacks_bf16=cpu_lacks_bf16_matmul) -
 
 
 def train_draft(cfg: TrainDraftConfig) -> dict:
-    """Run `kiln train-draft` with `cfg`; returns the trainer's final metrics."""
-    return trainer_for(cfg.method)(cfg)
+    """Run `kiln train-draft` with `cfg`; returns the trainer's final metrics. Warns first when
+    `--autocast-bf16` would be slow on this CPU (`warn_on_slow_bf16`)."""
+    train = trainer_for(cfg.method)
+    warn_on_slow_bf16(cfg)
+    return train(cfg)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -66,13 +69,7 @@ def main(args: argparse.Namespace) -> None:
     logging.getLogger("kiln.spec_train").setLevel(logging.INFO)
     try:
         cfg = TrainDraftConfig.from_cli_args(args)
-        train = trainer_for(cfg.method)
-        warn_on_slow_bf16(cfg)
-    except ValueError as e:
-        print(f"kiln train-draft: {e}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        metrics = train(cfg)
+        metrics = train_draft(cfg)
     except (FileNotFoundError, ValueError) as e:
         print(f"kiln train-draft: {e}", file=sys.stderr)
         sys.exit(2)
