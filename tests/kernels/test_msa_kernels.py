@@ -166,6 +166,17 @@ def test_score_programs_stride_over_blocks(device, programs):
     check_scores(scores, c, p["block"])
 
 
+def nan_allocated(monkeypatch, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with every `torch.empty` it makes filled with NaN, so that what a kernel
+    leaves unwritten shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("programs", [None, 3])
 def test_decode_scores_only_what_selection_reads(device, programs, monkeypatch):
@@ -178,11 +189,8 @@ def test_decode_scores_only_what_selection_reads(device, programs, monkeypatch):
                   p["d"], p["di"], p["max_len"], seed=8)
     q_pos = c.seq_lens - 1
     full = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"])
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    got = K.msa_decode_scores(c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos, p["block"],
-                              programs=programs, select_blocks=p["topk"])
-    monkeypatch.undo()
+    got = nan_allocated(monkeypatch, K.msa_decode_scores, c.qI, c.ki_cache, c.req_to_token, c.req_slots, q_pos,
+                        p["block"], programs=programs, select_blocks=p["topk"])
     for r, n in enumerate(lens):
         local = (n - 1) // p["block"]
         scored = local if local + 1 > p["topk"] else 0
@@ -207,10 +215,7 @@ def test_extend_scores_only_what_selection_reads(device, programs, monkeypatch):
     starts = dev([sum(ext[:i]) for i in range(len(ext))])
     args = (c.qI, c.ki_cache, c.req_to_token, c.req_slots, dev(prefix), dev(ext), starts, p["block"])
     full = K.msa_extend_scores(*args)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    got = K.msa_extend_scores(*args, programs=programs, select_blocks=p["topk"])
-    monkeypatch.undo()
+    got = nan_allocated(monkeypatch, K.msa_extend_scores, *args, programs=programs, select_blocks=p["topk"])
     positions = [pre + i for pre, n in zip(prefix, ext) for i in range(n)]
     assert any(q // p["block"] + 1 > p["topk"] for q in positions[:15])  # the first tile mixes both
     for r, q in enumerate(positions):
