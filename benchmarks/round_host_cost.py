@@ -128,7 +128,11 @@ def main(argv=None) -> None:
     for _ in range(20):
         core.step()
     assert len(rounds) == 20, f"only {len(rounds)} of 20 steps were steady rounds on the {path} path"
-    with HostPhases(core) as hp:
+    from common import GcTimer  # beside this script, as decode_batch.py imports it
+    from kiln.engine.gc_tuning import tune_gc
+
+    tune_gc()  # the startup heap out of the collector's walks, as a serving process has it
+    with HostPhases(core) as hp, GcTimer() as gc_runs:
         t = time.perf_counter()
         for _ in range(a.steps):
             core.step()
@@ -137,6 +141,7 @@ def main(argv=None) -> None:
     print(f"batch {a.bs}: {a.steps} steady {a.drafter} K = 3 rounds on the {path[1:]} path, "
           f"{dt / a.steps * 1e3:.3f} ms of host per round{ahead}")
     print(hp.report(a.steps))
+    print(f"cyclic collections in the timed rounds: {gc_runs.note() or 'none'}")
     if a.ops:
         n = 20
         with OpCounter() as oc:
