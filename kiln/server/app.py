@@ -25,8 +25,8 @@ from kiln.engine.io import SchedulerStats
 from kiln.engine.request import SamplingParams
 from kiln.engine import io
 from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest, CompletionRequest,
-                                  GenerateRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
-                                  PauseGenerationRequest, UnloadLoraAdapterRequest,
+                                  DetokenizeRequest, GenerateRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
+                                  PauseGenerationRequest, TokenizeRequest, UnloadLoraAdapterRequest,
                                   UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest,
                                   validation_message)
 from kiln.server.serving import Serving
@@ -94,6 +94,17 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
         return {"object": "list", "data": [{
             "id": info.name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
             "root": info.model_dir, "max_model_len": info.context_length}]}
+
+    # SGLang serves both the bare and the /v1 paths; vLLM the bare ones.
+    async def tokenize(req: TokenizeRequest) -> dict:
+        return serving.tokenize(req)
+
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        return serving.detokenize(req)
+
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
+        app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
 
     # ---- health, metrics, control --------------------------------------------------------
     @app.get("/health")

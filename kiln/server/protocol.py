@@ -195,6 +195,28 @@ class AbortRequest(_Lenient):
     rid: str
 
 
+class TokenizeRequest(_Lenient):
+    """/tokenize: SGLang's `prompt` (one text or a batch) or vLLM's chat form `messages`, whose ids
+    are the ones /v1/chat/completions would prefill."""
+
+    model: Optional[str] = None
+    prompt: Union[str, list[str], None] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True  # `prompt` only: a chat template writes its own special tokens
+    add_generation_prompt: bool = True  # `messages` only
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False  # vLLM: each id's piece as the tokenizer spells it
+
+
+class DetokenizeRequest(_Lenient):
+    """/detokenize: one list of ids, or a batch of them."""
+
+    model: Optional[str] = None
+    tokens: Union[list[int], list[list[int]]]
+    skip_special_tokens: bool = True
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 

@@ -19,7 +19,8 @@ from kiln.engine.frontend import RequestState, SeqDelta
 from kiln.engine.io import TokenLogprob
 from kiln.server.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from kiln.server.parsers.tool_calls import ToolCallParser, get_tool_call_parser
-from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kiln.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  GenerateRequest, TokenizeRequest)
 from kiln.server.tokenizer_manager import (ClientDisconnected, EngineDeadError, RequestHandle,
                                            TokenizerManager)
 
@@ -110,11 +111,7 @@ class Serving:
                            "[{'role': 'user', 'content': 'Hello'}].", param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
-        messages = [m.to_template(i) for i, m in enumerate(req.messages)]
-        try:
-            ids = self.tm.chat_ids(messages, tools=req.tools, **(req.chat_template_kwargs or {}))
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+        ids = self._chat_ids(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.tm.info.context_length - len(ids))
@@ -287,7 +284,60 @@ class Serving:
             meta.update(s.spec.to_dict())
         return {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
 
+    # ---- /tokenize, /detokenize ----------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """{"tokens", "count", "max_model_len"} (lists for a batch of prompts): the ids the
+        generation endpoints would prefill for the same `prompt` or `messages`."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("Send exactly one of 'prompt' (a string or a list of strings) and 'messages' "
+                           "(a chat, as in /v1/chat/completions).", param="prompt")
+        if req.messages is not None:
+            batch, single = [self._chat_ids(req, req.add_generation_prompt)], True
+        else:
+            single = isinstance(req.prompt, str)
+            texts = [req.prompt] if single else req.prompt
+            try:
+                batch = [self.tm.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from e
+        out: dict[str, Any] = {"tokens": batch, "count": [len(ids) for ids in batch],
+                               "max_model_len": self.tm.info.context_length}
+        if req.return_token_strs:
+            out["token_strs"] = [self.tm.tokenizer.convert_ids_to_tokens(ids) for ids in batch]
+        if single:
+            out = {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """{"text"} (SGLang's name) and the same under "prompt" (vLLM's); a list for a batch."""
+        self.check_model(req.model)
+        if self.tm.tokenizer is None:
+            raise APIError("This server was started with --skip-tokenizer-init; it has no tokenizer to "
+                           "detokenize with.")
+        single = not req.tokens or isinstance(req.tokens[0], int)
+        batch = [req.tokens] if single else req.tokens
+        vocab = self.tm.info.vocab_size
+        for i, ids in enumerate(batch):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(f"Token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
+                               + (f" in tokens[{i}]" if not single else "") + ".", param="tokens")
+        texts = [self.tm.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in batch]
+        text = texts[0] if single else texts
+        return {"text": text, "prompt": text}
+
     # ---- shared pieces -------------------------------------------------------------------
+    def _chat_ids(self, req: Any, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a request's `messages` (+ `tools`, `chat_template_kwargs`) through the
+        chat template: /v1/chat/completions and /tokenize share them."""
+        messages = [m.to_template(i) for i, m in enumerate(req.messages)]
+        try:
+            return self.tm.chat_ids(messages, tools=req.tools, add_generation_prompt=add_generation_prompt,
+                                    **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+
     def _prompts(self, prompt: Any, param: str) -> list[tuple[Optional[str], list[int]]]:
         """Normalise str | list[str] | list[int] | list[list[int]] into (text, ids) pairs."""
         if isinstance(prompt, str):

@@ -100,18 +100,19 @@ class TokenizerManager:
                 s.close(linger=0)
 
     # ---- input side ----------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("This server was started with --skip-tokenizer-init; send token ids, not text.")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_ids(self, messages: list[dict], tools: Optional[list[dict]] = None, **kwargs: Any) -> list[int]:
-        """Token ids of a conversation plus the assistant's generation prompt."""
+    def chat_ids(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+                 **kwargs: Any) -> list[int]:
+        """Token ids of a conversation plus (by default) the assistant's generation prompt."""
         if self.tokenizer is None:
             raise RequestError("This server was started with --skip-tokenizer-init; chat needs a tokenizer.")
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True, **kwargs)
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # template errors are about the messages (e.g. role order)
             raise RequestError(f"The chat template rejected these messages: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)

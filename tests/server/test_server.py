@@ -146,6 +146,41 @@ def test_metrics_and_flush(server, client):
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_tokenize_gives_what_generation_prefills(client, server):
+    """/tokenize's ids are the ones the generation endpoints prefill, and /detokenize inverts them."""
+    text = "The sky is"
+    r = httpx.post(server + "/tokenize", json={"prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    done = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0.0)
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) == done.usage.prompt_tokens
+    assert body["max_model_len"] == httpx.get(server + "/v1/models").json()["data"][0]["max_model_len"]
+    native = httpx.post(server + "/generate", json={"input_ids": body["tokens"], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0}}).json()
+    assert native["text"] == client.completions.create(model=MODEL, prompt=text, max_tokens=4,
+                                                       temperature=0.0).choices[0].text
+    back = httpx.post(server + "/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back["text"] == back["prompt"] == text
+    # the chat form: the ids /v1/chat/completions prefills; without the generation prompt, fewer
+    chat = httpx.post(server + "/v1/tokenize", json={"messages": MSG, "model": MODEL}).json()
+    assert chat["count"] == client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=1).usage.prompt_tokens
+    bare = httpx.post(server + "/tokenize", json={"messages": MSG, "add_generation_prompt": False}).json()
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    # batches give lists, in order
+    batch = httpx.post(server + "/tokenize", json={"prompt": [text, "Hello"]}).json()
+    assert batch["tokens"][0] == body["tokens"] and batch["count"] == [len(t) for t in batch["tokens"]]
+    texts = httpx.post(server + "/v1/detokenize", json={"tokens": batch["tokens"]}).json()["text"]
+    assert texts == [text, "Hello"]
+    # special tokens: kept or dropped on request
+    special = chat["tokens"][0]
+    assert httpx.post(server + "/detokenize", json={"tokens": [special]}).json()["text"] == ""
+    assert httpx.post(server + "/detokenize", json={"tokens": [special], "skip_special_tokens": False}
+                      ).json()["text"].startswith("<|")
+
+
 BAD_INPUTS = [
     (CHAT, b'{"messages": [', "not valid JSON"),
     (CHAT, b'[1, 2]', "Input should be a valid dictionary"),
@@ -173,6 +208,13 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "exactly one of"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_tokens must be"),
+    ("/tokenize", {}, "exactly one of 'prompt'"),
+    ("/tokenize", {"prompt": "hi", "messages": MSG}, "exactly one of 'prompt'"),
+    ("/tokenize", {"prompt": "hi", "model": "gpt-17"}, "does not exist"),
+    ("/v1/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/detokenize", {"tokens": [1, -2]}, "Token ids must be integers in [0, "),
+    ("/detokenize", {"tokens": [[1], [10**7]]}, "in tokens[1]"),
+    ("/detokenize", {"tokens": "hello"}, "tokens"),
 ]
 
 
