@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kiln.dist.net import free_port
 from kiln.rl.config import RLConfig
 
 RAY_MISSING = ("Ray placement needs the optional dependency Ray: `pip install ray` (or "
@@ -118,17 +118,12 @@ def serve_command(cfg: RLConfig, port: int, extra: list[str], moe: bool) -> list
     return cmd + list(extra)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 class EngineServer:
     """A `kiln serve` subprocess owned by a Ray actor (wrapped with ray.remote in `launch`)."""
 
     def __init__(self, cmd_without_port: list[str], env: dict[str, str]):
-        self.port = _free_port()
+        self.port = free_port("")
         cmd = list(cmd_without_port)
         cmd[cmd.index("--port") + 1] = str(self.port)
         self.log = tempfile.NamedTemporaryFile(prefix="kiln_serve_", suffix=".log", delete=False)

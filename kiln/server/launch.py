@@ -19,6 +19,7 @@ import tempfile
 from typing import Any
 
 from kiln.config import EngineConfig
+from kiln.dist.net import free_port
 
 logger = logging.getLogger("kiln.server")
 
@@ -55,7 +56,7 @@ def launch_server(config: EngineConfig) -> None:
     to_engine, from_engine = f"ipc://{ipc_dir}/to_engine", f"ipc://{ipc_dir}/from_engine"
     ctx = mp.get_context("spawn")
     # One engine process per tensor-parallel rank; rank 0 talks to this process.
-    tp_init = f"tcp://127.0.0.1:{_free_port()}"
+    tp_init = f"tcp://127.0.0.1:{free_port()}"
     procs, readers = [], []
     for rank in range(config.tp_size):
         reader, writer = ctx.Pipe(duplex=False)
@@ -112,11 +113,6 @@ def _stop(proc: Any) -> None:
         proc.kill()
         proc.join(timeout=5)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_port(host: str, port: int) -> None:
