@@ -232,6 +232,25 @@ class Engine:
         with self._lock.control():
             return self.core.update_weights_from_tensor(named_tensors, flush_cache=flush_cache)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: float = 600.0) -> None:
+        """Join a trainer's weight update group (`kiln.dist.weight_update_group`); blocks until
+        every member has joined, so the trainer opens its end from another thread or process."""
+        with self._lock.control():
+            self.core.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        """Receive these tensors from the group's rank 0, in order, into the weights; returns how many."""
+        with self._lock.control():
+            return self.core.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        with self._lock.control():
+            self.core.destroy_weights_update_group(group_name)
+
     def update_weights_from_model(self, model: Any, flush_cache: bool = True) -> int:
         """Copy a colocated Kiln model's weights (same definition, unsharded) into the engine's,
         tensor for tensor; returns the bytes written (`EngineCore.update_weights_from_model`)."""

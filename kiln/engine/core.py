@@ -20,6 +20,7 @@ from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
 from kiln.dist.parallel import SINGLE, ParallelContext
+from kiln.dist.weight_update_group import DEFAULT_GROUP, WeightUpdateGroups, tensor_specs
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.warmup import wants_warm_up, warm_up
@@ -67,6 +68,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.runner, self.cache, self.info.eos_token_ids,
                                    self.info.context_length, mc.vocab_size)
         self._forget_lora_base()  # no adapter merged
+        self.weight_groups = WeightUpdateGroups()
         if wants_warm_up(config, self.runner):  # compile what the first requests would (kiln/engine/warmup.py)
             warm_up(self)
 
@@ -155,6 +157,27 @@ class EngineCore:
         self.runner.update_weights(named)
         self._after_weight_update(flush_cache)
         return len(named)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: str = "nccl",
+                                  timeout_s: float = 600.0) -> None:
+        """Join a trainer's weight update group as rank rank_offset + this tensor-parallel rank
+        (`kiln.dist.weight_update_group`); blocks until every member has joined."""
+        self.weight_groups.init(group_name, master_address, master_port, rank_offset + self.runner.pc.tp_rank,
+                                world_size, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = DEFAULT_GROUP, flush_cache: bool = True) -> int:
+        """Receive the named tensors from the group's rank 0 (one broadcast each, in this order)
+        and load them as `update_weights_from_tensor` does; returns how many. Once the specs and
+        the group check out, every tensor is received before anything else can fail (running
+        requests, an unknown name), so rank 0's broadcasts never wait on an engine that gave up."""
+        specs = tensor_specs(names, dtypes, shapes)
+        received = self.weight_groups.receive(group_name, specs, self.runner.device)
+        return self.update_weights_from_tensor(received, flush_cache=flush_cache)
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        self.weight_groups.destroy(group_name)
 
     def update_weights_from_model(self, model: torch.nn.Module, flush_cache: bool = True) -> int:
         """Copy a colocated Kiln model's weights (the trainer's: the same model definition,

@@ -64,6 +64,37 @@ class UpdateWeightsFromTensorReq:
 
 
 @dataclass
+class InitWeightsUpdateGroupReq:
+    """Join a trainer's weight update group (`kiln.dist.weight_update_group`) as rank
+    rank_offset + tp_rank."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class UpdateWeightsFromDistributedReq:
+    """Receive these tensors from rank 0 of the group, one broadcast each in this order, and
+    load them (any subset of the weights, by on-disk name)."""
+
+    names: list
+    dtypes: list
+    shapes: list
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReq:
+    group_name: str = "weight_update_group"
+
+
+@dataclass
 class ReleaseMemoryReq:
     tags: Optional[list[str]] = None  # None: every tag
 
@@ -94,7 +125,8 @@ class UnloadLoraReq:
     name: str
 
 
-CONTROL_REQS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, ReleaseMemoryReq, ResumeMemoryReq,
+CONTROL_REQS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq,
+                UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq, ReleaseMemoryReq, ResumeMemoryReq,
                 PauseGenerationReq, ContinueGenerationReq, LoadLoraReq, UnloadLoraReq)
 
 

@@ -25,10 +25,11 @@ from kiln.engine.io import SchedulerStats
 from kiln.engine.request import SamplingParams
 from kiln.engine import io
 from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest, CompletionRequest,
-                                  DetokenizeRequest, GenerateRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
+                                  DestroyWeightsUpdateGroupRequest, DetokenizeRequest, GenerateRequest,
+                                  InitWeightsUpdateGroupRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
                                   PauseGenerationRequest, TokenizeRequest, UnloadLoraAdapterRequest,
-                                  UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest,
-                                  validation_message)
+                                  UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
+                                  UpdateWeightsFromTensorRequest, validation_message)
 from kiln.server.serving import Serving
 from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
 
@@ -181,6 +182,21 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
         return await rl_control(io.UpdateWeightsFromTensorReq(req.decode(), req.flush_cache))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        return await rl_control(io.InitWeightsUpdateGroupReq(req.master_address, req.master_port, req.rank_offset,
+                                                             req.world_size, req.group_name, req.backend,
+                                                             req.timeout_s))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        return await rl_control(io.UpdateWeightsFromDistributedReq(req.names, req.dtypes, req.shapes, req.group_name,
+                                                                   req.flush_cache))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
+        return await rl_control(io.DestroyWeightsUpdateGroupReq(req.group_name))
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(req: MemoryTagsRequest) -> JSONResponse:

@@ -5,6 +5,8 @@
 
 Tensors travel as base64 in JSON, in buckets of at most `bucket_bytes` raw bytes per request
 (the server refuses more than `kiln.server.protocol.MAX_TENSOR_UPDATE_BYTES` per call).
+`WeightBroadcaster` sends them through a process group instead (NCCL between GPUs, SGLang's
+`/update_weights_from_distributed`).
 """
 
 from __future__ import annotations
@@ -69,3 +71,142 @@ def update_weights_from_tensor(url: str, named_tensors: Iterable[tuple[str, torc
             total += len(group)
     return {"success": True, "message": f"Updated {total} tensors in {len(groups)} requests.",
             "num_tensors": total, "num_requests": len(groups)}
+
+
+class WeightBroadcaster:
+    """The trainer's end of a weight update group with running servers (`kiln serve`, or any
+    server with SGLang's endpoints): this process is rank 0 and broadcasts, each server's
+    tensor-parallel ranks receive (`kiln.dist.weight_update_group`). Over NCCL the weights go
+    GPU to GPU, with no base64 and no copy through the host, unlike `update_weights_from_tensor`.
+
+        with WeightBroadcaster(["http://gpu1:30000"], master_address="10.0.0.5", master_port=29600) as wb:
+            wb.update(model.state_dict().items())     # after each optimizer step
+
+    `ranks_per_server`: each server's tensor-parallel size (default: read from /server_info).
+    A server that answers with an error raises RuntimeError naming it at once; after a failed
+    update the group is aborted (open a new one)."""
+
+    def __init__(self, urls: list[str], master_address: str, master_port: int, backend: str = "nccl",
+                 group_name: str = "weight_update_group", ranks_per_server: Optional[list[int]] = None,
+                 api_key: Optional[str] = None, timeout_s: float = 600.0):
+        if not urls:
+            raise ValueError("urls is empty; give the servers to update")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.master_address, self.master_port, self.backend = master_address, master_port, backend
+        self.group_name, self.timeout_s = group_name, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.ranks = list(ranks_per_server) if ranks_per_server is not None else [self._tp_size(u) for u in self.urls]
+        if len(self.ranks) != len(self.urls) or min(self.ranks) < 1:
+            raise ValueError(f"ranks_per_server must give one size >= 1 per url; got {self.ranks}")
+        self.group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.ranks)
+
+    def open(self) -> "WeightBroadcaster":
+        """Create the group: rank 0 here, each server's ranks after the ranks of the servers before it."""
+        from kiln.dist.weight_update_group import open_group
+
+        offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.urls))]
+        bodies = [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
+                   "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend,
+                   "timeout_s": self.timeout_s} for off in offsets]
+        group = self._collective(lambda: open_group(self.master_address, self.master_port, 0, self.world_size,
+                                                    self.group_name, self.backend, self.timeout_s),
+                                 "/init_weights_update_group", bodies)
+        self.group = group
+        return self
+
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True,
+               bucket_bytes: int = 512 * 2**20) -> dict:
+        """Send (checkpoint name, tensor) pairs to every server, one request and one broadcast per
+        tensor of each bucket of at most `bucket_bytes` (what a server holds before loading it);
+        the prefix caches are flushed after the last bucket. Returns {"num_tensors", "num_requests"}."""
+        from kiln.dist.weight_update_group import broadcast_tensors
+
+        if self.group is None:
+            raise RuntimeError("the weight update group is not open; call open() (or use `with`)")
+        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        groups = list(buckets(named_tensors, bucket_bytes))
+        if not groups:
+            raise ValueError("named_tensors is empty")
+        for i, group in enumerate(groups):
+            tensors = [t.detach().to(device) for _, t in group]
+            body = {"names": [n for n, _ in group], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
+                    "flush_cache": flush_cache and i == len(groups) - 1}
+            self._collective(lambda: broadcast_tensors(self.group, tensors), "/update_weights_from_distributed",
+                             [body] * len(self.urls))
+        return {"num_tensors": sum(len(g) for g in groups), "num_requests": len(groups)}
+
+    def close(self) -> None:
+        """Destroy the group on every server and here."""
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        try:
+            for url in self.urls:
+                self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+        finally:
+            if hasattr(group, "shutdown"):
+                group.shutdown()
+
+    def __enter__(self) -> "WeightBroadcaster":
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _collective(self, work: Any, path: str, bodies: list[dict]) -> Any:
+        """Run this end of a collective (`work`) beside one POST per server. The servers' ends run
+        inside their requests, so the two must overlap; a server's error raises at once rather
+        than after the collective's timeout (an update's group is then aborted: its broadcast
+        would wait for that server forever)."""
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["result"] = work()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=run, daemon=True)  # a collective cannot be interrupted
+        worker.start()
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(self._post, url, path, body) for url, body in zip(self.urls, bodies)]
+            errors = [f.exception() for f in futures]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            if self.group is not None and worker.is_alive():
+                self.group.abort()
+                self.group = None
+            raise failed[0]
+        worker.join(self.timeout_s)
+        if "error" in box:
+            raise box["error"]
+        if worker.is_alive():
+            raise TimeoutError(f"{path}: the servers answered but this end did not finish within {self.timeout_s} s")
+        return box.get("result")
+
+    def _post(self, url: str, path: str, body: dict) -> dict:
+        import httpx
+
+        r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s + 30)
+        data: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != 200 or not data.get("success"):
+            msg = data.get("message") or data.get("error", {}).get("message") or r.text
+            raise RuntimeError(f"{url}{path} failed ({r.status_code}): {msg}")
+        return data
+
+    def _tp_size(self, url: str) -> int:
+        import httpx
+
+        r = httpx.get(url.rstrip("/") + "/server_info", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        info = r.json()
+        return int(info.get("config", info).get("tp_size", 1))

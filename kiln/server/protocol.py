@@ -308,6 +308,33 @@ class UpdateWeightsFromTensorRequest(_Lenient):
         return out
 
 
+class InitWeightsUpdateGroupRequest(_Lenient):
+    """SGLang's /init_weights_update_group: join the trainer's group (the trainer is rank 0 and
+    hosts its store at master_address:master_port) as rank rank_offset + tensor-parallel rank."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field(default="weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] = "nccl"
+    timeout_s: float = Field(default=600.0, gt=0, le=600.0)  # the API process waits at most that long
+
+
+class UpdateWeightsFromDistributedRequest(_Lenient):
+    """SGLang's /update_weights_from_distributed: the tensors rank 0 broadcasts next, in order."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+
+
+class DestroyWeightsUpdateGroupRequest(_Lenient):
+    group_name: str = "weight_update_group"
+
+
 class MemoryTagsRequest(_Lenient):
     tags: Optional[list[Literal["kv_cache", "weights"]]] = None  # None: both
 

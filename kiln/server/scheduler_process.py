@@ -19,9 +19,10 @@ from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.io import (CONTROL_REQS, AbortReq, BatchOutput, ContinueGenerationReq, ControlResult,
-                            FlushCacheReq, FlushCacheResult, GenerateReq, LoadLoraReq, PauseGenerationReq,
-                            ReleaseMemoryReq, ReqOutput, ResumeMemoryReq, StatsReq, UnloadLoraReq,
-                            UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+                            DestroyWeightsUpdateGroupReq, FlushCacheReq, FlushCacheResult, GenerateReq,
+                            InitWeightsUpdateGroupReq, LoadLoraReq, PauseGenerationReq, ReleaseMemoryReq, ReqOutput,
+                            ResumeMemoryReq, StatsReq, UnloadLoraReq, UpdateWeightsFromDiskReq,
+                            UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 
 logger = logging.getLogger("kiln.scheduler")
 
@@ -163,6 +164,16 @@ def control(core: Any, msg: Any) -> ControlResult:
     if isinstance(msg, UpdateWeightsFromTensorReq):
         n = core.update_weights_from_tensor(msg.named_tensors, flush_cache=msg.flush_cache)
         return ControlResult(True, f"Updated {n} tensors.", {"num_tensors": n})
+    if isinstance(msg, InitWeightsUpdateGroupReq):
+        core.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                       msg.group_name, msg.backend, msg.timeout_s)
+        return ControlResult(True, f"Joined weight update group {msg.group_name!r}.")
+    if isinstance(msg, UpdateWeightsFromDistributedReq):
+        n = core.update_weights_from_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name, msg.flush_cache)
+        return ControlResult(True, f"Updated {n} tensors from group {msg.group_name!r}.", {"num_tensors": n})
+    if isinstance(msg, DestroyWeightsUpdateGroupReq):
+        core.destroy_weights_update_group(msg.group_name)
+        return ControlResult(True, f"Weight update group {msg.group_name!r} destroyed.")
     if isinstance(msg, UpdateWeightsFromDiskReq):
         n = core.update_weights_from_disk(msg.model_path, flush_cache=msg.flush_cache)
         return ControlResult(True, f"Loaded {n} tensors from {msg.model_path}.", {"num_tensors": n})

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from tests.kiln_server import kiln_server
+from tests.kiln_server import free_port, kiln_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -75,6 +75,40 @@ def test_update_weights_from_tensor_round_trip(server, models):
     assert gen(server) != base
     update_weights_from_tensor(server, originals)
     assert gen(server) == base
+
+
+def test_update_weights_from_distributed_round_trip(server, models):
+    """A trainer's broadcast (gloo on the CPU) loads exactly what the same tensors sent over HTTP
+    load, bucket by bucket, and restores the originals; a second group of the same name and an
+    update through an unknown group fail at once, without hanging a broadcast."""
+    from kiln.server.client import WeightBroadcaster, update_weights_from_tensor
+
+    base = gen(server)
+    originals = layer0(models[0])
+    g = torch.Generator().manual_seed(1)
+    perturbed = [(n, t + 0.5 * t.float().std().nan_to_num(1.0) * torch.randn(t.shape, generator=g))
+                 for n, t in originals]
+    update_weights_from_tensor(server, perturbed)
+    want = gen(server)
+    update_weights_from_tensor(server, originals)
+    assert want != base and gen(server) == base
+    with WeightBroadcaster([server], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                           timeout_s=60) as wb:
+        assert wb.ranks == [1] and wb.world_size == 2  # the server's tensor-parallel size, from /server_info
+        res = wb.update(perturbed, bucket_bytes=16 * 1024)
+        assert res["num_tensors"] == len(perturbed) and res["num_requests"] > 1
+        assert gen(server) == want
+        post(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": wb.master_port,
+                                                    "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+             status=400)
+        err = post(server, "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                                "shapes": [[1]], "group_name": "nope"}, status=400)
+        assert "no weight update group 'nope'" in err["error"]["message"]
+        with pytest.raises(RuntimeError, match="no.such.tensor"):  # received, then refused: the group lives on
+            wb.update([("no.such.tensor", torch.zeros(1))])
+        wb.update(originals)
+        assert gen(server) == base
+    post(server, "/destroy_weights_update_group", {}, status=400)  # closed with the `with`
 
 
 def test_update_weights_from_disk(server, models):
@@ -188,6 +222,13 @@ BAD = [
     ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/no/such/adapter"}),
     ("/unload_lora_adapter", {}),
     ("/unload_lora_adapter", {"lora_name": "never-loaded"}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2, "backend": "mpi"}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                    "world_size": 2}),
+    ("/update_weights_from_distributed", {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [1]]}),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float99"], "shapes": [[1]]}),
+    ("/destroy_weights_update_group", {"group_name": "never-opened"}),
 ]
 
 
@@ -231,6 +272,36 @@ def test_offline_engine_mirrors(models):
             llm.pause_generation("sleep")
         llm.update_weights_from_disk(models[1])
         assert llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids != ref
+
+
+def test_offline_engine_update_weights_from_distributed(models):
+    """kiln.Engine's mirror: the trainer's end from another thread, the other model's layer 0
+    broadcast in; generation then equals the same tensors loaded by update_weights_from_tensor."""
+    from kiln import Engine, SamplingParams
+    from kiln.dist.weight_update_group import broadcast_tensors, open_group
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tensors = layer0(models[1])
+    port, box = free_port(), {}
+    with Engine(models[0], device="cpu", max_total_tokens=4096, max_running_requests=8) as llm:
+        ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+        trainer = threading.Thread(target=lambda: box.setdefault("g", open_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)))
+        trainer.start()
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="g", backend="gloo", timeout_s=60)
+        trainer.join()
+        trainer = threading.Thread(target=broadcast_tensors, args=(box["g"], [t for _, t in tensors]))
+        trainer.start()
+        n = llm.update_weights_from_distributed([n for n, _ in tensors], [str(t.dtype) for _, t in tensors],
+                                                [list(t.shape) for _, t in tensors], group_name="g")
+        trainer.join()
+        assert n == len(tensors)
+        out = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+        llm.destroy_weights_update_group("g")
+        with pytest.raises(ValueError, match="no weight update group"):
+            llm.destroy_weights_update_group("g")
+        llm.update_weights_from_disk(models[0])
+        llm.update_weights_from_tensor(tensors)
+        assert out != ref and llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids == out
 
 
 def test_control_calls_get_the_lock_between_steps(models):
