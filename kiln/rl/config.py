@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, get_args, get_origin, get_type_hints
 
@@ -43,7 +44,14 @@ class RLConfig:
     temperature: float = opt(1.0, "Rollout sampling temperature (the trainer divides logits by it too).")
     top_p: float = opt(1.0, "Rollout nucleus sampling (1.0 keeps the policy's distribution exact).")
     rollout_urls: list[str] = opt([], "Base urls of `kiln serve` instances that do the rollouts (round-robin); "
-                                  "the trainer pushes weights to them over HTTP. Empty: a colocated engine.")
+                                  "the trainer pushes weights to them (weight_sync). Empty: a colocated engine.")
+    weight_sync: str = opt("http", "How full weights reach the rollout_urls servers: 'http' (base64 buckets through "
+                           "/update_weights_from_tensor) or 'distributed' (a weight update group, SGLang's "
+                           "/update_weights_from_distributed: NCCL from a CUDA trainer, GPU to GPU; gloo from a "
+                           "CPU one). A LoRA adapter goes through /load_lora_adapter either way.",
+                           ["http", "distributed"])
+    weight_sync_master: str = opt("", "distributed: the trainer's HOST:PORT that the servers connect to (the "
+                                  "group's store); empty: 127.0.0.1 and a free port (servers on this machine).")
     # Training
     lr: float = opt(1e-5, "AdamW learning rate.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -107,6 +115,10 @@ class RLConfig:
         if isinstance(self.rollout_urls, str):
             self.rollout_urls = [u for u in self.rollout_urls.split(",") if u]
         self.rollout_urls = [str(u) for u in (self.rollout_urls or [])]
+        if self.weight_sync not in ("http", "distributed"):
+            raise ValueError(f"weight_sync must be 'http' or 'distributed', got {self.weight_sync!r}")
+        if self.weight_sync_master and not re.fullmatch(r"[^:\s]+:\d+", self.weight_sync_master):
+            raise ValueError(f"weight_sync_master must be HOST:PORT, got {self.weight_sync_master!r}")
 
     # ---- building --------------------------------------------------------------------------
     def to_dict(self) -> dict:

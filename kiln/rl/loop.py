@@ -342,7 +342,8 @@ def build(cfg: RLConfig, dp: Any = None) -> tuple[Any, Any, Optional[str], bool]
     if dp is not None and not dp.is_main:
         pass
     elif cfg.rollout_urls:
-        engine = RemoteRollout(cfg.rollout_urls, cfg.model_path)
+        engine = RemoteRollout(cfg.rollout_urls, cfg.model_path, weight_sync=cfg.weight_sync,
+                               weight_sync_master=cfg.weight_sync_master)
     else:
         from kiln.offline import Engine
 

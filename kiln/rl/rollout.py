@@ -100,12 +100,15 @@ class RemoteRollout:
     MoE routing replay). `model_path` gives the local tokenizer (prompts are sent as token ids)."""
 
     def __init__(self, urls: list[str], model_path: Optional[str] = None, *, timeout: float = 600.0,
-                 api_key: Optional[str] = None, chat_template: Optional[str] = None):
+                 api_key: Optional[str] = None, chat_template: Optional[str] = None, weight_sync: str = "http",
+                 weight_sync_master: str = ""):
         if not urls:
             raise ValueError("RemoteRollout needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
         self.api_key = api_key
+        self.weight_sync, self.weight_sync_master = weight_sync, weight_sync_master
+        self.broadcaster: Any = None  # the weight update group, opened at the first distributed sync
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         from kiln.loader import load_tokenizer
         from kiln.loader.source import resolve_model
@@ -174,6 +177,9 @@ class RemoteRollout:
         from kiln.server.client import DEFAULT_BUCKET_BYTES, update_weights_from_tensor
 
         named = [(n, t) for n, t in trainer.named_weights_for_sync()]
+        if self.weight_sync == "distributed":
+            self._broadcast(named)
+            return sum(t.numel() * t.element_size() for _, t in named) * len(self.urls)
         for url in self.urls:
             try:
                 update_weights_from_tensor(url, named, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
@@ -181,6 +187,30 @@ class RemoteRollout:
             except Exception as e:  # noqa: BLE001 - name the server
                 raise RemoteRolloutError(f"weight sync to kiln serve at {url} failed: {type(e).__name__}: {e}") from e
         return sum(t.numel() * t.element_size() for _, t in named) * len(self.urls)
+
+    def _broadcast(self, named: list) -> None:
+        """Full weights through one weight update group with every server (opened once): NCCL
+        when the trainer's weights are on a GPU, gloo when they are on the CPU."""
+        from kiln.server.client import WeightBroadcaster
+
+        if self.broadcaster is None:
+            host, _, port = self.weight_sync_master.rpartition(":")
+            if not host:
+                from kiln.dist.net import free_port
+
+                host, port = "127.0.0.1", str(free_port())
+            backend = "nccl" if named and named[0][1].is_cuda else "gloo"
+            try:
+                self.broadcaster = WeightBroadcaster(self.urls, host, int(port), backend=backend, api_key=self.api_key,
+                                                     timeout_s=min(self.timeout, 600.0)).open()
+            except Exception as e:  # noqa: BLE001 - say which sync failed
+                raise RemoteRolloutError(f"opening the weight update group with {self.urls} at {host}:{port} "
+                                         f"failed: {type(e).__name__}: {e}") from e
+        try:
+            self.broadcaster.update(named)
+        except Exception as e:  # noqa: BLE001
+            self.broadcaster = None  # a failed update aborted the group: the next sync opens another
+            raise RemoteRolloutError(f"weight sync through the update group failed: {type(e).__name__}: {e}") from e
 
     def sync_lora(self, trainer: Any, name: str) -> int:
         from kiln.rl.lora import ADAPTER_WEIGHTS, save_adapter
@@ -208,5 +238,7 @@ class RemoteRollout:
         for url in self.urls:
             self._request("POST", url, "/resume_memory_occupation", {"tags": list(MEMORY_TAGS)})
 
-    def shutdown(self) -> None:  # the servers belong to whoever started them
-        pass
+    def shutdown(self) -> None:  # the servers belong to whoever started them; the group is ours
+        if self.broadcaster is not None:
+            self.broadcaster, broadcaster = None, self.broadcaster
+            broadcaster.close()

@@ -1,6 +1,7 @@
 """GRPO with rollouts on a remote `kiln serve` (tiny Inkling, MoE, fp32 CPU): the first step's
 train/rollout KL is ~0 (routing replay from the server's routed experts), and after the steps'
-weight syncs the server's logprobs for a fixed sample equal the trainer's."""
+weight syncs (over HTTP, or through a weight update group) the server's logprobs for a fixed
+sample equal the trainer's."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def server(tiny_model):
         yield url
 
 
-def test_grpo_with_remote_rollouts(tiny_model, server, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["http", "distributed"])
+def test_grpo_with_remote_rollouts(tiny_model, server, tmp_path, weight_sync):
+    """Either sync ('distributed': a gloo weight update group from this CPU trainer) leaves the
+    server with the trainer's weights."""
     from kiln.rl.loss import mismatch_metrics
 
     cfg = RLConfig(model_path=tiny_model, reward=REWARD, num_steps=2, prompts_per_step=2, samples_per_prompt=2,
                    max_new_tokens=8, lr=1e-3, seed=0, out_dir=str(tmp_path / "run"), progress=False,
-                   save_final=False, plot_every=0, rollout_urls=[server])
+                   save_final=False, plot_every=0, rollout_urls=[server], weight_sync=weight_sync)
     ms = run_grpo(cfg)
     assert [m["step"] for m in ms] == [0, 1]
     assert ms[0]["train_rollout_kl"] <= 1e-6, ms[0]
