@@ -75,6 +75,40 @@ def test_a_second_group_of_the_same_name_is_refused():
         groups.init("wg", "127.0.0.1", 1, 1, 2, "gloo", 1.0)
 
 
+def test_update_group_into_a_tp2_server(tmp_path):
+    """`kiln serve --tp 2`: the broadcaster finds two ranks (/server_info), both join (world size
+    3) and each loads its shard of the other model's layer 0; the server then generates as it
+    does with the same tensors sent over HTTP."""
+    import httpx
+
+    from kiln.loader import iter_weights, resolve_model
+    from kiln.models.init_model import init_model
+    from kiln.server.client import WeightBroadcaster, update_weights_from_tensor
+    from tests.kiln_server import kiln_server
+
+    for seed in (0, 1):
+        init_model("inkling", "tiny", str(tmp_path / f"m{seed}"), seed=seed)
+    tensors = [(n, t.clone()) for n, t in iter_weights(resolve_model(str(tmp_path / "m1"))) if ".layers.0." in n]
+    args = ["--model-path", str(tmp_path / "m0"), "--device", "cpu", "--dtype", "float32", "--tp", "2",
+            "--max-total-tokens", "1024", "--log-level", "warning"]
+    with kiln_server(args, env={"OMP_NUM_THREADS": "1"}) as (url, _):
+        def gen() -> list[int]:
+            r = httpx.post(url + "/generate", json={"input_ids": [5, 17, 99, 3, 250, 8], "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        base = gen()
+        with WeightBroadcaster([url], "127.0.0.1", free_port(), backend="gloo", timeout_s=60) as wb:
+            assert wb.ranks == [2] and wb.world_size == 3
+            wb.update(tensors)
+            out = gen()
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "m0")}, timeout=120)
+        assert r.status_code == 200 and gen() == base, r.text
+        update_weights_from_tensor(url, tensors)
+        assert out != base and gen() == out
+
+
 @pytest.mark.gpu
 def test_nccl_into_a_cuda_engine(tmp_path):
     """The trainer on cuda:0 (a thread, rank 0) broadcasts a checkpoint's layer 0 over NCCL into a
