@@ -225,6 +225,8 @@ class EngineConfig:
     api_key: Optional[str] = opt(None, "Require this bearer token on every request.")
     log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
     max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.")
+    profile_dir: str = opt("/tmp/kiln-profile", "Where /start_profile writes torch.profiler traces unless the "
+                           "request names an output_dir (SGLang: SGLANG_TORCH_PROFILER_DIR).")
     reasoning_parser: Optional[str] = opt(
         None, "Chat API: return <think>...</think> as message.reasoning_content.", sorted(REASONING_PARSERS))
     tool_call_parser: Optional[str] = opt(

@@ -251,6 +251,22 @@ class Engine:
         with self._lock.control():
             self.core.destroy_weights_update_group(group_name)
 
+    def start_profile(self, output_dir: str = "/tmp/kiln-profile", num_steps: Optional[int] = None,
+                      activities: tuple = ("CPU", "GPU"), with_stack: bool = False, record_shapes: bool = False,
+                      profile_prefix: str = "") -> str:
+        """Trace the next steps with torch.profiler (`kiln.engine.profiler`); returns the trace's
+        file, written at `stop_profile()` or after `num_steps` steps."""
+        from kiln.engine.profiler import ProfileOptions
+
+        opts = ProfileOptions(output_dir, num_steps, tuple(activities), with_stack, record_shapes, profile_prefix)
+        with self._lock.control():
+            return self.core.start_profile(opts)
+
+    def stop_profile(self) -> str:
+        """End the trace and write it; returns its file."""
+        with self._lock.control():
+            return self.core.stop_profile()
+
     def update_weights_from_model(self, model: Any, flush_cache: bool = True) -> int:
         """Copy a colocated Kiln model's weights (same definition, unsharded) into the engine's,
         tensor for tensor; returns the bytes written (`EngineCore.update_weights_from_model`)."""

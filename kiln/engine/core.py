@@ -19,6 +19,7 @@ from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
+from kiln.engine.profiler import EngineProfiler, ProfileOptions
 from kiln.dist.parallel import SINGLE, ParallelContext
 from kiln.dist.weight_update_group import DEFAULT_GROUP, WeightUpdateGroups, tensor_specs
 from kiln.engine.runner import ModelRunner
@@ -69,6 +70,7 @@ class EngineCore:
                                    self.info.context_length, mc.vocab_size)
         self._forget_lora_base()  # no adapter merged
         self.weight_groups = WeightUpdateGroups()
+        self.profiler = EngineProfiler(pc.tp_rank, self.runner.device.type)
         if wants_warm_up(config, self.runner):  # compile what the first requests would (kiln/engine/warmup.py)
             warm_up(self)
 
@@ -88,6 +90,8 @@ class EngineCore:
             out, self.scheduler.outbox = self.scheduler.outbox, []
             return out
         out = self.scheduler.step()
+        if self.profiler.active:
+            self.profiler.after_step()
         if not self.scheduler.has_work():
             self.cache.on_idle()
         if self._flush_when_idle and not (self.scheduler.running or self.scheduler.waiting):
@@ -117,6 +121,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def start_profile(self, opts: ProfileOptions) -> str:
+        """Trace the next steps with torch.profiler (`kiln.engine.profiler`); returns the file
+        this rank's trace goes to (at `stop_profile`, or after `opts.num_steps` steps)."""
+        return self.profiler.start(opts)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     # ---- RL control (SGLang's control endpoints) ---------------------------------------------
     # Weight updates happen in place, between steps. They need no running request, unless

@@ -42,8 +42,9 @@ class StatsReq:
     """Ask the scheduler for a `SchedulerStats` snapshot."""
 
 
-# ---- RL control messages (SGLang's control endpoints). The scheduler handles them between two
-# steps, in arrival order, and answers each with one `ControlResult`.
+# ---- Control messages (SGLang's control endpoints: RL's weight and memory calls, profiling). The
+# scheduler handles them between two steps, in arrival order, and answers each with one
+# `ControlResult`.
 
 MEMORY_TAGS = ("kv_cache", "weights")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -95,6 +96,18 @@ class DestroyWeightsUpdateGroupReq:
 
 
 @dataclass
+class StartProfileReq:
+    """Start a torch.profiler trace of the next steps (`kiln.engine.profiler.ProfileOptions`)."""
+
+    options: Any
+
+
+@dataclass
+class StopProfileReq:
+    pass
+
+
+@dataclass
 class ReleaseMemoryReq:
     tags: Optional[list[str]] = None  # None: every tag
 
@@ -127,7 +140,7 @@ class UnloadLoraReq:
 
 CONTROL_REQS = (UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq,
                 UpdateWeightsFromDistributedReq, DestroyWeightsUpdateGroupReq, ReleaseMemoryReq, ResumeMemoryReq,
-                PauseGenerationReq, ContinueGenerationReq, LoadLoraReq, UnloadLoraReq)
+                PauseGenerationReq, ContinueGenerationReq, LoadLoraReq, UnloadLoraReq, StartProfileReq, StopProfileReq)
 
 
 @dataclass

@@ -27,7 +27,8 @@ from kiln.engine import io
 from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest, CompletionRequest,
                                   DestroyWeightsUpdateGroupRequest, DetokenizeRequest, GenerateRequest,
                                   InitWeightsUpdateGroupRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
-                                  PauseGenerationRequest, TokenizeRequest, UnloadLoraAdapterRequest,
+                                  PauseGenerationRequest, StartProfileRequest, TokenizeRequest,
+                                  UnloadLoraAdapterRequest,
                                   UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                   UpdateWeightsFromTensorRequest, validation_message)
 from kiln.server.serving import Serving
@@ -221,6 +222,21 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> JSONResponse:
         return await rl_control(io.UnloadLoraReq(req.lora_name))
+
+    # ---- profiling (SGLang's /start_profile and /stop_profile) ---------------------------------
+    @app.post("/start_profile")
+    async def start_profile(req: Optional[StartProfileRequest] = None) -> JSONResponse:
+        from kiln.engine.profiler import ProfileOptions
+
+        req = req or StartProfileRequest()
+        opts = ProfileOptions(output_dir=req.output_dir or config.profile_dir, num_steps=req.num_steps,
+                              activities=tuple(req.activities), with_stack=req.with_stack,
+                              record_shapes=req.record_shapes, prefix=req.profile_prefix or "")
+        return await rl_control(io.StartProfileReq(opts))
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> JSONResponse:
+        return await rl_control(io.StopProfileReq())
 
     @app.get("/version")
     async def version() -> dict:

@@ -335,6 +335,17 @@ class DestroyWeightsUpdateGroupRequest(_Lenient):
     group_name: str = "weight_update_group"
 
 
+class StartProfileRequest(_Lenient):
+    """SGLang's /start_profile: a torch.profiler trace of the engine's next steps."""
+
+    output_dir: Optional[str] = None  # default: --profile-dir
+    num_steps: Optional[int] = Field(default=None, ge=1)  # None: until /stop_profile
+    activities: list[Literal["CPU", "GPU", "MEM"]] = Field(default_factory=lambda: ["CPU", "GPU"], min_length=1)
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_prefix: Optional[str] = Field(default=None, pattern=r"^[\w.-]+$")  # default: the start time
+
+
 class MemoryTagsRequest(_Lenient):
     tags: Optional[list[Literal["kv_cache", "weights"]]] = None  # None: both
 

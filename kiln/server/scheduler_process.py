@@ -2,9 +2,9 @@
 
 Loop: drain every pending message without blocking, run one scheduler step if there is work,
 otherwise block on the socket (short timeout, to notice a dead parent). Messages in:
-GenerateReq, AbortReq, FlushCacheReq, StatsReq and the RL control messages (`CONTROL_REQS`:
-weight updates, memory release/resume, pause/continue, LoRA load/unload), each handled between
-two steps. Messages out (pickled): BatchOutput, FlushCacheResult, SchedulerStats, ControlResult
+GenerateReq, AbortReq, FlushCacheReq, StatsReq and the control messages (`CONTROL_REQS`:
+weight updates, memory release/resume, pause/continue, LoRA load/unload, profiling), each handled
+between two steps. Messages out (pickled): BatchOutput, FlushCacheResult, SchedulerStats, ControlResult
 (one per control message, in order).
 """
 
@@ -21,8 +21,8 @@ from kiln.config import EngineConfig
 from kiln.engine.io import (CONTROL_REQS, AbortReq, BatchOutput, ContinueGenerationReq, ControlResult,
                             DestroyWeightsUpdateGroupReq, FlushCacheReq, FlushCacheResult, GenerateReq,
                             InitWeightsUpdateGroupReq, LoadLoraReq, PauseGenerationReq, ReleaseMemoryReq, ReqOutput,
-                            ResumeMemoryReq, StatsReq, UnloadLoraReq, UpdateWeightsFromDiskReq,
-                            UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
+                            ResumeMemoryReq, StartProfileReq, StatsReq, StopProfileReq, UnloadLoraReq,
+                            UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 
 logger = logging.getLogger("kiln.scheduler")
 
@@ -174,6 +174,13 @@ def control(core: Any, msg: Any) -> ControlResult:
     if isinstance(msg, DestroyWeightsUpdateGroupReq):
         core.destroy_weights_update_group(msg.group_name)
         return ControlResult(True, f"Weight update group {msg.group_name!r} destroyed.")
+    if isinstance(msg, StartProfileReq):
+        path = core.start_profile(msg.options)
+        until = f"after {msg.options.num_steps} steps" if msg.options.num_steps else "at /stop_profile"
+        return ControlResult(True, f"Profiling; the trace goes to {path} {until}.", {"trace_path": path})
+    if isinstance(msg, StopProfileReq):
+        path = core.stop_profile()
+        return ControlResult(True, f"Trace written to {path}.", {"trace_path": path})
     if isinstance(msg, UpdateWeightsFromDiskReq):
         n = core.update_weights_from_disk(msg.model_path, flush_cache=msg.flush_cache)
         return ControlResult(True, f"Loaded {n} tensors from {msg.model_path}.", {"num_tensors": n})

@@ -28,7 +28,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models):
-    with kiln_server(["--model-path", models[0], "--device", "cpu", "--log-level", "warning", *ENGINE],
+    with kiln_server(["--model-path", models[0], "--device", "cpu", "--log-level", "warning", *ENGINE,
+                      "--profile-dir", str(models[2] / "traces")],
                      timeout=120, env={"OMP_NUM_THREADS": "1"}) as (url, _):
         yield url
 
@@ -109,6 +110,29 @@ def test_update_weights_from_distributed_round_trip(server, models):
         wb.update(originals)
         assert gen(server) == base
     post(server, "/destroy_weights_update_group", {}, status=400)  # closed with the `with`
+
+
+def test_profile_endpoints(server, models):
+    """/start_profile then /stop_profile write a torch.profiler trace of the steps between them
+    (to --profile-dir unless the request names an output_dir); num_steps ends it by itself."""
+    import gzip
+    import json
+
+    started = post(server, "/start_profile", {"profile_prefix": "a"})
+    assert started["trace_path"] == str(models[2] / "traces" / "a-TP-0.trace.json.gz")
+    post(server, "/start_profile", {}, status=400)  # one at a time
+    gen(server, 4)
+    stopped = post(server, "/stop_profile")
+    assert stopped["trace_path"] == started["trace_path"]
+    with gzip.open(stopped["trace_path"], "rt") as f:
+        assert any(e.get("name", "").startswith("aten::") for e in json.load(f)["traceEvents"])
+    out = models[2] / "other"
+    path = post(server, "/start_profile", {"output_dir": str(out), "num_steps": 2, "activities": ["CPU", "MEM"],
+                                           "record_shapes": True})["trace_path"]
+    assert path.startswith(str(out))
+    gen(server, 4)
+    assert os.path.exists(path)
+    post(server, "/stop_profile", status=400)  # ended after its 2 steps
 
 
 def test_update_weights_from_disk(server, models):
@@ -229,6 +253,10 @@ BAD = [
     ("/update_weights_from_distributed", {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [1]]}),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float99"], "shapes": [[1]]}),
     ("/destroy_weights_update_group", {"group_name": "never-opened"}),
+    ("/start_profile", {"activities": ["TPU"]}),
+    ("/start_profile", {"num_steps": 0}),
+    ("/start_profile", {"profile_prefix": "../up"}),
+    ("/stop_profile", {}),
 ]
 
 
