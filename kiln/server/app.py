@@ -30,7 +30,7 @@ from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest,
                                   PauseGenerationRequest, StartProfileRequest, TokenizeRequest,
                                   UnloadLoraAdapterRequest,
                                   UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                                  UpdateWeightsFromTensorRequest, validation_message)
+                                  UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest, validation_message)
 from kiln.server.serving import Serving
 from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
 
@@ -148,6 +148,11 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest) -> dict:
+        if req.abort_all:
+            n = tm.abort_all()
+            return {"success": True, "message": f"Aborted {n} requests.", "num_aborted": n}
+        if not req.rid:
+            raise APIError("Send the 'rid' of the request to abort, or 'abort_all': true.", param="rid")
         return {"success": tm.abort(req.rid)}
 
     async def server_info() -> dict:
@@ -165,24 +170,27 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     app.add_api_route("/get_model_info", model_info, methods=["GET"])
 
     # ---- RL control (SGLang's endpoints; see docs/serving.md "RL control endpoints") ------------
-    async def rl_control(msg: Any) -> JSONResponse:
-        """{"success", "message"} with 200, or 400 with the OpenAI error object added."""
+    async def rl_control(msg: Any, weight_version: Optional[str] = None) -> JSONResponse:
+        """{"success", "message"} with 200, or 400 with the OpenAI error object added. A weight
+        update that succeeds relabels the weights with `weight_version`, when given."""
         try:
             result = await tm.rl_control(msg)
         except EngineDeadError as e:
             raise APIError(str(e), status=503, type="service_unavailable") from e
         body = {"success": result.success, "message": result.message, **result.extra}
         if result.success:
+            if weight_version is not None:
+                tm.weight_version = weight_version
             return JSONResponse(body)
         return JSONResponse({**body, **APIError(result.message).body()}, status_code=400)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        return await rl_control(io.UpdateWeightsFromDiskReq(req.model_path, req.flush_cache))
+        return await rl_control(io.UpdateWeightsFromDiskReq(req.model_path, req.flush_cache), req.weight_version)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
-        return await rl_control(io.UpdateWeightsFromTensorReq(req.decode(), req.flush_cache))
+        return await rl_control(io.UpdateWeightsFromTensorReq(req.decode(), req.flush_cache), req.weight_version)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
@@ -193,11 +201,22 @@ def create_app(config: EngineConfig, tm: TokenizerManager, aliases: Optional[set
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
         return await rl_control(io.UpdateWeightsFromDistributedReq(req.names, req.dtypes, req.shapes, req.group_name,
-                                                                   req.flush_cache))
+                                                                   req.flush_cache), req.weight_version)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
         return await rl_control(io.DestroyWeightsUpdateGroupReq(req.group_name))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": tm.weight_version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:
+        n = tm.abort_all() if req.abort_all_requests else 0
+        tm.weight_version = req.new_version
+        return {"success": True, "message": f"Weight version {req.new_version!r}; aborted {n} requests.",
+                "weight_version": req.new_version, "num_aborted": n}
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(req: MemoryTagsRequest) -> JSONResponse:

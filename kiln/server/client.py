@@ -44,10 +44,12 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 
 def update_weights_from_tensor(url: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_cache: bool = True,
-                               api_key: Optional[str] = None, timeout: float = 600.0) -> dict:
+                               api_key: Optional[str] = None, timeout: float = 600.0,
+                               weight_version: Optional[str] = None) -> dict:
     """POST the tensors to `url`/update_weights_from_tensor in buckets; the prefix cache is
-    flushed once, after the last bucket (when `flush_cache`). Raises RuntimeError naming the
-    server's message if a bucket fails. Returns {"success", "message", "num_tensors", "num_requests"}."""
+    flushed once, after the last bucket (when `flush_cache`), which also carries `weight_version`.
+    Raises RuntimeError naming the server's message if a bucket fails. Returns {"success",
+    "message", "num_tensors", "num_requests"}."""
     import httpx
 
     from kiln.server.protocol import MAX_TENSOR_UPDATE_BYTES
@@ -60,8 +62,9 @@ def update_weights_from_tensor(url: str, named_tensors: Iterable[tuple[str, torc
     total = 0
     with httpx.Client(timeout=timeout, headers=headers) as client:
         for i, group in enumerate(groups):
-            body = {"named_tensors": [encode_tensor(n, t) for n, t in group],
-                    "flush_cache": flush_cache and i == len(groups) - 1}
+            last = i == len(groups) - 1
+            body = {"named_tensors": [encode_tensor(n, t) for n, t in group], "flush_cache": flush_cache and last,
+                    **({"weight_version": weight_version} if last and weight_version is not None else {})}
             r = client.post(url.rstrip("/") + "/update_weights_from_tensor", json=body)
             data: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
             if r.status_code != 200 or not data.get("success"):
@@ -119,10 +122,11 @@ class WeightBroadcaster:
         return self
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True,
-               bucket_bytes: int = 512 * 2**20) -> dict:
+               bucket_bytes: int = 512 * 2**20, weight_version: Optional[str] = None) -> dict:
         """Send (checkpoint name, tensor) pairs to every server, one request and one broadcast per
         tensor of each bucket of at most `bucket_bytes` (what a server holds before loading it);
-        the prefix caches are flushed after the last bucket. Returns {"num_tensors", "num_requests"}."""
+        the prefix caches are flushed, and the weights labelled `weight_version`, with the last
+        bucket. Returns {"num_tensors", "num_requests"}."""
         from kiln.dist.weight_update_group import broadcast_tensors
 
         if self.group is None:
@@ -133,9 +137,11 @@ class WeightBroadcaster:
             raise ValueError("named_tensors is empty")
         for i, group in enumerate(groups):
             tensors = [t.detach().to(device) for _, t in group]
+            last = i == len(groups) - 1
             body = {"names": [n for n, _ in group], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
-                    "flush_cache": flush_cache and i == len(groups) - 1}
+                    "flush_cache": flush_cache and last,
+                    **({"weight_version": weight_version} if last and weight_version is not None else {})}
             self._collective(lambda: broadcast_tensors(self.group, tensors), "/update_weights_from_distributed",
                              [body] * len(self.urls))
         return {"num_tensors": sum(len(g) for g in groups), "num_requests": len(groups)}

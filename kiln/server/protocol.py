@@ -192,7 +192,18 @@ class GenerateRequest(_Lenient):
 
 
 class AbortRequest(_Lenient):
-    rid: str
+    """SGLang's /abort_request: one request by its rid, or every request (`abort_all`, as RL
+    rollouts do when they have enough samples)."""
+
+    rid: Optional[str] = None
+    abort_all: bool = False
+
+
+class UpdateWeightVersionRequest(_Lenient):
+    """SGLang's /update_weight_version: the label /generate reports as meta_info.weight_version."""
+
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = True
 
 
 class TokenizeRequest(_Lenient):
@@ -260,6 +271,7 @@ class _Strict(BaseModel):
 class UpdateWeightsFromDiskRequest(_Lenient):
     model_path: str = Field(min_length=1)
     flush_cache: bool = True
+    weight_version: Optional[str] = None  # on success, what /generate reports as meta_info.weight_version
 
 
 class NamedTensor(_Strict):
@@ -272,6 +284,7 @@ class NamedTensor(_Strict):
 class UpdateWeightsFromTensorRequest(_Lenient):
     named_tensors: list[NamedTensor] = Field(min_length=1)
     flush_cache: bool = True
+    weight_version: Optional[str] = None  # on success, what /generate reports as meta_info.weight_version
 
     def decode(self) -> list[tuple[str, Any]]:
         """(name, CPU tensor) pairs; APIError (400) on a bad entry or a body over the size cap."""
@@ -329,6 +342,7 @@ class UpdateWeightsFromDistributedRequest(_Lenient):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
+    weight_version: Optional[str] = None
 
 
 class DestroyWeightsUpdateGroupRequest(_Lenient):

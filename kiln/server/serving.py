@@ -265,7 +265,7 @@ class Serving:
             "finish_reason": reason, "prompt_tokens": len(state.prompt_ids),
             "completion_tokens": len(s.token_ids), "cached_tokens": state.cached_tokens,
             "cached_tokens_details": _tiers([state]),
-            "e2e_latency": time.time() - start,
+            "e2e_latency": time.time() - start, "weight_version": self.tm.weight_version,
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for t, (lp, _) in zip(s.token_ids, s.logprobs)]

@@ -64,6 +64,9 @@ class TokenizerManager:
 
             self.tokenizer = load_tokenizer(info.model_dir, config.tokenizer_path, config.chat_template)
         self.handles: dict[str, RequestHandle] = {}
+        # The label of the served weights (SGLang's weight_version): set by weight updates that name
+        # one and by /update_weight_version, reported in /generate's meta_info.
+        self.weight_version = "default"
         self.dead: Optional[str] = None
         self._stats_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._flush_waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -207,6 +210,14 @@ class TokenizerManager:
             self._send_abort(rid)
             return True
         return False
+
+    def abort_all(self) -> int:
+        """Abort every request of this server; returns how many."""
+        handles = list(self.handles.values())
+        for handle in handles:
+            for sub in handle.state.unfinished_rids():
+                self._send_abort(sub)
+        return len(handles)
 
     def _send_abort(self, rid: str) -> None:
         if self._send is not None and not self.dead:

@@ -135,6 +135,57 @@ def test_profile_endpoints(server, models):
     post(server, "/stop_profile", status=400)  # ended after its 2 steps
 
 
+def test_weight_version_and_abort_all(server, models):
+    """meta_info.weight_version follows the updates that name one (not a failed one) and
+    /update_weight_version; /abort_request with abort_all ends every running request."""
+    from kiln.server.client import update_weights_from_tensor
+
+    def version() -> str:
+        r = httpx.post(server + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()["meta_info"]["weight_version"]
+        assert got == httpx.get(server + "/get_weight_version").json()["weight_version"]
+        return got
+
+    post(server, "/update_weights_from_disk", {"model_path": models[0], "weight_version": "v1"})
+    assert version() == "v1"
+    post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir", "weight_version": "bad"}, status=400)
+    assert version() == "v1"
+    update_weights_from_tensor(server, layer0(models[0]), bucket_bytes=16 * 1024, weight_version="v2")
+    assert version() == "v2"
+
+    box: dict = {}
+
+    def long_generation(i: int) -> None:
+        box[i] = httpx.post(server + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 3000, "ignore_eos": True}}, timeout=120)
+
+    threads = [threading.Thread(target=long_generation, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while stats(server)["num_running"] < 2:
+        assert time.time() < deadline, "the two requests never ran together"
+        time.sleep(0.05)
+    done = post(server, "/update_weight_version", {"new_version": "v3"})  # aborts what runs, by default
+    assert done["num_aborted"] == 2 and done["weight_version"] == "v3"
+    for t in threads:
+        t.join(60)
+    for r in box.values():
+        meta = r.json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 3000
+    assert version() == "v3"
+    t = threading.Thread(target=long_generation, args=(2,))
+    t.start()
+    while stats(server)["num_running"] < 1:
+        assert time.time() < deadline + 30
+        time.sleep(0.05)
+    assert post(server, "/abort_request", {"abort_all": True})["num_aborted"] == 1
+    t.join(60)
+    assert box[2].json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_update_weights_from_disk(server, models):
     from kiln import Engine, SamplingParams
 
@@ -257,6 +308,8 @@ BAD = [
     ("/start_profile", {"num_steps": 0}),
     ("/start_profile", {"profile_prefix": "../up"}),
     ("/stop_profile", {}),
+    ("/abort_request", {}),
+    ("/update_weight_version", {"new_version": ""}),
 ]
 
 
