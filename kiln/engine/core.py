@@ -18,6 +18,7 @@ from kiln.engine.cache.hicache import build_hicache
 from kiln.engine.cache.hicache_config import HiCacheConfig
 from kiln.engine.cache.manager import CacheManager, WindowSpace
 from kiln.engine.cache.radix import RadixCache
+from kiln.engine.grammar import GrammarBackend
 from kiln.engine.io import MEMORY_TAGS, PAUSE_MODES, GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.profiler import EngineProfiler, ProfileOptions
 from kiln.dist.parallel import SINGLE, ParallelContext
@@ -25,7 +26,7 @@ from kiln.dist.weight_update_group import DEFAULT_GROUP, WeightUpdateGroups, ten
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.warmup import wants_warm_up, warm_up
-from kiln.loader import ModelSource, resolve_model
+from kiln.loader import ModelSource, load_tokenizer, resolve_model
 from kiln.loader.tokenizer import eos_token_ids
 from kiln.models.registry import parse_model_config
 
@@ -66,8 +67,10 @@ class EngineCore:
             name=config.served_model_name or source.name, model_dir=source.model_dir,
             vocab_size=mc.vocab_size, context_length=self.runner.context_length,
             eos_token_ids=list(eos), max_total_tokens=allocator.capacity * config.page_size)
+        grammar = GrammarBackend(lambda: load_tokenizer(source.model_dir, config.tokenizer_path),
+                                 mc.vocab_size, self.info.eos_token_ids)
         self.scheduler = Scheduler(config, self.runner, self.cache, self.info.eos_token_ids,
-                                   self.info.context_length, mc.vocab_size)
+                                   self.info.context_length, mc.vocab_size, grammar)
         self._forget_lora_base()  # no adapter merged
         self.weight_groups = WeightUpdateGroups()
         self.profiler = EngineProfiler(pc.tp_rank, self.runner.device.type)

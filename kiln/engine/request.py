@@ -41,6 +41,11 @@ class SamplingParams:
     logprobs: Optional[int] = None
     # Prompt logprobs: None = off; an int k >= 0 as above, for every prompt position after the first.
     prompt_logprobs: Optional[int] = None
+    # Structured output (SGLang's names; at most one): the output must match this JSON schema (a
+    # JSON string), regular expression or EBNF grammar (`kiln.engine.grammar`).
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +96,21 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+        grammars = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(grammars) > 1:
+            bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
+        if grammars and (not isinstance(getattr(self, grammars[0]), str) or not getattr(self, grammars[0])):
+            bad(f"{grammars[0]} must be a non-empty string")
+        if grammars and self.min_tokens:
+            bad(f"min_tokens cannot be combined with {grammars[0]}: the constraint decides where the output ends")
+
+    @property
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """(kind, text) of the structured-output constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
 
 def _finite(x: object) -> bool:
@@ -185,6 +205,8 @@ class Req:
     # A seeded request's draws (`kiln.engine.seeded_noise.SeededStream`), kept across retraction so
     # seeded streams stay reproducible.
     generator: object = None
+    # Structured output: the xgrammar matcher of the request's constraint (`kiln.engine.grammar`).
+    grammar: object = None
     # Logprob results accumulated until sent
     output_logprobs: list = field(default_factory=list)  # per output token: (logprob, top list)
     prompt_logprobs: Optional[list] = None  # per prompt position: None for 0, else (logprob, top)

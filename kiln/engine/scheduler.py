@@ -29,6 +29,7 @@ from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.cache.pools import write_pages_batched
+from kiln.engine.grammar import GrammarBackend, accept_token, request_matcher
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
@@ -43,8 +44,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner, cache: CacheManager, eos_token_ids: list[int],
-                 context_length: int, vocab_size: int):
+                 context_length: int, vocab_size: int, grammar: Optional[GrammarBackend] = None):
+        """`grammar`: what compiles structured-output constraints (None: such requests are refused)."""
         self.config = config
+        self.grammar = grammar
         self.runner = runner
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
@@ -87,6 +90,13 @@ class Scheduler:
             req.generator = SeededStream(g.params.seed)
         if g.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
+        if g.params.grammar is not None:
+            try:
+                req.grammar = request_matcher(self.grammar, g.params.grammar, speculative=self.spec is not None)
+            except ValueError as e:
+                self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
+                                             finish_reason=FinishReason.ABORT.value, error=str(e)))
+                return
         self.waiting.append(req)
 
     def _validate(self, g: GenerateReq) -> None:
@@ -146,7 +156,8 @@ class Scheduler:
             alive = [(r, i) for r, i in zip(sample_reqs, sample_rows) if not r.finished]
             if alive:
                 rows, reqs = select_rows(logits, [i for _, i in alive]), [r for r, _ in alive]
-                if self.overlap:
+                # a grammar's next mask needs this step's tokens on the host: no overlap for this step
+                if self.overlap and not any(r.grammar is not None for r in reqs):
                     self.sample_pending(rows, reqs)
                 else:
                     self._commit(self._sample(rows, reqs))
@@ -405,6 +416,8 @@ class Scheduler:
         """Queue sampling of one token per request; each request's output gets a `PENDING`
         placeholder until `_commit` reads the tokens back."""
         sb = SamplingBatch.from_reqs(reqs, self.runner.device)
+        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+            self.grammar.mask_logits(logits, [r.grammar for r in reqs])
         out = self.runner.sampler(logits, sb)
         for r in reqs:
             r.output_ids.append(PENDING)
@@ -447,6 +460,10 @@ class Scheduler:
         self.stats_counters.generation_tokens_total += 1
         if logprob is not None:
             r.output_logprobs.append(logprob)
+        if r.grammar is not None:
+            accept_token(r.grammar, t, r.rid)
+            if r.grammar.is_terminated():  # its stop token: the output is complete (ignore_eos or not)
+                return FinishReason.STOP
         return self._check_finish(r, t)
 
     def _end(self, r: Req, reason: FinishReason) -> None:

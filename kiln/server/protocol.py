@@ -105,10 +105,22 @@ class _OpenAISampling(_Lenient):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Optional[str] = None
+    # Structured output: OpenAI's response_format, or SGLang's regex / ebnf extras (kiln.engine.grammar)
+    response_format: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        from kiln.engine.grammar import response_format_grammar
+
         d = SamplingParams()
+        try:
+            grammar = response_format_grammar(self.response_format)
+        except ValueError as e:
+            raise APIError(str(e), param="response_format") from e
+        json_schema = grammar[1] if grammar is not None else None
         return SamplingParams(
+            json_schema=json_schema, regex=self.regex, ebnf=self.ebnf,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=_pick(self.temperature, d.temperature), top_p=_pick(self.top_p, d.top_p),
             top_k=_pick(self.top_k, d.top_k), min_p=_pick(self.min_p, d.min_p),
@@ -130,7 +142,6 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    response_format: Optional[dict[str, Any]] = None  # accepted, not enforced
     chat_template_kwargs: Optional[dict[str, Any]] = None
     separate_reasoning: bool = True  # SGLang: false leaves <think>...</think> in the content (--reasoning-parser)
 
@@ -160,6 +171,9 @@ class GenerateSampling(_Lenient):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    json_schema: Union[str, dict[str, Any], None] = None  # a JSON string (SGLang) or the schema itself
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     seed: Optional[int] = Field(default=None, alias="sampling_seed")
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -181,13 +195,14 @@ class GenerateRequest(_Lenient):
     def to_sampling_params(self) -> SamplingParams:
         s = self.sampling_params
         lp = self.top_logprobs_num if self.return_logprob else None
+        schema = json.dumps(s.json_schema) if isinstance(s.json_schema, dict) else s.json_schema
         return SamplingParams(
             max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, frequency_penalty=s.frequency_penalty,
             presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
             stop=_stops(s.stop), stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
-            n=s.n, seed=s.seed, logprobs=lp,
+            n=s.n, seed=s.seed, logprobs=lp, json_schema=schema, regex=s.regex, ebnf=s.ebnf,
             prompt_logprobs=lp if self.return_logprob and self.logprob_start_len >= 0 else None)
 
 

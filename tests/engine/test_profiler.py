@@ -54,3 +54,18 @@ def test_engine_profiles_its_steps(tmp_path):
         (tmp_path / "file").write_text("x")
         with pytest.raises(ValueError, match="cannot write traces"):
             llm.start_profile(str(tmp_path / "file" / "sub"))
+
+
+@pytest.mark.gpu
+def test_engine_profile_records_cuda_kernels(tmp_path):
+    """On CUDA, "GPU" adds the kernels (CUPTI), graph replays included."""
+    from kiln import Engine, SamplingParams
+    from kiln.models.init_model import init_model
+
+    init_model("inkling", "tiny", str(tmp_path / "m"), seed=0)
+    with Engine(str(tmp_path / "m"), device="cuda", max_total_tokens=1024) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm: graphs captured
+        path = llm.start_profile(str(tmp_path / "traces"), activities=("CPU", "GPU"))
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        llm.stop_profile()
+        assert any(e.get("cat") == "kernel" for e in trace_events(path))

@@ -1,5 +1,6 @@
 """`kiln serve` end to end: a real server subprocess (default SmolLM2, fp32 CPU) and the openai client."""
 
+import json
 import os
 import re
 import subprocess
@@ -148,6 +149,26 @@ CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
+def test_structured_output(client, server):
+    """response_format (json_schema, json_object) on the OpenAI routes and SGLang's regex on
+    /generate constrain what the real model writes."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"], "additionalProperties": False}
+    out = client.chat.completions.create(**chat_args(
+        messages=[{"role": "user", "content": "Give the largest city of France as JSON."}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}))
+    assert out.choices[0].finish_reason == "stop"  # bounded fields: the schema's end comes within max_tokens
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"city", "population"} and 0 <= value["population"] <= 10**8
+    out = client.chat.completions.create(**chat_args(max_tokens=48, response_format={"type": "json_object"}))
+    assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].message.content), dict)
+    r = httpx.post(server + "/generate", json={"text": "My phone number is", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "regex": r" \d{3}-\d{4}"}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r" \d{3}-\d{4}", r.json()["text"]), r.json()["text"]
+
+
 def test_tokenize_gives_what_generation_prefills(client, server):
     """/tokenize's ids are the ones the generation endpoints prefill, and /detokenize inverts them."""
     text = "The sky is"
@@ -208,6 +229,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "exactly one of"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_tokens must be"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "(oops"}}, "regex does not compile"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "at most one of"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, "'yaml' is not supported"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "json_schema needs"),
     ("/tokenize", {}, "exactly one of 'prompt'"),
     ("/tokenize", {"prompt": "hi", "messages": MSG}, "exactly one of 'prompt'"),
     ("/tokenize", {"prompt": "hi", "model": "gpt-17"}, "does not exist"),

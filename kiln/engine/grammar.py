@@ -1,0 +1,130 @@
+"""Structured output: which tokens a request may sample next, so that its output matches a JSON
+schema, a regular expression or an EBNF grammar (SGLang's `json_schema` / `regex` / `ebnf`, and
+OpenAI's `response_format`), through xgrammar.
+
+Each constrained request holds a `GrammarMatcher` (the grammar compiled once per distinct text,
+against the model's tokenizer). Before a step samples, `GrammarBackend.mask_logits` sets the
+logits of every token the grammar does not allow next to -inf, row by row; after the step,
+`accept_token` advances the request's matcher by the sampled token. The grammar allows the end-of-
+sequence token only where the output is complete, so a constrained request ends by the usual EOS
+check (or by its length, with an incomplete match). The mask for step N + 1 depends on the token
+of step N, so the scheduler reads a step with a constrained request back before it queues the
+next one (no overlap scheduling for that step), and speculative decoding refuses such requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+
+INSTALL_HINT = "structured output needs the xgrammar package: pip install xgrammar"
+# Compiled grammars kept per backend (distinct schema / regex / EBNF texts); RL and eval loops
+# send the same few over and over.
+CACHE_SIZE = 64
+
+
+class GrammarBackend:
+    """Compiles constraints against one tokenizer and masks logits (one per engine rank)."""
+
+    def __init__(self, load_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
+        self._load_tokenizer = load_tokenizer  # called once, at the first constrained request
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def matcher(self, grammar: tuple[str, str]) -> Any:
+        """A fresh matcher for (kind, text); ValueError naming the problem for a text that does
+        not compile, or when xgrammar or a tokenizer is missing."""
+        import xgrammar as xgr
+
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = self._compile(*grammar)
+            if len(self._compiled) >= CACHE_SIZE:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[grammar] = compiled
+        return xgr.GrammarMatcher(compiled)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._get_compiler()
+        try:
+            if kind == "json_schema":
+                json.loads(text)  # xgrammar's own message for bad JSON is less clear
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "ebnf":
+                return compiler.compile_grammar(text)
+        except (ValueError, RuntimeError) as e:
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()  # xgrammar's log prefix
+            raise ValueError(f"{kind} does not compile: {why}") from e
+        raise ValueError(f"unknown structured-output kind {kind!r}")
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+            except ImportError as e:
+                raise ValueError(INSTALL_HINT) from e
+            try:
+                tokenizer = self._load_tokenizer()
+            except (OSError, ValueError) as e:
+                raise ValueError(f"structured output needs the model's tokenizer: {e}") from e
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def mask_logits(self, logits: torch.Tensor, matchers: Sequence[Optional[Any]]) -> None:
+        """Set to -inf, in place, the logits [len(matchers), V] that row i's matcher does not
+        allow next (rows without a matcher are left alone)."""
+        import xgrammar as xgr
+
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+
+
+def request_matcher(backend: Optional[GrammarBackend], grammar: tuple[str, str], speculative: bool) -> Any:
+    """The matcher a new request with this constraint starts from; ValueError naming the fix when
+    the engine cannot constrain it."""
+    if speculative:
+        raise ValueError("structured output (json_schema, regex, ebnf, response_format) does not work with "
+                         "speculative decoding yet; serve without --speculative-algorithm for these requests")
+    if backend is None:
+        raise ValueError("this engine has no structured-output backend")
+    return backend.matcher(grammar)
+
+
+def accept_token(matcher: Any, token: int, rid: str) -> None:
+    """Advance a matcher by the token its request sampled (a masked token: always allowed)."""
+    ok = matcher.accept_token(token)
+    assert ok, f"{rid}: sampled token {token} that its grammar does not allow"
+
+
+def response_format_grammar(response_format: Optional[dict]) -> Optional[tuple[str, str]]:
+    """OpenAI's `response_format` as (kind, text): {"type": "json_object"} any JSON object,
+    {"type": "json_schema", "json_schema": {"schema": {...}}} that schema, {"type": "text"} or
+    None no constraint. ValueError naming the fix otherwise."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json_schema", json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return "json_schema", json.dumps(schema)
+    raise ValueError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")

@@ -1,0 +1,108 @@
+"""Structured output (`kiln.engine.grammar`): a random-weight model (tiny Inkling, SmolLM2's
+tokenizer) whose outputs match their regex, JSON schema or EBNF grammar only because the mask
+makes them; the errors a user can cause. On a GPU the same runs with overlap scheduling on."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kiln.engine.grammar import response_format_grammar
+
+pytest.importorskip("xgrammar")
+
+REGEX = r"[a-c]{3}-[0-9]{2}"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "color", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kiln.models.init_model import init_model
+
+    d = str(tmp_path_factory.mktemp("grammar") / "m")
+    init_model("inkling", "tiny", d, seed=0)
+    return d
+
+
+def check_outputs(llm, prompts):
+    from kiln import SamplingParams
+
+    sampled = dict(temperature=1.0, seed=3, n=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, regex=REGEX, **sampled), use_tqdm=False)
+    texts = [c for o in outs for c in o.outputs]
+    assert all(re.fullmatch(REGEX, c.text) and c.finish_reason == "stop" for c in texts), [c.text for c in texts]
+    assert len({c.text for c in texts}) > 1  # sampled within the constraint, not one forced string
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, json_schema=json.dumps(SCHEMA)),
+                        use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        value = json.loads(c.text)
+        assert set(value) == {"ok", "color", "n"} and isinstance(value["ok"], bool)
+        assert value["color"] in ("red", "green", "blue") and 0 <= value["n"] <= 99
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=0, ebnf='root ::= "yes" | "no"'),
+                        use_tqdm=False)
+    assert all(o.outputs[0].text in ("yes", "no") for o in outs)
+    # ignore_eos: the grammar's end still ends the output
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=1.0, seed=1, regex=REGEX, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(re.fullmatch(REGEX, o.outputs[0].text) and o.outputs[0].finish_reason == "stop" for o in outs)
+    # an unconstrained request in the same batch as constrained ones is left alone
+    mixed = llm.generate(prompts[:2], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                       SamplingParams(max_tokens=24, temperature=0.0, regex=REGEX)], use_tqdm=False)
+    alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+
+
+def test_constrained_outputs_on_a_random_model(model_dir):
+    from kiln import Engine
+
+    with Engine(model_dir, device="cpu", max_total_tokens=4096) as llm:
+        check_outputs(llm, [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]])
+
+
+def test_errors_a_user_can_cause(model_dir):
+    from kiln import Engine, SamplingParams
+    from kiln.engine.request import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="at most one of json_schema, regex and ebnf"):
+        SamplingParams(regex="a", ebnf='root ::= "a"').validate()
+    with pytest.raises(SamplingParamsError, match="min_tokens cannot be combined with regex"):
+        SamplingParams(regex="a", min_tokens=2, max_tokens=4).validate()
+    with Engine(model_dir, device="cpu", max_total_tokens=4096) as llm:
+        for params, match in [(dict(regex="(unclosed"), r"regex does not compile: .*parenthesis"),
+                              (dict(json_schema="{not json"), "json_schema does not compile"),
+                              (dict(ebnf="root ::= "), "ebnf does not compile")]:
+            with pytest.raises(ValueError, match=match):
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
+    with Engine(model_dir, device="cpu", max_total_tokens=4096, speculative_algorithm="mtp",
+                speculative_num_steps=1) as llm:
+        with pytest.raises(ValueError, match="does not work with speculative decoding"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, regex=REGEX), use_tqdm=False)
+
+
+def test_response_format():
+    assert response_format_grammar(None) is None and response_format_grammar({"type": "text"}) is None
+    assert response_format_grammar({"type": "json_object"}) == ("json_schema", '{"type": "object"}')
+    assert response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}) == (
+        "json_schema", json.dumps(SCHEMA))
+    with pytest.raises(ValueError, match="needs"):
+        response_format_grammar({"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(ValueError, match="'yaml' is not supported"):
+        response_format_grammar({"type": "yaml"})
+
+
+@pytest.mark.gpu
+def test_constrained_outputs_on_cuda_with_overlap(model_dir):
+    """CUDA: overlap scheduling and graphs on; a step with a constrained request is read back
+    before the next is queued, so every mask follows the token before it."""
+    from kiln import Engine
+
+    with Engine(model_dir, device="cuda", dtype="float32", max_total_tokens=4096) as llm:
+        assert llm.core.scheduler.overlap
+        check_outputs(llm, [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]])
