@@ -110,7 +110,15 @@ class WeightUpdateGroups:
         group, backend = self.get(group_name)
         # gloo moves CPU tensors: receive there, and let the weight update copy them over
         where = torch.device("cpu") if backend == "gloo" else device
-        return receive_tensors(group, specs, where)
+        try:
+            return receive_tensors(group, specs, where)
+        except Exception:
+            # a broken broadcast (the trainer aborted or died): the group is of no further use, and
+            # its name is free for the trainer's next init
+            del self.groups[group_name]
+            if hasattr(group, "abort"):
+                group.abort()
+            raise
 
     def destroy(self, group_name: str) -> None:
         group, _ = self.get(group_name)

@@ -209,7 +209,7 @@ class RemoteRollout:
         try:
             self.broadcaster.update(named)
         except Exception as e:  # noqa: BLE001
-            self.broadcaster = None  # a failed update aborted the group: the next sync opens another
+            self.broadcaster = None  # the failed update tore the group down: the next sync opens another
             raise RemoteRolloutError(f"weight sync through the update group failed: {type(e).__name__}: {e}") from e
 
     def sync_lora(self, trainer: Any, name: str) -> int:

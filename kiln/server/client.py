@@ -86,8 +86,9 @@ class WeightBroadcaster:
             wb.update(model.state_dict().items())     # after each optimizer step
 
     `ranks_per_server`: each server's tensor-parallel size (default: read from /server_info).
-    A server that answers with an error raises RuntimeError naming it at once; after a failed
-    update the group is aborted (open a new one)."""
+    A server that answers with an error raises RuntimeError naming it at once, and the group is
+    aborted here and destroyed on the servers (`group` is None: open a new one), so that no end is
+    left waiting on a broadcast or holding bytes of an update that failed."""
 
     def __init__(self, urls: list[str], master_address: str, master_port: int, backend: str = "nccl",
                  group_name: str = "weight_update_group", ranks_per_server: Optional[list[int]] = None,
@@ -168,8 +169,7 @@ class WeightBroadcaster:
     def _collective(self, work: Any, path: str, bodies: list[dict]) -> Any:
         """Run this end of a collective (`work`) beside one POST per server. The servers' ends run
         inside their requests, so the two must overlap; a server's error raises at once rather
-        than after the collective's timeout (an update's group is then aborted: its broadcast
-        would wait for that server forever)."""
+        than after the collective's timeout."""
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
@@ -188,9 +188,17 @@ class WeightBroadcaster:
             errors = [f.exception() for f in futures]
         failed = [e for e in errors if e is not None]
         if failed:
-            if self.group is not None and worker.is_alive():
+            # Whether the server had started receiving is unknown here (gloo's root may finish its
+            # sends into buffers no one reads), and a group whose ends disagree on what was sent
+            # would hand the next update stale bytes: tear it down on both sides.
+            if self.group is not None:
                 self.group.abort()
                 self.group = None
+                for url in self.urls:  # best effort: free the name on the servers for the next open
+                    try:
+                        self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+                    except Exception:  # noqa: BLE001 - a server whose receive broke dropped it already
+                        pass
             raise failed[0]
         worker.join(self.timeout_s)
         if "error" in box:

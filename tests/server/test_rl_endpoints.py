@@ -105,11 +105,29 @@ def test_update_weights_from_distributed_round_trip(server, models):
         err = post(server, "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
                                                                 "shapes": [[1]], "group_name": "nope"}, status=400)
         assert "no weight update group 'nope'" in err["error"]["message"]
-        with pytest.raises(RuntimeError, match="no.such.tensor"):  # received, then refused: the group lives on
-            wb.update([("no.such.tensor", torch.zeros(1))])
         wb.update(originals)
         assert gen(server) == base
     post(server, "/destroy_weights_update_group", {}, status=400)  # closed with the `with`
+    # A failed update tears the group down on both ends (none is left waiting, or holding bytes of
+    # the failed update for the next one), whether the server refused after receiving (an unknown
+    # tensor name) or before (here: it no longer has the group); the name is then free again.
+    for forget_group, tensors, match in [(False, [("no.such.tensor", torch.zeros(1))], "no.such.tensor"),
+                                         (True, originals, "no weight update group")]:
+        wb = WeightBroadcaster([server], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                               timeout_s=60).open()
+        if forget_group:
+            post(server, "/destroy_weights_update_group", {})
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match=match):
+            wb.update(tensors)
+        assert wb.group is None and time.time() - t0 < 30
+        post(server, "/destroy_weights_update_group", {}, status=400)  # gone on the server too
+    with WeightBroadcaster([server], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                           timeout_s=60) as wb:
+        wb.update(perturbed)
+        assert gen(server) == want
+        wb.update(originals)
+    assert gen(server) == base
 
 
 def test_profile_endpoints(server, models):
