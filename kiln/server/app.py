@@ -28,9 +28,9 @@ from kiln.server.protocol import (AbortRequest, APIError, ChatCompletionRequest,
                                   DestroyWeightsUpdateGroupRequest, DetokenizeRequest, GenerateRequest,
                                   InitWeightsUpdateGroupRequest, LoadLoraAdapterRequest, MemoryTagsRequest,
                                   PauseGenerationRequest, StartProfileRequest, TokenizeRequest,
-                                  UnloadLoraAdapterRequest,
-                                  UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                                  UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest, validation_message)
+                                  UnloadLoraAdapterRequest, UpdateWeightsFromDiskRequest,
+                                  UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest,
+                                  UpdateWeightVersionRequest, validation_message)
 from kiln.server.serving import Serving
 from kiln.server.tokenizer_manager import EngineDeadError, TokenizerManager
 
