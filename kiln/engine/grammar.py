@@ -39,14 +39,14 @@ class GrammarBackend:
     def matcher(self, grammar: tuple[str, str]) -> Any:
         """A fresh matcher for (kind, text); ValueError naming the problem for a text that does
         not compile, or when xgrammar or a tokenizer is missing."""
-        import xgrammar as xgr
-
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            compiled = self._compile(*grammar)
+            compiled = self._compile(*grammar)  # the first one says so if xgrammar is missing
             if len(self._compiled) >= CACHE_SIZE:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[grammar] = compiled
+        import xgrammar as xgr
+
         return xgr.GrammarMatcher(compiled)
 
     def _compile(self, kind: str, text: str) -> Any:

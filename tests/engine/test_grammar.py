@@ -106,3 +106,13 @@ def test_constrained_outputs_on_cuda_with_overlap(model_dir):
     with Engine(model_dir, device="cuda", dtype="float32", max_total_tokens=4096) as llm:
         assert llm.core.scheduler.overlap
         check_outputs(llm, [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]])
+
+
+def test_without_xgrammar_the_error_says_how_to_install(monkeypatch):
+    import sys
+
+    from kiln.engine.grammar import GrammarBackend
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
+    with pytest.raises(ValueError, match="pip install xgrammar"):
+        GrammarBackend(lambda: None, 64, [0]).matcher(("regex", "a"))
