@@ -79,24 +79,19 @@ class Scheduler:
     def add_request(self, g: GenerateReq) -> None:
         try:
             self._validate(g)
+            grammar = None if g.params.grammar is None else request_matcher(
+                self.grammar, g.params.grammar, speculative=self.spec is not None)
         except (SamplingParamsError, ValueError) as e:
             self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
                                          finish_reason=FinishReason.ABORT.value, error=str(e)))
             return
         req = Req(rid=g.rid, prompt_ids=list(g.input_ids), params=g.params,
                   eos_token_ids=self.eos_token_ids, return_routed_experts=g.return_routed_experts,
-                  arrival=time.monotonic())
+                  arrival=time.monotonic(), grammar=grammar)
         if g.params.seed is not None:
             req.generator = SeededStream(g.params.seed)
         if g.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        if g.params.grammar is not None:
-            try:
-                req.grammar = request_matcher(self.grammar, g.params.grammar, speculative=self.spec is not None)
-            except ValueError as e:
-                self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
-                                             finish_reason=FinishReason.ABORT.value, error=str(e)))
-                return
         self.waiting.append(req)
 
     def _validate(self, g: GenerateReq) -> None:
@@ -157,10 +152,11 @@ class Scheduler:
             if alive:
                 rows, reqs = select_rows(logits, [i for _, i in alive]), [r for r, _ in alive]
                 # a grammar's next mask needs this step's tokens on the host: no overlap for this step
-                if self.overlap and not any(r.grammar is not None for r in reqs):
+                constrained = any(r.grammar is not None for r in reqs)
+                if self.overlap and not constrained:
                     self.sample_pending(rows, reqs)
                 else:
-                    self._commit(self._sample(rows, reqs))
+                    self._commit(self._sample(rows, reqs, constrained))
         return self._step_done()
 
     def _step_done(self) -> list[ReqOutput]:
@@ -412,11 +408,12 @@ class Scheduler:
             r.prompt_logprobs.extend(zip(chosen, tops))
             r.prompt_logprobs_done = hi
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> "SampledStep":
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], constrained: bool = False) -> "SampledStep":
         """Queue sampling of one token per request; each request's output gets a `PENDING`
-        placeholder until `_commit` reads the tokens back."""
+        placeholder until `_commit` reads the tokens back. `constrained`: some request has a
+        grammar (its mask goes on the logits first)."""
         sb = SamplingBatch.from_reqs(reqs, self.runner.device)
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+        if constrained:
             self.grammar.mask_logits(logits, [r.grammar for r in reqs])
         out = self.runner.sampler(logits, sb)
         for r in reqs:
