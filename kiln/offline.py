@@ -251,14 +251,15 @@ class Engine:
         with self._lock.control():
             self.core.destroy_weights_update_group(group_name)
 
-    def start_profile(self, output_dir: str = "/tmp/kiln-profile", num_steps: Optional[int] = None,
+    def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None,
                       activities: tuple = ("CPU", "GPU"), with_stack: bool = False, record_shapes: bool = False,
                       profile_prefix: str = "") -> str:
-        """Trace the next steps with torch.profiler (`kiln.engine.profiler`); returns the trace's
-        file, written at `stop_profile()` or after `num_steps` steps."""
+        """Trace the next steps with torch.profiler (`kiln.engine.profiler`) into `output_dir`
+        (default: the engine's `profile_dir`); returns the trace's file, written at
+        `stop_profile()` or after `num_steps` steps."""
         from kiln.engine.profiler import ProfileOptions
 
-        opts = ProfileOptions(output_dir, num_steps, tuple(activities), with_stack, record_shapes, profile_prefix)
+        opts = ProfileOptions(output_dir or self.core.config.profile_dir, num_steps, tuple(activities), with_stack, record_shapes, profile_prefix)
         with self._lock.control():
             return self.core.start_profile(opts)
 

@@ -42,6 +42,14 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
+def control_error(r: Any) -> Optional[str]:
+    """The server's message when a control call (`{"success", "message"}` answers) failed, else None."""
+    data: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code == 200 and data.get("success"):
+        return None
+    return data.get("message") or data.get("error", {}).get("message") or r.text
+
+
 def update_weights_from_tensor(url: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_cache: bool = True,
                                api_key: Optional[str] = None, timeout: float = 600.0,
@@ -66,9 +74,8 @@ def update_weights_from_tensor(url: str, named_tensors: Iterable[tuple[str, torc
             body = {"named_tensors": [encode_tensor(n, t) for n, t in group], "flush_cache": flush_cache and last,
                     **({"weight_version": weight_version} if last and weight_version is not None else {})}
             r = client.post(url.rstrip("/") + "/update_weights_from_tensor", json=body)
-            data: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-            if r.status_code != 200 or not data.get("success"):
-                msg = data.get("message") or data.get("error", {}).get("message") or r.text
+            msg = control_error(r)
+            if msg is not None:
                 raise RuntimeError(f"update_weights_from_tensor bucket {i + 1}/{len(groups)} failed "
                                    f"({r.status_code}): {msg}")
             total += len(group)
@@ -211,11 +218,10 @@ class WeightBroadcaster:
         import httpx
 
         r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s + 30)
-        data: Any = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-        if r.status_code != 200 or not data.get("success"):
-            msg = data.get("message") or data.get("error", {}).get("message") or r.text
+        msg = control_error(r)
+        if msg is not None:
             raise RuntimeError(f"{url}{path} failed ({r.status_code}): {msg}")
-        return data
+        return r.json()
 
     def _tp_size(self, url: str) -> int:
         import httpx

@@ -194,15 +194,13 @@ class TokenizerManager:
             return
         handle.released = True
         self.handles.pop(handle.state.rid, None)
-        for rid in handle.state.unfinished_rids():
-            self._send_abort(rid)
+        self._abort_unfinished(handle)
 
     def abort(self, rid: str) -> bool:
         """Abort a request by its id (or one sequence by its scheduler id f"{rid}-{i}")."""
         handle = self.handles.get(rid)
         if handle is not None:
-            for sub in handle.state.unfinished_rids():
-                self._send_abort(sub)
+            self._abort_unfinished(handle)
             return True
         parent, _, index = rid.rpartition("-")
         handle = self.handles.get(parent)
@@ -215,9 +213,12 @@ class TokenizerManager:
         """Abort every request of this server; returns how many."""
         handles = list(self.handles.values())
         for handle in handles:
-            for sub in handle.state.unfinished_rids():
-                self._send_abort(sub)
+            self._abort_unfinished(handle)
         return len(handles)
+
+    def _abort_unfinished(self, handle: RequestHandle) -> None:
+        for rid in handle.state.unfinished_rids():
+            self._send_abort(rid)
 
     def _send_abort(self, rid: str) -> None:
         if self._send is not None and not self.dead:
