@@ -346,3 +346,12 @@ def test_sampling_noise_quick(capsys):
     rows = sampling_noise.main(["--batch-sizes", "2", "--vocab", "64", "--repeats", "1", "--threads", "1"])
     assert rows[2]["generators_ms"] > 0 and rows[2]["streams_ms"] > 0
     assert "a generator per row" in capsys.readouterr().out
+
+
+def test_grammar_cost_reports_every_stage():
+    pytest.importorskip("xgrammar")
+    import grammar_cost
+
+    out = grammar_cost.main(["--batch-sizes", "1,4", "--steps", "3", "--threads", "1"])
+    assert out["tokenizer_table_s"] > 0 and out["first_compile_ms"] > out["cached_compile_ms"] >= 0
+    assert set(out["mask_ms"]) == {1, 4} and all(ms > 0 for ms in out["mask_ms"].values())
