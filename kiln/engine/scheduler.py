@@ -152,11 +152,10 @@ class Scheduler:
             if alive:
                 rows, reqs = select_rows(logits, [i for _, i in alive]), [r for r, _ in alive]
                 # a grammar's next mask needs this step's tokens on the host: no overlap for this step
-                constrained = any(r.grammar is not None for r in reqs)
-                if self.overlap and not constrained:
+                if self.overlap and not any(r.grammar is not None for r in reqs):
                     self.sample_pending(rows, reqs)
                 else:
-                    self._commit(self._sample(rows, reqs, constrained))
+                    self._commit(self._sample(rows, reqs))
         return self._step_done()
 
     def _step_done(self) -> list[ReqOutput]:
@@ -408,12 +407,11 @@ class Scheduler:
             r.prompt_logprobs.extend(zip(chosen, tops))
             r.prompt_logprobs_done = hi
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], constrained: bool = False) -> "SampledStep":
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> "SampledStep":
         """Queue sampling of one token per request; each request's output gets a `PENDING`
-        placeholder until `_commit` reads the tokens back. `constrained`: some request has a
-        grammar (its mask goes on the logits first)."""
+        placeholder until `_commit` reads the tokens back (a grammar's mask goes on first)."""
         sb = SamplingBatch.from_reqs(reqs, self.runner.device)
-        if constrained:
+        if any(r.grammar is not None for r in reqs):
             self.grammar.mask_logits(logits, [r.grammar for r in reqs])
         out = self.runner.sampler(logits, sb)
         for r in reqs:
