@@ -1,0 +1,41 @@
+# Lane functions of `benchmarks/run_h200_x2.sh` (sourced by it; see its header for the phases):
+# fifty-fifth session (2026-12-07).
+# shellcheck shell=bash
+
+_s55_wheels() {  # xgrammar and apache-tvm-ffi are not on the GPU image: carry .device_wheels (lane s54a's note)
+  if ls .device_wheels/*.whl > /dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_wheels/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
+
+# `s55a` (an H200; carry .device_wheels): the fifty-fourth session's GPU tests (structured output
+#   with overlap and graphs on, the profiler's CUDA kernels; the NCCL weight group skips on one
+#   GPU), then the headline rows on the current code (lane `s41b`: the hybrids at batch 1 three
+#   runs each, the 8B shape, MTP and sampled rounds; last on an H200 in the forty-sixth pass, seven
+#   sessions of kernel changes ago), and a profile of Inkling's batch-1 step with PDL off (each
+#   kernel charged its own time: the "what bounds the result, with a profile").
+lane0_s55a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s55a-$$
+  _s55_wheels
+  step gpu_tests_s54 150 python -m pytest -q -p no:cacheprovider -m gpu -rfEs -n 4 tests/engine/test_grammar.py \
+    tests/engine/test_profiler.py tests/dist/test_weight_update_group.py
+  lane0_s41b
+  step ink_b1_prof 60 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \
+    --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 24 --out "$R/json/ink_b1_prof.json"
+}
+
+# `s55b` (an H200: Inkling's KV at batch 32-128 does not fit 80 GB): lane `s50b`, both hybrids at
+#   input 8192 / output 1024, batch 8 / 32 / 64 / 128 with the current kernels.
+lane0_s55b() {
+  lane0_s50b
+}
+
+# `s55c` (carry .device_wheels): the whole GPU suite (last whole in the fifty-first pass, on an
+#   H100), then `s53d` (why a process's first sampled DFlash run is slow).
+lane0_s55c() {
+  export TRITON_CACHE_DIR=/tmp/triton-s55c-$$
+  _s55_wheels
+  step gpu_suite ${T_SUITE:-300} python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
+  lane0_s53d
+}
