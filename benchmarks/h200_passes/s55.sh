@@ -18,7 +18,7 @@ _s55_wheels() {  # xgrammar and apache-tvm-ffi are not on the GPU image: carry .
 lane0_s55a() {
   export TRITON_CACHE_DIR=/tmp/triton-s55a-$$
   _s55_wheels
-  step gpu_tests_s54 150 python -m pytest -q -p no:cacheprovider -m gpu -rfEs -n 4 tests/engine/test_grammar.py \
+  step gpu_tests_s54 180 python -m pytest -q -p no:cacheprovider -m gpu -rfEs -n 4 tests/engine/test_grammar.py \
     tests/engine/test_profiler.py tests/dist/test_weight_update_group.py
   lane0_s41b
   step ink_b1_prof 60 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \

@@ -9,7 +9,16 @@ logits of every token the grammar does not allow next to -inf, row by row; after
 sequence token only where the output is complete, so a constrained request ends by the usual EOS
 check (or by its length, with an incomplete match). The mask for step N + 1 depends on the token
 of step N, so the scheduler reads a step with a constrained request back before it queues the
-next one (no overlap scheduling for that step), and speculative decoding refuses such requests.
+next one (no overlap scheduling for that step).
+
+With speculative decoding a verify scores k + 1 rows per round: row i is the target's choice
+after the drafts d_1..d_i. `GrammarBackend.mask_rounds` advances the matcher over the drafts
+while it fills each row's mask, then rolls it back: row i is masked with the grammar's state after
+d_1..d_i, up to the first draft the grammar refuses (its row before gives it probability 0, so
+the verify rejects it there and no later row is read). Greedy, rejection-sampling and block
+verification then all run on the masked rows, so the output is what the constrained target alone
+gives (greedy: token-identical). The drafts themselves are not constrained (a refused one costs
+the rest of its round), and such a round takes the host path (`SpecDecoder._round_on_device`).
 """
 
 from __future__ import annotations
@@ -92,13 +101,38 @@ class GrammarBackend:
             matchers[i].fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
 
+    def mask_rounds(self, logits: torch.Tensor, rounds: Sequence[tuple[Optional[Any], Sequence[int]]]) -> None:
+        """Mask, in place, a verify's rows [sum(len(drafts) + 1), V]: round j (matcher, drafts)
+        owns the next len(drafts) + 1 rows, and its row i gets the grammar's mask after drafts[:i].
+        Rows past the first draft the grammar refuses, or past its end, stay unmasked: the verify
+        never reads them. Each matcher is left where it was (rolled back)."""
+        import xgrammar as xgr
 
-def request_matcher(backend: Optional[GrammarBackend], grammar: tuple[str, str], speculative: bool) -> Any:
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # all allowed
+        rows, start = [], 0
+        for matcher, drafts in rounds:
+            if matcher is not None:
+                taken = 0
+                for i in range(len(drafts) + 1):
+                    if matcher.is_terminated():
+                        break
+                    matcher.fill_next_token_bitmask(bitmask, start + i)
+                    rows.append(start + i)
+                    if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                        break
+                    taken += 1
+                if taken:
+                    matcher.rollback(taken)
+            start += len(drafts) + 1
+        assert start == logits.shape[0], (start, logits.shape)
+        if rows:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
+                                            indices=rows)
+
+
+def request_matcher(backend: Optional[GrammarBackend], grammar: tuple[str, str]) -> Any:
     """The matcher a new request with this constraint starts from; ValueError naming the fix when
     the engine cannot constrain it."""
-    if speculative:
-        raise ValueError("structured output (json_schema, regex, ebnf, response_format) does not work with "
-                         "speculative decoding yet; serve without --speculative-algorithm for these requests")
     if backend is None:
         raise ValueError("this engine has no structured-output backend")
     return backend.matcher(grammar)

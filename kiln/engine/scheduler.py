@@ -79,8 +79,7 @@ class Scheduler:
     def add_request(self, g: GenerateReq) -> None:
         try:
             self._validate(g)
-            grammar = None if g.params.grammar is None else request_matcher(
-                self.grammar, g.params.grammar, speculative=self.spec is not None)
+            grammar = None if g.params.grammar is None else request_matcher(self.grammar, g.params.grammar)
         except (SamplingParamsError, ValueError) as e:
             self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
                                          finish_reason=FinishReason.ABORT.value, error=str(e)))

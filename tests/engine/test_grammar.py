@@ -1,10 +1,13 @@
 """Structured output (`kiln.engine.grammar`): a random-weight model (tiny Inkling, SmolLM2's
 tokenizer) whose outputs match their regex, JSON schema or EBNF grammar only because the mask
-makes them; the errors a user can cause. On a GPU the same runs with overlap scheduling on."""
+makes them; the errors a user can cause; the same under speculative decoding, where a verify's
+rows are masked after the drafts before them (greedy output token-identical to the constrained
+target alone, with drafts accepted and rejected). On a GPU the same runs with overlap scheduling on."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -63,7 +66,7 @@ def test_constrained_outputs_on_a_random_model(model_dir):
     from kiln import Engine
 
     with Engine(model_dir, device="cpu", max_total_tokens=4096) as llm:
-        check_outputs(llm, [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]])
+        check_outputs(llm, PROMPTS)
 
 
 def test_errors_a_user_can_cause(model_dir):
@@ -80,10 +83,73 @@ def test_errors_a_user_can_cause(model_dir):
                               (dict(ebnf="root ::= "), "ebnf does not compile")]:
             with pytest.raises(ValueError, match=match):
                 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
+
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+
+
+def oracle_drafts(llm, truth: dict, corrupt: float, seed: int = 0) -> None:
+    """After each real drafter pass, replace the drafts by the constrained target's greedy
+    continuation `truth[prompt]` (prompt + output), with one position replaced by a random token
+    (almost always one the grammar refuses) with probability `corrupt`."""
+    drafter, rng = llm.core.scheduler.spec.drafter, random.Random(seed)
+    run = drafter.run
+
+    def rigged(reqs, num_drafts):
+        run(reqs, num_drafts)
+        for r in reqs:
+            k = r.spec.num_drafts
+            if not k:
+                continue
+            full = truth[tuple(r.prompt_ids)]
+            ds = (full[r.seq_len:r.seq_len + k] + [0] * k)[:k]
+            if rng.random() < corrupt:
+                ds[rng.randrange(k)] = rng.randrange(llm.info.vocab_size)
+            r.spec.drafts = ds
+
+    drafter.run = rigged
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculative_rounds_mask_each_row_after_its_drafts(model_dir, k):
+    """Greedy constrained output with MTP and drafts that are mostly the constrained target's own
+    tokens equals the constrained target alone, with drafts both accepted (the rows after them
+    were masked in the state after them: masking every row with the round's first state fails)
+    and rejected (a draft the grammar refuses)."""
+    check_oracle_rounds(model_dir, k, "cpu")
+
+
+def check_oracle_rounds(model_dir, k: int, device: str, **kw):
+    from kiln import Engine, SamplingParams
+
+    cases = [SamplingParams(max_tokens=24, temperature=0.0, regex=REGEX),
+             SamplingParams(max_tokens=40, temperature=0.0, json_schema=json.dumps(SCHEMA))]
+    with Engine(model_dir, device=device, max_total_tokens=4096, **kw) as llm:
+        plain = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in cases]
+    with Engine(model_dir, device=device, max_total_tokens=4096, speculative_algorithm="mtp",
+                speculative_num_steps=k, **kw) as llm:
+        for params, want in zip(cases, plain):
+            oracle_drafts(llm, {tuple(p): p + w for p, w in zip(PROMPTS, want)}, corrupt=0.4, seed=k)
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            assert got == want
+        counts = llm.stats().spec
+        assert 0 < counts.accepted_tokens < sum(counts.proposed), (counts.accepted, counts.proposed)
+        llm.core.check_integrity()
+
+
+@pytest.mark.parametrize("verify", ["point", "rejection", "block"])
+def test_constrained_outputs_with_speculative_decoding(model_dir, verify):
+    """The whole check of `check_outputs` (sampled, greedy, EBNF, ignore_eos, a mixed batch) with
+    the checkpoint's random MTP layers (nearly every draft refused by the target or the grammar),
+    under each verification."""
+    from kiln import Engine
+
+    flags = {"point": {}, "rejection": dict(speculative_use_rejection_sampling=True),
+             "block": dict(speculative_use_block_verification=True)}[verify]
     with Engine(model_dir, device="cpu", max_total_tokens=4096, speculative_algorithm="mtp",
-                speculative_num_steps=1) as llm:
-        with pytest.raises(ValueError, match="does not work with speculative decoding"):
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, regex=REGEX), use_tqdm=False)
+                speculative_num_steps=2, **flags) as llm:
+        check_outputs(llm, PROMPTS)
+        assert llm.stats().spec.verify_steps > 0
 
 
 def test_response_format():
@@ -105,7 +171,20 @@ def test_constrained_outputs_on_cuda_with_overlap(model_dir):
 
     with Engine(model_dir, device="cuda", dtype="float32", max_total_tokens=4096) as llm:
         assert llm.core.scheduler.overlap
-        check_outputs(llm, [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]])
+        check_outputs(llm, PROMPTS)
+
+
+@pytest.mark.gpu
+def test_constrained_speculative_rounds_on_cuda(model_dir):
+    """CUDA: MTP's chain graph and rounds on the device for unconstrained requests; a round with a
+    constrained request takes the host path (its masks follow the drafts), greedy output equal to
+    the constrained target alone, and the sampled checks under rejection sampling."""
+    from kiln import Engine
+
+    check_oracle_rounds(model_dir, 2, "cuda", dtype="float32")
+    with Engine(model_dir, device="cuda", dtype="float32", max_total_tokens=4096, speculative_algorithm="mtp",
+                speculative_num_steps=2, speculative_use_rejection_sampling=True) as llm:
+        check_outputs(llm, PROMPTS)
 
 
 def test_without_xgrammar_the_error_says_how_to_install(monkeypatch):

@@ -179,6 +179,8 @@ class SpecDecoder:
         tokens (their row was already in this forward) are left out."""
         if not self.overlap_plain_steps or self.step_k or self.next_k or not plan or len(sample_reqs) != len(plan):
             return False
+        if any(r.grammar is not None for r, _, _ in plan):  # the next mask needs this step's token
+            return False
         for (r, start, end), s in zip(plan, sample_reqs):
             if s is not r or (not r.finished and (end - start != 1 or end != r.seq_len)):
                 return False
@@ -288,7 +290,10 @@ class SpecDecoder:
             for r, drafts, first, _ in group:
                 views += verify_views(r, drafts, dev)
                 rows += range(first, first + len(drafts) + 1)
-            got, accepted = verify(select_rows(logits, rows), SamplingBatch.from_reqs(views, dev), group)
+            scored = select_rows(logits, rows)
+            if any(r.grammar is not None for r, *_ in group):  # structured output: each row's own mask
+                self.sched.grammar.mask_rounds(scored, [(r.grammar, drafts) for r, drafts, _, _ in group])
+            got, accepted = verify(scored, SamplingBatch.from_reqs(views, dev), group)
             if before_commit is not None and not exact:
                 before_commit(group, got, accepted)
             self._commit(group, got, accepted)
@@ -317,6 +322,8 @@ class SpecDecoder:
         drafter, K = self.drafter, self.num_steps
         ready = getattr(drafter, "device_round_ready", None)
         if ready is None or not plan or len(sample_reqs) != len(plan) or rows != len(plan) * (K + 1):
+            return False
+        if any(r.grammar is not None for r, _, _ in plan):  # its masks are made on the host from the drafts
             return False
         for i, ((r, start, end), s, srow) in enumerate(zip(plan, sample_reqs, sample_rows)):
             L = r.seq_len
