@@ -110,15 +110,19 @@ class _OpenAISampling(_Lenient):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def json_schema(self) -> Optional[str]:
+        """The JSON schema the answer must match (`response_format`), or None."""
         from kiln.engine.grammar import response_format_grammar
 
-        d = SamplingParams()
         try:
             grammar = response_format_grammar(self.response_format)
         except ValueError as e:
             raise APIError(str(e), param="response_format") from e
-        json_schema = grammar[1] if grammar is not None else None
+        return grammar[1] if grammar is not None else None
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        d = SamplingParams()
+        json_schema = self.json_schema()
         return SamplingParams(
             json_schema=json_schema, regex=self.regex, ebnf=self.ebnf,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -142,8 +146,30 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True  # False: tool_choice "required" makes exactly one call
     chat_template_kwargs: Optional[dict[str, Any]] = None
     separate_reasoning: bool = True  # SGLang: false leaves <think>...</think> in the content (--reasoning-parser)
+
+    def forced_tools(self) -> Optional[tuple[str, Optional[str]]]:
+        """tool_choice "required" or a named function: (the answer's JSON schema, the name or
+        None); None otherwise (`kiln.server.parsers.forced_tools`)."""
+        from kiln.server.parsers.forced_tools import forced_tool_choice
+
+        try:
+            return forced_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(str(e), param="tool_choice") from e
+
+    def json_schema(self) -> Optional[str]:
+        forced = self.forced_tools()
+        if forced is None:
+            return super().json_schema()
+        given = [n for n in ("response_format", "regex", "ebnf") if getattr(self, n) is not None
+                 and not (n == "response_format" and self.response_format.get("type") in (None, "text"))]
+        if given:
+            raise APIError(f"tool_choice {self.tool_choice!r} constrains the answer to tool calls; it cannot be "
+                           f"combined with {given[0]} (use tool_choice 'auto')", param="tool_choice")
+        return forced[0]
 
 
 class CompletionRequest(_OpenAISampling):

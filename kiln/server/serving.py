@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kiln.engine.frontend import RequestState, SeqDelta
 from kiln.engine.io import TokenLogprob
 from kiln.server.parsers.reasoning import ReasoningParser, get_reasoning_parser
+from kiln.server.parsers.forced_tools import ForcedToolCalls
 from kiln.server.parsers.tool_calls import ToolCallParser, get_tool_call_parser
 from kiln.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   GenerateRequest, TokenizeRequest)
@@ -168,7 +169,11 @@ class Serving:
 
     def _output_parser(self, req: ChatCompletionRequest, ids: list[int]) -> Optional[Any]:
         """A factory of per-choice `OutputParser`s for this request, or None when nothing is parsed.
-        Tool calls are parsed only when the request offers tools (and tool_choice is not "none")."""
+        Tool calls are parsed only when the request offers tools (and tool_choice is not "none"); a
+        tool_choice that forces calls ("required", a named function) reads the constrained answer."""
+        forced = req.forced_tools()
+        if forced is not None:  # the answer is JSON tool calls (no reasoning before it)
+            return lambda: OutputParser(None, ForcedToolCalls(forced[1]))
         reasoning = self.reasoning_parser if req.separate_reasoning else None
         tools = self.tool_call_parser if req.tools and req.tool_choice != "none" else None
         if reasoning is None and tools is None:

@@ -169,6 +169,33 @@ def test_structured_output(client, server):
     assert re.fullmatch(r" \d{3}-\d{4}", r.json()["text"]), r.json()["text"]
 
 
+def test_tool_choice_forces_tool_calls(client):
+    """tool_choice "required" and a named function make the real model's answer tool calls (the
+    answer constrained to the tools' schemas), with no --tool-call-parser."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(**chat_args(messages=ask, max_tokens=48, tools=[weather, clock],
+                                                     tool_choice=named))
+    (call,) = out.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "days"} and 1 <= args["days"] <= 7
+    assert out.choices[0].finish_reason == "tool_calls"
+    # parallel_tool_calls=False: one call (SmolLM2 repeats the same call until max_tokens otherwise)
+    out = client.chat.completions.create(**chat_args(messages=ask, max_tokens=96, tools=[weather, clock],
+                                                     tool_choice="required", parallel_tool_calls=False))
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1, out.choices[0].message.content
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert (c.function.name, set(args)) in (("get_weather", {"city", "days"}), ("get_time", {"zone"}))
+
+
 def test_tokenize_gives_what_generation_prefills(client, server):
     """/tokenize's ids are the ones the generation endpoints prefill, and /detokenize inverts them."""
     text = "The sky is"
@@ -233,6 +260,9 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "at most one of"),
     (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, "'yaml' is not supported"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "json_schema needs"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, "has no tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not in tools (f)"),
     ("/tokenize", {}, "exactly one of 'prompt'"),
     ("/tokenize", {"prompt": "hi", "messages": MSG}, "exactly one of 'prompt'"),
     ("/tokenize", {"prompt": "hi", "model": "gpt-17"}, "does not exist"),
