@@ -46,6 +46,9 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling
+    # (after the penalties; -100 all but bans a token, 100 all but forces it).
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +99,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad(f"logit_bias must map token ids to values in [-100, 100], got {self.logit_bias!r}")
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}")
+                if not _finite(v) or not -100.0 <= v <= 100.0:
+                    bad(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
         grammars = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(grammars) > 1:
             bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
@@ -138,6 +149,7 @@ class SamplingRow(NamedTuple):
     min_tokens: int
     suppress_ids: tuple[int, ...]  # EOS and stop ids, masked while the output is under min_tokens
     seeded: bool
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, value) added after the penalties
 
     @classmethod
     def of(cls, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> "SamplingRow":
@@ -148,7 +160,7 @@ class SamplingRow(NamedTuple):
                    params.logprobs if params.logprobs is not None else -1, rep,
                    rep or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0,
                    params.min_tokens, tuple(eos_token_ids) + tuple(params.stop_token_ids),
-                   params.seed is not None)
+                   params.seed is not None, tuple((params.logit_bias or {}).items()))
 
 
 class FinishReason(str, enum.Enum):

@@ -10,9 +10,10 @@ Order of operations, per row:
      divided by `r` when positive and multiplied by `r` otherwise;
    - frequency (OpenAI): subtract `f * count`, count = occurrences of the token in the output;
    - presence (OpenAI): subtract `p * (count > 0)`, output only.
-2. `suppress_ids` are set to -inf (EOS / stop ids while the output is shorter than min_tokens).
-3. Greedy rows (temperature == 0, or top_k == 1) take the argmax; ties go to the lowest token id.
-4. Other rows: divide by the temperature, softmax, then
+2. `logit_bias` (OpenAI) values are added to their tokens' logits.
+3. `suppress_ids` are set to -inf (EOS / stop ids while the output is shorter than min_tokens).
+4. Greedy rows (temperature == 0, or top_k == 1) take the argmax; ties go to the lowest token id.
+5. Other rows: divide by the temperature, softmax, then
    - top-k: keep the k most probable tokens (0 = disabled);
    - top-p: on the top-k renormalised distribution (as HF and vLLM chain them), keep the
      smallest set of most probable tokens whose mass is >= top_p, always at least one;
@@ -133,6 +134,9 @@ class SamplingBatch:
     # Host flag: whether a drawing row may have top-k (> 1) or top-p (< 1), whose kept set is
     # searched (`kiln.kernels.sampling` skips its chunked launches otherwise); True unless known.
     searches: bool = True
+    # (rows, token ids, values) device tensors of the rows' logit_bias, added after the penalties;
+    # None: no row has one.
+    logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device) -> "SamplingBatch":
@@ -147,7 +151,7 @@ class SamplingBatch:
         B = len(reqs)
         # Columns of the requests' constant rows (`SamplingRow`, computed once per request).
         (temps, top_ps, min_ps, reps, freqs, press, top_ks, greedy, num_top, need_prompt, need_output,
-         min_tokens, suppress_ids, seeded) = zip(*[r.sampling_row for r in reqs]) if B else ((),) * 14
+         min_tokens, suppress_ids, seeded, biases) = zip(*[r.sampling_row for r in reqs]) if B else ((),) * 15
         if any(seeded):
             for req in reqs:
                 if req.generator is None and req.params.seed is not None:
@@ -178,6 +182,12 @@ class SamplingBatch:
             at += len(seg)
         id_pairs = {name: (parts[2 + 2 * j], parts[3 + 2 * j]) if segments[3 + 2 * j] else None
                     for j, name in enumerate(("output", "prompt", "suppress"))}
+        bias = None
+        if any(biases):  # (rows, ids, values) of every request's logit_bias
+            pairs = [(i, t, v) for i, b in enumerate(biases) for t, v in b]
+            rows, ids, vals = zip(*pairs)
+            bias_ids = list_to_device([rows, ids], torch.int64, device).reshape(2, -1)
+            bias = (bias_ids[0], bias_ids[1], list_to_device(vals, torch.float32, device))
         return cls(
             temperatures=temps_t,
             top_ps=top_ps_t,
@@ -192,6 +202,7 @@ class SamplingBatch:
             prompt_token_ids=prompts,
             output_token_ids=outputs,
             suppress_ids=suppress,
+            logit_bias=bias,
             num_top_logprobs=list(num_top),
             greedy=list(greedy),
             searches=any(not g and (k > 1 or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps)),
@@ -269,9 +280,18 @@ def apply_suppression(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return logits.reshape(-1).index_fill(0, flat, float("-inf")).view(B, V)
 
 
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Add each row's `logit_bias` values to their tokens' logits; out of place."""
+    if batch.logit_bias is None:
+        return logits
+    B, V = logits.shape
+    rows, ids, values = batch.logit_bias
+    return logits.reshape(-1).index_add(0, rows * V + ids, values.to(logits.dtype)).view(B, V)
+
+
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties then suppression: the logits greedy rows take the argmax of."""
-    return apply_suppression(apply_penalties(logits.float(), batch), batch)
+    """Penalties, logit bias, then suppression: the logits greedy rows take the argmax of."""
+    return apply_suppression(apply_logit_bias(apply_penalties(logits.float(), batch), batch), batch)
 
 
 def filtered_probs(

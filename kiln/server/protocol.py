@@ -109,6 +109,7 @@ class _OpenAISampling(_Lenient):
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a string, as JSON keys are) -> [-100, 100]
 
     def json_schema(self) -> Optional[str]:
         """The JSON schema the answer must match (`response_format`), or None."""
@@ -132,7 +133,8 @@ class _OpenAISampling(_Lenient):
             presence_penalty=self.presence_penalty, seed=self.seed, stop=_stops(self.stop),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, n=self.n, logprobs=logprobs)
+            skip_special_tokens=self.skip_special_tokens, n=self.n, logprobs=logprobs,
+            logit_bias=_logit_bias(self.logit_bias))
 
     @property
     def include_usage(self) -> bool:
@@ -200,6 +202,7 @@ class GenerateSampling(_Lenient):
     json_schema: Union[str, dict[str, Any], None] = None  # a JSON string (SGLang) or the schema itself
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = Field(default=None, alias="sampling_seed")
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -229,6 +232,7 @@ class GenerateRequest(_Lenient):
             stop=_stops(s.stop), stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
             n=s.n, seed=s.seed, logprobs=lp, json_schema=schema, regex=s.regex, ebnf=s.ebnf,
+            logit_bias=_logit_bias(s.logit_bias),
             prompt_logprobs=lp if self.return_logprob and self.logprob_start_len >= 0 else None)
 
 
@@ -271,6 +275,16 @@ class DetokenizeRequest(_Lenient):
 
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias (JSON keys are strings) with integer token ids."""
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise APIError(f"logit_bias keys must be token ids, got {sorted(bias)!r}", param="logit_bias") from None
 
 
 def _stops(stop: Union[str, list[str], None]) -> list[str]:

@@ -313,6 +313,43 @@ def test_suppressed_ids_are_never_sampled():
     assert not torch.isin(out.token_ids, torch.tensor([2, 5])).any()
 
 
+def test_logit_bias_from_reqs_shifts_the_processed_distribution():
+    """logit_bias (OpenAI) is added after the penalties, per row: the processed distribution is
+    softmax(logits + bias), greedy follows it, -100 all but bans a token, rows without one are
+    untouched, and the raw logprobs ignore it (as the penalties do)."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 32)
+    top = logits.argmax(dim=-1).tolist()
+    reqs = [Req("a", [1], SamplingParams(temperature=0.0, logit_bias={7: 100.0}, logprobs=0)),
+            Req("b", [1], SamplingParams(temperature=1.0, logit_bias={top[1]: -100.0, 3: 2.5})),
+            Req("c", [1], SamplingParams(temperature=0.0, repetition_penalty=1.5), output_ids=[top[2]])]
+    batch = SamplingBatch.from_reqs(reqs, "cpu")
+    bias = torch.zeros(3, 32)
+    bias[0, 7], bias[1, top[1]], bias[1, 3] = 100.0, -100.0, 2.5
+    want = apply_penalties(logits, batch) + bias
+    probs = processed_probs(logits, batch)
+    torch.testing.assert_close(probs[1], torch.softmax(want[1], dim=-1))
+    assert probs[0].argmax().item() == 7 and probs[1, top[1]] < 1e-30
+    out = Sampler(seed=1)(logits, batch)
+    assert out.token_ids[0].item() == 7
+    assert out.token_ids[2].item() == want[2].argmax().item()  # penalised, not biased
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(logits[0], -1)[7])
+    n = 4000
+    draws = Sampler(seed=2)(logits[1:2].expand(n, -1).contiguous(), SamplingBatch.from_reqs([reqs[1]] * n, "cpu"))
+    assert top[1] not in draws.token_ids.tolist()
+    assert SamplingBatch.from_reqs(reqs[2:], "cpu").logit_bias is None
+
+
+@pytest.mark.parametrize("bias, match", [({-1: 1.0}, "keys must be token ids in"), ({40: 1.0}, "keys must be"),
+                                         ({3: 101.0}, "values must be in"), ({3: float("nan")}, "values must be"),
+                                         ([3], "must map token ids")])
+def test_logit_bias_errors(bias, match):
+    from kiln.engine.request import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match=match):
+        SamplingParams(logit_bias=bias).validate(vocab_size=32)
+
+
 # ---------------------------------------------------------------- logprobs
 
 

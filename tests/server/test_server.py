@@ -196,6 +196,16 @@ def test_tool_choice_forces_tool_calls(client):
         assert (c.function.name, set(args)) in (("get_weather", {"city", "days"}), ("get_time", {"zone"}))
 
 
+def test_logit_bias(client, server):
+    """OpenAI's logit_bias on /v1/completions and SGLang's on /generate: +100 forces a token."""
+    out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0.0,
+                                    logit_bias={"42": 100}, logprobs=0)
+    assert out.choices[0].logprobs.tokens == [out.choices[0].logprobs.tokens[0]] * 3
+    r = httpx.post(server + "/generate", json={"text": "The sky is", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "logit_bias": {"42": 100}}}, timeout=60)
+    assert r.status_code == 200 and r.json()["output_ids"] == [42, 42, 42], r.text
+
+
 def test_tokenize_gives_what_generation_prefills(client, server):
     """/tokenize's ids are the ones the generation endpoints prefill, and /detokenize inverts them."""
     text = "The sky is"
@@ -261,6 +271,9 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, "'yaml' is not supported"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "json_schema needs"),
     (CHAT, {"messages": MSG, "tool_choice": "required"}, "has no tools"),
+    (CHAT, {"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, "logit_bias keys must be token ids in"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"3": 500}}}, "logit_bias values must be in"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not in tools (f)"),
     ("/tokenize", {}, "exactly one of 'prompt'"),
