@@ -201,24 +201,36 @@ class Serving:
     # ---- /v1/completions -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        if req.echo:
-            raise APIError("echo=true is not supported; leave it out.", param="echo")
+        if req.echo and self.tm.tokenizer is None:
+            raise APIError("echo=true needs a tokenizer to write the prompt back; this server runs with "
+                           "--skip-tokenizer-init.", param="echo")
         prompts = self._prompts(req.prompt, "prompt")
         if req.max_tokens is None:
             req.max_tokens = max(1, self.tm.info.context_length - max(len(ids) for _, ids in prompts))
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params.prompt_logprobs = req.logprobs  # echoed prompt tokens carry their logprobs too
         handles = self._submit_all(prompts, params, stream=bool(req.stream))
         n, created = params.n, int(time.time())
         rid = f"cmpl-{handles[0].state.rid}"
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
         offsets = [0] * (len(handles) * n)
         if req.stream:
+            echoed: set[int] = set()
+
             def chunks(i: int, d: SeqDelta):
                 index = i * n + d.index
-                lp = (self._completion_logprobs(d.token_ids, d.logprobs, offsets, index)
-                      if req.logprobs is not None else None)
-                if d.text or d.token_ids or d.finished:
-                    yield {**head, "choices": [{"index": index, "text": d.text, "logprobs": lp,
+                text, lp, prompt_lp = d.text, None, None
+                if req.echo and index not in echoed:  # the prompt leads the choice's first chunk
+                    echoed.add(index)
+                    prompt_text, prompt_lp = self._echo(handles[i].state, req.logprobs, offsets, index)
+                    text = prompt_text + text
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets, index)
+                    if prompt_lp is not None:
+                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
+                if text or d.token_ids or d.finished:
+                    yield {**head, "choices": [{"index": index, "text": text, "logprobs": lp,
                                                 "finish_reason": d.finish_reason}]}
 
             usage = {**head, "choices": []} if req.include_usage else None
@@ -229,10 +241,14 @@ class Serving:
         for i, h in enumerate(handles):
             for s in h.state.seqs:
                 index = i * n + s.index
-                lp = (self._completion_logprobs(s.token_ids, s.logprobs, offsets, index)
-                      if req.logprobs is not None else None)
-                choices.append({"index": index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
-                                "matched_stop": s.matched_stop})
+                text, lp = s.text, None
+                prompt_text, prompt_lp = self._echo(h.state, req.logprobs, offsets, index) if req.echo else ("", None)
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(s.token_ids, s.logprobs, offsets, index)
+                    if prompt_lp is not None:
+                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
+                choices.append({"index": index, "text": prompt_text + text, "logprobs": lp,
+                                "finish_reason": s.finish_reason, "matched_stop": s.matched_stop})
         return JSONResponse({**head, "choices": choices, "usage": self._usage(handles)})
 
     # ---- /generate (SGLang) --------------------------------------------------------------
@@ -393,6 +409,24 @@ class Serving:
             text_offset.append(offsets[index])
             offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+    def _echo(self, state, logprobs: Optional[int], offsets: list[int], index: int) -> tuple[str, Optional[dict]]:
+        """`echo`: the prompt's text and, with `logprobs`, its tokens in the legacy logprobs shape
+        (the first token has none, as in OpenAI's and vLLM's answers; `offsets[index]` moves past
+        the prompt)."""
+        text = state.prompt if state.prompt is not None else self.tm.tokenizer.decode(state.prompt_ids)
+        if logprobs is None:
+            return text, None
+        entries = state.prompt_logprobs or [None] * len(state.prompt_ids)
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, e in zip(state.prompt_ids, entries):
+            piece = self.tm.token_info(t)[0]
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(None if e is None else e[0])
+            out["top_logprobs"].append(None if e is None else {self.tm.token_info(a)[0]: alp for a, alp in e[1]})
+            out["text_offset"].append(offsets[index])
+            offsets[index] += len(piece)
+        return text, out
 
     def _stream_response(self, body: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",

@@ -206,6 +206,31 @@ def test_logit_bias(client, server):
     assert r.status_code == 200 and r.json()["output_ids"] == [42, 42, 42], r.text
 
 
+def test_completions_echo_scores_the_prompt(client, server):
+    """echo=true with logprobs (what lm-eval-harness's loglikelihood requests send): the prompt
+    comes back ahead of the completion, its tokens with the logprobs /generate reports for it
+    (the first token has none), streamed or not."""
+    prompt = "The capital of France is Paris"
+    args = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1, echo=True)
+    out = client.completions.create(**args)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == out.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    r = httpx.post(server + "/generate", json={"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                               "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=60)
+    want = [e[0] for e in r.json()["meta_info"]["input_token_logprobs"]]
+    assert lp.token_logprobs[1:-1] == pytest.approx(want[1:], abs=1e-4)
+    streamed = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0.0, echo=True)
+    assert plain.choices[0].text.startswith(httpx.post(server + "/detokenize", json={"tokens": [1, 2, 3]}).json()["text"])
+
+
 def test_tokenize_gives_what_generation_prefills(client, server):
     """/tokenize's ids are the ones the generation endpoints prefill, and /detokenize inverts them."""
     text = "The sky is"
