@@ -2,10 +2,12 @@
 schema, a regular expression or an EBNF grammar (SGLang's `json_schema` / `regex` / `ebnf`, and
 OpenAI's `response_format`), through xgrammar.
 
-Each constrained request holds a `GrammarMatcher` (the grammar compiled once per distinct text,
-against the model's tokenizer). Before a step samples, `GrammarBackend.mask_logits` sets the
-logits of every token the grammar does not allow next to -inf, row by row; after the step,
-`accept_token` advances the request's matcher by the sampled token. The grammar allows the end-of-
+Each constrained request holds a `RequestGrammar`: an xgrammar `GrammarMatcher` (the grammar
+compiled once per distinct text, against the model's tokenizer) and, for a reasoning model served
+with `--reasoning-parser`, the reasoning block the constraint leaves free before the answer.
+Before a step samples, `GrammarBackend.mask_logits` sets the logits of every token the grammar does
+not allow next to -inf, row by row; after the step, `accept_token` advances the request's
+grammar by the sampled token. The grammar allows the end-of-
 sequence token only where the output is complete, so a constrained request ends by the usual EOS
 check (or by its length, with an incomplete match). The mask for step N + 1 depends on the token
 of step N, so the scheduler reads a step with a constrained request back before it queues the
@@ -88,41 +90,34 @@ class GrammarBackend:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def mask_logits(self, logits: torch.Tensor, matchers: Sequence[Optional[Any]]) -> None:
-        """Set to -inf, in place, the logits [len(matchers), V] that row i's matcher does not
-        allow next (rows without a matcher are left alone)."""
-        import xgrammar as xgr
+    def mask_logits(self, logits: torch.Tensor, grammars: Sequence[Optional["RequestGrammar"]]) -> None:
+        """Set to -inf, in place, the logits [len(grammars), V] that row i's grammar does not
+        allow next (rows without one, or inside a reasoning block, are left alone)."""
+        self.mask_rounds(logits, [(g, ()) for g in grammars])
 
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
-
-    def mask_rounds(self, logits: torch.Tensor, rounds: Sequence[tuple[Optional[Any], Sequence[int]]]) -> None:
-        """Mask, in place, a verify's rows [sum(len(drafts) + 1), V]: round j (matcher, drafts)
+    def mask_rounds(self, logits: torch.Tensor, rounds: Sequence[tuple[Optional["RequestGrammar"], Sequence[int]]]) -> None:
+        """Mask, in place, a verify's rows [sum(len(drafts) + 1), V]: round j (grammar, drafts)
         owns the next len(drafts) + 1 rows, and its row i gets the grammar's mask after drafts[:i].
         Rows past the first draft the grammar refuses, or past its end, stay unmasked: the verify
-        never reads them. Each matcher is left where it was (rolled back)."""
+        never reads them. Each grammar is left where it was (rolled back). A plain step is the
+        case of no drafts."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # all allowed
         rows, start = [], 0
-        for matcher, drafts in rounds:
-            if matcher is not None:
+        for grammar, drafts in rounds:
+            if grammar is not None:
                 taken = 0
                 for i in range(len(drafts) + 1):
-                    if matcher.is_terminated():
+                    if grammar.is_terminated():
                         break
-                    matcher.fill_next_token_bitmask(bitmask, start + i)
-                    rows.append(start + i)
-                    if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                    if grammar.fill(bitmask, start + i):
+                        rows.append(start + i)
+                    if i == len(drafts) or not grammar.accept_token(drafts[i]):
                         break
                     taken += 1
                 if taken:
-                    matcher.rollback(taken)
+                    grammar.rollback(taken)
             start += len(drafts) + 1
         assert start == logits.shape[0], (start, logits.shape)
         if rows:
@@ -130,17 +125,78 @@ class GrammarBackend:
                                             indices=rows)
 
 
-def request_matcher(backend: Optional[GrammarBackend], grammar: tuple[str, str]) -> Any:
-    """The matcher a new request with this constraint starts from; ValueError naming the fix when
-    the engine cannot constrain it."""
+# A constrained request's phase: before its first token (it may open a reasoning block), inside
+# the block (unconstrained), or in the answer (constrained).
+OPENING, REASONING, ANSWER = "opening", "reasoning", "answer"
+
+
+class RequestGrammar:
+    """One request's constraint: its xgrammar matcher, and with `reasoning` = (start id, end id)
+    the reasoning block before the answer, which the constraint leaves free (vLLM's and SGLang's
+    reasoning-aware structured output). Without it the whole output is the answer. With it, the
+    first token may also open the block (unless the prompt already did: `in_reasoning`); inside
+    it nothing is masked, and the answer after its end token is constrained from the grammar's
+    start. `accept_token` / `rollback` move through the phases as they move the matcher."""
+
+    HISTORY = 64  # tokens a rollback can undo (a verify's drafts: at most the block size)
+
+    def __init__(self, matcher: Any, reasoning: Optional[tuple[int, int]] = None, in_reasoning: bool = False):
+        self.matcher = matcher
+        self.start_id, self.end_id = reasoning if reasoning is not None else (None, None)
+        self.phase = ANSWER if reasoning is None else REASONING if in_reasoning else OPENING
+        self._history: list[tuple[str, bool]] = []  # per accepted token: (phase before, matcher moved)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed next tokens into `bitmask[row]`; False when nothing is masked (inside
+        the reasoning block)."""
+        if self.phase == REASONING:
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == OPENING:  # the block's start is allowed too
+            word, bit = divmod(self.start_id, 32)
+            value = int(bitmask[row, word]) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+        return True
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by `token`; False (and nothing moves) if the constraint does not allow it."""
+        before, moved = self.phase, False
+        if self.phase == REASONING:
+            if token == self.end_id:
+                self.phase = ANSWER
+        elif self.phase == OPENING and token == self.start_id:
+            self.phase = REASONING
+        else:
+            if not self.matcher.accept_token(token):
+                return False
+            self.phase, moved = ANSWER, True
+        self._history.append((before, moved))
+        del self._history[:-self.HISTORY]
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        assert num_tokens <= len(self._history), (num_tokens, len(self._history))
+        for _ in range(num_tokens):
+            self.phase, moved = self._history.pop()
+            if moved:
+                self.matcher.rollback(1)
+
+    def is_terminated(self) -> bool:
+        return self.phase == ANSWER and self.matcher.is_terminated()
+
+
+def request_grammar(backend: Optional[GrammarBackend], params: Any) -> RequestGrammar:
+    """The constraint state a new request with `params.grammar` starts from (its reasoning block
+    first, with `params.reasoning_token_ids`); ValueError naming the fix when the engine cannot
+    constrain it."""
     if backend is None:
         raise ValueError("this engine has no structured-output backend")
-    return backend.matcher(grammar)
+    return RequestGrammar(backend.matcher(params.grammar), params.reasoning_token_ids, params.starts_in_reasoning)
 
 
-def accept_token(matcher: Any, token: int, rid: str) -> None:
-    """Advance a matcher by the token its request sampled (a masked token: always allowed)."""
-    ok = matcher.accept_token(token)
+def accept_token(grammar: RequestGrammar, token: int, rid: str) -> None:
+    """Advance a request's constraint by the token it sampled (a masked token: always allowed)."""
+    ok = grammar.accept_token(token)
     assert ok, f"{rid}: sampled token {token} that its grammar does not allow"
 
 

@@ -46,6 +46,11 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # A reasoning model's block before its answer, (start id, end id): a constraint above then
+    # applies to the answer after the block, which stays free (the server sets it for chat
+    # requests under --reasoning-parser). `starts_in_reasoning`: the prompt opened the block.
+    reasoning_token_ids: Optional[tuple[int, int]] = None
+    starts_in_reasoning: bool = False
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling
     # (after the penalties; -100 all but bans a token, 100 all but forces it).
     logit_bias: Optional[dict[int, float]] = None
@@ -112,6 +117,10 @@ class SamplingParams:
             bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
         if grammars and (not isinstance(getattr(self, grammars[0]), str) or not getattr(self, grammars[0])):
             bad(f"{grammars[0]} must be a non-empty string")
+        if self.reasoning_token_ids is not None and (
+                len(self.reasoning_token_ids) != 2 or not all(
+                    isinstance(t, int) and 0 <= t < (vocab_size or 1 << 62) for t in self.reasoning_token_ids)):
+            bad(f"reasoning_token_ids must be (start id, end id) in [0, {vocab_size}), got {self.reasoning_token_ids!r}")
         if grammars and self.min_tokens:
             bad(f"min_tokens cannot be combined with {grammars[0]}: the constraint decides where the output ends")
 

@@ -29,7 +29,7 @@ from kiln.config import EngineConfig
 from kiln.engine.batch import ForwardBatch, ForwardMode, int64_to_device
 from kiln.engine.cache.manager import CacheManager, cdiv
 from kiln.engine.cache.pools import write_pages_batched
-from kiln.engine.grammar import GrammarBackend, accept_token, request_matcher
+from kiln.engine.grammar import GrammarBackend, accept_token, request_grammar
 from kiln.engine.io import GenerateReq, ReqOutput, SchedulerStats
 from kiln.engine.request import FinishReason, Req, ReqStatus, SamplingParamsError
 from kiln.engine.sampled_step import SampledStep
@@ -79,7 +79,7 @@ class Scheduler:
     def add_request(self, g: GenerateReq) -> None:
         try:
             self._validate(g)
-            grammar = None if g.params.grammar is None else request_matcher(self.grammar, g.params.grammar)
+            grammar = None if g.params.grammar is None else request_grammar(self.grammar, g.params)
         except (SamplingParamsError, ValueError) as e:
             self.outbox.append(ReqOutput(rid=g.rid, new_token_ids=[], finished=True,
                                          finish_reason=FinishReason.ABORT.value, error=str(e)))

@@ -45,6 +45,7 @@ class Serving:
         self.reasoning_parser = get_reasoning_parser(names[0]) if names[0] else None
         self.tool_call_parser = get_tool_call_parser(names[1]) if names[1] else None
         self._special: Optional[set[str]] = None
+        self._reasoning_tag_ids: Optional[tuple[int, int]] = None  # `_reasoning_ids`, found once
 
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self.aliases:
@@ -117,6 +118,10 @@ class Serving:
         if max_tokens is None:
             max_tokens = max(1, self.tm.info.context_length - len(ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        if params.grammar is not None and req.separate_reasoning and self.reasoning_parser is not None:
+            # reasoning-aware structured output: the constraint is on the answer after the block
+            params.reasoning_token_ids = self._reasoning_ids(self.reasoning_parser)
+            params.starts_in_reasoning = self._prompt_ends_with(ids, self.reasoning_parser.start_tag)
         make_parser = self._output_parser(req, ids)
         if make_parser is not None and set(make_parser().tags()) & self._special_tokens():
             params.skip_special_tokens = False  # the parsers must see their tags in the text
@@ -172,15 +177,27 @@ class Serving:
         Tool calls are parsed only when the request offers tools (and tool_choice is not "none"); a
         tool_choice that forces calls ("required", a named function) reads the constrained answer."""
         forced = req.forced_tools()
-        if forced is not None:  # the answer is JSON tool calls (no reasoning before it)
-            return lambda: OutputParser(None, ForcedToolCalls(forced[1]))
         reasoning = self.reasoning_parser if req.separate_reasoning else None
         tools = self.tool_call_parser if req.tools and req.tool_choice != "none" else None
-        if reasoning is None and tools is None:
+        if reasoning is None and tools is None and forced is None:
             return None
         opened = reasoning is not None and self._prompt_ends_with(ids, reasoning.start_tag)
-        return lambda: OutputParser(reasoning(starts_in_reasoning=True if opened else None) if reasoning else None,
-                                    tools(req.tools) if tools else None)
+
+        def make() -> OutputParser:
+            calls = ForcedToolCalls(forced[1]) if forced is not None else tools(req.tools) if tools else None
+            return OutputParser(reasoning(starts_in_reasoning=True if opened else None) if reasoning else None, calls)
+
+        return make
+
+    def _reasoning_ids(self, parser: Any) -> Optional[tuple[int, int]]:
+        """(start id, end id) of the reasoning parser's tags when each is one token of the
+        tokenizer (else None: a constraint then covers the whole output, block included)."""
+        tok = getattr(self.tm, "tokenizer", None)
+        if self._reasoning_tag_ids is None and tok is not None:
+            pair = [tok.encode(tag, add_special_tokens=False) for tag in (parser.start_tag, parser.end_tag)]
+            if all(len(p) == 1 for p in pair):
+                self._reasoning_tag_ids = (pair[0][0], pair[1][0])
+        return self._reasoning_tag_ids
 
     def _special_tokens(self) -> set[str]:
         """Tokens that skip_special_tokens deletes from the text."""

@@ -152,6 +152,65 @@ def test_constrained_outputs_with_speculative_decoding(model_dir, verify):
         assert llm.stats().spec.verify_steps > 0
 
 
+def think_ids(model_dir) -> tuple[int, int]:
+    from kiln.loader import load_tokenizer
+
+    tok = load_tokenizer(model_dir, None)
+    (start,), (end,) = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    return start, end
+
+
+def check_reasoning_then_answer(llm, model_dir):
+    """With `reasoning_token_ids` the block before the answer is free and the answer after its end
+    matches: from inside the block (the prompt opened it; a +12 bias makes its end come soon), and
+    from the first token (+100 on both tags: the first token opens the block, which then ends)."""
+    from kiln import SamplingParams
+
+    start, end = think_ids(model_dir)
+    free = 0
+    for opened, bias in ((True, {end: 12.0}), (False, {start: 100.0, end: 100.0})):
+        params = SamplingParams(max_tokens=48, temperature=1.0, seed=5, n=3, regex=REGEX, logit_bias=bias,
+                                reasoning_token_ids=(start, end), starts_in_reasoning=opened)
+        for o in llm.generate(PROMPTS, params, use_tqdm=False):
+            for c in o.outputs:
+                ids = c.token_ids
+                assert end in ids and c.finish_reason == "stop", (opened, c.text)
+                cut = ids.index(end)
+                assert opened or ids[0] == start
+                answer = llm.tokenizer.decode(ids[cut + 1:], skip_special_tokens=True)
+                assert re.fullmatch(REGEX, answer), (opened, c.text)
+                free += opened and cut > 0 and not re.fullmatch(r"[a-c0-9-]*", llm.tokenizer.decode(ids[:cut]))
+    assert free > 0  # some reasoning the grammar would not have allowed
+
+
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="mtp", speculative_num_steps=2),
+                                  dict(speculative_algorithm="mtp", speculative_num_steps=2,
+                                       speculative_use_rejection_sampling=True)], ids=["plain", "mtp", "mtp-rs"])
+def test_reasoning_block_is_free_and_the_answer_constrained(model_dir, spec):
+    from kiln import Engine
+
+    with Engine(model_dir, device="cpu", max_total_tokens=4096, **spec) as llm:
+        check_reasoning_then_answer(llm, model_dir)
+
+
+def test_speculative_rounds_across_the_reasoning_end(model_dir):
+    """Greedy, drafts that are mostly the target's own tokens: rounds whose drafts cross the block's
+    end (the phase moves and is rolled back with the matcher) give the target's output."""
+    from kiln import Engine, SamplingParams
+
+    start, end = think_ids(model_dir)
+    params = SamplingParams(max_tokens=30, temperature=0.0, regex=REGEX, logit_bias={end: 4.0},
+                            reasoning_token_ids=(start, end), starts_in_reasoning=True)
+    with Engine(model_dir, device="cpu", max_total_tokens=4096) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert any(end in w and w.index(end) > 0 for w in want)  # a block with something in it
+    with Engine(model_dir, device="cpu", max_total_tokens=4096, speculative_algorithm="mtp",
+                speculative_num_steps=2) as llm:
+        oracle_drafts(llm, {tuple(p): p + w for p, w in zip(PROMPTS, want)}, corrupt=0.3, seed=7)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        assert llm.stats().spec.accepted_tokens > 0
+
+
 def test_response_format():
     assert response_format_grammar(None) is None and response_format_grammar({"type": "text"}) is None
     assert response_format_grammar({"type": "json_object"}) == ("json_schema", '{"type": "object"}')

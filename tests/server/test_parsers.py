@@ -566,3 +566,45 @@ def forced_tool_choice_is_none_for_auto() -> bool:
     from kiln.server.parsers.forced_tools import forced_tool_choice
 
     return all(forced_tool_choice(TOOLS, c) is None for c in (None, "auto", "none"))
+
+
+class TagTokenizer:
+    """Just enough of a tokenizer for the server's reasoning-tag lookup: each tag is one token."""
+
+    ids = {"<think>": [7], "</think>": [8]}
+
+    def encode(self, text, add_special_tokens=False):
+        return self.ids.get(text, [0, 0])
+
+    def decode(self, ids, skip_special_tokens=False):
+        return ""
+
+
+def test_structured_output_after_reasoning_end_to_end():
+    """Under --reasoning-parser a constrained chat request tells the engine the block's tag ids (the
+    constraint then starts after the block), and the parsers split reasoning from the answer; tool
+    calls forced by tool_choice come after the reasoning too. Without separation, no tag ids."""
+    tm = FakeTokenizerManager('<think>\nplan\n</think>{"a": 1}', "inkling", None, chunk=3)
+    tm.tokenizer = TagTokenizer()
+    seen = []
+    submit = tm.submit
+    tm.submit = lambda ids, params, *a, **kw: seen.append(params) or submit(ids, params, *a, **kw)
+    full, chunks = chat_both_ways(tm, response_format={"type": "json_object"})
+    msg = full.choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("plan", '{"a": 1}')
+    assert comparable(streamed_message(chunks)[0]) == comparable(msg.model_dump())
+    assert seen[0].reasoning_token_ids == (7, 8) and not seen[0].starts_in_reasoning
+    seen.clear()
+    chat_both_ways(tm, response_format={"type": "json_object"}, extra_body={"separate_reasoning": False})
+    assert seen[0].reasoning_token_ids is None
+    chat_both_ways(tm)  # no constraint: nothing to tell
+    assert seen[-1].reasoning_token_ids is None
+
+    tm = FakeTokenizerManager('<think>which tool</think>[{"name": "search", "parameters": {"query": "x"}}]',
+                              "inkling", None, chunk=4)
+    tm.tokenizer = TagTokenizer()
+    full, chunks = chat_both_ways(tm, tools=TOOLS, tool_choice="required")
+    msg = full.choices[0].message
+    assert msg.reasoning_content == "which tool" and full.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("search", {"query": "x"})]
+    assert comparable(streamed_message(chunks)[0]) == comparable(msg.model_dump())
