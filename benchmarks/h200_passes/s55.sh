@@ -39,3 +39,19 @@ lane0_s55c() {
   step gpu_suite ${T_SUITE:-300} python -m pytest -m gpu -q -rfEs -p no:cacheprovider -n 8 tests
   lane0_s53d
 }
+
+# `s55d` (carry .device_wheels): `s55a` cut to what ~400 s hold, after starts that found no
+#   machine: the GPU tests of structured output (with speculative decoding and overlap on CUDA)
+#   and the profiler, the hybrids at batch 1 three runs each and the 8B shape (Kiln), and the
+#   profile of Inkling's batch-1 step with PDL off.
+lane0_s55d() {
+  export TRITON_CACHE_DIR=/tmp/triton-s55d-$$
+  _s55_wheels
+  step gpu_tests_s54 150 python -m pytest -q -p no:cacheprovider -m gpu -rfEs -n 4 tests/engine/test_grammar.py \
+    tests/engine/test_profiler.py tests/dist/test_weight_update_group.py
+  for i in 1 2 3; do hybrids_b1 _$i 70; done
+  step llama8b_b1 90 $DECODE --model-path $LLAMA --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \
+    --out "$R/json/llama8b_b1.json"
+  step ink_b1_prof 60 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \
+    --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 24 --out "$R/json/ink_b1_prof.json"
+}
