@@ -117,10 +117,10 @@ class SamplingParams:
             bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
         if grammars and (not isinstance(getattr(self, grammars[0]), str) or not getattr(self, grammars[0])):
             bad(f"{grammars[0]} must be a non-empty string")
-        if self.reasoning_token_ids is not None and (
-                len(self.reasoning_token_ids) != 2 or not all(
-                    isinstance(t, int) and 0 <= t < (vocab_size or 1 << 62) for t in self.reasoning_token_ids)):
-            bad(f"reasoning_token_ids must be (start id, end id) in [0, {vocab_size}), got {self.reasoning_token_ids!r}")
+        ids = self.reasoning_token_ids
+        if ids is not None and (len(ids) != 2 or not all(
+                isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids)):
+            bad(f"reasoning_token_ids must be (start id, end id) in [0, {vocab_size}), got {ids!r}")
         if grammars and self.min_tokens:
             bad(f"min_tokens cannot be combined with {grammars[0]}: the constraint decides where the output ends")
 
