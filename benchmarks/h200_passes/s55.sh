@@ -2,7 +2,7 @@
 # fifty-fifth session (2026-12-07).
 # shellcheck shell=bash
 
-_s55_wheels() {  # xgrammar and apache-tvm-ffi are not on the GPU image: carry .device_wheels (lane s54a's note)
+_s55_wheels() {  # xgrammar, apache-tvm-ffi and pydantic (xgrammar imports it) are not on the GPU image: carry .device_wheels (lane s56a)
   if ls .device_wheels/*.whl > /dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_wheels/*.whl \
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -54,4 +54,23 @@ lane0_s55d() {
     --out "$R/json/llama8b_b1.json"
   step ink_b1_prof 60 $DECODE --model-path $INK --batch-sizes 1 --input-len 1024 --output-len 128 --cuda-graph-max-bs 8 \
     --disable-pdl --gemv-max-rows 1 --profile --profile-steps 20 --kernel-rows 24 --out "$R/json/ink_b1_prof.json"
+}
+
+# `s56a` (for the next session; carry .device_wheels and scratch/smol_tok): what s55d found
+#   missing on the GPU image: xgrammar imports pydantic (carry pydantic, pydantic-core,
+#   annotated-types and typing-inspection wheels beside xgrammar's and apache-tvm-ffi's), and the
+#   grammar tests' tiny model takes SmolLM2's tokenizer (`mkdir scratch/smol_tok; cp <the
+#   embedded model's dir>/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
+#   scratch/smol_tok`). Then the structured-output GPU tests (plain with overlap, speculative
+#   rounds on CUDA), the profiler's (config-only model since this session), and `s55b`'s tables
+#   when the card is an H200.
+lane0_s56a() {
+  export TRITON_CACHE_DIR=/tmp/triton-s56a-$$ KILN_TEST_TOKENIZER_PATH=scratch/smol_tok
+  _s55_wheels
+  python -c "import xgrammar" || echo "=== xgrammar does not import: see the wheels above"
+  step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu -rfEs -n 4 tests/engine/test_grammar.py \
+    tests/engine/test_profiler.py
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mib:-0}" -gt 100000 ]; then lane0_s50b; else echo "=== 8K tables: skipped (${mib} MiB: not an H200)"; fi
 }

@@ -7,6 +7,7 @@ target alone, with drafts accepted and rejected). On a GPU the same runs with ov
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 
@@ -27,7 +28,9 @@ def model_dir(tmp_path_factory):
     from kiln.models.init_model import init_model
 
     d = str(tmp_path_factory.mktemp("grammar") / "m")
-    init_model("inkling", "tiny", d, seed=0)
+    # GPU machines have no embedded SmolLM2: point KILN_TEST_TOKENIZER_PATH at its tokenizer files
+    # there (lane s56a carries them); None takes the embedded model's
+    init_model("inkling", "tiny", d, seed=0, tokenizer_path=os.environ.get("KILN_TEST_TOKENIZER_PATH"))
     return d
 
 

@@ -59,11 +59,15 @@ def test_engine_profiles_its_steps(tmp_path):
 @pytest.mark.gpu
 def test_engine_profile_records_cuda_kernels(tmp_path):
     """On CUDA, "GPU" adds the kernels (CUPTI), graph replays included."""
-    from kiln import Engine, SamplingParams
-    from kiln.models.init_model import init_model
+    import json
 
-    init_model("inkling", "tiny", str(tmp_path / "m"), seed=0)
-    with Engine(str(tmp_path / "m"), device="cuda", max_total_tokens=1024) as llm:
+    from kiln import Engine, SamplingParams
+    from tests.engine.test_hybrid_engine import INKLING
+
+    (tmp_path / "m").mkdir()  # a config alone (random weights, no tokenizer): GPU machines lack SmolLM2
+    (tmp_path / "m" / "config.json").write_text(json.dumps(INKLING))
+    with Engine(str(tmp_path / "m"), device="cuda", max_total_tokens=1024, load_format="dummy",
+                skip_tokenizer_init=True) as llm:
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm: graphs captured
         path = llm.start_profile(str(tmp_path / "traces"), activities=("CPU", "GPU"))
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
