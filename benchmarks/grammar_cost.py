@@ -27,6 +27,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kiln import Engine
+    from kiln.engine.grammar import RequestGrammar
 
     with Engine(args.model_path, device="cpu", max_total_tokens=1024) as llm:
         g = llm.core.scheduler.grammar
@@ -41,11 +42,11 @@ def main(argv=None) -> dict:
                "mask_ms": {}}
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             logits = torch.randn(bs, g.vocab_size)
-            matchers = [g.matcher(("regex", "[a-z ]{1,200}")) for _ in range(bs)]
+            grammars = [RequestGrammar(g.matcher(("regex", "[a-z ]{1,200}"))) for _ in range(bs)]
             times = []
             for _ in range(args.steps):
                 t = time.perf_counter()
-                g.mask_logits(logits, matchers)
+                g.mask_logits(logits, grammars)
                 times.append(1e3 * (time.perf_counter() - t))
             out["mask_ms"][bs] = statistics.median(times)
     print(f"tokenizer table {out['tokenizer_table_s']:.2f} s; schema compile {out['first_compile_ms']:.1f} ms "
