@@ -237,15 +237,11 @@ class Serving:
 
             def chunks(i: int, d: SeqDelta):
                 index = i * n + d.index
-                text, lp, prompt_lp = d.text, None, None
+                text, ids, entries = d.text, d.token_ids, d.logprobs
                 if req.echo and index not in echoed:  # the prompt leads the choice's first chunk
                     echoed.add(index)
-                    prompt_text, prompt_lp = self._echo(handles[i].state, req.logprobs, offsets, index)
-                    text = prompt_text + text
-                if req.logprobs is not None:
-                    lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets, index)
-                    if prompt_lp is not None:
-                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
+                    text, ids, entries = self._with_prompt(handles[i].state, text, ids, entries)
+                lp = self._completion_logprobs(ids, entries, offsets, index) if req.logprobs is not None else None
                 if text or d.token_ids or d.finished:
                     yield {**head, "choices": [{"index": index, "text": text, "logprobs": lp,
                                                 "finish_reason": d.finish_reason}]}
@@ -258,13 +254,11 @@ class Serving:
         for i, h in enumerate(handles):
             for s in h.state.seqs:
                 index = i * n + s.index
-                text, lp = s.text, None
-                prompt_text, prompt_lp = self._echo(h.state, req.logprobs, offsets, index) if req.echo else ("", None)
-                if req.logprobs is not None:
-                    lp = self._completion_logprobs(s.token_ids, s.logprobs, offsets, index)
-                    if prompt_lp is not None:
-                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
-                choices.append({"index": index, "text": prompt_text + text, "logprobs": lp,
+                text, ids, entries = s.text, s.token_ids, s.logprobs
+                if req.echo:
+                    text, ids, entries = self._with_prompt(h.state, text, ids, entries)
+                lp = self._completion_logprobs(ids, entries, offsets, index) if req.logprobs is not None else None
+                choices.append({"index": index, "text": text, "logprobs": lp,
                                 "finish_reason": s.finish_reason, "matched_stop": s.matched_stop})
         return JSONResponse({**head, "choices": choices, "usage": self._usage(handles)})
 
@@ -416,34 +410,24 @@ class Serving:
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob], offsets: list[int],
                              index: int) -> dict:
-        """Legacy completions shape; `offsets[index]` carries text_offset across stream chunks."""
+        """Legacy completions shape; `offsets[index]` carries text_offset across stream chunks. An
+        entry of None (an echoed prompt's first token) has no logprob and no top list."""
         tokens, values, tops, text_offset = [], [], [], []
-        for t, (lp, alts) in zip(token_ids, logprobs):
+        for t, entry in zip(token_ids, logprobs):
             text = self.tm.token_info(t)[0]
             tokens.append(text)
-            values.append(lp)
-            tops.append({self.tm.token_info(a)[0]: alp for a, alp in alts})
+            values.append(None if entry is None else entry[0])
+            tops.append(None if entry is None else {self.tm.token_info(a)[0]: alp for a, alp in entry[1]})
             text_offset.append(offsets[index])
             offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 
-    def _echo(self, state, logprobs: Optional[int], offsets: list[int], index: int) -> tuple[str, Optional[dict]]:
-        """`echo`: the prompt's text and, with `logprobs`, its tokens in the legacy logprobs shape
-        (the first token has none, as in OpenAI's and vLLM's answers; `offsets[index]` moves past
-        the prompt)."""
-        text = state.prompt if state.prompt is not None else self.tm.tokenizer.decode(state.prompt_ids)
-        if logprobs is None:
-            return text, None
-        entries = state.prompt_logprobs or [None] * len(state.prompt_ids)
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, e in zip(state.prompt_ids, entries):
-            piece = self.tm.token_info(t)[0]
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(None if e is None else e[0])
-            out["top_logprobs"].append(None if e is None else {self.tm.token_info(a)[0]: alp for a, alp in e[1]})
-            out["text_offset"].append(offsets[index])
-            offsets[index] += len(piece)
-        return text, out
+    def _with_prompt(self, state, text: str, ids: list[int], entries) -> tuple[str, list[int], list]:
+        """`echo`: the prompt's text, ids and logprob entries ahead of the completion's (the first
+        prompt token's entry is None, as OpenAI and vLLM answer)."""
+        prompt = state.prompt if state.prompt is not None else self.tm.tokenizer.decode(state.prompt_ids)
+        prompt_entries = state.prompt_logprobs or [None] * len(state.prompt_ids)
+        return prompt + text, list(state.prompt_ids) + list(ids), list(prompt_entries) + list(entries or [])
 
     def _stream_response(self, body: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",
