@@ -125,7 +125,7 @@ def _not_run_in_decode(module: torch.nn.Module) -> bool:
 
 
 def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
-                   kv_dtype: Optional[torch.dtype] = None) -> dict:
+                   kv_dtype: Optional[torch.dtype] = None, experts_hit: Optional[float] = None) -> dict:
     """Bytes one decode step must read, counted from an instantiated Kiln model (any device,
     `meta_model` included): every parameter once, except
 
@@ -133,7 +133,9 @@ def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
       unless the table is tied to the LM head (then it is the LM head, read in full);
     - MTP layers and the DSpark drafter: not run by a decode step, not counted;
     - routed experts: only the experts hit are read, E*(1-(1-k/E)^B) of E per MoE layer at batch B
-      (`EXPERTS_ASSUMPTION`; exactly k at batch 1). Shared experts and routers are always read.
+      (`EXPERTS_ASSUMPTION`; exactly k at batch 1), or `experts_hit` per MoE layer when given (a
+      count measured with `decode_batch.py --count-experts`). Shared experts and routers are
+      always read.
 
     plus the state of each of the B sequences (`batch_contexts`: tokens attended over, the new
     one included), from `model.state_specs()` in `kv_dtype` (default: the parameters' dtype):
@@ -207,7 +209,8 @@ def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
         e = mod.num_experts
         per_bytes = sum(_param_bytes(p) for p in mod.parameters()) / e
         per_count = sum(p.numel() for p in mod.parameters()) / e
-        hit = expected_distinct_experts(e, k, batch)
+        hit = expected_distinct_experts(e, k, batch) if experts_hit is None else float(experts_hit)
+        assert k <= hit <= e or batch == 0, f"{hit} experts hit with top-{k} of {e}"
         routed_read += hit * per_bytes
         routed_count += hit * per_count
         routed_read_b1 += k * per_bytes
@@ -280,13 +283,13 @@ def _unique_bytes(modules: Sequence[torch.nn.Module]) -> int:
 
 def round_bytes(model: torch.nn.Module, contexts: Sequence[float], num_steps: int, algorithm: str,
                 drafter: Optional[torch.nn.Module] = None, draft_head_rows: Optional[int] = None,
-                tp_size: int = 1) -> dict:
+                tp_size: int = 1, verify_experts_hit: Optional[float] = None) -> dict:
     """Bytes one speculative round must read with K = `num_steps` drafts for each of the B sequences
     of `contexts` (per GPU, as `per_gpu`):
 
     - the verify: the target's weights at B (K + 1) rows (`roofline_bytes`: for MoE the distinct
-      experts those rows hit under uniform routing) and the state of the B sequences, once (a
-      sequence's K + 1 rows share it);
+      experts those rows hit under uniform routing, or `verify_experts_hit` per MoE layer) and the
+      state of the B sequences, once (a sequence's K + 1 rows share it);
     - the drafter: `mtp`, the first K MTP layers and K draft heads (the chain runs each layer and
       its head once per round); `dflash` / `dspark`, the block drafter (`drafter`: DFlash's own
       module; DSpark's is inside `model`) and one draft head for the K rows of a block; `ngram`,
@@ -300,7 +303,8 @@ def round_bytes(model: torch.nn.Module, contexts: Sequence[float], num_steps: in
     from kiln.models.mtp import MTPLayer
 
     assert num_steps >= 1, num_steps
-    verify = per_gpu(roofline_bytes(model, [c for c in contexts for _ in range(num_steps + 1)]), tp_size)
+    verify = per_gpu(roofline_bytes(model, [c for c in contexts for _ in range(num_steps + 1)],
+                                    experts_hit=verify_experts_hit), tp_size)
     state = per_gpu(roofline_bytes(model, contexts), tp_size)
     vocab = model.lm_head.vocab_size
     head = verify["weights"]["lm_head"] // vocab * (vocab if draft_head_rows is None else draft_head_rows)
