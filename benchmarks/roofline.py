@@ -210,7 +210,8 @@ def roofline_bytes(model: torch.nn.Module, batch_contexts: Sequence[float],
         per_bytes = sum(_param_bytes(p) for p in mod.parameters()) / e
         per_count = sum(p.numel() for p in mod.parameters()) / e
         hit = expected_distinct_experts(e, k, batch) if experts_hit is None else float(experts_hit)
-        assert k <= hit <= e or batch == 0, f"{hit} experts hit with top-{k} of {e}"
+        if batch and not k <= hit <= e:
+            raise ValueError(f"{hit:g} experts hit per MoE layer: top-{k} of {e} experts hits between {k} and {e}")
         routed_read += hit * per_bytes
         routed_count += hit * per_count
         routed_read_b1 += k * per_bytes

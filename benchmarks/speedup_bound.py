@@ -93,7 +93,9 @@ def bounds(model, contexts: list[float], num_steps: int, plain_ms: float, bandwi
     plain = roofline.roofline_bytes(model, contexts)
     bp = plain["bytes_per_step"]
     bp_ms = bp / bandwidth * 1e3
-    assert plain_ms >= bp_ms, f"a {plain_ms} ms plain step is faster than its bytes allow ({bp_ms:.3f} ms)"
+    if plain_ms < bp_ms:
+        raise ValueError(f"--plain-step-ms {plain_ms}: faster than its bytes allow ({bp_ms:.3f} ms at "
+                         f"{bandwidth / 1e12:.2f} TB/s); check the step time and --bandwidth-tbs")
     variants = [("ngram", None, None)]
     for rows in head_rows:
         variants.append(("mtp", rows, None))
