@@ -92,13 +92,18 @@ def test_main_on_inkling_tiny(tmp_path, capsys):
 
 
 def test_inkling_bench_mtp_cannot_reach_the_target_at_three():
-    """The claim docs/speculative.md makes for issue 6 (the forty-sixth pass's 1.174 ms plain step
+    """The claims docs/speculative.md makes for issue 6 (the forty-sixth pass's 1.174 ms plain step
     on the H200, 4.25 TB/s, 11.9 distinct experts at a verify's 4 rows): MTP at K = 3 stays below
-    2.5x at L = 3 whatever its draft head, and a faster plain step lowers the ceiling."""
+    2.5x at L = 3 whatever its draft head; DFlash's 1-layer drafter crosses it only with a head
+    of fewer than 16K rows; a faster plain step lowers the ceiling."""
     m = roofline.meta_model(presets.get_preset("inkling", "bench"), torch.bfloat16)
-    _, rows = speedup_bound.bounds(m, [1088], 3, 1.174, 4.25e12, [3.0, 4.0], 2.5, 11.9, [None, 16384, 0], None)
+    cfg = common.model_config_of(presets.get_preset("inkling", "bench"))
+    _, rows = speedup_bound.bounds(m, [1088], 3, 1.174, 4.25e12, [3.0, 4.0], 2.5, 11.9, [None, 16384, 0],
+                                   speedup_bound.dflash_drafter(cfg))
     mtp = [r for r in rows if r.variant.startswith("mtp")]
     assert len(mtp) == 3 and all(r.speedup[3.0] < 2.5 < r.speedup[4.0] for r in mtp)
+    dflash = {r.variant: r.speedup[3.0] for r in rows if r.variant.startswith("dflash")}
+    assert dflash["dflash K=3, full head"] < dflash["dflash K=3, head of 16384 rows"] < 2.5 < dflash["dflash K=3, head of 0 rows"]
     assert all(r.plain_needed_ms > 1.174 for r in mtp)
     _, faster = speedup_bound.bounds(m, [1088], 3, 0.9, 4.25e12, [3.0], 2.5, 11.9, [0], None)
     assert faster[1].speedup[3.0] < mtp[2].speedup[3.0]
