@@ -16,7 +16,8 @@ A round of K drafts must read everything a plain step reads plus (`roofline.roun
 The model of time is the one the profiles support (docs/benchmarks.md, "The hybrids' batch-1 target
 in numbers"): a step takes its bytes at the copy bandwidth plus H, the time its dependent launches
 add beyond their bytes. A verify runs the plain step's layers in the same dependent order, so it
-pays at least the plain step's H; a drafter's launches are counted as free. So, with the plain step
+is taken to pay at least the plain step's H (an assumption every profiled round has met, not a
+theorem); a drafter's launches are counted as free. So, with the plain step
 measured at T (bytes Bp) and a round reading Br:
 
     round >= Br / BW + (T - Bp / BW)          speedup at acceptance length L <= L * T / round
