@@ -40,10 +40,10 @@ import common
 import roofline
 
 # The DFlash drafter the H200 passes time on Inkling `bench` (benchmarks/h200_passes/s38.sh): one
-# layer, block 8, taps from three target layers.
-BENCH_DFLASH = {"model_type": "dflash", "num_layers": 1, "block_size": 8, "mask_token_id": 49215,
-                "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
-                "intermediate_size": 6144, "target_layer_ids": [1, 12, 22]}
+# layer, block 8. Its hidden size, mask token (the last id) and three taps ([1, 12, 22] of 24
+# layers) come from the target (`dflash_drafter`), so the tiny preset gets one too.
+BENCH_DFLASH = {"model_type": "dflash", "num_layers": 1, "block_size": 8, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144}
 
 
 @dataclass
@@ -56,7 +56,8 @@ class Bound:
     round_floor_ms: float     # Br / BW + the plain step's time beyond its bytes
     speedup: dict             # L -> the ceiling L * T / round_floor
     at_roofline: dict         # L -> L * Bp / Br (both steps at the copy bandwidth)
-    plain_needed_ms: Optional[float]  # the slowest plain step against which the target is out of reach
+    plain_needed_ms: Optional[float]  # the plain step from which on the target is within the ceiling
+                                      # at the smallest L (None: never)
 
 
 def dflash_drafter(target_cfg) -> torch.nn.Module:
@@ -117,6 +118,7 @@ def bounds(model, contexts: list[float], num_steps: int, plain_ms: float, bandwi
 
 
 def table(head: dict, rows: list[Bound], target: float, accept_lengths: list[float]) -> str:
+    """`bounds`' result as a markdown table, as docs/speculative.md quotes it."""
     Ls = " | ".join(f"at L = {L:g}" for L in accept_lengths)
     lines = [f"plain step: {head['plain_gb']:.3f} GB, {head['plain_bytes_ms']:.3f} ms of bytes, "
              f"{head['plain_ms']:.3f} ms measured", "",
